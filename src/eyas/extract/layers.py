@@ -1,0 +1,38 @@
+"""The layer-id convention, shared by every backend (DESIGN.md section 2).
+
+id k (0 <= k < N) is the residual stream *entering* decoder layer k (HF ``hidden_states[k]``;
+id 0 is the embeddings). id N is the output of the last layer *before* the final norm.
+This is vLLM's ``eagle_aux_hidden_state_layer_ids`` convention.
+"""
+
+from __future__ import annotations
+
+from eyas.errors import EyasError
+
+CONVENTION = "vllm-input-of-layer"
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def resolve_layers(num_layers: int, aux: list[int] | None = None) -> tuple[list[int], int]:
+    """Validate aux ids for a target with ``num_layers`` decoder layers; returns (aux, final_id)."""
+    aux = list(aux) if aux else default_aux_layers(num_layers)
+    bad = [k for k in aux if not 0 <= k < num_layers]
+    if bad:
+        raise EyasError(f"layer ids {bad} out of range: the target has {num_layers} layers, "
+                        f"so aux ids must lie in 0..{num_layers - 1} (id {num_layers} is the final state)")
+    if len(set(aux)) != len(aux):
+        raise EyasError(f"layer ids {aux} contain duplicates (vLLM dedups them and then fails "
+                        "with a shape error); pass distinct ids with --layers")
+    return sorted(aux), num_layers
+
+
+def parse_layers(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise EyasError(f"--layers {text!r}: expected comma-separated integers like 2,15,27") from e
