@@ -1,0 +1,31 @@
+# eyas: `make run` sets up and runs the default job; `make test` runs the tests (CI calls it).
+PYTHON ?= python3
+# The CPU build lies on disk on these machines; on a GPU machine pass your CUDA torch, e.g.
+# `make setup TORCH=torch==2.11.0`.
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+VLLM_VERSIONS ?= 0.32.0 0.16.0
+
+.PHONY: setup run test test-fast vllm-envs
+setup: $(VENV)/.eyas-setup
+
+$(VENV)/.eyas-setup: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+run: setup
+	$(BIN)/eyas pipeline
+
+vllm-envs:
+	for v in $(VLLM_VERSIONS); do bash scripts/setup_vllm_env.sh $$v || exit 1; done
+
+test: setup vllm-envs
+	$(BIN)/python -m pytest -q -rs
+
+# Without the vLLM environments and the slow end-to-end tests.
+test-fast: setup
+	$(BIN)/python -m pytest -q -rs -m "not slow and not vllm"
