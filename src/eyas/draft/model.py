@@ -1,0 +1,447 @@
+"""The EAGLE-3 draft head: fc over the target's aux states, one Llama layer of width 2H in, lm_head.
+
+Parameter names are those of the SGLang/EAGLE checkpoint (``midlayer.*``, ``fc``, ``norm``,
+``lm_head``, ``d2t``, ``t2d``) that vLLM also loads, so export is a rename-free copy.
+
+Alignment (as vLLM serves it): at position i the draft takes the target's features of position
+i and the embedding of token x[i+1] and predicts x[i+2]. Training-time-test (TTT) step j at
+position i takes the draft's own hidden from step j-1 and token x[i+1+j], RoPE position i+j,
+predicts x[i+2+j], and attends to the step-0 keys of positions <= i (same document) plus the
+keys of steps 1..j of its own chain: exactly what :meth:`Eagle3Draft.step` with a
+:class:`DraftKVCache` sees at inference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.errors import EyasError
+
+CONFIG_KIND = "eyas-eagle3-draft"
+
+
+@dataclass
+class DraftConfig:
+    """Shape of the draft; JSON-serialisable (``config.json`` of a draft checkpoint)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    norm_before_residual: bool = False
+    target_num_layers: int = 0
+    target_model_type: str = "llama"
+    target_architectures: list[str] = field(default_factory=list)
+    target: dict[str, str] = field(default_factory=dict)  # target identity
+    kind: str = CONFIG_KIND
+
+    @classmethod
+    def from_target(cls, target_config: dict[str, Any], aux_layer_ids: list[int], draft_vocab_size: int,
+                    identity: dict[str, str] | None = None, **overrides: Any) -> "DraftConfig":
+        """Defaults from the target's HF ``config.json``; any field can be overridden (None = keep)."""
+        tc = target_config.get("text_config", target_config)  # multimodal wrappers
+        h = tc["hidden_size"]
+        heads = tc["num_attention_heads"]
+        rope = tc.get("rope_parameters") or {}
+        theta = rope.get("rope_theta", tc.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or tc.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+            scaling = None
+        cfg = dict(
+            hidden_size=h, num_attention_heads=heads,
+            num_key_value_heads=tc.get("num_key_value_heads") or heads,
+            head_dim=tc.get("head_dim") or h // heads,
+            intermediate_size=tc.get("intermediate_size") or 4 * h,
+            vocab_size=tc["vocab_size"], draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=list(aux_layer_ids), target_hidden_size=h,
+            rms_norm_eps=tc.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+            max_position_embeddings=tc.get("max_position_embeddings", 4096),
+            target_num_layers=tc.get("num_hidden_layers", 0),
+            target_model_type=tc.get("model_type", "llama"),
+            target_architectures=list(target_config.get("architectures") or []),
+            target=dict(identity or {}),
+        )
+        cfg.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**cfg)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "DraftConfig":
+        if data.get("kind") != CONFIG_KIND:
+            raise EyasError(f"draft config has kind {data.get('kind')!r}, expected {CONFIG_KIND!r}: "
+                            "pass a directory written by `eyas train` (RUN_DIR/draft)")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layer_ids)
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm (computed in fp32, weight applied in the input dtype)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE for the draft; scaled variants come from transformers' own init functions."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        if cfg.rope_scaling:
+            from transformers import LlamaConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            params = dict(cfg.rope_scaling)
+            rtype = params.get("rope_type", params.get("type"))
+            params.update(rope_type=rtype, rope_theta=cfg.rope_theta)
+            lc = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                             head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                             rope_parameters=params)
+            inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rtype](lc, None)
+        else:
+            d = cfg.head_dim
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+            self.scaling = 1.0
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [B, T, head_dim] in fp32."""
+        freqs = position_ids.float()[..., None] * self.inv_freq.to(position_ids.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, d]; cos/sin: [B, T, d]."""
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(2 * h, self.nh * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.nkv * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.nkv * d, bias=False)
+        self.o_proj = nn.Linear(self.nh * d, h, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def expand_kv(self, kv: torch.Tensor) -> torch.Tensor:
+        rep = self.nh // self.nkv
+        return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, self.nh * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise EyasError(f"draft hidden_act {cfg.hidden_act!r}: only 'silu' is supported")
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The draft's one decoder layer; attention input is concat(norm(embed), norm(hidden))."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def pre(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input [B,T,2H], residual) as in vLLM's llama_eagle3 layer 0."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.cfg.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+
+    def post(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Residual + MLP; returns the pre-norm output hidden (what the next step feeds on)."""
+        residual = attn_out + residual
+        return residual + self.mlp(self.post_attention_layernorm(residual))
+
+
+class DraftKVCache:
+    """The draft layer's keys/values in the order they were appended ([B, kv_heads, L, d])."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, length: int) -> None:
+        """Drop entries past ``length`` (after the target rejected drafted tokens)."""
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+    def clone(self) -> "DraftKVCache":
+        c = DraftKVCache()
+        c.k = None if self.k is None else self.k.clone()
+        c.v = None if self.v is None else self.v.clone()
+        return c
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, h, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+        nn.init.normal_(self.embed_tokens.weight, std=std)
+
+    # ------------------------------------------------------------------ inference
+
+    def features_to_hidden(self, features: torch.Tensor) -> torch.Tensor:
+        """Target aux states [.., num_aux*H_t] go through fc; the draft's own hidden [.., H] passes."""
+        cfg = self.config
+        width = cfg.num_aux * cfg.target_hidden_size
+        if features.shape[-1] == width and width != cfg.hidden_size:
+            return self.fc(features)
+        if features.shape[-1] == cfg.hidden_size and width != cfg.hidden_size:
+            return features
+        if width == cfg.hidden_size:
+            raise EyasError("ambiguous features: num_aux*target_hidden_size equals the draft's hidden "
+                            "size; call step(..., from_target=True/False)")
+        raise EyasError(f"features have width {features.shape[-1]}, expected {width} (target aux "
+                        f"states) or {cfg.hidden_size} (draft hidden)")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits from the pre-norm hidden."""
+        return self.lm_head(self.norm(hidden))
+
+    def step(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+             cache: DraftKVCache, from_target: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One incremental draft forward over T new tokens, appending their keys to ``cache``.
+
+        Each new token attends to every earlier cache entry and to the new ones up to itself.
+        Returns (draft_logits [B,T,draft_vocab], hidden [B,T,H] pre-norm).
+        """
+        if from_target is None:
+            hidden = self.features_to_hidden(features)
+        else:
+            hidden = self.fc(features) if from_target else features
+        layer = self.midlayer
+        x, residual = layer.pre(self.embed_tokens(input_ids).to(hidden.dtype), hidden)
+        cos, sin = self.rotary(position_ids)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        past = len(cache)
+        k_all, v_all = cache.append(k, v)
+        t, total = q.shape[2], k_all.shape[2]
+        mask = torch.arange(total, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
+        attn = layer.self_attn
+        o = F.scaled_dot_product_attention(q, attn.expand_kv(k_all), attn.expand_kv(v_all), attn_mask=mask)
+        out = layer.post(attn.out(o), residual)
+        return self.logits(out), out
+
+    # ------------------------------------------------------------------ training (TTT)
+
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                doc_ids: torch.Tensor, ttt_steps: int) -> list[torch.Tensor]:
+        """Training-time-test unroll over packed sequences.
+
+        aux [B,T,num_aux*H_t], input_ids/position_ids/doc_ids [B,T] (doc_ids separate packed
+        documents; positions restart at 0 per document). Returns per-step draft logits
+        [B,T,draft_vocab]; entry j at index i predicts x[i+2+j] (valid where it is in the document).
+        """
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        scale = 1.0 / math.sqrt(attn.d)
+        # step-0 keys visible to query i: same document, not later (packs keep documents in order)
+        same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+        causal = torch.ones(same_doc.shape[-2:], dtype=torch.bool, device=aux.device).tril()
+        mask0 = (same_doc & causal)[:, None]  # [B,1,T,T]
+        hidden = self.fc(aux)
+        k0 = v0 = None
+        chain_k: list[torch.Tensor] = []
+        chain_v: list[torch.Tensor] = []
+        out_logits = []
+        for j in range(ttt_steps):
+            tokens = shift_in_doc(input_ids, doc_ids, 1 + j, fill=0)
+            x, residual = layer.pre(self.embed_tokens(tokens).to(hidden.dtype), hidden)
+            cos, sin = self.rotary(position_ids + j)
+            q, k, v = attn.qkv(x, cos, sin)
+            if j == 0:
+                k0, v0 = attn.expand_kv(k), attn.expand_kv(v)
+            else:
+                chain_k.append(attn.expand_kv(k))
+                chain_v.append(attn.expand_kv(v))
+            # scores against step-0 keys (block-causal) and against this chain's own later keys
+            s0 = _f32(torch.matmul(q, k0.transpose(-1, -2))) * scale
+            s0 = s0.masked_fill(~mask0, float("-inf"))
+            diag = [_f32((q * kk).sum(-1, keepdim=True)) * scale for kk in chain_k]
+            probs = torch.softmax(torch.cat([s0, *diag], dim=-1), dim=-1)
+            t = s0.shape[-1]
+            o = torch.matmul(probs[..., :t].to(v0.dtype), v0)
+            for n, vv in enumerate(chain_v):
+                o = o + probs[..., t + n: t + n + 1].to(vv.dtype) * vv
+            hidden = layer.post(attn.out(o), residual)
+            out_logits.append(self.logits(hidden))
+        return out_logits
+
+    # ------------------------------------------------------------------ persistence
+
+    @classmethod
+    def from_target(cls, cfg: DraftConfig, target_dir: str | os.PathLike, d2t: torch.Tensor,
+                    t2d: torch.Tensor, seed: int = 0) -> "Eagle3Draft":
+        """A fresh draft: random layer, the target's frozen embeddings, lm_head = target rows of the draft vocab."""
+        from eyas.draft.target_weights import read_target_head
+
+        if d2t.numel() != cfg.draft_vocab_size or t2d.numel() != cfg.vocab_size:
+            raise EyasError(f"draft vocab: d2t has {d2t.numel()} entries and t2d {t2d.numel()}, the "
+                            f"config expects {cfg.draft_vocab_size} and {cfg.vocab_size}")
+        head = read_target_head(target_dir)
+        if head["embed"].shape[1] != cfg.hidden_size:
+            raise EyasError(f"draft hidden_size {cfg.hidden_size} differs from the target's embedding "
+                            f"width {head['embed'].shape[1]}; EAGLE-3 shares the target's embeddings, "
+                            "so keep hidden_size at the target's")
+        torch.manual_seed(seed)
+        model = cls(cfg)
+        ids = torch.arange(cfg.draft_vocab_size) + d2t.long()
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(head["embed"].float())
+            model.lm_head.weight.copy_(head["lm_head"][ids].float())
+            model.d2t.copy_(d2t.long())
+            model.t2d.copy_(t2d.bool())
+        return model
+
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """config.json + model.safetensors, written to a temp dir and renamed into place."""
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+        try:
+            state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
+            if directory.exists():
+                old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+                os.replace(directory, old)
+                os.replace(tmp, directory)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, directory)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, device: str | torch.device = "cpu",
+                        dtype: torch.dtype | None = None) -> "Eagle3Draft":
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        cfg_path, w_path = directory / "config.json", directory / "model.safetensors"
+        if not cfg_path.is_file() or not w_path.is_file():
+            raise EyasError(f"draft checkpoint {directory}: needs config.json and model.safetensors "
+                            "(the RUN_DIR/draft directory written by `eyas train`)")
+        cfg = DraftConfig.from_dict(json.loads(cfg_path.read_text()))
+        model = cls(cfg)
+        state = load_file(str(w_path))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise EyasError(f"draft checkpoint {w_path}: missing tensors {missing}, unexpected "
+                            f"{unexpected}; it was written by another version or is damaged")
+        if dtype is not None:
+            model = model.to(dtype)
+        return model.to(device)
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    """Attention scores in at least fp32 (softmax under bf16 autocast)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def shift_in_doc(x: torch.Tensor, doc_ids: torch.Tensor, n: int, fill: int | float = 0) -> torch.Tensor:
+    """y[.., i] = x[.., i+n] where i+n lies in the same document, else ``fill`` (x: [B,T,...])."""
+    b, t = doc_ids.shape
+    if n >= t:
+        return torch.full_like(x, fill)
+    y = torch.cat([x[:, n:], torch.full_like(x[:, :n], fill)], dim=1)
+    same = torch.cat([doc_ids[:, n:] == doc_ids[:, :-n], torch.zeros_like(doc_ids[:, :n], dtype=torch.bool)], dim=1)
+    while same.dim() < y.dim():
+        same = same.unsqueeze(-1)
+    return torch.where(same, y, torch.full_like(y, fill))
