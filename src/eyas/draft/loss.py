@@ -1,0 +1,76 @@
+"""The TTT loss: the draft against the target's next-token distribution over the draft vocab.
+
+The target distribution is computed on the fly from the stored final (pre-norm) state with the
+target's own final norm and lm_head rows of the draft vocab; logits are never stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.draft.model import shift_in_doc
+
+
+class TargetHead(nn.Module):
+    """softmax over the draft vocab of ``lm_head(final_norm(h_N))``: frozen, no gradients."""
+
+    def __init__(self, norm_weight: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, eps: float):
+        super().__init__()
+        ids = torch.arange(d2t.numel()) + d2t.long().cpu()
+        self.register_buffer("norm_weight", norm_weight.detach().clone())
+        self.register_buffer("weight", lm_head.detach()[ids].clone())  # [draft_vocab, H]
+        self.eps = eps
+
+    @classmethod
+    def from_target(cls, target_dir, d2t: torch.Tensor, eps: float) -> "TargetHead":
+        from eyas.draft.target_weights import read_target_head
+
+        head = read_target_head(target_dir)
+        return cls(head["norm"], head["lm_head"], d2t, eps)
+
+    @torch.no_grad()
+    def forward(self, final: torch.Tensor) -> torch.Tensor:
+        """Target logits over the draft vocab, in fp32, for final states [.., H]."""
+        dtype = self.norm_weight.dtype
+        x = final.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = self.norm_weight * x.to(dtype)  # as the target's RMSNorm does
+        return F.linear(x, self.weight.to(x.dtype)).float()
+
+
+@dataclass
+class StepStats:
+    """Per TTT step sums over one batch (kept as tensors so ranks can all-reduce them)."""
+
+    loss_sum: torch.Tensor  # sum of per-token cross entropies
+    correct: torch.Tensor   # top-1 agreements with the target
+    count: torch.Tensor     # positions counted
+
+
+def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, loss_mask: torch.Tensor,
+             doc_ids: torch.Tensor, step_decay: float) -> tuple[torch.Tensor, list[StepStats]]:
+    """Weighted sum over steps of the masked mean cross entropy against the target distribution.
+
+    step_logits[j][b,i] predicts x[i+2+j]; the target's distribution for that token comes from its
+    logits at i+1+j. A position counts when x[i+2+j] is in the same document and in the loss mask.
+    target_logits: [B,T,draft_vocab] (no grad); loss_mask, doc_ids: [B,T].
+    """
+    total = step_logits[0].new_zeros((), dtype=torch.float32)
+    stats = []
+    for j, logits in enumerate(step_logits):
+        tgt = shift_in_doc(target_logits, doc_ids, 1 + j, fill=0.0)
+        valid = shift_in_doc(loss_mask.bool(), doc_ids, 2 + j, fill=False)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        p_t = torch.softmax(tgt, dim=-1)
+        ce = -(p_t * logp).sum(-1)  # [B,T]
+        w = valid.float()
+        count = w.sum()
+        loss_sum = (ce * w).sum()
+        correct = ((logits.argmax(-1) == tgt.argmax(-1)).float() * w).sum()
+        total = total + (step_decay ** j) * loss_sum / count.clamp_min(1.0)
+        stats.append(StepStats(loss_sum.detach(), correct.detach(), count.detach()))
+    return total, stats

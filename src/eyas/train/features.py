@@ -1,0 +1,144 @@
+"""Where the target's features come from: an extraction store (offline) or the target itself (online).
+
+Both give the same :class:`Batch` for a list of packs, so the trainer does not know which ran.
+The checks here refuse features from another target, tokenizer, dataset or layer set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from eyas.errors import EyasError
+from eyas.train.packing import PackLayout, layout
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor     # [B,T]
+    loss_mask: torch.Tensor     # [B,T] bool
+    position_ids: torch.Tensor  # [B,T]
+    doc_ids: torch.Tensor       # [B,T], -1 in padding
+    aux: torch.Tensor           # [B,T,num_aux*H]
+    final: torch.Tensor         # [B,T,H] pre-norm last-layer state
+    num_tokens: int             # real (non-padding) tokens
+
+
+class FeatureSource(Protocol):
+    aux_layers: list[int]
+    hidden_size: int
+
+    def batch(self, packs: list[list[int]]) -> Batch: ...
+
+
+def _samples(dataset, packs: list[list[int]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    out = {}
+    for pack in packs:
+        for i in pack:
+            s = dataset[i]
+            out[i] = (s.input_ids, s.loss_mask)
+    return out
+
+
+def _to(lay: PackLayout, device: torch.device) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(device, non_blocking=True) for t in
+                 (lay.input_ids, lay.loss_mask, lay.position_ids, lay.doc_ids))
+
+
+class OnlineFeatures:
+    """The target runs in the same job; its hooks give the features per batch, nothing touches disk.
+
+    Packed documents stay apart because positions restart per document: transformers turns
+    restarting position_ids into a block-causal mask (checked by the tests).
+    """
+
+    def __init__(self, target, dataset, aux_layers: list[int] | None, device: torch.device,
+                 dtype: torch.dtype, budget: int):
+        from eyas.extract.hf import HiddenStateCapture
+
+        self.dataset, self.device, self.budget = dataset, device, budget
+        self.model = target.load_model(dtype=dtype, device=str(device))
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.capture = HiddenStateCapture(self.model, aux_layers)
+        self.aux_layers = list(self.capture.aux_layers)
+        self.hidden_size = self.capture.hidden_size
+
+    def batch(self, packs: list[list[int]]) -> Batch:
+        lay = layout(packs, _samples(self.dataset, packs), self.budget)
+        ids, mask, pos, doc = _to(lay, self.device)
+        states = self.capture.capture_into(ids, position_ids=pos)
+        # clone outside inference mode so autograd may save these as inputs of fc
+        aux = states[:, :, :-1].flatten(2).clone()
+        final = states[:, :, -1].clone()
+        return Batch(ids, mask, pos, doc, aux, final, lay.num_tokens)
+
+
+class OfflineFeatures:
+    """Features read from an extraction store (interface B), checked against target and dataset."""
+
+    def __init__(self, store_path, target, dataset, aux_layers: list[int] | None,
+                 device: torch.device, dtype: torch.dtype, budget: int):
+        from eyas.extract.store import open_store
+
+        self.reader = open_store(store_path)
+        m = self.reader.manifest
+        check_store_manifest(m, store_path, target, dataset, aux_layers)
+        self.aux_layers = list(m["aux_layers"])
+        self.hidden_size = int(m["hidden_size"])
+        self.dataset, self.device, self.dtype, self.budget = dataset, device, dtype, budget
+        stored = set(int(i) for i in self.reader.indices)
+        missing = [i for i in range(len(dataset)) if i not in stored]
+        if missing:
+            raise EyasError(f"store {store_path}: {len(missing)} of {len(dataset)} samples of the "
+                            f"dataset are not stored (first: {missing[:5]}); finish `eyas extract` "
+                            "(re-run it to resume) before training")
+
+    def batch(self, packs: list[list[int]]) -> Batch:
+        lay = layout(packs, _samples(self.dataset, packs), self.budget)
+        b, t = lay.input_ids.shape
+        a, h = len(self.aux_layers), self.hidden_size
+        aux = torch.zeros((b, t, a * h), dtype=self.dtype)
+        final = torch.zeros((b, t, h), dtype=self.dtype)
+        for r, row in enumerate(lay.spans):
+            for i, start, length, kept in row:
+                s = self.reader[i]
+                if s.input_ids.shape[0] != length or not torch.equal(
+                        s.input_ids[:kept].long(), lay.input_ids[r, start:start + kept]):
+                    raise EyasError(f"store sample {i}: its tokens differ from the prepared dataset's; "
+                                    "the store was extracted from another dataset: re-run `eyas extract`")
+                aux[r, start:start + kept] = s.aux[:kept].reshape(kept, a * h).to(self.dtype)
+                final[r, start:start + kept] = s.final[:kept].to(self.dtype)
+        if self.device.type == "cuda":
+            aux, final = aux.pin_memory(), final.pin_memory()
+        ids, mask, pos, doc = _to(lay, self.device)
+        return Batch(ids, mask, pos, doc, aux.to(self.device, non_blocking=True),
+                     final.to(self.device, non_blocking=True), lay.num_tokens)
+
+
+def check_store_manifest(m: dict, store_path, target, dataset, aux_layers: list[int] | None) -> None:
+    """Refuse a store from another target, tokenizer, dataset or layer set, naming which."""
+    found = m.get("target") or {}
+    for key, what in (("id", "target"), ("weights", "target weights"), ("config", "target config"),
+                      ("tokenizer", "tokenizer")):
+        if found.get(key) != target.identity.get(key):
+            raise EyasError(f"store {store_path} was extracted with another {what} "
+                            f"({key} {found.get(key)!r} there, {target.identity.get(key)!r} for "
+                            f"{target.spec}); re-run `eyas extract` with this target")
+    want_ds = dataset.manifest.get("id")
+    got_ds = m.get("prepared_id")
+    if want_ds and got_ds and got_ds != want_ds:
+        raise EyasError(f"store {store_path} was extracted from another prepared dataset (id {got_ds!r} "
+                        f"there, {want_ds!r} for {dataset.path}); pass the matching --data or re-extract")
+    if aux_layers and sorted(aux_layers) != sorted(m.get("aux_layers", [])):
+        raise EyasError(f"store {store_path} holds layers {m.get('aux_layers')}, but layers "
+                        f"{sorted(aux_layers)} were asked for; drop --layers or re-extract with them")
+    conv = m.get("convention")
+    from eyas.extract.layers import CONVENTION
+
+    if conv and conv != CONVENTION:
+        raise EyasError(f"store {store_path} uses layer convention {conv!r}, eyas trains on "
+                        f"{CONVENTION!r}; re-extract with this eyas")

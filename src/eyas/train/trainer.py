@@ -1,0 +1,450 @@
+"""`eyas train`: the EAGLE-3 draft trained with training-time test (TTT).
+
+One process (CPU or one GPU) or many under ``torchrun`` (DDP; gloo on CPU, NCCL on GPU). The
+global batch is ``world_size * grad_accum * batch_size`` packs; micro-batch m of a step goes to
+rank ``m % world``, so a run's numbers do not depend on how the global batch is split.
+Every ``save_every`` steps a checkpoint holds model, optimizer, scheduler, RNG and the step
+(which fixes the data position: pack order is a pure function of seed and epoch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eyas.draft.loss import TargetHead, ttt_loss
+from eyas.draft.model import DraftConfig, Eagle3Draft
+from eyas.errors import EyasError
+from eyas.train import checkpoint as ckpt
+from eyas.train.packing import pack_indices, split_indices
+
+# Fields that must match between a run and its resume (they fix the data order and the objective).
+RESUME_KEYS = ("target_id", "dataset_id", "tokens_per_batch", "batch_size", "global_micro", "seed",
+               "ttt_steps", "heldout_fraction", "aux_layers")
+
+
+@dataclass
+class TrainConfig:
+    target: str
+    data: str
+    out: str
+    store: str | None = None
+    online: bool = False
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    epochs: int = 1
+    max_steps: int | None = None
+    tokens_per_batch: int = 2048
+    batch_size: int = 1  # packs per micro-batch
+    grad_accum: int = 1
+    warmup: int = 50
+    clip: float = 0.5
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    eval_every: int = 200
+    eval_batches: int = 8
+    heldout_fraction: float = 0.02
+    log_every: int = 1
+    resume: bool = False
+    device: str = "auto"
+    precision: str = "auto"  # bf16 autocast on GPU, fp32 on CPU
+    seed: int = 0
+    layers: list[int] | None = None
+    draft_overrides: dict[str, Any] = field(default_factory=dict)
+    compile: bool = False
+    progress: bool = True
+
+
+# ------------------------------------------------------------------------------ distributed
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def on(self) -> bool:
+        return self.world > 1
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.on:
+            torch.distributed.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        if self.on:
+            torch.distributed.barrier()
+
+
+def setup_dist(device_arg: str) -> tuple[Dist, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_arg.startswith("cuda") and not torch.cuda.is_available():
+        raise EyasError(f"--device {device_arg}: CUDA is not available here; use --device cpu")
+    device = torch.device(f"cuda:{local}" if device_arg == "cuda" and world > 1 else device_arg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(rank, world, local), device
+
+
+# ------------------------------------------------------------------------------ schedule
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = (step - warmup) / max(1, total - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    return f
+
+
+class EpochPlan:
+    """Packs per epoch, and the mapping optimizer step -> (epoch, step within epoch)."""
+
+    def __init__(self, train_idx: np.ndarray, lengths: np.ndarray, budget: int, batch: int,
+                 global_micro: int, seed: int):
+        self.train_idx, self.lengths, self.budget = train_idx, lengths, budget
+        self.batch, self.global_micro, self.seed = batch, global_micro, seed
+        self._packs: dict[int, list[list[int]]] = {}  # the current epoch's packs only
+        self._counts: dict[int, int] = {}
+
+    def packs(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._packs:
+            self._packs = {epoch: pack_indices(self.train_idx, self.lengths, self.budget,
+                                               seed=self.seed * 100003 + epoch)}
+            self._counts[epoch] = len(self._packs[epoch])
+        return self._packs[epoch]
+
+    def steps_in(self, epoch: int) -> int:
+        if epoch not in self._counts:
+            self._counts[epoch] = len(pack_indices(self.train_idx, self.lengths, self.budget,
+                                                   seed=self.seed * 100003 + epoch))
+        return self._counts[epoch] // (self.batch * self.global_micro)
+
+    def locate(self, step: int) -> tuple[int, int]:
+        epoch = 0
+        while step >= self.steps_in(epoch):
+            if self.steps_in(epoch) == 0:
+                raise EyasError("the training split is smaller than one global batch "
+                                f"({self.batch * self.global_micro} packs of {self.budget} tokens); "
+                                "lower --tokens-per-batch/--grad-accum or add data")
+            step -= self.steps_in(epoch)
+            epoch += 1
+        return epoch, step
+
+
+# ------------------------------------------------------------------------------ logging
+
+
+class Logger:
+    """metrics.jsonl (+ TensorBoard when installed) on rank 0."""
+
+    def __init__(self, run_dir: Path, resume_step: int, enabled: bool):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if not enabled:
+            return
+        if self.path.exists():  # drop lines past the checkpoint we resume from (they are redone)
+            keep = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(k + "\n" for k in keep))
+            os.replace(tmp, self.path)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
+        except ImportError:
+            self.tb = None  # tensorboard missing (e.g. a bare GPU box): JSONL still has it all
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            split, step = record["split"], record["step"]
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(f"{split}/{k}", v, step)
+                elif isinstance(v, list):
+                    for j, x in enumerate(v):
+                        self.tb.add_scalar(f"{split}/{k}_step{j}", x, step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def plot_losses(run_dir: Path) -> Path | None:
+    """loss.png: training loss and held-out acceptance proxy per TTT step."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    train = [r for r in recs if r["split"] == "train"]
+    held = [r for r in recs if r["split"] == "heldout"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
+    axes[0].set(xlabel="step", ylabel="TTT loss", title="training loss")
+    if held:
+        for j in range(len(held[0]["acc"])):
+            axes[1].plot([r["step"] for r in held], [r["acc"][j] for r in held], marker="o", label=f"step {j}")
+        axes[1].legend(fontsize=7)
+    axes[1].set(xlabel="step", ylabel="top-1 agreement", title="held-out acceptance proxy")
+    fig.tight_layout()
+    out = run_dir / "loss.png"
+    tmp = run_dir / ".loss.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
+# ------------------------------------------------------------------------------ training
+
+
+def _autocast(device: torch.device, precision: str):
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" else "fp32"
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    if precision == "fp32":
+        return contextlib.nullcontext
+    raise EyasError(f"--precision {precision!r}: use auto, bf16 or fp32")
+
+
+def build_source(cfg: TrainConfig, target, dataset, device: torch.device):
+    from eyas.train.features import OfflineFeatures, OnlineFeatures
+
+    feat_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if cfg.online == bool(cfg.store):
+        raise EyasError("pass exactly one feature source: --store STORE (offline, from `eyas extract`) "
+                        "or --online (the target runs in the training job)")
+    if cfg.online:
+        return OnlineFeatures(target, dataset, cfg.layers, device, feat_dtype, cfg.tokens_per_batch)
+    return OfflineFeatures(cfg.store, target, dataset, cfg.layers, device, feat_dtype, cfg.tokens_per_batch)
+
+
+def _reduce_stats(stats_list, dist: Dist, device) -> torch.Tensor:
+    """[3, K] (loss_sum, correct, count) summed over micro-batches and ranks."""
+    t = torch.stack([torch.stack([s.loss_sum, s.correct, s.count]) for s in stats_list], dim=1).to(device)
+    return dist.all_sum(t)
+
+
+def train(cfg: TrainConfig) -> Path:
+    """Run (or resume) training; returns RUN_DIR/draft."""
+    from eyas.data.dataset import open_prepared
+    from eyas.target import resolve_target
+
+    dist, device = setup_dist(cfg.device)
+    run_dir = Path(cfg.out)
+    is_main = dist.rank == 0
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    target = resolve_target(cfg.target)
+    dataset = open_prepared(cfg.data, target=target)
+    d2t, t2d = dataset.draft_vocab()
+    source = build_source(cfg, target, dataset, device)
+    tcfg = target.config()
+    text_cfg = tcfg.get("text_config", tcfg)
+
+    global_micro = dist.world * cfg.grad_accum
+    train_idx, held_idx = split_indices(len(dataset), cfg.heldout_fraction)
+    plan = EpochPlan(train_idx, dataset.lengths, cfg.tokens_per_batch, cfg.batch_size, global_micro, cfg.seed)
+    epoch_steps = [plan.steps_in(e) for e in range(cfg.epochs)]
+    total = cfg.max_steps if cfg.max_steps is not None else sum(epoch_steps)
+    if total <= 0 or epoch_steps[0] == 0:
+        raise EyasError(f"dataset {cfg.data}: {len(train_idx)} training samples make "
+                        f"{len(plan.packs(0))} packs of {cfg.tokens_per_batch} tokens, fewer than one "
+                        f"global batch of {cfg.batch_size * global_micro}; lower --tokens-per-batch or "
+                        "--grad-accum, or add data")
+    run_info = {"target_id": target.id, "dataset_id": dataset.manifest.get("id"),
+                "tokens_per_batch": cfg.tokens_per_batch, "batch_size": cfg.batch_size,
+                "global_micro": global_micro, "seed": cfg.seed, "ttt_steps": cfg.ttt_steps,
+                "heldout_fraction": cfg.heldout_fraction, "aux_layers": list(source.aux_layers)}
+
+    existing = ckpt.checkpoint_dirs(run_dir)
+    if existing and not cfg.resume:
+        raise EyasError(f"run directory {run_dir} already has checkpoints (latest {existing[-1].name}); "
+                        "pass --resume to continue it, or choose a new --out")
+    resumed = ckpt.load(existing[-1], dist.rank) if (existing and cfg.resume) else None
+
+    draft_cfg = DraftConfig.from_target(tcfg, source.aux_layers, int(d2t.numel()), target.identity,
+                                        **cfg.draft_overrides)
+    if resumed:
+        old = resumed["trainer"]["run"]
+        diffs = [f"{k}: {old.get(k)!r} there, {run_info[k]!r} now" for k in RESUME_KEYS if old.get(k) != run_info[k]]
+        if diffs:
+            raise EyasError(f"cannot resume {existing[-1]}: " + "; ".join(diffs) +
+                            ". Resume with the same settings, or start a new --out")
+        draft_cfg = DraftConfig.from_dict(json.loads((existing[-1] / "config.json").read_text()))
+        model = Eagle3Draft(draft_cfg)
+        model.load_state_dict(resumed["model"])
+    else:
+        model = Eagle3Draft.from_target(draft_cfg, target.path, d2t, t2d, seed=cfg.seed)
+    model.to(device)
+    head = TargetHead.from_target(target.path, d2t, float(text_cfg.get("rms_norm_eps", 1e-6))).to(device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                              fused=device.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg.warmup, total, cfg.min_lr_ratio))
+    start = 0
+    if resumed:
+        optim.load_state_dict(resumed["optimizer"])
+        sched.load_state_dict(resumed["scheduler"])
+        start = int(resumed["trainer"]["step"])
+        if resumed["rng"] is not None:
+            ckpt.set_rng_state(resumed["rng"])
+    else:
+        torch.manual_seed(cfg.seed + dist.rank)
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+    net: torch.nn.Module = model
+    if dist.on:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  broadcast_buffers=False)  # d2t/t2d never change
+    fwd = torch.compile(net) if cfg.compile else net
+    autocast = _autocast(device, cfg.precision)
+    logger = Logger(run_dir, start, is_main)
+
+    def micro_batches(step: int):
+        epoch, off = plan.locate(step)
+        packs = plan.packs(epoch)
+        for a in range(cfg.grad_accum):
+            m = off * global_micro + a * dist.world + dist.rank
+            yield a, epoch, packs[m * cfg.batch_size:(m + 1) * cfg.batch_size]
+
+    def run_batch(packs, grad: bool):
+        batch = source.batch(packs)
+        with autocast():
+            logits = (fwd if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids, cfg.ttt_steps)
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            tgt = head(batch.final)
+        loss, stats = ttt_loss(logits, tgt, batch.loss_mask, batch.doc_ids, cfg.step_decay)
+        return loss, stats, batch.num_tokens
+
+    held_packs = pack_indices(held_idx, dataset.lengths, cfg.tokens_per_batch, seed=None)
+
+    def evaluate(step: int) -> dict[str, Any] | None:
+        chunks = [held_packs[i:i + cfg.batch_size] for i in range(0, len(held_packs), cfg.batch_size)]
+        chunks = chunks[:cfg.eval_batches]
+        if not chunks:
+            return None
+        model.eval()
+        acc = None
+        with torch.no_grad():
+            for chunk in chunks[dist.rank::dist.world]:
+                _, stats, _ = run_batch(chunk, grad=False)
+                s = torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in stats], 1).to(device)
+                acc = s if acc is None else acc + s
+        if acc is None:
+            acc = torch.zeros(3, cfg.ttt_steps, device=device)
+        acc = dist.all_sum(acc).cpu()
+        model.train()
+        cnt = acc[2].clamp_min(1)
+        rec = {"split": "heldout", "step": step, "acc": (acc[1] / cnt).tolist(),
+               "loss": (acc[0] / cnt).tolist(), "positions": acc[2].tolist()}
+        logger.log(rec)
+        return rec
+
+    def save(step: int, tokens_seen: int) -> None:
+        tmp = ckpt.begin(run_dir, step) if is_main else ckpt.tmp_dir_for(run_dir, step)
+        dist.barrier()
+        ckpt.write_rank_rng(tmp, dist.rank)
+        dist.barrier()
+        if is_main:
+            ckpt.finish(run_dir, tmp, step, model.state_dict(), optim.state_dict(), sched.state_dict(),
+                        {"step": step, "tokens_seen": tokens_seen, "epoch": plan.locate(step)[0] if step < total else None,
+                         "world_size": dist.world, "run": run_info},
+                        draft_cfg.to_dict(), cfg.keep_checkpoints)
+        dist.barrier()
+
+    tokens_seen = int(resumed["trainer"].get("tokens_seen", 0)) if resumed else 0
+    bar = None
+    if is_main and cfg.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    model.train()
+    t_last, tok_last = time.perf_counter(), 0
+    last_eval = None
+    for step in range(start, total):
+        step_stats, loss_acc, step_tokens = [], torch.zeros((), device=device), 0
+        for a, epoch, packs in micro_batches(step):
+            sync = contextlib.nullcontext() if (not dist.on or a == cfg.grad_accum - 1) else net.no_sync()
+            with sync:
+                loss, stats, ntok = run_batch(packs, grad=True)
+                (loss / cfg.grad_accum).backward()
+            step_stats.extend(stats)
+            loss_acc += loss.detach()
+            step_tokens += ntok
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip) if cfg.clip > 0 else torch.tensor(0.0)
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        k = cfg.ttt_steps
+        per_step = _reduce_stats(step_stats, dist, device).view(3, -1, k).sum(1)  # [3, K]
+        totals = dist.all_sum(torch.stack([loss_acc, torch.tensor(float(step_tokens), device=device)]))
+        tokens_seen += int(totals[1].item())
+        tok_last += int(totals[1].item())
+        done = step + 1
+        if done % cfg.log_every == 0 or done == total:
+            now = time.perf_counter()
+            tps = tok_last / max(now - t_last, 1e-9)
+            t_last, tok_last = now, 0
+            cnt = per_step[2].clamp_min(1)
+            rec = {"split": "train", "step": done, "loss": totals[0].item() / global_micro,
+                   "lr": sched.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens": tokens_seen,
+                   "tokens_per_s": tps, "epoch": epoch,
+                   "acc": (per_step[1] / cnt).tolist(), "step_loss": (per_step[0] / cnt).tolist()}
+            logger.log(rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.2f}", tok_s=f"{tps:,.0f}")
+        if bar is not None:
+            bar.update(1)
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < total:
+            last_eval = evaluate(done)
+        if (cfg.save_every and done % cfg.save_every == 0) or done == total:
+            save(done, tokens_seen)  # the last one makes a finished run's --resume a no-op
+    if bar is not None:
+        bar.close()
+    last_eval = evaluate(total) or last_eval
+    out = run_dir / "draft"
+    if is_main:
+        model.save_pretrained(out)
+        plot_losses(run_dir)
+        summary = {"steps": total, "tokens_seen": tokens_seen, "heldout": last_eval, "draft": str(out)}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    logger.close()
+    dist.barrier()
+    return out
