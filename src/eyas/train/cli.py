@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(..., help="Run directory: checkpoints/, draft/, metrics.jsonl, loss.png."),
         store: Path = typer.Option(None, help="Extraction store (offline features, from `eyas extract`)."),
         online: bool = typer.Option(False, "--online", help="Run the target in this job (no store)."),
-        layers: str = typer.Option(None, help="Aux layer ids for --online (default 2,N/2,N-3)."),
+        layers: str = typer.Option(None, help="Aux layer ids (default 2,N/2,N-3 online; offline: the store's, checked if given)."),
         ttt_steps: int = typer.Option(7, help="Training-time-test steps unrolled per position."),
         step_decay: float = typer.Option(0.8, help="Loss weight of TTT step j is step_decay**j."),
         lr: float = typer.Option(1e-4, help="Peak learning rate (AdamW)."),
@@ -74,8 +74,6 @@ def register(app: typer.Typer) -> None:
         from eyas.extract.layers import parse_layers
         from eyas.train.trainer import TrainConfig, train as run
 
-        if store is not None and layers:
-            raise EyasError("--layers is only for --online; an offline run uses the store's layers")
         cfg = TrainConfig(target=target, data=str(data), out=str(out), store=str(store) if store else None,
                           online=online, layers=parse_layers(layers), ttt_steps=ttt_steps,
                           step_decay=step_decay, lr=lr, epochs=epochs, max_steps=max_steps,

@@ -1,0 +1,229 @@
+"""The EAGLE-3 draft: TTT unroll vs incremental inference, target distribution, loss mask, gradients."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eyas.draft.loss import TargetHead, ttt_loss
+from eyas.draft.model import DraftConfig, DraftKVCache, Eagle3Draft, shift_in_doc
+from eyas.errors import EyasError
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _vocab(vocab: int, draft_vocab: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.randperm(vocab, generator=g)[:draft_vocab]] = True
+    ids = torch.nonzero(t2d).flatten()
+    return ids - torch.arange(draft_vocab), t2d
+
+
+def _small_draft(seed: int = 0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      intermediate_size=64, vocab_size=50, draft_vocab_size=20,
+                      aux_layer_ids=[1, 2, 3], target_hidden_size=32)
+    return Eagle3Draft(cfg).double()
+
+
+def test_ttt_unroll_matches_incremental_step_with_kv_cache():
+    """TTT step j at position p equals inference: prefix with target features, then j own steps."""
+    m = _small_draft()
+    t, k = 14, 5
+    x = torch.randint(0, 50, (1, t))
+    aux = torch.randn(1, t, 96, dtype=torch.float64)
+    pos = torch.arange(t)[None]
+    doc = torch.zeros(1, t, dtype=torch.long)
+    with torch.no_grad():
+        ttt = m(aux, x, pos, doc, k)
+        checked = 0
+        for p in range(t - k - 1):
+            cache = DraftKVCache()
+            logits, hid = m.step(aux[:, :p + 1], x[:, 1:p + 2], pos[:, :p + 1], cache)
+            torch.testing.assert_close(logits[0, p], ttt[0][0, p], rtol=0, atol=1e-10)
+            h = hid[:, p:p + 1]
+            for j in range(1, k):
+                logits, h = m.step(h, x[:, p + 1 + j:p + 2 + j], pos[:, p:p + 1] + j, cache)
+                torch.testing.assert_close(logits[0, 0], ttt[j][0, p], rtol=0, atol=1e-10)
+                checked += 1
+            assert len(cache) == p + 1 + (k - 1)
+        assert checked == (t - k - 1) * (k - 1)
+        # the check can fail: a chain that also saw a neighbour's step-1 key differs
+        cache = DraftKVCache()
+        _, hid = m.step(aux[:, :4], x[:, 1:5], pos[:, :4], cache)
+        _, _ = m.step(hid[:, 2:3], x[:, 4:5], pos[:, 2:3] + 1, cache)  # chain of position 2
+        wrong, _ = m.step(hid[:, 3:4], x[:, 5:6], pos[:, 3:4] + 1, cache)
+        assert (wrong[0, 0] - ttt[1][0, 3]).abs().max() > 1e-6
+
+
+def test_cache_crop_after_rejection():
+    m = _small_draft(1)
+    x = torch.randint(0, 50, (1, 8))
+    aux = torch.randn(1, 8, 96, dtype=torch.float64)
+    pos = torch.arange(8)[None]
+    with torch.no_grad():
+        c1 = DraftKVCache()
+        _, h = m.step(aux[:, :6], x[:, 1:7], pos[:, :6], c1)
+        m.step(h[:, -1:], x[:, 7:8], pos[:, 5:6] + 1, c1)  # a drafted token, then rejected
+        c1.crop(6)
+        a, _ = m.step(aux[:, 6:7], x[:, 7:8], pos[:, 6:7], c1)
+        c2 = DraftKVCache()
+        b, _ = m.step(aux[:, :7], x[:, 1:8], pos[:, :7], c2)
+    torch.testing.assert_close(a[0, 0], b[0, -1])
+
+
+def test_packed_documents_do_not_see_each_other():
+    m = _small_draft(2)
+    t = 12
+    x = torch.randint(0, 50, (1, t))
+    aux = torch.randn(1, t, 96, dtype=torch.float64)
+    doc = torch.tensor([[0] * 5 + [1] * 7])
+    pos = torch.tensor([list(range(5)) + list(range(7))])
+    with torch.no_grad():
+        packed = m(aux, x, pos, doc, 3)
+        alone = m(aux[:, 5:], x[:, 5:], pos[:, 5:], doc[:, 5:], 3)
+        first = m(aux[:, :5], x[:, :5], pos[:, :5], doc[:, :5], 3)
+    for j in range(3):
+        torch.testing.assert_close(packed[j][0, 5:], alone[j][0])
+        torch.testing.assert_close(packed[j][0, :5], first[j][0])
+
+
+def test_shift_in_doc():
+    x = torch.arange(6)[None]
+    doc = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    assert shift_in_doc(x, doc, 1, fill=-7).tolist() == [[1, 2, -7, 4, -7, -7]]
+    assert shift_in_doc(x, doc, 2, fill=-7).tolist() == [[2, -7, -7, -7, -7, -7]]
+
+
+def test_target_distribution_matches_full_model_forward(tiny_target):
+    """softmax over the draft vocab of lm_head(norm(h_N)) from captured states == the model's own logits."""
+    from eyas.extract.hf import HiddenStateCapture
+
+    model = tiny_target.load_model(dtype=torch.float32)
+    vocab = model.config.vocab_size
+    d2t, t2d = _vocab(vocab, 100)
+    head = TargetHead.from_target(tiny_target.path, d2t, model.config.rms_norm_eps)
+    x = torch.randint(0, vocab, (2, 17))
+    cap = HiddenStateCapture(model, [1, 4, 6])
+    _, final = cap.capture(x)
+    cap.remove()
+    with torch.no_grad():
+        full = model(input_ids=x).logits
+    ids = torch.arange(100) + d2t
+    want = torch.softmax(full[..., ids].float(), -1)
+    got = torch.softmax(head(final.clone()), -1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # the restriction matters: over the full vocab it would be a different distribution
+    assert (torch.softmax(full.float(), -1)[..., ids] - want).abs().max() > 1e-3
+
+
+def test_from_target_reads_embeddings_and_lm_head_rows(tiny_target, tmp_path):
+    from safetensors import safe_open
+
+    cfg_json = tiny_target.config()
+    d2t, t2d = _vocab(cfg_json["vocab_size"], 64, seed=3)
+    cfg = DraftConfig.from_target(cfg_json, [1, 4, 6], 64, tiny_target.identity)
+    assert cfg.hidden_size == 64 and cfg.num_key_value_heads == 2 and cfg.target["id"] == tiny_target.id
+    draft = Eagle3Draft.from_target(cfg, tiny_target.path, d2t, t2d)
+    with safe_open(str(tiny_target.path / "model.safetensors"), "pt") as fh:
+        emb = fh.get_tensor("model.embed_tokens.weight")
+        lm = fh.get_tensor("lm_head.weight")
+    torch.testing.assert_close(draft.embed_tokens.weight.data, emb.float())
+    torch.testing.assert_close(draft.lm_head.weight.data, lm[torch.arange(64) + d2t].float())
+    assert not draft.embed_tokens.weight.requires_grad
+    # save / load round trip keeps every tensor and the config
+    draft.save_pretrained(tmp_path / "d")
+    again = Eagle3Draft.from_pretrained(tmp_path / "d")
+    for k, v in draft.state_dict().items():
+        assert torch.equal(v, again.state_dict()[k]), k
+    assert again.config == cfg
+    names = set(draft.state_dict())
+    for n in ["fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight",
+              "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+              "embed_tokens.weight"]:
+        assert n in names
+    bad = json.loads((tmp_path / "d" / "config.json").read_text())
+    bad["kind"] = "other"
+    (tmp_path / "d" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(EyasError, match="kind"):
+        Eagle3Draft.from_pretrained(tmp_path / "d")
+
+
+def test_config_overrides_and_wrong_hidden(tiny_target):
+    cfg = DraftConfig.from_target(tiny_target.config(), [1, 4, 6], 64, intermediate_size=80, rope_theta=5e5)
+    assert cfg.intermediate_size == 80 and cfg.rope_theta == 5e5
+    bad = DraftConfig.from_target(tiny_target.config(), [1, 4, 6], 64, hidden_size=48)
+    d2t, t2d = _vocab(tiny_target.config()["vocab_size"], 64)
+    with pytest.raises(EyasError, match="hidden_size"):
+        Eagle3Draft.from_target(bad, tiny_target.path, d2t, t2d)
+
+
+def _reference_loss(step_logits, target_logits, mask, decay):
+    """Loop version over one unpacked sequence: step j at i predicts x[i+2+j] from target logits at i+1+j."""
+    t = mask.shape[1]
+    total = 0.0
+    for j, lg in enumerate(step_logits):
+        s, n = 0.0, 0
+        for i in range(t):
+            if i + 2 + j < t and mask[0, i + 2 + j]:
+                p = torch.softmax(target_logits[0, i + 1 + j], -1)
+                s += float(-(p * torch.log_softmax(lg[0, i].detach(), -1)).sum())
+                n += 1
+        total += decay ** j * s / max(n, 1)
+    return total
+
+
+def test_loss_matches_reference_and_honours_mask():
+    torch.manual_seed(0)
+    t, v, k = 11, 7, 3
+    logits = [torch.randn(1, t, v, requires_grad=True) for _ in range(k)]
+    tgt = torch.randn(1, t, v)
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1, 0, 1, 1]], dtype=torch.bool)
+    doc = torch.zeros(1, t, dtype=torch.long)
+    loss, stats = ttt_loss(logits, tgt, mask, doc, 0.8)
+    assert abs(loss.item() - _reference_loss(logits, tgt, mask, 0.8)) < 1e-5
+    loss.backward()
+    for j in range(k):
+        g = logits[j].grad[0].abs().sum(-1)
+        counted = torch.tensor([i + 2 + j < t and bool(mask[0, i + 2 + j]) for i in range(t)])
+        assert (g[~counted] == 0).all() and (g[counted] > 0).all()
+        assert stats[j].count.item() == counted.sum().item()
+    # flipping the mask changes the loss: the mask is read, not ignored
+    loss2, _ = ttt_loss([lg.detach() for lg in logits], tgt, ~mask, doc, 0.8)
+    assert abs(loss2.item() - loss.item()) > 1e-4
+
+
+def test_gradients_flow_only_into_the_draft(tiny_target):
+    from eyas.extract.hf import HiddenStateCapture
+
+    model = tiny_target.load_model(dtype=torch.float32)
+    vocab = model.config.vocab_size
+    d2t, t2d = _vocab(vocab, 64)
+    cfg = DraftConfig.from_target(tiny_target.config(), [1, 4, 6], 64, tiny_target.identity)
+    draft = Eagle3Draft.from_target(cfg, tiny_target.path, d2t, t2d)
+    head = TargetHead.from_target(tiny_target.path, d2t, 1e-6)
+    x = torch.randint(0, vocab, (1, 20))
+    cap = HiddenStateCapture(model, [1, 4, 6])
+    aux, final = cap.capture(x)
+    aux, final = aux.flatten(2).clone(), final.clone()
+    pos = torch.arange(20)[None]
+    doc = torch.zeros(1, 20, dtype=torch.long)
+    logits = draft(aux, x, pos, doc, 3)
+    loss, _ = ttt_loss(logits, head(final), torch.ones(1, 20, dtype=torch.bool), doc, 0.8)
+    loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert draft.embed_tokens.weight.grad is None
+    assert not head.weight.requires_grad and head.weight.grad is None
+    for name, p in draft.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
