@@ -1,0 +1,96 @@
+"""MT-bench style prompt sets: reading ``question.jsonl`` and rendering multi-turn conversations.
+
+Each line is ``{"question_id", "category", "turns": [str, ...]}``. Turn t is rendered with the
+target's chat template after the user turns 0..t-1 *and the model's own answers to them*, so
+the second turn follows what the model actually said (as in MT-bench).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eyas.errors import EyasError
+
+# The committed copy of MT-bench (Apache-2.0, see data/mt_bench/SOURCE.md).
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "data" / "mt_bench" / "question.jsonl"
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: str
+    category: str
+    turns: tuple[str, ...]
+
+
+def read_questions(path: str | Path, max_prompts: int | None = None) -> list[Question]:
+    """Read a question.jsonl file; every malformed line is reported with its line number."""
+    path = Path(path)
+    if not path.is_file():
+        raise EyasError(f"prompts {path}: no such file; pass an MT-bench style question.jsonl "
+                        f"(default: {DEFAULT_PROMPTS})")
+    out: list[Question] = []
+    seen: set[str] = set()
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"prompts {path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise EyasError(f"{where}: not valid JSON ({e}); each line must be one JSON object") from e
+            out.append(_parse(obj, where))
+            if out[-1].question_id in seen:
+                raise EyasError(f"{where}: question_id {out[-1].question_id!r} appears twice; "
+                                "ids must be unique so per-prompt results can be told apart")
+            seen.add(out[-1].question_id)
+            if max_prompts is not None and len(out) >= max_prompts:
+                break
+    if not out:
+        raise EyasError(f"prompts {path}: no questions found; the file is empty")
+    return out
+
+
+def _parse(obj: Any, where: str) -> Question:
+    if not isinstance(obj, dict):
+        raise EyasError(f"{where}: expected a JSON object with 'turns', got {type(obj).__name__}")
+    turns = obj.get("turns")
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+        raise EyasError(f"{where}: 'turns' must be a non-empty list of non-empty strings "
+                        f"(MT-bench format: {{\"question_id\", \"category\", \"turns\": [...]}})")
+    qid = obj.get("question_id", where.rsplit(":", 1)[-1])
+    return Question(question_id=str(qid), category=str(obj.get("category") or "uncategorized"),
+                    turns=tuple(turns))
+
+
+def render_turn(tokenizer, question: Question, turn: int, answers: list[str]) -> list[int]:
+    """Token ids of the prompt for ``turn``: user turns and the model's previous ``answers``.
+
+    Rendered to text with the chat template, then tokenized without extra special tokens, so the
+    ids are exactly what the template says (the same ids are sent to every engine).
+    """
+    if len(answers) != turn:
+        raise ValueError(f"turn {turn} needs {turn} previous answers, got {len(answers)}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise EyasError("the target's tokenizer has no chat template; evaluation renders prompts "
+                        "with it. Use an instruct/chat target or add a chat_template to its tokenizer")
+    messages: list[dict[str, str]] = []
+    for t in range(turn):
+        messages.append({"role": "user", "content": question.turns[t]})
+        messages.append({"role": "assistant", "content": answers[t]})
+    messages.append({"role": "user", "content": question.turns[turn]})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stop_token_ids(tokenizer, generation_config: Any = None) -> set[int]:
+    """EOS ids from the tokenizer and the model's generation config (either may list several)."""
+    ids: set[int] = set()
+    for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if source is None:
+            continue
+        ids.update([source] if isinstance(source, int) else list(source))
+    return ids

@@ -1,0 +1,137 @@
+"""Evaluation reports: per-prompt records aggregated per category and overall, JSON + PNG plots.
+
+tau is pooled the way vLLM pools its counters: 1 + sum(accepted) / sum(rounds); the acceptance
+rate at draft position j is the fraction of rounds in which position j was accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPORT_NAME = "report.json"
+
+
+def aggregate(records: list[dict[str, Any]], k: int) -> dict[str, Any]:
+    """Pool per-prompt records (each with rounds, accepted_per_pos, new_tokens, seconds, and
+    optionally plain_tokens/plain_seconds/matches_plain) into one summary."""
+    rounds = sum(r["rounds"] for r in records)
+    per_pos = [sum(r["accepted_per_pos"][j] for r in records) for j in range(k)]
+    out: dict[str, Any] = {
+        "prompts": len(records),
+        "rounds": rounds,
+        "new_tokens": sum(r["new_tokens"] for r in records),
+        "accepted_tokens": sum(per_pos),
+        "accepted_per_pos": per_pos,
+        "tau": (1.0 + sum(per_pos) / rounds) if rounds else None,
+        "acceptance_rate_per_pos": [a / rounds if rounds else None for a in per_pos],
+    }
+    secs = [r["seconds"] for r in records if r.get("seconds") is not None]
+    if secs and len(secs) == len(records) and sum(secs) > 0:
+        out["tokens_per_s"] = out["new_tokens"] / sum(secs)
+    plain = [r for r in records if r.get("plain_seconds")]
+    if plain and len(plain) == len(records):
+        out["plain_tokens_per_s"] = sum(r["plain_tokens"] for r in plain) / sum(r["plain_seconds"] for r in plain)
+        if "tokens_per_s" in out:
+            out["speedup"] = out["tokens_per_s"] / out["plain_tokens_per_s"]
+    matches = [r["matches_plain"] for r in records if r.get("matches_plain") is not None]
+    if matches:
+        out["matches_plain"] = sum(matches)
+    return out
+
+
+def build_report(records: list[dict[str, Any]], k: int, meta: dict[str, Any]) -> dict[str, Any]:
+    by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_cat[r["category"]].append(r)
+    return {
+        "kind": "eyas-evaluation",
+        **meta,
+        "num_speculative_tokens": k,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "overall": aggregate(records, k),
+        "per_category": {c: aggregate(rs, k) for c, rs in sorted(by_cat.items())},
+        "per_prompt": records,
+    }
+
+
+def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
+    """Write report.json atomically, then the two plots beside it."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / REPORT_NAME
+    tmp = path.with_name(f".{REPORT_NAME}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)
+    plot_report(report, out_dir)
+    return path
+
+
+def plot_report(report: dict[str, Any], out_dir: Path,
+                others: dict[str, dict[str, Any]] | None = None) -> list[Path]:
+    """acceptance_per_position.png and tau_per_category.png; ``others`` adds reports to compare
+    (label -> report), e.g. the vLLM engine's next to the built-in one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {report.get("engine", "eyas"): report, **(others or {})}
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, rep in series.items():
+        rates = rep["overall"]["acceptance_rate_per_pos"]
+        xs = list(range(1, len(rates) + 1))
+        ax.plot(xs, [r if r is not None else float("nan") for r in rates], marker="o",
+                label=f"{label} (tau={_fmt(rep['overall']['tau'])})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.02)
+    ax.set_xticks(xs)
+    ax.set_title(_title(report))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, Path(out_dir) / "acceptance_per_position.png"))
+
+    cats = sorted({c for rep in series.values() for c in rep["per_category"]})
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cats) + 2), 4))
+    width = 0.8 / len(series)
+    for i, (label, rep) in enumerate(series.items()):
+        taus = [rep["per_category"].get(c, {}).get("tau") or 0 for c in cats]
+        ax.bar([x + i * width for x in range(len(cats))], taus, width=width, label=label)
+    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(cats))])
+    ax.set_xticklabels(cats, rotation=30, ha="right")
+    ax.set_ylabel("acceptance length tau")
+    ax.set_title(_title(report))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, Path(out_dir) / "tau_per_category.png"))
+    return paths
+
+
+def _title(report: dict[str, Any]) -> str:
+    k = report.get("num_speculative_tokens")
+    t = report.get("temperature", 0)
+    return f"{report.get('target_name', 'target')}, k={k}, T={t}"
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,210 @@
+"""Built-in chain speculative decoding: an HF target (KV cache) verifies k tokens of an EAGLE-3 draft.
+
+The loop mirrors vLLM's EAGLE-3 proposer so the two acceptance lengths can be compared:
+
+* The draft keeps a KV cache of *committed* positions. Position i's entry is computed from the
+  target's aux states at i and the embedding of token x[i+1].
+* After each target forward (prefill or verification) the draft cache is cropped back to the
+  committed length, and the draft runs once over every newly committed position (the target's
+  features of the last accepted tokens, tokens shifted by one, the last one being the token the
+  target just emitted). Its output at the last position gives draft token 1.
+* Draft tokens 2..k come from TTT steps: the draft's own (pre-norm) hidden state of the previous
+  step plus the previous draft token, at position +1 each step. These entries are speculative
+  and are rolled back (cropped) before the next round.
+* The target verifies [last emitted token, d1..dk] in one forward; its KV cache is cropped to
+  the accepted prefix. The hooks of ``HiddenStateCapture`` record the aux states of that forward.
+
+tau = tokens emitted per verification forward = 1 + accepted / rounds (vLLM's definition).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from eyas.evaluate.rejection import probs_at, verify_greedy, verify_sampling
+from eyas.extract.hf import HiddenStateCapture
+
+
+@dataclass
+class GenerationResult:
+    """One generation: the emitted tokens and what the speculation did."""
+
+    tokens: list[int]
+    seconds: float
+    rounds: int = 0                       # verification forwards that carried drafts
+    draft_tokens: int = 0                 # k per round
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted count at draft position j
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_per_pos)
+
+    @property
+    def tau(self) -> float:
+        return 1.0 + self.accepted / self.rounds if self.rounds else float("nan")
+
+
+class TargetRunner:
+    """The HF target with a KV cache that can be cropped after rejection."""
+
+    def __init__(self, model, aux_layers: list[int] | None = None):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.capture = HiddenStateCapture(model, aux_layers) if aux_layers is not None else None
+        self._cache_cls = DynamicCache
+        self.cache = None
+        self.length = 0  # committed positions in the target's KV cache
+
+    def reset(self) -> None:
+        self.cache = self._cache_cls(config=self.model.config)
+        self.length = 0
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``tokens`` after the committed prefix; returns (logits [T,V], aux [T,A*H] or None)."""
+        dev = self.model.device
+        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
+        pos = torch.arange(self.length, self.length + len(tokens), device=dev)[None]
+        aux = None
+        if self.capture is not None:
+            with self.capture.recording() as recs:
+                out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
+                                 use_cache=True)
+            a = recs[-1][0][0]  # [T, A, H]
+            aux = a.reshape(a.shape[0], -1)
+        else:
+            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
+                             use_cache=True)
+        self.length += len(tokens)
+        return out.logits[0], aux
+
+    def crop(self, length: int) -> None:
+        if length < self.length:
+            self.cache.crop(length - self.length)  # negative: drop that many
+        self.length = length
+
+    def close(self) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    return int(torch.multinomial(probs_at(logits, temperature), 1, generator=generator))
+
+
+@torch.inference_mode()
+def plain_generate(target: TargetRunner, prompt: list[int], max_new_tokens: int,
+                   stop_ids: set[int], temperature: float = 0.0,
+                   generator: torch.Generator | None = None) -> GenerationResult:
+    """Ordinary one-token-per-forward decoding with the same KV cache (the speedup baseline)."""
+    start = time.perf_counter()
+    target.reset()
+    logits, _ = target.forward(prompt)
+    out = [_pick(logits[-1], temperature, generator)]
+    while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        logits, _ = target.forward([out[-1]])
+        out.append(_pick(logits[-1], temperature, generator))
+    return GenerationResult(tokens=out, seconds=time.perf_counter() - start)
+
+
+class DraftRunner:
+    """The EAGLE-3 draft with its own KV cache of committed + speculative positions."""
+
+    def __init__(self, draft):
+        from eyas.draft.model import DraftKVCache
+
+        self.draft = draft.eval()
+        self._cache_cls = DraftKVCache
+        self.cache = None
+        self.committed = 0
+        d2t = draft.d2t.to(torch.long)
+        self.draft_to_target = torch.arange(d2t.numel(), device=d2t.device) + d2t
+        self.vocab_size = int(draft.config.vocab_size)
+        self.dtype = next(p for n, p in draft.named_parameters() if n.startswith("fc.")).dtype
+
+    def reset(self) -> None:
+        self.cache = self._cache_cls()
+        self.committed = 0
+
+    def _step(self, features: torch.Tensor, tokens: list[int], start: int, from_target: bool):
+        dev = self.draft_to_target.device
+        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
+        pos = torch.arange(start, start + len(tokens), device=dev)[None]
+        features = features.to(device=dev, dtype=self.dtype)
+        logits, hidden = self.draft.step(features[None], ids, pos, self.cache,
+                                        from_target=from_target)
+        return logits[0, -1], hidden[0, -1:]
+
+    def to_target_probs(self, draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """The draft's distribution scattered onto the target vocab (zero outside the draft vocab)."""
+        q = torch.zeros(self.vocab_size, dtype=torch.float32, device=draft_logits.device)
+        q[self.draft_to_target] = probs_at(draft_logits, temperature)
+        return q
+
+    @torch.inference_mode()
+    def propose(self, aux: torch.Tensor, next_tokens: list[int], k: int, temperature: float,
+                generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+        """Commit the new target positions (``aux`` [n, A*H], ``next_tokens`` = x[i+1] for each),
+        then draft k tokens. Returns (draft tokens in target ids, draft probs [k, V] or None)."""
+        self.cache.crop(self.committed)
+        logits, hidden = self._step(aux, next_tokens, self.committed, True)
+        self.committed += len(next_tokens)
+        tokens, probs = [], []
+        pos = self.committed  # position of the first TTT step
+        for j in range(k):
+            if temperature <= 0:
+                d = int(logits.argmax())
+            else:
+                q = probs_at(logits, temperature)
+                probs.append(self.to_target_probs(logits, temperature))
+                d = int(torch.multinomial(q, 1, generator=generator))
+            tok = int(self.draft_to_target[d])
+            tokens.append(tok)
+            if j + 1 < k:
+                logits, hidden = self._step(hidden, [tok], pos + j, False)
+        return tokens, (torch.stack(probs) if probs else None)
+
+
+@torch.inference_mode()
+def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int],
+                         max_new_tokens: int, stop_ids: set[int], k: int, temperature: float = 0.0,
+                         generator: torch.Generator | None = None) -> GenerationResult:
+    """Chain speculative decoding of ``prompt``; greedy when ``temperature`` <= 0."""
+    if target.capture is None:
+        raise ValueError("speculative decoding needs a TargetRunner built with aux_layers")
+    start = time.perf_counter()
+    target.reset()
+    draft.reset()
+    logits, aux = target.forward(prompt)
+    out = [_pick(logits[-1], temperature, generator)]
+    res = GenerationResult(tokens=out, seconds=0.0, accepted_per_pos=[0] * k)
+    # Positions whose target features the draft has not consumed yet, and the token after each.
+    new_aux, new_next = aux, prompt[1:] + [out[-1]]
+    while len(out) < max_new_tokens and out[-1] not in stop_ids:
+        drafts, q = draft.propose(new_aux, new_next, k, temperature, generator)
+        base = target.length
+        logits, aux = target.forward([out[-1]] + drafts)
+        if temperature <= 0:
+            n, nxt = verify_greedy(logits, torch.tensor(drafts, device=logits.device))
+        else:
+            n, nxt = verify_sampling(probs_at(logits, temperature), q,
+                                     torch.tensor(drafts, device=logits.device), generator)
+        res.rounds += 1
+        res.draft_tokens += k
+        for j in range(n):
+            res.accepted_per_pos[j] += 1
+        target.crop(base + n + 1)
+        emitted = drafts[:n] + [nxt]
+        new_aux, new_next = aux[: n + 1], emitted
+        for t in emitted:  # stop exactly where plain decoding would
+            if len(out) >= max_new_tokens or out[-1] in stop_ids:
+                break
+            out.append(t)
+    res.seconds = time.perf_counter() - start
+    return res

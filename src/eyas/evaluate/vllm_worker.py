@@ -1,0 +1,86 @@
+"""Runs inside a vLLM environment (``.venvs/vllm-X/bin/python``): serves generate requests over
+stdin/stdout as JSON lines and reports vLLM's own spec-decode counters per request.
+
+Standalone on purpose (stdlib + vllm only): the vLLM env does not have eyas installed.
+Protocol: argv[1] is a JSON object of engine options; each stdin line is a request
+``{"prompt_token_ids", "max_tokens", "temperature", "seed"}`` or ``{"op": "quit"}``; each reply is
+one stdout line starting with ``EYAS-JSON `` (vLLM's own logs go elsewhere on stdout/stderr).
+"""
+
+import json
+import sys
+import time
+
+PREFIX = "EYAS-JSON "
+SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+
+
+def reply(obj):
+    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def spec_counters(llm):
+    """Sum vLLM's spec-decode counters over label sets (engines); per-pos as a list."""
+    out = {name: None for name in SPEC}
+    for m in llm.get_metrics():
+        if m.name not in out:
+            continue
+        if hasattr(m, "values"):  # Vector: one count per draft position
+            cur = out[m.name] or [0] * len(m.values)
+            out[m.name] = [a + b for a, b in zip(cur, m.values)]
+        else:
+            out[m.name] = (out[m.name] or 0) + m.value
+    return out
+
+
+def delta(after, before):
+    out = {}
+    for k, v in after.items():
+        b = before.get(k)
+        if v is None:
+            out[k] = None
+        elif isinstance(v, list):
+            out[k] = [x - y for x, y in zip(v, b or [0] * len(v))]
+        else:
+            out[k] = v - (b or 0)
+    return out
+
+
+def main():
+    opts = json.loads(sys.argv[1])
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    # Prompts arrive as token ids and outputs leave as ids: no tokenizer needed, so a tokenizer
+    # saved by a newer transformers cannot break an older vLLM.
+    kwargs = dict(model=opts["target"], dtype=opts.get("dtype", "auto"), skip_tokenizer_init=True,
+                  enforce_eager=True,
+                  disable_log_stats=False, seed=opts.get("seed", 0),
+                  enable_prefix_caching=False)
+    if opts.get("max_model_len"):
+        kwargs["max_model_len"] = opts["max_model_len"]
+    if opts.get("draft"):
+        kwargs["speculative_config"] = {"method": "eagle3", "model": opts["draft"],
+                                        "num_speculative_tokens": opts["k"]}
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    reply({"ready": True, "vllm": vllm.__version__, "load_seconds": time.perf_counter() - t0})
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("op") == "quit":
+            break
+        params = SamplingParams(max_tokens=req["max_tokens"], temperature=req.get("temperature", 0.0),
+                                seed=req.get("seed"), stop_token_ids=req.get("stop_token_ids") or None,
+                                detokenize=False)
+        before = spec_counters(llm)
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": req["prompt_token_ids"]}], params, use_tqdm=False)
+        secs = time.perf_counter() - t
+        reply({"token_ids": list(outs[0].outputs[0].token_ids), "seconds": secs,
+               "spec": delta(spec_counters(llm), before)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""`eyas export CKPT --format vllm|sglang --out DIR`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from eyas.errors import EyasError
+
+FORMATS = ("vllm", "sglang")
+DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str,
+                      dtype: str = "auto", verifier: str | None = None,
+                      num_speculative_tokens: int = 3, check_identity: bool = True,
+                      overwrite: bool = False) -> Path:
+    """Check the draft against the target, then write the ``fmt`` directory to ``out``."""
+    import torch
+
+    from eyas.export.checks import check_against_target, load_checkpoint
+    from eyas.export.sglang import export_sglang
+    from eyas.export.vllm import export_vllm
+    from eyas.target import resolve_target
+
+    if fmt not in FORMATS:
+        raise EyasError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise EyasError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    torch_dtype = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None
+    ckpt = load_checkpoint(ckpt_dir)
+    target = resolve_target(target_spec)
+    check_against_target(ckpt, target.config(), target.identity, f"target {target_spec!r}",
+                         check_identity=check_identity)
+    cfg = ckpt.config
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        # vLLM has no d2t parameter when the vocabularies are equal: only the identity map is valid.
+        if bool((ckpt.tensors["d2t"] != 0).any()):
+            raise EyasError(f"checkpoint {ckpt_dir}: draft_vocab_size equals the target vocab but d2t "
+                            "is not the identity; vLLM cannot load such a mapping")
+        ckpt.tensors.pop("d2t")
+        ckpt.tensors.pop("t2d", None)
+    if fmt == "sglang":
+        return export_sglang(ckpt, target.config(), out, torch_dtype, overwrite=overwrite)
+    return export_vllm(ckpt, target.config(), out, verifier or str(target.path), torch_dtype,
+                       num_speculative_tokens, overwrite=overwrite)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("export")
+    def export_cmd(
+        ckpt: Path = typer.Argument(..., help="Draft checkpoint directory (RUN_DIR/draft from `eyas train`)."),
+        fmt: str = typer.Option("vllm", "--format", help="vllm (speculators-style, `vllm serve DIR`) or "
+                                "sglang (LlamaForCausalLMEagle3, also loaded by vLLM)."),
+        out: Path = typer.Option(..., "--out", help="Directory to write."),
+        target: str = typer.Option("smollm2-135m-instruct", "--target",
+                                   help="The target the draft serves: checked against the draft's "
+                                   "layer ids, hidden size and vocab."),
+        dtype: str = typer.Option("auto", help="auto (keep), bfloat16, float16 or float32."),
+        verifier: str = typer.Option(None, help="name_or_path recorded as the verifier (vllm format; "
+                                     "default: the target's local path)."),
+        num_speculative_tokens: int = typer.Option(3, "--num-speculative-tokens", "-k",
+                                                   help="Default k recorded in the vllm format."),
+        ignore_identity: bool = typer.Option(False, help="Allow a target whose weights/tokenizer "
+                                             "fingerprint differs from the one the draft was trained on."),
+        overwrite: bool = typer.Option(False, help="Replace --out if it exists."),
+    ) -> None:
+        """Export a trained draft for vLLM (speculators format) or SGLang (EAGLE-3 format)."""
+        path = export_checkpoint(ckpt, fmt, out, target, dtype, verifier, num_speculative_tokens,
+                                 check_identity=not ignore_identity, overwrite=overwrite)
+        typer.echo(f"wrote {fmt} draft to {path}")
