@@ -122,8 +122,8 @@ class OfflineFeatures:
 def check_store_manifest(m: dict, store_path, target, dataset, aux_layers: list[int] | None) -> None:
     """Refuse a store from another target, tokenizer, dataset or layer set, naming which."""
     found = m.get("target") or {}
-    for key, what in (("id", "target"), ("weights", "target weights"), ("config", "target config"),
-                      ("tokenizer", "tokenizer")):
+    for key, what in (("tokenizer", "tokenizer"), ("config", "target config"),
+                      ("weights", "target weights"), ("id", "target")):
         if found.get(key) != target.identity.get(key):
             raise EyasError(f"store {store_path} was extracted with another {what} "
                             f"({key} {found.get(key)!r} there, {target.identity.get(key)!r} for "

@@ -1,0 +1,199 @@
+"""`eyas train` end to end on a tiny target: online/offline, checks, SIGKILL + resume, torchrun DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import tiny
+from eyas.errors import EyasError
+from eyas.train.trainer import TrainConfig, train
+
+PY = sys.executable
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: more threads only contend
+    yield
+    torch.set_num_threads(n)
+
+
+def _write_data(path: Path, target, n: int = 48, seed: int = 0) -> Path:
+    from eyas.data.dataset import write_prepared
+
+    rng = np.random.default_rng(seed)
+    vocab = target.config()["vocab_size"]
+    ids, masks = [], []
+    for _ in range(n):
+        length = int(rng.integers(12, 56))
+        ids.append(rng.integers(4, vocab, length).tolist())
+        masks.append([0] * (length // 3) + [1] * (length - length // 3))
+    dv = 96
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.from_numpy(rng.permutation(vocab)[:dv])] = True
+    d2t = torch.nonzero(t2d).flatten() - torch.arange(dv)
+    return write_prepared(path, ids, masks, [f"rand:{i}" for i in range(n)], target, d2t, t2d)
+
+
+@pytest.fixture(scope="module")
+def data(tiny_target, tmp_path_factory) -> Path:
+    return _write_data(tmp_path_factory.mktemp("prep") / "data", tiny_target)
+
+
+def _cfg(tiny_target, data, out, **kw) -> TrainConfig:
+    base = dict(target=str(tiny_target.path), data=str(data), out=str(out), online=True, layers=[1, 4, 6],
+                ttt_steps=3, tokens_per_batch=128, max_steps=4, warmup=1, lr=1e-3, save_every=2,
+                eval_every=2, eval_batches=2, heldout_fraction=0.1, progress=False)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _records(run: Path, split: str = "train") -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+def _cli(*args: str) -> list[str]:
+    return [PY, "-m", "eyas.cli", "train", *args]
+
+
+def test_online_run_writes_draft_logs_plot(tiny_target, data, tmp_path):
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+    from eyas.draft.model import Eagle3Draft
+
+    run = tmp_path / "run"
+    res = CliRunner().invoke(app, ["train", "--target", str(tiny_target.path), "--data", str(data),
+                                   "--out", str(run), "--online", "--layers", "1,4,6", "--ttt-steps", "3",
+                                   "--tokens-per-batch", "128", "--max-steps", "6", "--warmup", "1",
+                                   "--lr", "3e-3", "--save-every", "3", "--eval-every", "3",
+                                   "--eval-batches", "2", "--heldout", "0.1"])
+    assert res.exit_code == 0, res.output
+    draft = Eagle3Draft.from_pretrained(run / "draft")
+    assert draft.config.aux_layer_ids == [1, 4, 6] and draft.config.target["id"] == tiny_target.id
+    train_recs = _records(run)
+    assert [r["step"] for r in train_recs] == list(range(1, 7))
+    assert all(len(r["acc"]) == 3 and r["tokens_per_s"] > 0 for r in train_recs)
+    held = _records(run, "heldout")
+    assert [r["step"] for r in held] == [3, 6] and all(len(r["acc"]) == 3 for r in held)
+    assert held[-1]["positions"][0] > 0
+    assert train_recs[-1]["loss"] < train_recs[0]["loss"]  # it learns something
+    assert (run / "loss.png").stat().st_size > 1000
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    # the embeddings stayed the target's; the layer moved
+    init = torch.load  # noqa: F841 - keep names short below
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_target.path / "model.safetensors"), "pt") as fh:
+        assert torch.equal(draft.embed_tokens.weight, fh.get_tensor("model.embed_tokens.weight").float())
+    # a second run into the same directory is refused unless it resumes
+    res2 = CliRunner().invoke(app, ["train", "--target", str(tiny_target.path), "--data", str(data),
+                                    "--out", str(run), "--online", "--tokens-per-batch", "128"])
+    assert res2.exit_code != 0 and "--resume" in str(res2.exception)
+
+
+def test_offline_store_equals_online_and_refuses_mismatches(tiny_target, data, tmp_path):
+    from eyas.extract.run import run_extract
+
+    store = tmp_path / "store"
+    run_extract(str(tiny_target.path), data, store, [1, 4, 6], dtype="fp32", device="cpu",
+                model_dtype="fp32", progress=False)
+    on = train(_cfg(tiny_target, data, tmp_path / "on", save_every=0))
+    off = train(_cfg(tiny_target, data, tmp_path / "off", online=False, store=str(store), layers=None,
+                     save_every=0))
+    l_on = [r["loss"] for r in _records(tmp_path / "on")]
+    l_off = [r["loss"] for r in _records(tmp_path / "off")]
+    assert l_on == pytest.approx(l_off, rel=1e-4, abs=1e-5)
+    w_on, w_off = load_file(str(on / "model.safetensors")), load_file(str(off / "model.safetensors"))
+    for k in w_on:
+        torch.testing.assert_close(w_on[k], w_off[k], atol=1e-4, rtol=1e-3)
+    # another layer set
+    with pytest.raises(EyasError, match=r"layers \[1, 4, 6\].*\[2, 4, 6\]"):
+        train(_cfg(tiny_target, data, tmp_path / "x1", online=False, store=str(store), layers=[2, 4, 6]))
+    # a store from another target (same tokenizer and config, other weights)
+    from eyas.target import resolve_target
+
+    other = resolve_target(tiny.make_target(tmp_path / "other", "llama", seed=7))
+    data2 = _write_data(tmp_path / "data2", other)
+    store2 = tmp_path / "store2"
+    run_extract(str(other.path), data2, store2, [1, 4, 6], dtype="fp32", device="cpu", progress=False)
+    with pytest.raises(EyasError, match="another target weights"):
+        train(_cfg(tiny_target, data, tmp_path / "x2", online=False, store=str(store2), layers=None))
+    # a dataset made for the other target is refused before anything runs
+    with pytest.raises(EyasError, match="another target"):
+        train(_cfg(tiny_target, data2, tmp_path / "x3"))
+    with pytest.raises(EyasError, match="exactly one feature source"):
+        train(_cfg(tiny_target, data, tmp_path / "x4", online=False))
+
+
+def _train_args(tiny_target, data, out, *extra):
+    return ["--target", str(tiny_target.path), "--data", str(data), "--out", str(out), "--online",
+            "--layers", "1,4,6", "--ttt-steps", "3", "--tokens-per-batch", "128", "--warmup", "2",
+            "--lr", "2e-3", "--eval-every", "0", "--eval-batches", "1", "--heldout", "0.1",
+            "--device", "cpu", *extra]
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tiny_target, data, tmp_path):
+    steps = ["--max-steps", "24", "--save-every", "3"]
+    full = tmp_path / "full"
+    subprocess.run(_cli(*_train_args(tiny_target, data, full, *steps)), env=ENV, check=True,
+                   capture_output=True)
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(_cli(*_train_args(tiny_target, data, run, *steps)), env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (run / "checkpoints" / "step-00000006").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "training ended before the kill"
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "draft").exists(), "the run finished before SIGKILL; nothing was tested"
+    done = [r["step"] for r in _records(run)]
+    assert max(done) < 24
+    subprocess.run(_cli(*_train_args(tiny_target, data, run, *steps, "--resume")), env=ENV, check=True,
+                   capture_output=True)
+    a = load_file(str(full / "draft" / "model.safetensors"))
+    b = load_file(str(run / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # each step logged once, with the uninterrupted run's losses
+    assert [r["step"] for r in _records(run)] == list(range(1, 25))
+    assert [r["loss"] for r in _records(run)] == [r["loss"] for r in _records(full)]
+    # changing what fixes the data order is refused on resume
+    res = subprocess.run(_cli(*_train_args(tiny_target, data, run, "--max-steps", "30", "--seed", "5",
+                                           "--resume")), env=ENV, capture_output=True, text=True)
+    assert res.returncode != 0 and "seed" in res.stderr
+
+
+def test_torchrun_two_processes_match_single_process(tiny_target, data, tmp_path):
+    steps = ["--max-steps", "4", "--save-every", "0"]
+    single = tmp_path / "single"
+    subprocess.run(_cli(*_train_args(tiny_target, data, single, *steps, "--grad-accum", "2")), env=ENV,
+                   check=True, capture_output=True)
+    ddp = tmp_path / "ddp"
+    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
+           "train", *_train_args(tiny_target, data, ddp, *steps, "--grad-accum", "1")]
+    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    l1 = [r["loss"] for r in _records(single)]
+    l2 = [r["loss"] for r in _records(ddp)]
+    assert len(l1) == len(l2) == 4
+    assert l1 == pytest.approx(l2, rel=1e-5)
+    a = load_file(str(single / "draft" / "model.safetensors"))
+    b = load_file(str(ddp / "draft" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
