@@ -23,6 +23,7 @@ def _root() -> None:
 
 # Each stage module exposes register(app); listed here in pipeline order.
 STAGE_MODULES = [
+    "eyas.data.prepare",
     "eyas.extract.run",
     "eyas.train.cli",
 ]

@@ -85,14 +85,30 @@ class ChatEncoder:
         if not getattr(tokenizer, "is_fast", False):
             raise EyasError(f"{name}: eyas needs a fast (Rust) tokenizer for character offsets; "
                             "this one is a slow Python tokenizer (no tokenizer.json)")
-        self.tokenizer = tokenizer
+        ids = stop_ids if stop_ids is not None else stop_token_ids(tokenizer)
+        self._setup(tokenizer.backend_tokenizer, template, dict(tokenizer.special_tokens_map), ids)
+
+    def _setup(self, backend, template: str, special_tokens: dict, stop_ids: Iterable[int]) -> None:
         self.template = template
         self.template_sha256 = template_sha256(template)
         self.uses_generation_blocks = bool(GENERATION_BLOCK.search(template))
-        self.stop_ids = np.array(sorted(set(stop_ids if stop_ids is not None
-                                            else stop_token_ids(tokenizer))), dtype=np.int64)
-        self._kwargs = dict(tokenizer.special_tokens_map)
-        self._backend = tokenizer.backend_tokenizer
+        self.stop_ids = np.array(sorted(set(int(x) for x in stop_ids)), dtype=np.int64)
+        self._kwargs = special_tokens
+        self._backend = backend
+
+    def parts(self) -> tuple[str, str, dict, list[int]]:
+        """Picklable state for worker processes (they skip importing AutoTokenizer)."""
+        return (self._backend.to_str(), self.template, dict(self._kwargs),
+                [int(x) for x in self.stop_ids])
+
+    @classmethod
+    def from_parts(cls, backend_json: str, template: str, special_tokens: dict,
+                   stop_ids: list[int]) -> "ChatEncoder":
+        from tokenizers import Tokenizer
+
+        self = cls.__new__(cls)
+        self._setup(Tokenizer.from_str(backend_json), template, special_tokens, stop_ids)
+        return self
 
     # -------------------------------------------------------------------------- rendering
 

@@ -178,7 +178,7 @@ def _read_json_file(info: SourceInfo, path: Path) -> Iterator[RawRecord]:
 
 def _read_zip_member_json(info: SourceInfo, wheel: Path, member: str) -> Iterator[RawRecord]:
     with zipfile.ZipFile(wheel) as zf, zf.open(member) as fh:
-        yield from _stream_json_array(info, fh, f"{wheel.name}!{member}")
+        yield from _stream_json_array(info, fh, info.name)
 
 
 def _stream_json_array(info: SourceInfo, fh, where: str) -> Iterator[RawRecord]:

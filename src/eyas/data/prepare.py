@@ -1,0 +1,466 @@
+"""`eyas prepare`: conversations -> tokenized, loss-masked dataset + draft vocab (interface A).
+
+Records are read in order and cut into chunks of ``chunk_size``; chunk k becomes shard k,
+written atomically with its statistics in the parquet metadata. A re-run with the same settings
+skips the shards that exist (resume); other settings or another target are refused. Chunks are
+encoded by worker processes (render + batched Rust tokenization + mask), so all cores work.
+The manifest is written last and marks the directory complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from eyas.data.formats import SKIP_REASONS, Skip, SourceInfo, normalize, open_source
+from eyas.errors import EyasError
+
+STATE_FILE = ".prepare-state.json"
+MAX_EXAMPLES = 3  # skip examples (location + detail) kept per reason
+
+
+@dataclass
+class RegenerateOptions:
+    temperature: float = 0.7
+    top_p: float = 0.9
+    max_new_tokens: int = 512
+    seed: int = 0
+    batch_size: int = 32
+    device: str = "auto"
+    drop_length_limited: bool = False
+
+    def settings(self) -> dict[str, Any]:
+        """What determines the answers (batch size and device do not, by intent)."""
+        return {"temperature": self.temperature, "top_p": self.top_p,
+                "max_new_tokens": self.max_new_tokens, "seed": self.seed}
+
+
+@dataclass
+class PrepareOptions:
+    out: Path
+    target: str = "smollm2-135m-instruct"
+    data: list[str] = field(default_factory=lambda: ["sharegpt"])
+    max_samples: int | None = None
+    max_length: int = 2048
+    draft_vocab_size: int = 32000
+    chat_template: Path | None = None
+    strict: bool = False
+    workers: int = 0          # 0: one per CPU core
+    chunk_size: int = 512
+    regenerate: RegenerateOptions | None = None
+    progress: bool = True
+
+
+# ----------------------------------------------------------------------------- worker side
+
+_ENCODER = None
+
+
+def _init_worker(parts: tuple, single_thread: bool) -> None:
+    global _ENCODER
+    if single_thread:  # one Rust thread per worker process: the processes are the parallelism
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from eyas.data.chat import ChatEncoder
+
+    _ENCODER = ChatEncoder.from_parts(*parts)
+
+
+def _new_stats() -> dict[str, Any]:
+    return {"read": 0, "kept": 0, "dropped": {}, "examples": {}, "tokens": 0,
+            "trained_tokens": 0, "truncated_samples": 0}
+
+
+def _count_skip(stats: dict[str, Any], reason: str, location: str, detail: str) -> None:
+    stats["dropped"][reason] = stats["dropped"].get(reason, 0) + 1
+    ex = stats["examples"].setdefault(reason, [])
+    if len(ex) < MAX_EXAMPLES:
+        ex.append(f"{location}: {detail}" if detail else location)
+
+
+def _encode_chunk(items: list[tuple[str, str, Any]], max_length: int):
+    """items: (source_id, location, messages | Skip). Returns (ids, masks, source_ids, stats)."""
+    stats = _new_stats()
+    stats["read"] = len(items)
+    convs = [(i, it) for i, it in enumerate(items) if not isinstance(it[2], Skip)]
+    encoded = _ENCODER.encode([it[2] for _, it in convs], max_length) if convs else []
+    results: list[Any] = [it[2] for it in items]
+    for (i, _), enc in zip(convs, encoded):
+        results[i] = enc
+    ids, masks, srcs = [], [], []
+    for (sid, loc, _), res in zip(items, results):
+        if isinstance(res, Skip):
+            _count_skip(stats, res.reason, loc, res.detail)
+            continue
+        trained = int(res.loss_mask.sum())
+        if trained == 0:
+            _count_skip(stats, "no_trained_tokens", loc, f"first answer starts after token {max_length}")
+            continue
+        ids.append(res.input_ids)
+        masks.append(res.loss_mask)
+        srcs.append(sid)
+        stats["kept"] += 1
+        stats["tokens"] += len(res.input_ids)
+        stats["trained_tokens"] += trained
+        stats["truncated_samples"] += int(res.truncated)
+    return ids, masks, srcs, stats
+
+
+# ------------------------------------------------------------------------------- main side
+
+
+def _iter_items(sources: list[tuple[SourceInfo, Iterator]], max_samples: int | None
+                ) -> Iterator[tuple[str, str, Any]]:
+    n = 0
+    for _info, records in sources:
+        for rec in records:
+            if max_samples is not None and n >= max_samples:
+                return
+            n += 1
+            yield rec.source_id, rec.location, normalize(rec)
+
+
+def _chunks(items: Iterator, size: int) -> Iterator[list]:
+    buf: list = []
+    for it in items:
+        buf.append(it)
+        if len(buf) == size:
+            yield buf
+            buf = []
+    if buf:
+        yield buf
+
+
+def _target_vocab_size(config: dict[str, Any]) -> int:
+    v = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if not v:
+        raise EyasError("target config.json has no vocab_size (nor text_config.vocab_size)")
+    return int(v)
+
+
+def _check_out_dir(out: Path, settings: dict[str, Any]) -> str:
+    """'new', 'resume' or 'complete'; refuses directories made with other settings/targets."""
+    from eyas.manifest import MANIFEST, read_manifest
+
+    def diff(found: dict[str, Any]) -> list[str]:
+        return [f"{k}: {found.get(k)!r} there, {settings[k]!r} now" for k in settings
+                if found.get(k) != settings[k]]
+
+    if (out / MANIFEST).is_file():
+        m = read_manifest(out, what="prepared dataset")
+        if m.get("kind") != "eyas-prepared":
+            raise EyasError(f"--out {out}: holds a manifest of kind {m.get('kind')!r}, not a "
+                            "prepared dataset; choose another --out")
+        d = diff(m.get("settings") or {})
+        if d:
+            raise EyasError(f"--out {out} already holds a finished prepared dataset made with other "
+                            f"settings ({'; '.join(d)}). Choose a new --out, or delete it to redo.")
+        return "complete"
+    state = out / STATE_FILE
+    if state.is_file():
+        try:
+            found = json.loads(state.read_text())
+        except json.JSONDecodeError as e:
+            raise EyasError(f"{state}: unreadable ({e}); delete {out} and re-run") from e
+        d = diff(found)
+        if d:
+            raise EyasError(f"--out {out} holds an unfinished prepare with other settings "
+                            f"({'; '.join(d)}); re-run with the same settings to resume, or "
+                            "choose a new --out (eyas never mixes them)")
+        return "resume"
+    if out.exists() and any(out.iterdir()):
+        raise EyasError(f"--out {out}: directory exists and is not an eyas prepare output; "
+                        "choose a new or empty directory")
+    return "new"
+
+
+def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
+    """Run the prepare stage; returns the manifest (which holds the summary counts)."""
+    from eyas.data.chat import ChatEncoder, stop_token_ids
+    from eyas.data.dataset import (
+        read_shard_metadata,
+        shard_name,
+        write_shard,
+    )
+    from eyas.manifest import write_manifest
+    from eyas.target import resolve_target
+
+    t_start = time.time()
+    if opts.max_length < 2:
+        raise EyasError(f"--max-length {opts.max_length}: must be at least 2")
+    if opts.max_samples is not None and opts.max_samples < 1:
+        raise EyasError(f"--max-samples {opts.max_samples}: must be at least 1")
+    target = resolve_target(opts.target)
+    tok = target.load_tokenizer()
+    template = None
+    if opts.chat_template is not None:
+        p = Path(opts.chat_template)
+        if not p.is_file():
+            raise EyasError(f"--chat-template {p}: no such file")
+        template = p.read_text()
+    encoder = ChatEncoder(tok, template, stop_token_ids(tok, target.path), name=f"target {opts.target}")
+    vocab_size = _target_vocab_size(target.config())
+    out = Path(opts.out)
+    settings = {
+        "target": target.identity,
+        "data": list(opts.data),
+        "max_samples": opts.max_samples,
+        "max_length": opts.max_length,
+        "draft_vocab_size": min(opts.draft_vocab_size, vocab_size),
+        "chat_template_sha256": encoder.template_sha256,
+        "chunk_size": opts.chunk_size,
+        "strict": opts.strict,
+        "regenerate": opts.regenerate.settings() if opts.regenerate else None,
+    }
+    mode = _check_out_dir(out, settings)
+    if mode == "complete":
+        from eyas.manifest import read_manifest
+
+        log(f"{out}: already complete with these settings; nothing to do")
+        return read_manifest(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if mode == "new":
+        write_manifest(out, settings, name=STATE_FILE)
+    else:
+        log(f"{out}: resuming an unfinished prepare")
+
+    sources = [open_source(spec) for spec in opts.data]
+    items: Iterator = _iter_items(sources, opts.max_samples)
+    regen_info = None
+    if opts.regenerate:
+        from eyas.data.regenerate import regenerate
+
+        all_items = list(items)
+        if opts.strict:
+            _raise_first_skip(all_items)
+        all_items, regen_info = regenerate(target, tok, encoder, all_items, out, opts.regenerate,
+                                           max_length=opts.max_length, progress=opts.progress)
+        items = iter(all_items)
+
+    workers = opts.workers or (os.cpu_count() or 1)
+    pool = None
+    if workers > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
+                                   initializer=_init_worker,
+                                   initargs=(encoder.parts(), True))
+    else:
+        global _ENCODER
+        _ENCODER = encoder
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=opts.max_samples, unit="conv", desc="prepare", disable=not opts.progress,
+               dynamic_ncols=True)
+    n_shards = 0
+    kept = 0
+    pending: deque = deque()
+
+    def finish(k: int, res) -> None:
+        nonlocal kept
+        ids, masks, srcs, stats = res
+        if opts.strict and stats["dropped"]:
+            reason = next(iter(stats["dropped"]))
+            raise EyasError(f"--strict: {stats['examples'][reason][0]}: {reason} "
+                            f"({SKIP_REASONS.get(reason, '')}); fix the input or drop --strict "
+                            "to count and skip such conversations")
+        write_shard(out / shard_name(k), ids, masks, srcs, metadata=stats)
+        kept += stats["kept"]
+        bar.update(stats["read"])
+        bar.set_postfix(kept=kept)
+
+    try:
+        for k, chunk in enumerate(_chunks(items, opts.chunk_size)):
+            n_shards = k + 1
+            f = out / shard_name(k)
+            if f.is_file():  # done in an earlier run
+                meta = read_shard_metadata(f) or {}
+                if meta.get("read") != len(chunk):
+                    raise EyasError(f"{f}: holds {meta.get('read')} records, this run's chunk has "
+                                    f"{len(chunk)}; the input changed since the first run: "
+                                    "choose a new --out")
+                kept += meta.get("kept", 0)
+                bar.update(len(chunk))
+                continue
+            if opts.strict:
+                _raise_first_skip(chunk)
+            if pool is None:
+                finish(k, _encode_chunk(chunk, opts.max_length))
+                continue
+            pending.append((k, pool.submit(_encode_chunk, chunk, opts.max_length)))
+            while len(pending) >= 2 * workers:
+                kk, fut = pending.popleft()
+                finish(kk, fut.result())
+        while pending:
+            kk, fut = pending.popleft()
+            finish(kk, fut.result())
+    finally:
+        bar.close()
+        if pool is not None:
+            for _, fut in pending:
+                fut.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    for info, _ in sources:
+        if info.truncated and opts.strict and not info.known_truncated:
+            raise EyasError(f"--strict: {info.truncated['message']}")
+    manifest = _finalize(out, target, encoder, settings, n_shards, vocab_size, sources,
+                         regen_info, opts, time.time() - t_start)
+    return manifest
+
+
+def _raise_first_skip(items: list[tuple[str, str, Any]]) -> None:
+    for _sid, loc, payload in items:
+        if isinstance(payload, Skip):
+            raise EyasError(f"--strict: {loc}: {payload.reason} ({SKIP_REASONS.get(payload.reason, '')})"
+                            f"{': ' + payload.detail if payload.detail else ''}; fix the input or "
+                            "drop --strict to count and skip such conversations")
+
+
+def _finalize(out: Path, target, encoder, settings: dict[str, Any], n_shards: int, vocab_size: int,
+              sources, regen_info, opts: PrepareOptions, seconds: float) -> dict[str, Any]:
+    import pyarrow.parquet as pq
+
+    from eyas.data.dataset import finalize_manifest, read_shard_metadata, save_draft_vocab, shard_name
+    from eyas.data.vocab import build_draft_vocab
+
+    total = _new_stats()
+    shards = []
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for k in range(n_shards):
+        f = out / shard_name(k)
+        meta = read_shard_metadata(f) or {}
+        for key in ("read", "kept", "tokens", "trained_tokens", "truncated_samples"):
+            total[key] += meta.get(key, 0)
+        for reason, n in meta.get("dropped", {}).items():
+            total["dropped"][reason] = total["dropped"].get(reason, 0) + n
+        for reason, ex in meta.get("examples", {}).items():
+            have = total["examples"].setdefault(reason, [])
+            have.extend(ex[:MAX_EXAMPLES - len(have)])
+        table = pq.read_table(f, columns=["input_ids", "loss_mask"])
+        if table.num_rows:
+            ids = table.column("input_ids").combine_chunks().values.to_numpy()
+            mask = table.column("loss_mask").combine_chunks().values.to_numpy().astype(bool)
+            sel = ids[mask].astype(np.int64)
+            if sel.size and int(sel.max()) >= vocab_size:
+                raise EyasError(f"{f}: token id {int(sel.max())} is outside the target vocabulary "
+                                f"({vocab_size}); the tokenizer has more tokens than the model: "
+                                "check the target directory")
+            counts += np.bincount(sel, minlength=vocab_size)
+        shards.append({"file": shard_name(k), "rows": table.num_rows})
+    if total["kept"] == 0:
+        raise EyasError(f"no conversation was kept out of {total['read']} read "
+                        f"(dropped: {total['dropped']}); see the reasons above and check --data")
+    d2t, t2d, coverage = build_draft_vocab(counts, settings["draft_vocab_size"])
+    save_draft_vocab(out, d2t, t2d)
+    source_info = [info.to_json() for info, _ in sources]
+    fields = {
+        "settings": settings,
+        "target_spec": opts.target,
+        "target_vocab_size": vocab_size,
+        "chat_template_sha256": encoder.template_sha256,
+        "chat_template_source": str(opts.chat_template) if opts.chat_template else "tokenizer",
+        "mask_method": "generation_blocks" if encoder.uses_generation_blocks else "prefix_renders",
+        "stop_token_ids": [int(x) for x in encoder.stop_ids],
+        "max_length": opts.max_length,
+        "draft_vocab_size": int(d2t.shape[0]),
+        "coverage": coverage,
+        "counts": {
+            "read": total["read"], "samples": total["kept"], "dropped": total["dropped"],
+            "dropped_total": sum(total["dropped"].values()),
+            "tokens": total["tokens"], "trained_tokens": total["trained_tokens"],
+            "truncated_samples": total["truncated_samples"],
+        },
+        "skip_examples": total["examples"],
+        "sources": source_info,
+        "regenerate": regen_info,
+        "seconds": round(seconds, 2),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    manifest = finalize_manifest(out, target.identity, shards, fields)
+    (out / STATE_FILE).unlink(missing_ok=True)
+    return manifest
+
+
+def summary_lines(manifest: dict[str, Any]) -> list[str]:
+    """Human summary: read, kept, dropped per reason, trained tokens, coverage, truncations."""
+    c = manifest["counts"]
+    lines = [f"read {c['read']:,} conversations, kept {c['samples']:,}, dropped {c['dropped_total']:,}"]
+    for reason, n in sorted(c["dropped"].items(), key=lambda kv: -kv[1]):
+        ex = (manifest.get("skip_examples", {}).get(reason) or [""])[0]
+        lines.append(f"  dropped {n:,} x {reason} ({SKIP_REASONS.get(reason, '')})"
+                     + (f", e.g. {ex[:160]}" if ex else ""))
+    lines.append(f"tokens {c['tokens']:,}, trained on {c['trained_tokens']:,} "
+                 f"({c['truncated_samples']:,} samples cut at --max-length {manifest['max_length']})")
+    lines.append(f"draft vocab {manifest['draft_vocab_size']:,} tokens covers "
+                 f"{100 * manifest['coverage']:.2f}% of trained-on tokens")
+    for s in manifest.get("sources", []):
+        if s.get("truncated"):
+            lines.append(f"note: source {s['name']}: {s['truncated']['message']}")
+    r = manifest.get("regenerate")
+    if r:
+        lines.append(f"regenerated {r['answers']:,} answers ({r['length_limited']:,} hit "
+                     f"--max-new-tokens, {r['empty']:,} empty) with {r['settings']}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+
+def register(app) -> None:
+    import typer
+
+    @app.command("prepare")
+    def prepare_cmd(
+        out: Path = typer.Option(..., "--out", help="Output dataset directory (resumable)."),
+        target: str = typer.Option("smollm2-135m-instruct", "--target",
+                                   help="HF model dir, .gguf file or built-in target name."),
+        data: list[str] = typer.Option(["sharegpt"], "--data",
+                                       help="Built-in name (sharegpt), .json/.jsonl/.parquet file, "
+                                            "or saved HF dataset dir; repeatable."),
+        max_samples: int | None = typer.Option(None, "--max-samples",
+                                               help="Take only the first N conversations."),
+        max_length: int = typer.Option(2048, "--max-length", help="Truncate samples to N tokens."),
+        draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size",
+                                             help="Draft vocab size (capped at the target's)."),
+        chat_template: Path | None = typer.Option(None, "--chat-template",
+                                                  help="Jinja chat template file to use instead "
+                                                       "of the tokenizer's."),
+        strict: bool = typer.Option(False, "--strict", help="Turn skipped conversations into errors."),
+        workers: int = typer.Option(0, "--workers", help="Tokenizer processes (0: one per core)."),
+        regenerate_: bool = typer.Option(False, "--regenerate",
+                                         help="Replace assistant turns with the target's own answers."),
+        temperature: float = typer.Option(0.7, "--temperature", help="--regenerate sampling temperature (0: greedy)."),
+        top_p: float = typer.Option(0.9, "--top-p", help="--regenerate nucleus sampling."),
+        max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="--regenerate answer length limit."),
+        seed: int = typer.Option(0, "--seed", help="--regenerate sampling seed."),
+        gen_batch_size: int = typer.Option(32, "--gen-batch-size", help="--regenerate batch size."),
+        device: str = typer.Option("auto", "--device", help="--regenerate device (auto: cuda if available)."),
+        drop_length_limited: bool = typer.Option(False, "--drop-length-limited",
+                                                 help="--regenerate: drop conversations whose answer "
+                                                      "hit --max-new-tokens."),
+        quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    ) -> None:
+        """Render conversations with the target's chat template, mask assistant tokens, build the draft vocab."""
+        from rich.console import Console
+
+        regen = RegenerateOptions(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                  seed=seed, batch_size=gen_batch_size, device=device,
+                                  drop_length_limited=drop_length_limited) if regenerate_ else None
+        console = Console(stderr=True)
+        opts = PrepareOptions(out=out, target=target, data=data, max_samples=max_samples,
+                              max_length=max_length, draft_vocab_size=draft_vocab_size,
+                              chat_template=chat_template, strict=strict, workers=workers,
+                              regenerate=regen, progress=not quiet)
+        manifest = prepare(opts, log=lambda s: console.print(s, soft_wrap=True, markup=False))
+        for line in summary_lines(manifest):
+            console.print(line, soft_wrap=True, markup=False, highlight=False)
+        console.print(f"[green]prepared dataset:[/green] {out} ({manifest['seconds']} s)")
