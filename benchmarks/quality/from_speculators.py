@@ -1,0 +1,214 @@
+"""Turn a speculators 0.9.0 EAGLE-3 checkpoint into a draft that eyas's evaluation loop runs.
+
+speculators saves ``DIR/config.json`` (``Eagle3SpeculatorConfig``: ``transformer_layer_config``
++ flags) and ``DIR/model.safetensors`` with ``layers.0.*`` for the one decoder layer. eyas's
+draft (interface C) names it ``midlayer.*``; the rest (``fc``, ``norm``, ``lm_head``, ``d2t``,
+``t2d``, ``embed_tokens``) keeps its name.
+
+0.9.0's EAGLE-3 defaults add two things eyas's head does not have:
+
+* ``norm_before_fc``: an RMSNorm over the concatenated aux states before ``fc``
+  (``input_norm.weight`` [num_aux*H]); RMS over the concatenation is not linear, so it cannot
+  be folded into ``fc``;
+* ``norm_output``: the hidden state handed to the next speculative step is ``norm(h)``, not
+  ``h`` (the logits are ``lm_head(norm(h))`` either way).
+
+``norm_before_residual`` (also on by default) is a DraftConfig field eyas already supports.
+With neither extra flag the output is a plain eyas checkpoint (``eyas evaluate`` and
+``Eagle3Draft.from_pretrained`` load it). With either flag it is written with config kind
+``eyas-eagle3-draft+speculators`` so eyas's own loader refuses it instead of silently dropping
+the norms; :func:`load_draft` loads it as :class:`SpeculatorsEagle3Draft`, whose ``step`` is
+eyas's plus those two norms, and eyas's evaluation loop (``eyas.evaluate.speculative``) drives
+it like any eyas draft.
+
+Usage: python from_speculators.py --ckpt SPEC_DIR --target TARGET_HF_DIR --out DRAFT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.draft.model import CONFIG_KIND, DraftConfig, Eagle3Draft, RMSNorm
+from eyas.errors import EyasError
+
+KIND = CONFIG_KIND + "+speculators"
+
+
+class SpeculatorsEagle3Draft(Eagle3Draft):
+    """eyas's EAGLE-3 head plus speculators' optional ``input_norm`` and ``norm_output``."""
+
+    def __init__(self, cfg: DraftConfig, norm_before_fc: bool, norm_output: bool):
+        super().__init__(cfg)
+        self.norm_before_fc = norm_before_fc
+        self.norm_output = norm_output
+        self.input_norm = RMSNorm(cfg.num_aux * cfg.target_hidden_size, cfg.rms_norm_eps) \
+            if norm_before_fc else None
+
+    def step(self, features, input_ids, position_ids, cache, from_target=None):
+        cfg = self.config
+        width = cfg.num_aux * cfg.target_hidden_size
+        if from_target is None:
+            if width == cfg.hidden_size:
+                raise EyasError("ambiguous features: pass from_target=True/False")
+            from_target = features.shape[-1] == width
+        if from_target and self.input_norm is not None:
+            features = self.input_norm(features)
+        logits, hidden = super().step(features, input_ids, position_ids, cache, from_target=from_target)
+        if self.norm_output:
+            hidden = self.norm(hidden)  # speculators feeds the normed state to the next step
+        return logits, hidden
+
+    def forward(self, *args, **kwargs):
+        raise EyasError("SpeculatorsEagle3Draft is for evaluation only (step); train with speculators")
+
+
+def draft_config_from_speculators(spec_cfg: dict[str, Any], target_dir: Path) -> DraftConfig:
+    """eyas DraftConfig with the shapes of the speculators checkpoint and the target's facts."""
+    tl = spec_cfg["transformer_layer_config"]
+    target_cfg = json.loads((target_dir / "config.json").read_text())
+    if tl.get("model_type", "llama") != "llama":
+        raise EyasError(f"speculators draft layer type {tl.get('model_type')!r}: only llama converts")
+    if int(tl.get("num_hidden_layers", 1)) != 1:
+        raise EyasError(f"speculators draft has {tl.get('num_hidden_layers')} layers; eyas's head has one")
+    if spec_cfg.get("fc_norm"):
+        raise EyasError("speculators draft uses fc_norm (per-layer norms before fc): not supported here")
+    aux = spec_cfg.get("eagle_aux_hidden_state_layer_ids")
+    if not aux:
+        raise EyasError("speculators config has no eagle_aux_hidden_state_layer_ids; pass a trained "
+                        "checkpoint (its trainer writes them)")
+    h = int(tl["hidden_size"])
+    heads = int(tl["num_attention_heads"])
+    rope = dict(tl.get("rope_parameters") or {})
+    theta = float(rope.pop("rope_theta", tl.get("rope_theta", 10000.0)))
+    scaling = rope if rope and rope.get("rope_type", rope.get("type")) not in (None, "default") else None
+    try:
+        from eyas.target import resolve_target
+
+        identity = resolve_target(target_dir).identity
+    except Exception:  # noqa: BLE001 - identity is informative only
+        identity = {}
+    ttc = target_cfg.get("text_config", target_cfg)
+    return DraftConfig(
+        hidden_size=h, num_attention_heads=heads,
+        num_key_value_heads=int(tl.get("num_key_value_heads") or heads),
+        head_dim=int(tl.get("head_dim") or h // heads),
+        intermediate_size=int(tl["intermediate_size"]), vocab_size=int(tl["vocab_size"]),
+        draft_vocab_size=int(spec_cfg["draft_vocab_size"]), aux_layer_ids=[int(i) for i in aux],
+        target_hidden_size=int(spec_cfg.get("target_hidden_size") or h),
+        rms_norm_eps=float(tl.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=int(tl.get("max_position_embeddings", 4096)),
+        hidden_act=tl.get("hidden_act", "silu"),
+        norm_before_residual=bool(spec_cfg.get("norm_before_residual", False)),
+        target_num_layers=int(ttc.get("num_hidden_layers", 0)),
+        target_model_type=ttc.get("model_type", "llama"),
+        target_architectures=list(target_cfg.get("architectures") or []), target=identity,
+    )
+
+
+def rename(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """speculators' tensor names -> eyas's (layers.0.* -> midlayer.*; verifier_* dropped)."""
+    out = {}
+    for k, v in state.items():
+        if k.startswith("verifier_"):
+            continue
+        if k.startswith("layers."):
+            idx, rest = k[len("layers."):].split(".", 1)
+            if idx != "0":
+                raise EyasError(f"speculators tensor {k}: more than one decoder layer")
+            k = "midlayer." + rest
+        out[k] = v
+    return out
+
+
+def convert(ckpt: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike) -> dict:
+    """Write the eyas-side draft directory; returns a summary (also in ``out/conversion.json``)."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt, target, out = Path(ckpt), Path(target), Path(out)
+    for f in ("config.json", "model.safetensors"):
+        if not (ckpt / f).is_file():
+            raise EyasError(f"speculators checkpoint {ckpt}: {f} is missing (pass an epoch directory, "
+                            "e.g. SAVE_PATH/0, or SAVE_PATH/interrupted)")
+    spec_cfg = json.loads((ckpt / "config.json").read_text())
+    if spec_cfg.get("speculators_model_type") != "eagle3":
+        raise EyasError(f"{ckpt}: speculators_model_type {spec_cfg.get('speculators_model_type')!r}, "
+                        "expected 'eagle3'")
+    cfg = draft_config_from_speculators(spec_cfg, target)
+    nbf, nout = bool(spec_cfg.get("norm_before_fc")), bool(spec_cfg.get("norm_output"))
+    state = rename(load_file(str(ckpt / "model.safetensors")))
+    model = SpeculatorsEagle3Draft(cfg, nbf, nout)
+    if "embed_tokens.weight" not in state:  # frozen: the target's own
+        from eyas.draft.target_weights import read_target_head
+
+        state["embed_tokens.weight"] = read_target_head(target)["embed"]
+    missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                 for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise EyasError(f"speculators checkpoint {ckpt}: tensors missing {missing}, unexpected "
+                        f"{unexpected} after renaming")
+    plain = not nbf and not nout
+    cfg_dict = cfg.to_dict()
+    summary = {"source": str(ckpt.resolve()), "norm_before_fc": nbf, "norm_output": nout,
+               "norm_before_residual": cfg.norm_before_residual, "plain_eyas_checkpoint": plain,
+               "speculators_version": spec_cfg.get("speculators_version"),
+               "sliding_window": spec_cfg["transformer_layer_config"].get("sliding_window")}
+    if not plain:
+        cfg_dict["kind"] = KIND
+        cfg_dict["speculators"] = summary
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+        (tmp / "conversion.json").write_text(json.dumps(summary, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return summary
+
+
+def load_draft(directory: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> Eagle3Draft:
+    """Load what :func:`convert` wrote (or any eyas draft checkpoint)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    data = json.loads((directory / "config.json").read_text())
+    if data.get("kind") != KIND:
+        return Eagle3Draft.from_pretrained(directory, device=device, dtype=dtype)
+    extra = data.pop("speculators")
+    data["kind"] = CONFIG_KIND
+    cfg = DraftConfig.from_dict(data)
+    model = SpeculatorsEagle3Draft(cfg, extra["norm_before_fc"], extra["norm_output"])
+    missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
+    if missing or unexpected:
+        raise EyasError(f"{directory}: tensors missing {missing}, unexpected {unexpected}")
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ckpt", required=True, help="speculators checkpoint directory (SAVE_PATH/N).")
+    ap.add_argument("--target", required=True, help="Target HF directory (the verifier).")
+    ap.add_argument("--out", required=True, help="Draft directory to write.")
+    a = ap.parse_args(argv)
+    print(json.dumps(convert(a.ckpt, a.target, a.out), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Converters of the speculators comparison (benchmarks/quality): eyas store -> speculators data,
+speculators checkpoint -> a draft eyas's evaluation loop runs.
+
+The checks against speculators' own code run it in .venvs/speculators (speculators==0.9.0 on the
+CPU torch); they are skipped where that venv does not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks" / "quality"))
+SPEC_PY = ROOT / ".venvs" / "speculators" / "bin" / "python"
+needs_spec = pytest.mark.skipif(not SPEC_PY.exists(), reason="no .venvs/speculators (speculators==0.9.0)")
+
+AUX = [1, 3, 4]
+
+
+def _spec_run(code: str, tmp: Path, *args: str) -> str:
+    script = tmp / "spec_ref.py"
+    script.write_text(code)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
+    r = subprocess.run([str(SPEC_PY), str(script), *args], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory, tiny_llama_dir):
+    """A prepared dataset (random token streams, ragged masks) and its HF-extracted store."""
+    from eyas.data.dataset import write_prepared
+    from eyas.data.vocab import build_draft_vocab, count_trained_tokens
+    from eyas.extract.run import run_extract
+    from eyas.target import resolve_target
+
+    tmp = tmp_path_factory.mktemp("quality")
+    tgt = resolve_target(tiny_llama_dir)
+    rng = np.random.default_rng(0)
+    ids, masks = [], []
+    for _ in range(12):
+        n = int(rng.integers(12, 40))
+        ids.append(rng.integers(5, 300, n).tolist())
+        m = np.zeros(n, dtype=int)
+        m[int(rng.integers(1, n // 2)):] = 1
+        masks.append(m.tolist())
+    vocab = int(json.loads((Path(tiny_llama_dir) / "config.json").read_text())["vocab_size"])
+    counts = count_trained_tokens([np.array(x) for x in ids], [np.array(m, bool) for m in masks], vocab)
+    d2t, t2d, _ = build_draft_vocab(counts, 64)
+    prep = write_prepared(tmp / "prep", ids, masks, [f"s{i}" for i in range(len(ids))], tgt, d2t, t2d)
+    run_extract(str(tiny_llama_dir), prep, tmp / "store", layers=AUX, device="cpu", dtype="fp32",
+                progress=False)
+    return tmp, prep, tmp / "store"
+
+
+def test_store_to_speculators_layout_and_values(tiny_store):
+    import datasets
+    from safetensors.torch import load_file
+
+    import to_speculators
+    from eyas.data.dataset import open_prepared
+    from eyas.extract.store import open_store
+
+    tmp, prep, store = tiny_store
+    out = tmp / "spec_data"
+    summary = to_speculators.convert(store, None, out, threads=2, progress=False)
+    reader = open_store(store)
+    assert summary["samples"] == len(reader) == 12
+    assert summary["aux_layers"] == AUX and summary["draft_vocab_size"] == 64
+    table = datasets.load_from_disk(str(out))
+    assert len(table) == 12 and table.format["type"] == "torch"
+    for row, idx in enumerate(sorted(int(i) for i in reader.indices)):
+        s = reader[idx]
+        f = load_file(str(out / "hidden_states" / f"hs_{row}.safetensors"))
+        assert f["hidden_states"].shape == (s.input_ids.shape[0], len(AUX) + 1, 64)
+        torch.testing.assert_close(f["hidden_states"][:, :-1], s.aux, rtol=0, atol=0)
+        torch.testing.assert_close(f["hidden_states"][:, -1], s.final, rtol=0, atol=0)
+        assert torch.equal(f["token_ids"], s.input_ids.long())
+        assert torch.equal(table[row]["input_ids"], s.input_ids.long())
+        assert torch.equal(table[row]["loss_mask"].bool(), s.loss_mask.bool())
+        assert int(table[row]["seq_len"]) == s.input_ids.shape[0]
+    d2t, t2d = open_prepared(prep).draft_vocab()
+    assert np.array_equal(np.load(out / "d2t-64.npy"), d2t.numpy())
+    assert np.array_equal(np.load(out / "t2d-64.npy"), t2d.numpy())
+    with pytest.raises(Exception, match="not empty"):
+        to_speculators.convert(store, None, out, progress=False)
+
+
+SPEC_READ = r"""
+import sys, torch
+from speculators.train.data import ArrowDataset
+from speculators.models.eagle3.data import shift_batch
+ds = ArrowDataset(max_len=4096, datapath=sys.argv[1], on_missing="raise", train_ratio=1.0)
+ok = 0
+for i in range(len(ds)):
+    s = ds[i]
+    assert s["hidden_states"].shape[1] == 3 * 64, s["hidden_states"].shape
+    b = shift_batch(s)
+    assert b["hidden_states"].shape[0] == b["input_ids"].shape[0] == s["input_ids"].shape[0] - 1
+    ok += 1
+print("OK", ok, float(s["verifier_last_hidden_states"].float().abs().sum()))
+"""
+
+
+@needs_spec
+def test_speculators_reads_converted_data(tiny_store):
+    """speculators' own dataset class loads every converted sample (no fallbacks, no warnings)."""
+    tmp, _, store = tiny_store
+    out = tmp / "spec_data_read"
+    import to_speculators
+
+    to_speculators.convert(store, None, out, threads=2, progress=False)
+    res = _spec_run(SPEC_READ, tmp, str(out)).split()
+    assert res[0] == "OK" and int(res[1]) == 12
+    from eyas.extract.store import open_store
+
+    reader = open_store(store)
+    last = reader[int(sorted(reader.indices)[-1])].final.float().abs().sum()
+    assert abs(float(res[2]) - float(last)) < 1e-3 * float(last)
+
+
+SPEC_REF = r"""
+import sys, json, torch
+import numpy as np
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+from speculators.models.eagle3 import Eagle3SpeculatorConfig
+from speculators.models.eagle3.core import Eagle3DraftModel
+from speculators.train.cli import create_transformer_layer_config
+from speculators.config import SpeculatorsConfig, VerifierConfig
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+target, out, inputs, flags = sys.argv[1], Path(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4])
+torch.manual_seed(0)
+tl = create_transformer_layer_config(target, 1, "llama", None, 2048, [])
+tl._attn_implementation = "eager"
+d2t = torch.from_numpy(np.load(Path(inputs).parent / "d2t.npy"))
+t2d = torch.from_numpy(np.load(Path(inputs).parent / "t2d.npy"))
+cfg = Eagle3SpeculatorConfig(
+    transformer_layer_config=tl, draft_vocab_size=int(d2t.numel()),
+    norm_before_residual=flags["nbr"], norm_before_fc=flags["nbf"], fc_norm=False,
+    norm_output=flags["nout"], embed_requires_grad=False, eagle_aux_hidden_state_layer_ids=[1, 3, 4],
+    speculators_config=SpeculatorsConfig(algorithm="eagle3",
+        proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+        default_proposal_method="greedy", verifier=VerifierConfig.from_pretrained(target)))
+model = Eagle3DraftModel(cfg)
+model.load_vocab_mappings(t2d, d2t)
+model.load_verifier_weights()
+with torch.no_grad():  # trained-looking weights: nothing left at its init value
+    for n, p in model.named_parameters():
+        if not n.startswith(("embed_tokens", "verifier_")):
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.05))
+model.eval()
+model.save_pretrained(out)
+x = load_file(inputs)
+logits = []
+h = model.lm_head.register_forward_hook(lambda m, i, o: logits.append(o.detach().clone()))
+with torch.no_grad():
+    model(hidden_states=x["aux"][None], input_ids=x["ids"][None],
+          document_ids=torch.zeros(1, x["ids"].numel(), dtype=torch.long),
+          position_ids=1 + torch.arange(x["ids"].numel())[None], ttt_steps=3)
+save_file({f"step{j}": l[0].contiguous() for j, l in enumerate(logits)}, str(out / "ref_logits.safetensors"))
+print("OK")
+"""
+
+
+@needs_spec
+@pytest.mark.parametrize("flags", [
+    {"nbr": True, "nbf": True, "nout": True},     # speculators 0.9.0's EAGLE-3 defaults
+    {"nbr": False, "nbf": False, "nout": False},  # the classic head: a plain eyas checkpoint
+])
+def test_speculators_checkpoint_runs_in_eyas_step_loop(tiny_store, tiny_llama_dir, flags):
+    """Logits of every TTT step of speculators' own forward = the converted draft driven through
+    eyas's inference API (step + DraftKVCache), position by position."""
+    from safetensors.torch import load_file, save_file
+
+    import from_speculators
+    from eyas.draft.model import DraftKVCache, Eagle3Draft
+    from eyas.errors import EyasError
+
+    tmp, prep, store = tiny_store
+    case = tmp / ("ref_" + "".join("1" if flags[k] else "0" for k in ("nbr", "nbf", "nout")))
+    case.mkdir()
+    from eyas.data.dataset import open_prepared
+    from eyas.extract.store import open_store
+
+    d2t, t2d = open_prepared(prep).draft_vocab()
+    np.save(case / "d2t.npy", d2t.numpy())
+    np.save(case / "t2d.npy", t2d.numpy())
+    s = open_store(store)[0]
+    t = s.input_ids.shape[0] - 1
+    aux = s.aux[:-1].reshape(t, -1).float().contiguous()
+    ids = s.input_ids[1:].long().contiguous()
+    save_file({"aux": aux, "ids": ids}, str(case / "inputs.safetensors"))
+    _spec_run(SPEC_REF, case, str(tiny_llama_dir), str(case / "spec_ckpt"),
+              str(case / "inputs.safetensors"), json.dumps(flags))
+    ref = load_file(str(case / "spec_ckpt" / "ref_logits.safetensors"))
+
+    summary = from_speculators.convert(case / "spec_ckpt", tiny_llama_dir, case / "eyas_draft")
+    plain = not flags["nbf"] and not flags["nout"]
+    assert summary["plain_eyas_checkpoint"] == plain
+    if plain:
+        draft = Eagle3Draft.from_pretrained(case / "eyas_draft")  # eyas's own loader
+    else:
+        with pytest.raises(EyasError):  # eyas's loader must not silently drop the extra norms
+            Eagle3Draft.from_pretrained(case / "eyas_draft")
+        draft = from_speculators.load_draft(case / "eyas_draft")
+    assert draft.config.norm_before_residual == flags["nbr"]
+    draft.eval()
+    with torch.no_grad():
+        cache = DraftKVCache()
+        l0, h0 = draft.step(aux[None], ids[None], torch.arange(t)[None], cache, from_target=True)
+        torch.testing.assert_close(l0[0], ref["step0"], rtol=1e-4, atol=1e-4)
+        checked = 0
+        for i in range(t - 2):
+            c = cache.clone()
+            c.crop(i + 1)
+            h = h0[:, i:i + 1]
+            for j in (1, 2):
+                lj, h = draft.step(h, ids[None, i + j:i + j + 1], torch.tensor([[i + j]]), c,
+                                   from_target=False)
+                torch.testing.assert_close(lj[0, 0], ref[f"step{j}"][i], rtol=1e-4, atol=1e-4)
+                checked += 1
+    assert checked == 2 * (t - 2)
