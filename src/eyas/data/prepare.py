@@ -174,7 +174,9 @@ def _check_out_dir(out: Path, settings: dict[str, Any]) -> str:
                             f"({'; '.join(d)}); re-run with the same settings to resume, or "
                             "choose a new --out (eyas never mixes them)")
         return "resume"
-    if out.exists() and any(out.iterdir()):
+    # An answer cache (regenerated.jsonl + regenerate.json) may be seeded from another run:
+    # regenerate checks its settings before using it.
+    if out.exists() and any(p.name not in ("regenerated.jsonl", "regenerate.json") for p in out.iterdir()):
         raise EyasError(f"--out {out}: directory exists and is not an eyas prepare output; "
                         "choose a new or empty directory")
     return "new"
@@ -216,7 +218,8 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         "chat_template_sha256": encoder.template_sha256,
         "chunk_size": opts.chunk_size,
         "strict": opts.strict,
-        "regenerate": opts.regenerate.settings() if opts.regenerate else None,
+        "regenerate": ({**opts.regenerate.settings(), "drop_length_limited": opts.regenerate.drop_length_limited}
+                       if opts.regenerate else None),
     }
     mode = _check_out_dir(out, settings)
     if mode == "complete":

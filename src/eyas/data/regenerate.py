@@ -1,0 +1,199 @@
+"""Self-distillation (`eyas prepare --regenerate`): replace assistant turns with the target's answers.
+
+Turn by turn: round r answers the r-th assistant turn of every conversation, conditioned on the
+conversation so far with the *regenerated* earlier answers. Each round's prompts are sorted by
+length and run as left-padded batches through HF ``generate``. Every answer is appended (and
+flushed) to ``regenerated.jsonl`` in the output directory, keyed by conversation id and turn, so a
+re-run skips what is done. ``regenerate.json`` records the target and sampling settings; a re-run
+with other settings is refused rather than mixing answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from eyas.data.formats import Skip
+from eyas.errors import EyasError
+
+CACHE = "regenerated.jsonl"
+HEADER = "regenerate.json"
+
+
+def pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise EyasError(f"--device {device}: CUDA is not available here; use --device cpu or auto")
+    return device
+
+
+def _load_cache(out: Path, header: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
+    """Answers already made: {conversation id: {turn: record}}. Drops a torn last line."""
+    head = out / HEADER
+    if head.is_file():
+        found = json.loads(head.read_text())
+        diffs = [f"{k}: {found.get(k)!r} there, {header[k]!r} now" for k in header if found.get(k) != header[k]]
+        if diffs:
+            raise EyasError(f"{out / CACHE} holds answers made with other settings ({'; '.join(diffs)}); "
+                            "re-run with the same settings, or choose a new --out")
+    else:
+        from eyas.manifest import write_manifest
+
+        write_manifest(out, header, name=HEADER)
+    cache: dict[str, dict[int, dict[str, Any]]] = {}
+    path = out / CACHE
+    if not path.is_file():
+        return cache
+    raw = path.read_bytes()
+    good_end = 0
+    for line in raw.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break  # torn write at the end: cut it off below
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise EyasError(f"{path}: corrupt line at byte {good_end} ({e}); delete the file to "
+                            "regenerate from scratch") from e
+        cache.setdefault(rec["id"], {})[int(rec["turn"])] = rec
+        good_end += len(line)
+    if good_end != len(raw):
+        with open(path, "r+b") as fh:
+            fh.truncate(good_end)
+    return cache
+
+
+def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Path, opts,
+               max_length: int, progress: bool = True) -> tuple[list[tuple[str, str, Any]], dict[str, Any]]:
+    """Return ``items`` with assistant turns replaced by the target's answers, plus counts."""
+    import torch
+    from tqdm import tqdm
+
+    header = {"target": target.identity, "chat_template_sha256": encoder.template_sha256,
+              "max_length": max_length, **opts.settings()}
+    cache = _load_cache(Path(out), header)
+    convs = {i: it[2] for i, it in enumerate(items) if not isinstance(it[2], Skip)}
+    turns = {i: [j for j, m in enumerate(msgs) if m["role"] == "assistant"] for i, msgs in convs.items()}
+    answers: dict[int, list[dict[str, Any]]] = {i: [] for i in convs}
+    ended: dict[int, str] = {}  # conversation -> why it stops being regenerated
+    stops = [int(x) for x in encoder.stop_ids]
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
+    device = pick_device(opts.device)
+    model = None
+    todo_total = sum(len(t) for i, t in turns.items()
+                     if len(cache.get(items[i][0], {})) < len(t))
+    bar = tqdm(total=todo_total, unit="answer", desc="regenerate", disable=not progress, dynamic_ncols=True)
+    fh = open(Path(out) / CACHE, "a", encoding="utf-8")
+    try:
+        for r in range(max((len(t) for t in turns.values()), default=0)):
+            pending = []
+            for i, msgs in convs.items():
+                if i in ended or r >= len(turns[i]):
+                    continue
+                sid = items[i][0]
+                if r in cache.get(sid, {}):
+                    rec = cache[sid][r]
+                    answers[i].append(rec)
+                    if rec["finish"] == "empty":
+                        ended[i] = "empty"
+                    continue
+                prompt = _with_answers(msgs[: turns[i][r]], turns[i], answers[i])
+                ids = tok(encoder.render(prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+                if len(ids) >= max_length:
+                    ended[i] = "beyond_max_length"  # later turns would be cut off anyway
+                    continue
+                pending.append((len(ids), i, ids))
+            if not pending:
+                continue
+            if model is None:
+                dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+                model = target.load_model(dtype=dtype, device=device)
+            pending.sort(key=lambda p: p[0])
+            for b in range(0, len(pending), opts.batch_size):
+                batch = pending[b: b + opts.batch_size]
+                texts = _generate(model, tok, [p[2] for p in batch], opts, stops, pad_id, device,
+                                  seed=opts.seed * 1_000_003 + r * 10_007 + b)
+                for (_, i, ids), (text, finish) in zip(batch, texts):
+                    rec = {"id": items[i][0], "turn": r, "text": text, "finish": finish,
+                           "prompt_tokens": len(ids)}
+                    fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    answers[i].append(rec)
+                    if finish == "empty":
+                        ended[i] = "empty"
+                fh.flush()
+                os.fsync(fh.fileno())
+                bar.update(len(batch))
+    finally:
+        fh.close()
+        bar.close()
+
+    new_items = list(items)
+    counts = {"answers": 0, "length_limited": 0, "empty": 0, "turns_beyond_max_length": 0,
+              "conversations": len(convs)}
+    for i, msgs in convs.items():
+        got = answers[i]
+        counts["answers"] += len(got)
+        n_limited = sum(a["finish"] == "length" for a in got)
+        counts["length_limited"] += n_limited
+        counts["turns_beyond_max_length"] += len(turns[i]) - len(got)
+        sid, loc, _ = items[i]
+        if any(a["finish"] == "empty" for a in got):
+            counts["empty"] += 1
+            new_items[i] = (sid, loc, Skip("empty_answer", f"turn {len(got) - 1}"))
+        elif n_limited and opts.drop_length_limited:
+            new_items[i] = (sid, loc, Skip("length_limited_answer", f"{n_limited} answer(s)"))
+        elif not got:  # the first prompt is already longer than max_length
+            new_items[i] = (sid, loc, Skip("no_trained_tokens", "prompt longer than --max-length"))
+        else:
+            last = turns[i][len(got) - 1]
+            new_items[i] = (sid, loc, _with_answers(msgs[: last + 1], turns[i], got))
+    info = {"settings": opts.settings(), "device": device, "batch_size": opts.batch_size,
+            "drop_length_limited": opts.drop_length_limited, "cache": CACHE, **counts}
+    return new_items, info
+
+
+def _with_answers(msgs: list[dict], turn_idx: list[int], answers: list[dict]) -> list[dict]:
+    """``msgs`` with its first len(answers) assistant turns replaced by the regenerated texts."""
+    out = [dict(m) for m in msgs]
+    for k, a in enumerate(answers):
+        if turn_idx[k] < len(out):
+            out[turn_idx[k]]["content"] = a["text"]
+    return out
+
+
+def _generate(model, tok, prompts: list[list[int]], opts, stops: list[int], pad_id: int, device: str,
+              seed: int) -> list[tuple[str, str]]:
+    """Left-padded batched generation; returns (text, finish) with finish stop|length|empty."""
+    import torch
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for k, p in enumerate(prompts):
+        ids[k, width - len(p):] = torch.tensor(p)
+        mask[k, width - len(p):] = 1
+    sample = opts.temperature > 0
+    cfg = GenerationConfig(max_new_tokens=opts.max_new_tokens, do_sample=sample,
+                           temperature=opts.temperature if sample else None,
+                           top_p=opts.top_p if sample else None, top_k=None,
+                           eos_token_id=stops, pad_token_id=pad_id)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             generation_config=cfg)
+    new = gen[:, width:].cpu().tolist()
+    stop_set = set(stops)
+    out = []
+    for row in new:
+        end = next((k for k, t in enumerate(row) if t in stop_set), None)
+        text = tok.decode(row[:end] if end is not None else row, skip_special_tokens=True).strip()
+        if not text:
+            out.append(("", "empty"))
+        else:
+            out.append((text, "stop" if end is not None else "length"))
+    return out
