@@ -26,6 +26,7 @@ STAGE_MODULES = [
     "eyas.data.prepare",
     "eyas.extract.run",
     "eyas.train.cli",
+    "eyas.pipeline",
 ]
 
 
