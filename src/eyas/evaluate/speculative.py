@@ -208,3 +208,33 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: list[
             out.append(t)
     res.seconds = time.perf_counter() - start
     return res
+
+
+class BuiltinEngine:
+    """The `builtin` engine: speculative generation plus, for the speedup, plain generation of
+    the same prompt with the same target in the same process."""
+
+    def __init__(self, model, draft, k: int, temperature: float = 0.0, seed: int = 0,
+                 compare_plain: bool = True):
+        self.target = TargetRunner(model, list(draft.config.aux_layer_ids))
+        self.draft = DraftRunner(draft)
+        self.k, self.temperature, self.compare_plain = k, temperature, compare_plain
+        self.generator = torch.Generator(device=model.device).manual_seed(seed)
+        # Warm up both paths once so the first prompt's timing is not the allocator's.
+        speculative_generate(self.target, self.draft, [0, 1, 2, 3], 4, set(), k, temperature, self.generator)
+        plain_generate(self.target, [0, 1, 2, 3], 4, set(), temperature, self.generator)
+
+    def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> dict:
+        spec = speculative_generate(self.target, self.draft, prompt, max_new_tokens, stop_ids,
+                                    self.k, self.temperature, self.generator)
+        out = {"tokens": spec.tokens, "rounds": spec.rounds, "draft_tokens": spec.draft_tokens,
+               "accepted_per_pos": spec.accepted_per_pos, "seconds": spec.seconds}
+        if self.compare_plain:
+            plain = plain_generate(self.target, prompt, max_new_tokens, stop_ids, self.temperature,
+                                   self.generator)
+            out.update(plain_tokens=len(plain.tokens), plain_seconds=plain.seconds,
+                       matches_plain=(plain.tokens == spec.tokens) if self.temperature <= 0 else None)
+        return out
+
+    def close(self) -> None:
+        self.target.close()

@@ -110,3 +110,14 @@ def spec_record(reply: dict[str, Any], k: int) -> dict[str, Any]:
     return {"rounds": int(drafts), "draft_tokens": int(spec.get("vllm:spec_decode_num_draft_tokens") or 0),
             "accepted_per_pos": per_pos[:k]}
 
+
+
+class VllmSpecEngine:
+    """Adapter: a VllmEngine with a draft, answering in the evaluation record schema."""
+
+    def __init__(self, engine: VllmEngine, k: int, temperature: float = 0.0, seed: int = 0):
+        self.engine, self.k, self.temperature, self.seed = engine, k, temperature, seed
+
+    def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> dict[str, Any]:
+        reply = self.engine.generate(prompt, max_new_tokens, stop_ids, self.temperature, self.seed)
+        return {"tokens": reply["token_ids"], "seconds": reply["seconds"], **spec_record(reply, self.k)}

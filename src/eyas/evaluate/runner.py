@@ -1,0 +1,91 @@
+"""Run an engine over an MT-bench prompt set, turn by turn, and collect per-prompt records.
+
+Turn t's prompt holds the model's own answers to turns < t. Records are appended to a JSONL file
+as each question finishes, so an interrupted evaluation resumes where it stopped (a header line
+records the settings; a file written with other settings is refused, never mixed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from tqdm import tqdm
+
+from eyas.errors import EyasError
+from eyas.evaluate.prompts import Question, render_turn
+
+
+class Engine(Protocol):
+    def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> dict[str, Any]:
+        """Returns at least ``tokens``, ``rounds``, ``accepted_per_pos``, ``seconds``."""
+
+
+def run_questions(engine: Engine, questions: list[Question], tokenizer, max_new_tokens: int,
+                  stop_ids: set[int], records_path: Path, settings: dict[str, Any],
+                  progress: bool = True, on_record: Callable[[dict], None] | None = None) -> list[dict]:
+    records = _load_records(records_path, settings)
+    # All turns of a question are written together, so a question is either done or not.
+    done_ids = {r["question_id"] for r in records}
+    todo = [q for q in questions if q.question_id not in done_ids]
+    with open(records_path, "a") as fh, tqdm(total=len(questions), initial=len(questions) - len(todo),
+                                             desc=f"evaluate ({settings['engine']})", unit="q",
+                                             disable=not progress) as bar:
+        for q in todo:
+            answers: list[str] = []
+            q_records = []
+            for turn in range(len(q.turns)):
+                prompt = render_turn(tokenizer, q, turn, answers)
+                out = engine.generate(prompt, max_new_tokens, stop_ids)
+                tokens = out["tokens"]
+                answers.append(tokenizer.decode([t for t in tokens if t not in stop_ids],
+                                                skip_special_tokens=True))
+                rec = {"question_id": q.question_id, "category": q.category, "turn": turn,
+                       "prompt_tokens": len(prompt), "new_tokens": len(tokens), "output_ids": tokens,
+                       **{k: v for k, v in out.items() if k != "tokens"}}
+                rounds = rec["rounds"]
+                rec["tau"] = 1 + sum(rec["accepted_per_pos"]) / rounds if rounds else None
+                q_records.append(rec)
+                if on_record:
+                    on_record(rec)
+            for rec in q_records:
+                fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+            records.extend(q_records)
+            bar.update(1)
+    order = {q.question_id: i for i, q in enumerate(questions)}
+    return sorted([r for r in records if r["question_id"] in order],
+                  key=lambda r: (order[r["question_id"]], r["turn"]))
+
+
+def _load_records(path: Path, settings: dict[str, Any]) -> list[dict]:
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _rewrite(path, settings, [])
+        return []
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0]) if lines else {}
+    if header.get("settings") != settings:
+        diff = sorted(k for k in set(settings) | set(header.get("settings", {}))
+                      if settings.get(k) != header.get("settings", {}).get(k))
+        raise EyasError(f"{path}: partial results from an evaluation with other settings ({', '.join(diff)} "
+                        "differ); use another --out, or delete the file to start over")
+    out = []
+    for line in lines[1:]:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a torn last line from a crash: everything before it is whole
+    return out
+
+
+def _rewrite(path: Path, settings: dict[str, Any], records: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write(json.dumps({"settings": settings}) + "\n")
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)

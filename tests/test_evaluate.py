@@ -1,0 +1,241 @@
+"""`eyas evaluate` with the built-in engine: prompts, rejection sampling, greedy identity, reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+import evalkit
+from eyas.errors import EyasError
+from eyas.evaluate.prompts import Question, read_questions, render_turn
+from eyas.evaluate.rejection import verify_greedy, verify_sampling
+from eyas.evaluate.report import aggregate
+from eyas.evaluate.speculative import DraftRunner, TargetRunner, plain_generate, speculative_generate
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # 2 shared cores: more threads only contend
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from eyas.draft.model import Eagle3Draft
+    from eyas.target import resolve_target
+
+    tdir, draft_dir = evalkit.session_dirs(tmp_path_factory)
+    target = resolve_target(tdir)
+    model = target.load_model(dtype=torch.float32)
+    return target, model, Eagle3Draft.from_pretrained(draft_dir), draft_dir
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def test_read_questions_reports_bad_lines(tmp_path):
+    p = tmp_path / "q.jsonl"
+    p.write_text('{"question_id": 1, "category": "x", "turns": ["a"]}\n{"question_id": 2, "turns": []}\n')
+    with pytest.raises(EyasError, match=r"q.jsonl:2: 'turns'"):
+        read_questions(p)
+    p.write_text('{"question_id": 1, "turns": ["a"]}\nnot json\n')
+    with pytest.raises(EyasError, match=r"q.jsonl:2: not valid JSON"):
+        read_questions(p)
+    p.write_text('{"question_id": 1, "turns": ["a"]}\n{"question_id": 1, "turns": ["b"]}\n')
+    with pytest.raises(EyasError, match="appears twice"):
+        read_questions(p)
+
+
+def test_default_mt_bench_is_in_the_repo():
+    from eyas.evaluate.prompts import DEFAULT_PROMPTS
+
+    qs = read_questions(DEFAULT_PROMPTS)
+    assert len(qs) == 80 and all(len(q.turns) == 2 for q in qs)
+    assert len({q.category for q in qs}) == 8
+    assert (DEFAULT_PROMPTS.parent / "LICENSE").is_file()
+    assert len(read_questions(DEFAULT_PROMPTS, max_prompts=5)) == 5
+
+
+def test_second_turn_follows_the_models_first_answer(setup):
+    target = setup[0]
+    tok = target.load_tokenizer()
+    q = Question("7", "writing", ("first question", "second question"))
+    ids = render_turn(tok, q, 1, ["the model said this"])
+    text = tok.decode(ids)
+    assert text.index("first question") < text.index("the model said this") < text.index("second question")
+    assert text.endswith("<|im_start|>assistant\n")
+    with pytest.raises(ValueError):
+        render_turn(tok, q, 1, [])
+
+
+# ----------------------------------------------------------------------------- verification
+
+
+def test_verify_greedy_accepts_the_matching_prefix():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 10)
+    best = logits.argmax(-1)
+    drafts = best[:3].clone()
+    assert verify_greedy(logits, drafts) == (3, int(best[3]))
+    drafts[1] = (best[1] + 1) % 10
+    assert verify_greedy(logits, drafts) == (1, int(best[1]))
+
+
+
+def _tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * float((counts / counts.sum() - probs).abs().sum())
+
+
+def test_rejection_sampling_reproduces_the_target_distribution():
+    """Emitted tokens follow p, not q: first token ~ p0; given d1 accepted, the second ~ p1."""
+    g = torch.Generator().manual_seed(0)
+    V, k, N = 6, 3, 20000
+    p = torch.softmax(torch.randn(k + 1, V, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(k, V, generator=g) * 1.5, -1)
+    first = torch.zeros(V)
+    second = torch.zeros(V)
+    accepted = 0
+    for _ in range(N):
+        d = torch.stack([torch.multinomial(q[i], 1, generator=g)[0] for i in range(k)])
+        n, nxt = verify_sampling(p, q, d, g)
+        emitted = d[:n].tolist() + [nxt]
+        first[emitted[0]] += 1
+        if n >= 1:
+            second[emitted[1]] += 1
+        accepted += n
+    # Sampling noise of a 6-bin histogram at N=20000 is ~0.01 TV; p and q are far apart.
+    assert _tv(first, p[0]) < 0.02
+    assert _tv(second, p[1]) < 0.03
+    assert 0.5 * float((p[0] - q[0]).abs().sum()) > 0.2  # the test could tell p from q
+    assert 0 < accepted < N * k
+
+
+def test_speculative_sampling_end_to_end_matches_target(setup):
+    """Many samples of the first two tokens through the whole loop (untrained draft, so most drafts
+    are rejected and resampled) against the target's exact joint distribution."""
+    from eyas.draft.model import DraftConfig, Eagle3Draft
+
+    target, model = setup[0], setup[1]
+    cfg = DraftConfig.from_target(target.config(), evalkit.AUX, setup[2].config.draft_vocab_size,
+                                  target.identity)
+    draft = Eagle3Draft.from_target(cfg, target.path, setup[2].d2t, setup[2].t2d, seed=1)
+    tr, dr = TargetRunner(model, evalkit.AUX), DraftRunner(draft)
+    prompt = evalkit.chat_prompts(target.load_tokenizer(), ["the quick brown fox"])[0]
+    temp = 1.0
+    with torch.inference_mode():
+        p0 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temp, -1)
+        top = p0.topk(6).indices  # covers most of the mass; the rest is one bin
+        rows = torch.tensor([prompt + [int(t)] for t in top])
+        p1 = torch.softmax(model(rows).logits[:, -1] / temp, -1)
+    g = torch.Generator().manual_seed(0)
+    counts: dict[tuple[int, int], int] = {}
+    N, rejected = 600, 0
+    for _ in range(N):
+        res = speculative_generate(tr, dr, prompt, 2, set(), k=2, temperature=temp, generator=g)
+        counts[tuple(res.tokens)] = counts.get(tuple(res.tokens), 0) + 1
+        rejected += res.accepted_per_pos[0] == 0
+    # Exact joint over (top-6 first token) x (top-4 second token), everything else pooled.
+    keys, exact = [], []
+    for i, a in enumerate(top.tolist()):
+        for b in p1[i].topk(4).indices.tolist():
+            keys.append((a, b))
+            exact.append(float(p0[a] * p1[i, b]))
+    exact.append(1 - sum(exact))
+    obs = [counts.get(key, 0) for key in keys]
+    obs.append(N - sum(obs))
+    tv = _tv(torch.tensor(obs, dtype=torch.float), torch.tensor(exact))
+    assert tv < 0.08, (tv, obs, [round(e * N) for e in exact])
+    # The untrained draft is mostly rejected: the second token usually comes from the residual.
+    assert rejected > N // 2
+    tr.close()
+
+
+# ----------------------------------------------------------------------------- greedy identity
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculative_output_equals_plain_greedy(setup, k):
+    target, model, draft = setup[0], setup[1], setup[2]
+    tr, dr = TargetRunner(model, draft.config.aux_layer_ids), DraftRunner(draft)
+    prompts = evalkit.chat_prompts(target.load_tokenizer(), evalkit.PROMPTS)
+    total_rounds = total_acc = 0
+    for prompt in prompts:
+        plain = plain_generate(tr, prompt, 40, set())
+        spec = speculative_generate(tr, dr, prompt, 40, set(), k=k)
+        assert spec.tokens == plain.tokens
+        # every round emits its accepted drafts + one target token; the tail is cut at max_new_tokens
+        assert len(spec.tokens) == min(40, 1 + spec.rounds + spec.accepted)
+        assert all(a >= b for a, b in zip(spec.accepted_per_pos, spec.accepted_per_pos[1:]))
+        total_rounds += spec.rounds
+        total_acc += spec.accepted
+    tr.close()
+    assert total_acc > 0.3 * total_rounds, "the trained draft should be accepted regularly"
+
+
+def test_greedy_identity_with_stop_tokens(setup):
+    target, model, draft = setup[0], setup[1], setup[2]
+    tr, dr = TargetRunner(model, draft.config.aux_layer_ids), DraftRunner(draft)
+    prompt = evalkit.chat_prompts(target.load_tokenizer(), ["numbers dog fox"])[0]
+    free = plain_generate(tr, prompt, 30, set()).tokens
+    stop = {free[8]}  # stop on a token that appears mid-way
+    plain = plain_generate(tr, prompt, 30, stop).tokens
+    spec = speculative_generate(tr, dr, prompt, 30, stop, k=4).tokens
+    tr.close()
+    assert spec == plain and plain[-1] in stop and len(plain) <= 9
+
+
+# ----------------------------------------------------------------------------- report + CLI
+
+
+def test_aggregate_pools_counts_like_vllm():
+    recs = [{"category": "a", "rounds": 4, "accepted_per_pos": [3, 2, 1], "new_tokens": 11, "seconds": 1.0},
+            {"category": "b", "rounds": 6, "accepted_per_pos": [2, 0, 0], "new_tokens": 9, "seconds": 1.0}]
+    o = aggregate(recs, 3)
+    assert o["rounds"] == 10 and o["accepted_per_pos"] == [5, 2, 1]
+    assert o["tau"] == pytest.approx(1 + 8 / 10)
+    assert o["acceptance_rate_per_pos"] == pytest.approx([0.5, 0.2, 0.1])
+    assert o["tokens_per_s"] == pytest.approx(10.0)
+
+
+def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
+    from eyas.evaluate.cli import register
+
+    target, draft_dir = setup[0], setup[3]
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 4)
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)  # typer: keep sub-command names with two commands
+    out = tmp_path / "eval"
+    args = ["evaluate", "--target", str(target.path), "--draft", str(draft_dir), "--prompts", str(qfile),
+            "--out", str(out), "-k", "3", "--max-new-tokens", "24", "--max-prompts", "3"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "builtin: tau" in res.output
+    rep = json.loads((out / "builtin" / "report.json").read_text())
+    assert (out / "builtin" / "acceptance_per_position.png").stat().st_size > 1000
+    assert (out / "builtin" / "tau_per_category.png").stat().st_size > 1000
+    pp = rep["per_prompt"]
+    assert len(pp) == 6 and {r["turn"] for r in pp} == {0, 1}  # 3 questions x 2 turns
+    assert set(rep["per_category"]) == {"writing", "math", "coding"}
+    rounds = sum(r["rounds"] for r in pp)
+    acc = sum(sum(r["accepted_per_pos"]) for r in pp)
+    assert rep["overall"]["tau"] == pytest.approx(1 + acc / rounds)
+    assert rep["overall"]["matches_plain"] == 6  # greedy: identical to plain decoding
+    assert rep["overall"]["speedup"] > 0 and rep["overall"]["tokens_per_s"] > 0
+    # turn 2 was rendered after the model's own turn-1 answer: its prompt is longer
+    assert pp[1]["prompt_tokens"] > pp[0]["prompt_tokens"] + pp[0]["new_tokens"] - 2
+    # resume: a second run reuses the stored records (nothing regenerated)
+    before = (out / "builtin" / "records.jsonl").read_text()
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert (out / "builtin" / "records.jsonl").read_text() == before
+    # other settings in the same --out are refused, not mixed
+    res = CliRunner().invoke(app, args[:-4] + ["--max-new-tokens", "10"])
+    assert res.exit_code != 0 and "other settings" in str(res.exception)
