@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -33,7 +34,24 @@ from eyas.extract.layers import CONVENTION, parse_layers, resolve_layers
 from eyas.extract.store import DTYPES, ShardItem, StoreWriter, check_finite, verify_store
 
 # name -> "module:function"; the vLLM backends add their entries here.
-BACKENDS: dict[str, str] = {"hf": "eyas.extract.run:fill_hf"}
+BACKENDS: dict[str, str] = {"hf": "eyas.extract.run:fill_hf",
+                            "vllm": "eyas.extract.vllm_backend:fill_vllm",
+                            "vllm-hooks": "eyas.extract.vllm_backend:fill_vllm_hooks"}
+
+
+def resolve_auto_backend(backend: str, vllm_python: str | None) -> tuple[str, str]:
+    """``auto`` -> a concrete backend by the installed vLLM version (hf when there is none)."""
+    if backend not in ("auto", "vllm", "vllm-hooks"):
+        return backend, ""
+    from eyas.extract.vllm_backend import resolve_backend
+
+    try:
+        chosen, _, why = resolve_backend(backend, vllm_python)
+    except EyasError as e:
+        if backend == "auto" and "no vLLM found" in str(e):
+            return "hf", "auto: hf, because no vLLM was found (" + str(e) + ")"
+        raise
+    return chosen, why
 
 
 @dataclass
@@ -182,7 +200,9 @@ def _load_backend(name: str) -> Callable[[ExtractJob], None]:
 def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int] | None = None,
                 backend: str = "hf", dtype: str = "bf16", device: str = "auto",
                 batch_tokens: int | None = None, writers: int | None = None,
-                model_dtype: str | None = None, progress: bool = True) -> dict[str, Any]:
+                model_dtype: str | None = None, progress: bool = True,
+                vllm_python: str | None = None, tensor_parallel_size: int = 1,
+                data_parallel_size: int = 1) -> dict[str, Any]:
     """Fill (or finish) the store at ``out``; returns the summary (tokens, bytes, tokens/s)."""
     from tqdm import tqdm
 
@@ -193,6 +213,10 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
         raise EyasError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
     if model_dtype is not None and model_dtype not in DTYPES:
         raise EyasError(f"--model-dtype {model_dtype!r}: use one of {sorted(DTYPES)}")
+    requested = backend
+    backend, why = resolve_auto_backend(backend, vllm_python)
+    if why and progress:
+        print(f"eyas extract: backend {why}", file=sys.stderr, flush=True)
     fill = _load_backend(backend)
     tgt = resolve_target(target)
     ds = open_prepared(data, tgt)
@@ -219,7 +243,10 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     writer.on_commit = lambda rec: bar.update(rec["tokens"])
     job = ExtractJob(target=tgt, dataset=ds, todo=todo, writer=writer, aux_layers=aux,
                      final_layer=final_id, dtype=dtype, device=device, batch_tokens=batch_tokens,
-                     options={"writers": writers, "model_dtype": model_dtype})
+                     options={"writers": writers, "model_dtype": model_dtype,
+                              "vllm_python": vllm_python, "vllm_requested": requested,
+                              "tensor_parallel_size": tensor_parallel_size,
+                              "data_parallel_size": data_parallel_size})
     try:
         fill(job)
         manifest = writer.close()
@@ -248,13 +275,19 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(None, help="Store directory to create or resume."),
         layers: str = typer.Option(None, help="Aux layer ids (vLLM convention), e.g. 2,15,27; "
                                    "default 2,N/2,N-3. The final state (id N) is always stored."),
-        backend: str = typer.Option("hf", help=f"Extraction backend: {', '.join(BACKENDS)}."),
+        backend: str = typer.Option("hf", help=f"Extraction backend: {', '.join(BACKENDS)}, or auto "
+                                    "(by the installed vLLM version; hf without vLLM)."),
         dtype: str = typer.Option("bf16", help="Stored dtype: bf16, fp16 or fp32."),
         device: str = typer.Option("auto", help="cuda, cuda:N, cpu, or auto."),
         batch_tokens: int = typer.Option(0, help="Padded tokens per batch (= per shard); 0 = auto."),
         writers: int = typer.Option(0, help="Shard writer threads; 0 = auto."),
         model_dtype: str = typer.Option(None, help="Compute dtype; default bf16 on CUDA, fp32 on CPU."),
         verify: Path = typer.Option(None, "--verify", help="Only re-check an existing store and exit."),
+        vllm_python: str = typer.Option(None, "--vllm-python", help="Python of the environment that "
+                                        "runs vLLM (default: this one, $EYAS_VLLM_PYTHON, or .venvs/vllm-*)."),
+        tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM tensor parallelism."),
+        data_parallel_size: int = typer.Option(1, "--data-parallel-size", help="Number of vLLM engines, "
+                                               "each over its own shard of the data."),
     ) -> None:
         """Run the target over a prepared dataset and store aux + final hidden states."""
         from rich.console import Console
@@ -272,7 +305,9 @@ def register(app: typer.Typer) -> None:
             raise EyasError("eyas extract needs --data PREPARED_DIR and --out STORE (or --verify STORE)")
         s = run_extract(target, data, out, parse_layers(layers), backend=backend, dtype=dtype,
                         device=device, batch_tokens=batch_tokens or None, writers=writers or None,
-                        model_dtype=model_dtype)
+                        model_dtype=model_dtype, vllm_python=vllm_python,
+                        tensor_parallel_size=tensor_parallel_size,
+                        data_parallel_size=data_parallel_size)
         console.print(f"stored {s['samples']} samples ({s['resumed_from']} were already there): "
                       f"{s['tokens']:,} tokens this run, {s['bytes'] / 1e9:.3f} GB, "
                       f"{s['bytes_per_token']:.0f} B/token, {s['seconds']:.1f} s, "
