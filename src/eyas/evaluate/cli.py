@@ -15,13 +15,14 @@ from eyas.errors import EyasError
 ENGINES = ("builtin", "vllm", "both")
 
 
-def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path, out: Path, engine: str = "builtin",
+def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = None,
+                   out: Path = Path("runs/evaluate"), engine: str = "builtin",
                    k: int = 3, temperature: float = 0.0, max_prompts: int | None = None,
                    max_new_tokens: int = 256, dtype: str = "float32", vllm: str | None = None,
                    seed: int = 0, compare_plain: bool = True, progress: bool = True) -> dict[str, Any]:
     """Evaluate; writes OUT/<engine>/report.json + plots (and OUT/comparison.json for both).
     Returns {engine: report} (plus "comparison")."""
-    from eyas.evaluate.prompts import read_questions, stop_token_ids
+    from eyas.evaluate.prompts import DEFAULT_PROMPTS, read_questions, stop_token_ids
     from eyas.export.checks import check_against_target, load_checkpoint
     from eyas.target import resolve_target
 
@@ -29,6 +30,7 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path, out: Path, 
         raise EyasError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
     if k < 1:
         raise EyasError(f"-k {k}: need at least one draft token per step")
+    prompts = Path(prompts) if prompts else DEFAULT_PROMPTS
     target = resolve_target(target_spec)
     ckpt = load_checkpoint(draft_dir)
     check_against_target(ckpt, target.config(), target.identity, f"target {target_spec!r}")

@@ -1,0 +1,134 @@
+"""`eyas export`: the vLLM (speculators) and SGLang directories, and the checks against the target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import typer
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+import evalkit
+import tiny
+from eyas.errors import EyasError
+from eyas.export.cli import export_checkpoint, register
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    from eyas.target import resolve_target
+
+    return resolve_target(evalkit.make_eval_target(tmp_path_factory.mktemp("exp-target")))
+
+
+def _draft(target, out: Path, layers=(1, 3, 4), draft_vocab: int = 200, seed: int = 0,
+           target_dir: Path | None = None) -> Path:
+    """A draft initialised from ``target_dir`` (default: the target) with a non-trivial d2t."""
+    from eyas.draft.model import DraftConfig, Eagle3Draft
+    from eyas.target import resolve_target
+
+    src = resolve_target(target_dir) if target_dir else target
+    vocab = src.config()["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    cfg = DraftConfig.from_target(src.config(), list(layers), draft_vocab, src.identity)
+    draft = Eagle3Draft.from_target(cfg, src.path, ids - torch.arange(draft_vocab), t2d, seed=seed)
+    return draft.save_pretrained(out)
+
+
+def test_vllm_format(target, tmp_path):
+    ckpt = _draft(target, tmp_path / "ckpt")
+    out = export_checkpoint(ckpt, "vllm", tmp_path / "vllm", str(target.path), num_speculative_tokens=4)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert cfg["draft_vocab_size"] == 200 and cfg["target_hidden_size"] == 128
+    assert cfg["norm_before_residual"] is False  # vLLM defaults to True when absent
+    layer = cfg["transformer_layer_config"]
+    assert layer["num_hidden_layers"] == 1 and layer["vocab_size"] == target.config()["vocab_size"]
+    assert layer["head_dim"] == 32 and layer["hidden_size"] == 128
+    spec = cfg["speculators_config"]
+    assert spec["verifier"]["name_or_path"] == str(target.path)
+    assert spec["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 4
+    src = load_file(str(ckpt / "model.safetensors"))
+    got = load_file(str(out / "model.safetensors"))
+    assert "embed_tokens.weight" not in got  # vLLM shares the target's
+    assert torch.equal(got["layers.0.self_attn.q_proj.weight"], src["midlayer.self_attn.q_proj.weight"])
+    assert torch.equal(got["d2t"], src["d2t"]) and got["d2t"].dtype == torch.int64
+    assert torch.equal(got["t2d"], src["t2d"]) and got["t2d"].dtype == torch.bool
+    assert not any(k.startswith("midlayer.") for k in got)
+
+
+def test_sglang_format_ids_in_both_conventions(target, tmp_path):
+    ckpt = _draft(target, tmp_path / "ckpt")
+    out = export_checkpoint(ckpt, "sglang", tmp_path / "sgl", str(target.path), dtype="bfloat16")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]            # vLLM: input of layer k
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]  # SGLang: output of k
+    assert cfg["torch_dtype"] == "bfloat16"
+    got = load_file(str(out / "model.safetensors"))
+    src = load_file(str(ckpt / "model.safetensors"))
+    assert set(got) == set(src) - {"embed_tokens.weight"}
+    assert got["fc.weight"].dtype == torch.bfloat16 and got["d2t"].dtype == torch.int64
+    assert torch.equal(got["midlayer.mlp.down_proj.weight"], src["midlayer.mlp.down_proj.weight"].bfloat16())
+    # id 0 (the embeddings) has no SGLang spelling: refused, not silently shifted to -1
+    with pytest.raises(EyasError, match="id 0"):
+        export_checkpoint(_draft(target, tmp_path / "c0", layers=(0, 3, 4)), "sglang", tmp_path / "s0",
+                          str(target.path))
+
+
+def test_refuses_a_draft_for_another_target(target, tmp_path):
+    # layer ids: a draft for a 10-layer target with ids beyond this target's 6 layers
+    deep = evalkit.tiny.make_target(tmp_path / "deep", "llama", num_layers=10, hidden=128)
+    ckpt = _draft(target, tmp_path / "c1", layers=(2, 5, 7), target_dir=deep)
+    with pytest.raises(EyasError, match=r"layer ids \[2, 5, 7\]: \[7\] out of range") as e:
+        export_checkpoint(ckpt, "vllm", tmp_path / "o1", str(target.path))
+    assert "layer count" in str(e.value)
+    # hidden size: a draft for an H=64 target
+    narrow = tiny.make_target(tmp_path / "narrow", "llama", num_layers=6, hidden=64)
+    ckpt = _draft(target, tmp_path / "c2", target_dir=narrow)
+    with pytest.raises(EyasError, match="hidden size: draft expects target_hidden_size 64"):
+        export_checkpoint(ckpt, "vllm", tmp_path / "o2", str(target.path))
+    # vocab: same shapes, another vocabulary size
+    other = tmp_path / "vocab"
+    tiny.make_tokenizer(other, vocab_size=300)
+    cfg = tiny.tiny_config("llama", vocab_size=300, num_layers=6, hidden=128)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(other)
+    ckpt = _draft(target, tmp_path / "c3", target_dir=other)
+    with pytest.raises(EyasError, match=r"vocab: draft maps into a vocabulary of 300"):
+        export_checkpoint(ckpt, "sglang", tmp_path / "o3", str(target.path))
+    # same shapes, other weights: the identity check names it (and can be waived)
+    twin = evalkit.make_eval_target(tmp_path / "twin", seed=5)
+    ckpt = _draft(target, tmp_path / "c4", target_dir=twin)
+    with pytest.raises(EyasError, match="target identity.*weights"):
+        export_checkpoint(ckpt, "vllm", tmp_path / "o4", str(target.path))
+    export_checkpoint(ckpt, "vllm", tmp_path / "o4", str(target.path), check_identity=False)
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
+
+
+def test_export_cli(target, tmp_path):
+    ckpt = _draft(target, tmp_path / "ckpt")
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    args = ["export", str(ckpt), "--format", "sglang", "--out", str(tmp_path / "o"), "--target", str(target.path)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "o" / "model.safetensors").is_file()
+    res = CliRunner().invoke(app, args)  # exists: refused without --overwrite
+    assert res.exit_code != 0 and "--overwrite" in str(res.exception)
+    assert CliRunner().invoke(app, args + ["--overwrite"]).exit_code == 0
+    res = CliRunner().invoke(app, args[:2] + ["--format", "onnx"] + args[5:] + ["--overwrite"])
+    assert res.exit_code != 0 and "--format 'onnx'" in str(res.exception)
+    res = CliRunner().invoke(app, ["export", str(tmp_path), "--out", str(tmp_path / "x"),
+                                   "--target", str(target.path)])
+    assert res.exit_code != 0 and "needs config.json and model.safetensors" in str(res.exception)
