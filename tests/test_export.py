@@ -127,7 +127,7 @@ def test_export_cli(target, tmp_path):
     res = CliRunner().invoke(app, args)  # exists: refused without --overwrite
     assert res.exit_code != 0 and "--overwrite" in str(res.exception)
     assert CliRunner().invoke(app, args + ["--overwrite"]).exit_code == 0
-    res = CliRunner().invoke(app, args[:2] + ["--format", "onnx"] + args[5:] + ["--overwrite"])
+    res = CliRunner().invoke(app, args[:2] + ["--format", "onnx"] + args[4:] + ["--overwrite"])
     assert res.exit_code != 0 and "--format 'onnx'" in str(res.exception)
     res = CliRunner().invoke(app, ["export", str(tmp_path), "--out", str(tmp_path / "x"),
                                    "--target", str(target.path)])
