@@ -1,0 +1,74 @@
+"""`eyas pipeline` end to end on a tiny target: every stage runs, a re-run resumes/skips."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eyas.config import load_config
+from eyas.pipeline import run_pipeline
+
+
+def _write_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    data = tmp_path / "convs.jsonl"
+    rows = [{"prompt": f"Tell me about the number {i} and the quick brown fox.",
+             "response": f"The number {i} is a number. The quick brown fox jumps over the lazy dog."}
+            for i in range(24)]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    prompts = tmp_path / "question.jsonl"
+    qs = [{"question_id": 1, "category": "writing", "turns": ["Hello! How can I help?", "Why is the sky blue?"]},
+          {"question_id": 2, "category": "math", "turns": ["What is 1 + 2?"]}]
+    prompts.write_text("\n".join(json.dumps(q) for q in qs) + "\n")
+    return data, prompts
+
+
+def _config(tmp_path: Path, target: Path, features: str) -> Path:
+    data, prompts = _write_inputs(tmp_path)
+    cfg = {
+        "target": str(target), "workdir": str(tmp_path / "run"), "features": features,
+        "prepare": {"data": str(data), "max_length": 64, "draft_vocab_size": 128, "workers": 1},
+        "extract": {"device": "cpu"},
+        "train": {"ttt_steps": 2, "max_steps": 3, "tokens_per_batch": 128, "warmup": 1,
+                  "save_every": 2, "eval_every": 0, "device": "cpu"},
+        "export": {"format": "vllm"},
+        "evaluate": {"engine": "builtin", "prompts": str(prompts), "k": 2, "max_new_tokens": 6},
+    }
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.mark.parametrize("features", ["online", "offline"])
+def test_pipeline_runs_every_stage_and_resumes(tmp_path, tiny_llama_dir, features):
+    cfg_path = _config(tmp_path, tiny_llama_dir, features)
+    reports = run_pipeline(load_config(cfg_path))
+    run = tmp_path / "run"
+    assert (run / "prepared" / "manifest.json").is_file()
+    assert (run / "store").is_dir() == (features == "offline")
+    draft = run / "train" / "draft" / "model.safetensors"
+    assert draft.is_file()
+    exported = json.loads((run / "export-vllm" / "config.json").read_text())
+    assert exported["speculators_model_type"] == "eagle3"
+    report = json.loads((run / "eval" / "builtin" / "report.json").read_text())
+    assert report["overall"]["prompts"] == 3  # two turns + one turn
+    assert report["overall"]["tau"] >= 1.0
+    assert reports["builtin"]["overall"]["tau"] == report["overall"]["tau"]
+
+    # A second run finds every stage complete: the draft is not retrained.
+    stamp = draft.stat().st_mtime_ns
+    run_pipeline(load_config(cfg_path))
+    assert draft.stat().st_mtime_ns == stamp
+
+
+def test_pipeline_cli_refuses_bad_config(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("target: x\ntrain:\n  ttt_step: 3\n")
+    res = subprocess.run([sys.executable, "-m", "eyas.cli", "pipeline", str(bad)],
+                         capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "ttt_step" in res.stderr
