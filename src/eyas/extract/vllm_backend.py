@@ -288,7 +288,28 @@ def fill_vllm_any(job, backend: str) -> None:
     if missing:
         raise EyasError(f"vLLM ({backend}) finished but {len(missing)} samples were not stored (first "
                         f"{missing[:5]}); see the logs in {work}; re-run to retry them")
+    # keep the engine logs (timings, vLLM's own messages) beside the store; drop the rest
+    logs = Path(job.writer.path) / ".vllm-logs"
+    logs.mkdir(exist_ok=True)
+    for e in engines:
+        shutil.copy(e.log_path, logs / f"engine-{e.rank}.log")
     shutil.rmtree(work, ignore_errors=True)
+
+
+def engine_timings(store: str | Path) -> list[dict[str, Any]]:
+    """Per engine: vLLM version, start-up seconds, and the prefill loop's tokens and seconds."""
+    out = []
+    for log in sorted((Path(store) / ".vllm-logs").glob("engine-*.log")):
+        rec: dict[str, Any] = {"log": str(log)}
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith('{"eyas": '):
+                ev = json.loads(line)
+                if ev["eyas"] == "engine-ready":
+                    rec.update(vllm=ev["vllm"], startup_s=ev["seconds"])
+                elif ev["eyas"] == "done":
+                    rec.update(tokens=ev["tokens"], loop_s=ev["seconds"])
+        out.append(rec)
+    return out
 
 
 def fill_vllm(job) -> None:
