@@ -174,7 +174,9 @@ def write_prepared(path: str | os.PathLike, input_ids: list[list[int]], loss_mas
     fields = {
         "max_length": max(lengths) if lengths else 0,
         "counts": {"samples": len(input_ids), "tokens": int(sum(lengths)), "trained_tokens": trained},
-        "sources": sorted(set(s.split(":", 1)[0] for s in source_ids)),
+        # same shape as prepare's sources: one entry per source name (the id before ':')
+        "sources": [{"name": n} for n in sorted(set(s.split(":", 1)[0] if ":" in s else "samples"
+                                                    for s in source_ids))],
         "draft_vocab_size": int(torch.as_tensor(d2t).shape[0]),
         "target_vocab_size": vocab_size,
     }
