@@ -17,6 +17,7 @@ redoes exactly the unfinished batches and ends with the same store as an uninter
 from __future__ import annotations
 
 import importlib
+import os
 import queue
 import sys
 import threading
@@ -109,7 +110,8 @@ class _HostBuffers:
         self.free: queue.Queue = queue.Queue()
         for _ in range(count):
             self.free.put((torch.empty(numel, dtype=dtype, pin_memory=pin),
-                           torch.empty(ids_numel, dtype=torch.int64, pin_memory=pin)))
+                           torch.empty(ids_numel, dtype=torch.int64, pin_memory=pin),
+                           torch.empty((), dtype=torch.bool, pin_memory=pin)))
 
     def get(self):
         return self.free.get()
@@ -147,7 +149,7 @@ def fill_hf(job: ExtractJob) -> None:
     for sid, idx in work:
         rows = [job.dataset[i] for i in idx]
         B, T = len(rows), max(len(r.input_ids) for r in rows)
-        host, ids_host = pool.get()
+        host, ids_host, flag_host = buf = pool.get()
         ids_np = ids_host[: B * T].view(B, T).numpy()
         ids_np.fill(0)  # right padding: causal attention never reads these positions
         for b, r in enumerate(rows):
@@ -162,7 +164,8 @@ def fill_hf(job: ExtractJob) -> None:
             copy_stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(copy_stream):
                 hv.copy_(states, non_blocking=True)
-                finite_host = finite.to("cpu", non_blocking=True)
+                flag_host.copy_(finite, non_blocking=True)  # pinned: a pageable target would block
+                finite_host = flag_host
                 event = torch.cuda.Event()
                 event.record(copy_stream)
             states.record_stream(copy_stream)
@@ -172,7 +175,6 @@ def fill_hf(job: ExtractJob) -> None:
             event, finite_host = None, None
         items = [ShardItem(r.index, r.input_ids, r.loss_mask, hv[b, : len(r.input_ids)])
                  for b, r in enumerate(rows)]
-        buf = (host, ids_host)
 
         def before(event=event, finite_host=finite_host, items=items) -> None:
             if event is not None:
@@ -226,7 +228,8 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     device = resolve_device(device)
     on_cuda = device.startswith("cuda")
     batch_tokens = int(batch_tokens or (65536 if on_cuda else 4096))
-    writers = int(writers or (8 if on_cuda else 2))
+    # On CUDA the disk side is the bottleneck (4.6 kB/token): 16 writers beat 8 on the H200 host.
+    writers = int(writers or (min(16, os.cpu_count() or 16) if on_cuda else 2))
     fields = {
         "target": tgt.identity, "aux_layers": aux, "final_layer": final_id,
         "convention": CONVENTION, "dtype": dtype, "hidden_size": int(text_cfg["hidden_size"]),
