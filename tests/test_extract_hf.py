@@ -9,7 +9,7 @@ import tiny
 from eyas.errors import EyasError
 from eyas.extract.hf import HiddenStateCapture, find_decoder
 
-ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "mistral", "deepseek_v3"]
+ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "mistral", "deepseek_v3", "deepseek_v2"]
 N_LAYERS = 6
 AUX = [0, 2, 4]  # includes id 0 (the embeddings) and an id next to the end
 
@@ -18,7 +18,18 @@ def _model(arch: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    cfg = tiny.tiny_config(arch, vocab_size=300, num_layers=N_LAYERS, hidden=64)
+    if arch == "deepseek_v2":  # MLA + MoE, like V3 but V2's modules (tiny.py has no V2)
+        from transformers import DeepseekV2Config
+
+        cfg = DeepseekV2Config(
+            vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYERS,
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+            kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+            first_k_dense_replace=1, n_group=1, topk_group=1, bos_token_id=0, eos_token_id=2,
+            pad_token_id=3)
+    else:
+        cfg = tiny.tiny_config(arch, vocab_size=300, num_layers=N_LAYERS, hidden=64)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
