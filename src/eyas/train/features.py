@@ -6,6 +6,7 @@ The checks here refuse features from another target, tokenizer, dataset or layer
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,6 +33,8 @@ class FeatureSource(Protocol):
     hidden_size: int
 
     def batch(self, packs: list[list[int]]) -> Batch: ...
+
+    def prefetch(self, packs: list[list[int]]) -> None: ...
 
 
 def _samples(dataset, packs: list[list[int]]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -76,6 +79,9 @@ class OnlineFeatures:
         final = states[:, :, -1].clone()
         return Batch(ids, mask, pos, doc, aux, final, lay.num_tokens)
 
+    def prefetch(self, packs: list[list[int]]) -> None:
+        """Nothing to do ahead: the target runs on the device in order."""
+
 
 class OfflineFeatures:
     """Features read from an extraction store (interface B), checked against target and dataset."""
@@ -97,7 +103,23 @@ class OfflineFeatures:
                             f"dataset are not stored (first: {missing[:5]}); finish `eyas extract` "
                             "(re-run it to resume) before training")
 
+        # one background thread reads the next batch from the store while the device trains
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="eyas-store")
+        self._ahead: dict[tuple, Future] = {}
+
+    def prefetch(self, packs: list[list[int]]) -> None:
+        key = _key(packs)
+        if key not in self._ahead:
+            self._ahead[key] = self._pool.submit(self._load, packs)
+
     def batch(self, packs: list[list[int]]) -> Batch:
+        fut = self._ahead.pop(_key(packs), None)
+        lay, aux, final = fut.result() if fut is not None else self._load(packs)
+        ids, mask, pos, doc = _to(lay, self.device)
+        return Batch(ids, mask, pos, doc, aux.to(self.device, non_blocking=True),
+                     final.to(self.device, non_blocking=True), lay.num_tokens)
+
+    def _load(self, packs: list[list[int]]) -> tuple[PackLayout, torch.Tensor, torch.Tensor]:
         lay = layout(packs, _samples(self.dataset, packs), self.budget)
         b, t = lay.input_ids.shape
         a, h = len(self.aux_layers), self.hidden_size
@@ -114,9 +136,11 @@ class OfflineFeatures:
                 final[r, start:start + kept] = s.final[:kept].to(self.dtype)
         if self.device.type == "cuda":
             aux, final = aux.pin_memory(), final.pin_memory()
-        ids, mask, pos, doc = _to(lay, self.device)
-        return Batch(ids, mask, pos, doc, aux.to(self.device, non_blocking=True),
-                     final.to(self.device, non_blocking=True), lay.num_tokens)
+        return lay, aux, final
+
+
+def _key(packs: list[list[int]]) -> tuple:
+    return tuple(tuple(p) for p in packs)
 
 
 def check_store_manifest(m: dict, store_path, target, dataset, aux_layers: list[int] | None) -> None:

@@ -99,7 +99,7 @@ def setup_dist(device_arg: str) -> tuple[Dist, torch.device]:
         device_arg = "cuda" if torch.cuda.is_available() else "cpu"
     if device_arg.startswith("cuda") and not torch.cuda.is_available():
         raise EyasError(f"--device {device_arg}: CUDA is not available here; use --device cpu")
-    device = torch.device(f"cuda:{local}" if device_arg == "cuda" and world > 1 else device_arg)
+    device = torch.device(f"cuda:{local}" if device_arg == "cuda" else device_arg)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1 and not torch.distributed.is_initialized():
@@ -126,13 +126,15 @@ class EpochPlan:
                  global_micro: int, seed: int):
         self.train_idx, self.lengths, self.budget = train_idx, lengths, budget
         self.batch, self.global_micro, self.seed = batch, global_micro, seed
-        self._packs: dict[int, list[list[int]]] = {}  # the current epoch's packs only
+        self._packs: dict[int, list[list[int]]] = {}  # at most two epochs' packs
         self._counts: dict[int, int] = {}
 
     def packs(self, epoch: int) -> list[list[int]]:
         if epoch not in self._packs:
-            self._packs = {epoch: pack_indices(self.train_idx, self.lengths, self.budget,
-                                               seed=self.seed * 100003 + epoch)}
+            if len(self._packs) >= 2:  # keep this and the neighbouring epoch (read-ahead crosses it)
+                self._packs.pop(max(self._packs, key=lambda e: abs(e - epoch)))
+            self._packs[epoch] = pack_indices(self.train_idx, self.lengths, self.budget,
+                                              seed=self.seed * 100003 + epoch)
             self._counts[epoch] = len(self._packs[epoch])
         return self._packs[epoch]
 
@@ -337,12 +339,18 @@ def train(cfg: TrainConfig) -> Path:
     autocast = _autocast(device, cfg.precision)
     logger = Logger(run_dir, start, is_main)
 
-    def micro_batches(step: int):
+    def micro_packs(step: int, a: int) -> tuple[int, list[list[int]]]:
         epoch, off = plan.locate(step)
-        packs = plan.packs(epoch)
+        m = off * global_micro + a * dist.world + dist.rank
+        return epoch, plan.packs(epoch)[m * cfg.batch_size:(m + 1) * cfg.batch_size]
+
+    def micro_batches(step: int):
         for a in range(cfg.grad_accum):
-            m = off * global_micro + a * dist.world + dist.rank
-            yield a, epoch, packs[m * cfg.batch_size:(m + 1) * cfg.batch_size]
+            epoch, packs = micro_packs(step, a)
+            nxt = (step, a + 1) if a + 1 < cfg.grad_accum else (step + 1, 0)
+            if nxt[0] < total:
+                source.prefetch(micro_packs(*nxt)[1])  # read ahead while this one trains
+            yield a, epoch, packs
 
     def run_batch(packs, grad: bool):
         batch = source.batch(packs)

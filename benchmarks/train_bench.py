@@ -1,0 +1,170 @@
+"""`eyas train` throughput and model FLOP utilisation (MFU), offline and online.
+
+    python benchmarks/train_bench.py --target DIR --data PREPARED --work /dev/shm/eyas-tb \
+        [--modes online,offline] [--batch-sizes 1,4] [--steps 40] [--warmup-steps 8] [--json OUT]
+
+Each configuration runs the real trainer (`eyas.train.trainer.train`: packing, features, TTT
+forward/backward, AdamW, logging) for warmup + measured steps; tokens/s comes from the trainer's
+own per-step log (real tokens, padding excluded) over the measured steps only. Offline first
+extracts a store with `eyas extract`'s HF backend (not timed).
+
+FLOPs counted per real token (training = 3x forward for matmuls with weight and input grads):
+  draft matmuls  ttt * 3 * 2 * (qkv + o + mlp + lm_head params) + 2 * 2 * fc params
+  attention      ttt * 3 * 4 * T_pack * heads * head_dim (dense block-masked scores + PV, as executed)
+  target head    2 * H * draft_vocab (no grad)            online target: 2 * non-embedding params
+MFU = draft-matmul FLOP/s / peak (H200 bf16 dense 989.4 TFLOP/s unless --peak-tflops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eyas.data.dataset import open_prepared, write_prepared
+from eyas.draft.model import DraftConfig
+from eyas.target import resolve_target
+from eyas.train.trainer import TrainConfig, train
+
+
+def rewrite_for(ds, target, out: Path, n: int | None) -> Path:
+    """The first ``n`` samples' tokens as a prepared dataset of ``target`` (identity differs across machines)."""
+    if out.exists():
+        shutil.rmtree(out)
+    rows = [ds[i] for i in range(min(n or len(ds), len(ds)))]
+    d2t, t2d = ds.draft_vocab()
+    return write_prepared(out, [r.input_ids.tolist() for r in rows],
+                          [r.loss_mask.astype(np.int8).tolist() for r in rows],
+                          [r.source_id for r in rows], target, d2t, t2d)
+
+
+def flops_per_token(cfg: DraftConfig, ttt: int, pack: int, target_cfg: dict) -> dict[str, float]:
+    h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    layer = 2 * h * (nh * d + 2 * nkv * d) + nh * d * h + 3 * h * cfg.intermediate_size
+    per_step = layer + h * cfg.draft_vocab_size
+    fc = cfg.num_aux * cfg.target_hidden_size * h
+    tc = target_cfg.get("text_config", target_cfg)
+    th, ti, tl = tc["hidden_size"], tc["intermediate_size"], tc["num_hidden_layers"]
+    thd = tc.get("head_dim") or th // tc["num_attention_heads"]
+    tparams = tl * (th * thd * (tc["num_attention_heads"] + 2 * tc.get("num_key_value_heads", tc["num_attention_heads"]))
+                    + tc["num_attention_heads"] * thd * th + 3 * th * ti)
+    return {"draft_matmul": ttt * 3 * 2 * per_step + 2 * 2 * fc,
+            "attention": ttt * 3 * 4 * pack * nh * d,
+            "target_head": 2 * h * cfg.draft_vocab_size,
+            "online_target": 2 * tparams}
+
+
+def measure(run: Path, warmup: int) -> dict[str, float]:
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    recs = [r for r in recs if r["split"] == "train"]
+    tokens, seconds, prev = 0, 0.0, 0
+    for r in recs:
+        step_tokens = r["tokens"] - prev
+        prev = r["tokens"]
+        if r["step"] > warmup:
+            tokens += step_tokens
+            seconds += step_tokens / r["tokens_per_s"]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "steps": len(recs) - warmup, "final_loss": recs[-1]["loss"], "acc_step0": recs[-1]["acc"][0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--data", required=True, help="a prepared dataset (its tokens are reused)")
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--max-samples", type=int, default=None, help="use the first N samples only")
+    ap.add_argument("--modes", default="online,offline")
+    ap.add_argument("--batch-sizes", default="1,4", help="packs per micro-batch to try")
+    ap.add_argument("--tokens-per-batch", type=int, default=2048)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup-steps", type=int, default=8)
+    ap.add_argument("--compile", default="0", help="comma list of 0/1: torch.compile variants")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--peak-tflops", type=float, default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    target = resolve_target(args.target)
+    data = rewrite_for(open_prepared(args.data), target, work / "data", args.max_samples)
+    cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+    peak = args.peak_tflops or (989.4 if cuda else None)
+    device_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+    results = []
+    store = None
+    for mode in args.modes.split(","):
+        if mode == "offline" and store is None:
+            from eyas.extract.run import run_extract
+
+            store = work / "store"
+            if store.exists():
+                shutil.rmtree(store)
+            t0 = time.perf_counter()
+            s = run_extract(str(target.path), data, store, None, dtype="bf16", device=args.device,
+                            progress=False)
+            print(f"store: {s['tokens']:,} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+        for bs in [int(x) for x in args.batch_sizes.split(",")]:
+            for comp in [bool(int(x)) for x in args.compile.split(",")]:
+                run = work / f"run-{mode}-b{bs}-c{int(comp)}"
+                if run.exists():
+                    shutil.rmtree(run)
+                cfg = TrainConfig(target=str(target.path), data=str(data), out=str(run),
+                                  online=mode == "online", store=str(store) if mode == "offline" else None,
+                                  ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
+                                  batch_size=bs, max_steps=args.warmup_steps + args.steps, warmup=5,
+                                  save_every=0, eval_every=0, eval_batches=1, heldout_fraction=0.01,
+                                  device=args.device, progress=False, compile=comp)
+                t0 = time.perf_counter()
+                try:
+                    draft_dir = train(cfg)
+                except Exception as e:  # record and go on: one failing variant must not lose the rest
+                    print(f"{mode} b{bs} compile={comp}: FAILED {type(e).__name__}: {e}", flush=True)
+                    results.append({"mode": mode, "batch_packs": bs, "compile": comp, "error": str(e)[:500]})
+                    continue
+                wall = time.perf_counter() - t0
+                m = measure(run, args.warmup_steps)
+                dcfg = DraftConfig.from_dict(json.loads((draft_dir / "config.json").read_text()))
+                f = flops_per_token(dcfg, args.ttt_steps, args.tokens_per_batch, target.config())
+                tps = m["tokens_per_s"]
+                row = {"mode": mode, "batch_packs": bs, "compile": comp, **m, "wall_s_total": wall,
+                       "flops_per_token": f,
+                       "draft_matmul_tflops": f["draft_matmul"] * tps / 1e12,
+                       "all_tflops": sum(f.values() if mode == "online" else
+                                         [v for k, v in f.items() if k != "online_target"]) * tps / 1e12}
+                if peak:
+                    row["mfu_draft_matmul"] = row["draft_matmul_tflops"] / peak
+                    row["hfu_all"] = row["all_tflops"] / peak
+                results.append(row)
+                report(args, device_name, peak, data, results)
+                print(f"{mode:8} packs/micro={bs} compile={int(comp)}  {tps:>12,.0f} tok/s  "
+                      f"draft matmuls {row['draft_matmul_tflops']:.1f} TFLOP/s"
+                      + (f"  MFU {row['mfu_draft_matmul']:.1%}  (all counted FLOPs {row['hfu_all']:.1%})"
+                         if peak else "") + f"  loss {m['final_loss']:.3f}", flush=True)
+    print(json.dumps(report(args, device_name, peak, data, results)))
+
+
+def report(args, device_name: str, peak, data: Path, results: list) -> dict:
+    """The result record; rewritten after every configuration so a cut-off run keeps what it measured."""
+    rep = {"benchmark": "train_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "machine": device_name, "torch": torch.__version__, "peak_tflops": peak,
+           "command": " ".join(sys.argv), "tokens_per_batch": args.tokens_per_batch,
+           "ttt_steps": args.ttt_steps, "samples": len(open_prepared(data)), "results": results}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(rep, indent=2))
+    return rep
+
+
+if __name__ == "__main__":
+    main()
