@@ -26,6 +26,8 @@ STAGE_MODULES = [
     "eyas.data.prepare",
     "eyas.extract.run",
     "eyas.train.cli",
+    "eyas.export.cli",
+    "eyas.evaluate.cli",
     "eyas.pipeline",
 ]
 
