@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.draft.model import shift_in_doc
 
 
 class TargetHead(nn.Module):
@@ -58,19 +57,29 @@ def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, loss_
     step_logits[j][b,i] predicts x[i+2+j]; the target's distribution for that token comes from its
     logits at i+1+j. A position counts when x[i+2+j] is in the same document and in the loss mask.
     target_logits: [B,T,draft_vocab] (no grad); loss_mask, doc_ids: [B,T].
+    The target's softmax is taken once and each step reads it through a slice (a view, no copy);
+    cross entropy is logsumexp(z) - <p, z>, which never materialises log_softmax(z).
     """
+    t = target_logits.shape[1]
+    p_all = torch.softmax(target_logits.float(), dim=-1)
+    tgt_top = target_logits.argmax(-1)
     total = step_logits[0].new_zeros((), dtype=torch.float32)
     stats = []
     for j, logits in enumerate(step_logits):
-        tgt = shift_in_doc(target_logits, doc_ids, 1 + j, fill=0.0)
-        valid = shift_in_doc(loss_mask.bool(), doc_ids, 2 + j, fill=False)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        p_t = torch.softmax(tgt, dim=-1)
-        ce = -(p_t * logp).sum(-1)  # [B,T]
+        n = t - 2 - j  # positions i whose predicted token x[i+2+j] lies inside the pack
+        if n <= 0:
+            zero = total.new_zeros(())
+            stats.append(StepStats(zero, zero, zero))
+            continue
+        z = logits[:, :n].float()
+        p = p_all[:, 1 + j:1 + j + n]
+        valid = loss_mask[:, 2 + j:].bool() & (doc_ids[:, 2 + j:] == doc_ids[:, :n])
+        dot = torch.matmul(p.unsqueeze(-2), z.unsqueeze(-1)).squeeze(-1).squeeze(-1)  # <p, z> per position
+        ce = torch.logsumexp(z, dim=-1) - dot
         w = valid.float()
         count = w.sum()
         loss_sum = (ce * w).sum()
-        correct = ((logits.argmax(-1) == tgt.argmax(-1)).float() * w).sum()
+        correct = ((logits[:, :n].argmax(-1) == tgt_top[:, 1 + j:1 + j + n]).float() * w).sum()
         total = total + (step_decay ** j) * loss_sum / count.clamp_min(1.0)
         stats.append(StepStats(loss_sum.detach(), correct.detach(), count.detach()))
     return total, stats
