@@ -114,15 +114,19 @@ def eyas_step_time(run_dir: Path) -> float | None:
     if not times and recs and recs[-1].get("tokens_per_s"):
         r = recs[-1]
         times.append(r["tokens"] / r["tokens_per_s"] / r["step"])
-    return times[-1] if times else None
+    if not times:
+        return None
+    steady = sorted(times[len(times) // 3:])  # drop the first third (allocator, cudnn warm-up)
+    return steady[len(steady) // 2]
 
 
 def latest_eyas_draft(run_dir: Path) -> Path | None:
     """RUN/draft when training finished, else the newest checkpoint (config + weights)."""
     if (run_dir / "draft" / "model.safetensors").is_file():
         return run_dir / "draft"
-    ck = sorted((d for d in (run_dir / "checkpoints").glob("*") if (d / "model.safetensors").is_file()),
-                key=lambda d: d.stat().st_mtime) if (run_dir / "checkpoints").is_dir() else []
+    from eyas.train.checkpoint import checkpoint_dirs  # complete ones only, oldest first
+
+    ck = checkpoint_dirs(run_dir)
     return ck[-1] if ck else None
 
 
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--main-budget-s", type=float, default=75.0)
     ap.add_argument("--eyas-probe-steps", type=int, default=30)
     ap.add_argument("--spec-probe-steps", type=int, default=20)
-    ap.add_argument("--eyas-args", default="--ttt-steps 7 --lr 3e-4 --tokens-per-batch 8192 --warmup 30",
+    ap.add_argument("--eyas-args", default="--ttt-steps 7 --lr 5e-4 --tokens-per-batch 8192 --warmup 30",
                     help="eyas train settings of the main run (ablations vary one thing each).")
     ap.add_argument("--spec-args", default="", help="Extra speculators flags (default: none).")
     ap.add_argument("--spec-workers", type=int, default=8)
@@ -264,9 +268,10 @@ def _pipeline(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
                                   "setup_s": setup_s}, "max_steps": steps, "args": eyas_args}
     log(f"eyas plan: {steps} steps at {step_s:.3f}s/step (setup {setup_s:.1f}s)")
     t = time.time()
+    # checkpoints every quarter: if the run overruns the budget, the latest one is evaluated
     p = r.start("eyas_main", eyas_train("eyas_main", regen, stores["regenerated"], eyas_args, steps,
-                                        max(10, steps // 4)))
-    dt = r.wait(p, timeout=setup_s + a.main_budget_s + 20, check=False)
+                                        max(1, steps // 4)))
+    dt = r.wait(p, timeout=1.5 * setup_s + 1.1 * a.main_budget_s + 20, check=False)
     em = res["eyas_main"]
     em.update(wall_s=dt, loop_s_est=dt - setup_s, rc=p.returncode,
               metrics_tail=[x for x in read_metrics(work / "eyas_main")][-3:])
@@ -295,6 +300,9 @@ def _pipeline(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     evals: dict[str, subprocess.Popen] = {}
     n_main = a.eval_prompts
     for who, d in (("eyas", em["draft"]), ("speculators", work / "spec_draft")):
+        if d in (None, "None") or not Path(d).exists():
+            log(f"no {who} draft to evaluate")
+            continue
         for k in (3, 5):
             evals[f"{who}_k{k}"] = r.start(f"eval_{who}_k{k}", ev_py + [
                 "--draft", d, "--out", work / f"eval_{who}_k{k}", "-k", k, "--max-prompts", n_main],
@@ -320,7 +328,7 @@ def _pipeline(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
         procs = {}
         for name, (data, args) in specs.items():
             procs[name] = r.start(f"abl_{name}", eyas_train(f"abl_{name}", preps[data], stores[data], args,
-                                                          abl_steps, max(10, abl_steps // 2)))
+                                                          abl_steps, max(1, abl_steps // 2)))
             abl_runs[name] = {"data": data, "args": args}
         for name, p in procs.items():
             dt = r.wait(p, timeout=max(30.0, r.left() - 150), check=False)
