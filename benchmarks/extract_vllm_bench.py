@@ -94,6 +94,7 @@ def main() -> None:
         assert not problems, problems
         assert len(open_store(store)) == len(ds)
         row = {"backend": backend, "vllm": version, "samples": len(ds), "tokens": s["tokens"],
+               "loadavg_1m_after": round(os.getloadavg()[0], 1),
                "wall_s": round(wall, 2), "wall_tok_s": round(s["tokens"] / wall, 1)}
         if backend == "hf":
             row.update(steady_s=round(s["seconds"], 2), steady_tok_s=round(s["tokens_per_s"], 1))
