@@ -30,6 +30,14 @@ def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
+def _commit() -> str:
+    res = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         cwd=HERE)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src/eyas/data"],
+                           capture_output=True, text=True, cwd=HERE.parent).stdout.strip()
+    return res.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -61,6 +69,7 @@ def run_once(workers: int, target: str, data: str, max_samples: int | None, root
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": f"{platform.node()} {os.cpu_count()} cores, {_cpu_model()}",
         "command": " ".join(cmd[1:]),
+        "eyas_commit": _commit(),
         "workers": workers,
         "wall_s": round(wall, 2),
         "child_cpu_s": round((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime), 2),
