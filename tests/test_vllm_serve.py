@@ -113,3 +113,25 @@ def test_vllm_0_16_reads_the_format(setup, fmt):
     assert got["method"] == "eagle3" and got["k"] == K
     assert got["aux"] == evalkit.AUX and got["target_hidden_size"] == 128
     assert got["draft_vocab_size"] == 256 and got["norm_before_residual"] is False
+
+
+def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
+    """`eyas evaluate --engine both`: builtin and vLLM reports over MT-bench-style multi-turn
+    prompts, and their greedy tau within 10% (recorded in comparison.json)."""
+    _python("0.32.0")
+    from eyas.evaluate.cli import evaluate_draft
+
+    target, draft_dir, _, _ = setup
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 3)
+    reps = evaluate_draft(str(target.path), draft_dir, qfile, tmp_path / "eval", engine="both", k=K,
+                          max_new_tokens=32, vllm="0.32.0", progress=False)
+    b, v, c = reps["builtin"], reps["vllm"], reps["comparison"]
+    assert v["vllm_version"] == "0.32.0" and len(v["per_prompt"]) == 6
+    assert c["identical_outputs"] == 6  # greedy: the two engines emit the same tokens
+    assert v["overall"]["rounds"] > 0 and v["overall"]["accepted_tokens"] > 0
+    assert c["tau_relative_difference"] < 0.10, c
+    saved = json.loads((tmp_path / "eval" / "comparison.json").read_text())
+    assert saved["tau_vllm"] == pytest.approx(v["overall"]["tau"])
+    for name in ("acceptance_per_position.png", "tau_per_category.png"):
+        assert (tmp_path / "eval" / name).is_file() and (tmp_path / "eval" / "vllm" / name).is_file()
+    assert b["overall"]["matches_plain"] == 6

@@ -161,7 +161,8 @@ def register(app: typer.Typer) -> None:
             if name in reports:
                 o = reports[name]["overall"]
                 rates = ", ".join(f"{r:.2f}" for r in o["acceptance_rate_per_pos"] if r is not None)
-                line = f"{name}: tau {o['tau']:.3f}  acceptance/pos [{rates}]"
+                tau = "n/a (no draft rounds)" if o["tau"] is None else f"{o['tau']:.3f}"
+                line = f"{name}: tau {tau}  acceptance/pos [{rates}]"
                 if o.get("tokens_per_s"):
                     line += f"  {o['tokens_per_s']:.1f} tok/s"
                 if o.get("speedup"):
@@ -169,5 +170,7 @@ def register(app: typer.Typer) -> None:
                 typer.echo(line)
         if "comparison" in reports:
             c = reports["comparison"]
-            typer.echo(f"tau builtin vs vllm: relative difference {c['tau_relative_difference']:.3f}")
+            if c["tau_relative_difference"] is not None:
+                typer.echo(f"tau builtin vs vllm: relative difference {c['tau_relative_difference']:.3f}, "
+                           f"identical outputs {c['identical_outputs']}/{c['prompts']}")
         typer.echo(f"reports in {out}")
