@@ -61,6 +61,8 @@ def test_default_mt_bench_is_in_the_repo():
     assert len({q.category for q in qs}) == 8
     assert (DEFAULT_PROMPTS.parent / "LICENSE").is_file()
     assert len(read_questions(DEFAULT_PROMPTS, max_prompts=5)) == 5
+    per_cat = read_questions(DEFAULT_PROMPTS, max_per_category=2)
+    assert len(per_cat) == 16 and all(sum(q.category == c.category for q in per_cat) == 2 for c in per_cat)
 
 
 def test_second_turn_follows_the_models_first_answer(setup):

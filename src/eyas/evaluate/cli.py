@@ -19,7 +19,8 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
                    out: Path = Path("runs/evaluate"), engine: str = "builtin",
                    k: int = 3, temperature: float = 0.0, max_prompts: int | None = None,
                    max_new_tokens: int = 256, dtype: str = "float32", vllm: str | None = None,
-                   seed: int = 0, compare_plain: bool = True, progress: bool = True) -> dict[str, Any]:
+                   seed: int = 0, compare_plain: bool = True, progress: bool = True,
+                   max_per_category: int | None = None) -> dict[str, Any]:
     """Evaluate; writes OUT/<engine>/report.json + plots (and OUT/comparison.json for both).
     Returns {engine: report} (plus "comparison")."""
     from eyas.evaluate.prompts import DEFAULT_PROMPTS, read_questions, stop_token_ids
@@ -34,7 +35,7 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
     target = resolve_target(target_spec)
     ckpt = load_checkpoint(draft_dir)
     check_against_target(ckpt, target.config(), target.identity, f"target {target_spec!r}")
-    questions = read_questions(prompts, max_prompts)
+    questions = read_questions(prompts, max_prompts, max_per_category)
     tokenizer = target.load_tokenizer()
     from transformers import GenerationConfig
 
@@ -45,7 +46,7 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
     stop_ids = stop_token_ids(tokenizer, gen_cfg)
     meta = {"target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
             "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
-            "dtype": dtype, "seed": seed}
+            "dtype": dtype, "seed": seed, "max_prompts": max_prompts, "max_per_category": max_per_category}
     settings_base = {"target_id": target.id, "draft": str(Path(draft_dir).resolve()), "k": k,
                      "temperature": temperature, "max_new_tokens": max_new_tokens, "dtype": dtype,
                      "seed": seed, "prompts": str(Path(prompts).resolve())}
@@ -145,6 +146,7 @@ def register(app: typer.Typer) -> None:
         k: int = typer.Option(3, "-k", "--num-speculative-tokens", help="Draft tokens per step."),
         temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples with rejection sampling."),
         max_prompts: int = typer.Option(None, help="Use only the first N questions."),
+        max_per_category: int = typer.Option(None, help="Use only the first N questions of each category."),
         max_new_tokens: int = typer.Option(256, help="Tokens generated per turn at most."),
         dtype: str = typer.Option("float32", help="Target/draft dtype for both engines (float32, bfloat16)."),
         vllm: str = typer.Option(None, "--vllm", help="vLLM env: version (.venvs/vllm-VERSION), venv dir or "
@@ -156,7 +158,8 @@ def register(app: typer.Typer) -> None:
         if dtype not in ("float32", "bfloat16", "float16"):
             raise EyasError(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
         reports = evaluate_draft(target, draft, prompts, out, engine, k, temperature, max_prompts,
-                                 max_new_tokens, dtype, vllm, seed, not no_plain)
+                                 max_new_tokens, dtype, vllm, seed, not no_plain,
+                                 max_per_category=max_per_category)
         for name in ("builtin", "vllm"):
             if name in reports:
                 o = reports[name]["overall"]

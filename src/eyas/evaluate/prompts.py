@@ -25,8 +25,12 @@ class Question:
     turns: tuple[str, ...]
 
 
-def read_questions(path: str | Path, max_prompts: int | None = None) -> list[Question]:
-    """Read a question.jsonl file; every malformed line is reported with its line number."""
+def read_questions(path: str | Path, max_prompts: int | None = None,
+                   max_per_category: int | None = None) -> list[Question]:
+    """Read a question.jsonl file; every malformed line is reported with its line number.
+
+    ``max_per_category`` keeps the first N questions of each category (MT-bench is sorted by
+    category, so a plain ``max_prompts`` would see only the first one or two)."""
     path = Path(path)
     if not path.is_file():
         raise EyasError(f"prompts {path}: no such file; pass an MT-bench style question.jsonl "
@@ -42,7 +46,10 @@ def read_questions(path: str | Path, max_prompts: int | None = None) -> list[Que
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise EyasError(f"{where}: not valid JSON ({e}); each line must be one JSON object") from e
-            out.append(_parse(obj, where))
+            q = _parse(obj, where)
+            if max_per_category is not None and sum(x.category == q.category for x in out) >= max_per_category:
+                continue
+            out.append(q)
             if out[-1].question_id in seen:
                 raise EyasError(f"{where}: question_id {out[-1].question_id!r} appears twice; "
                                 "ids must be unique so per-prompt results can be told apart")
