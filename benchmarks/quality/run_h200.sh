@@ -14,10 +14,11 @@ if [ -z "${EYAS_GPU_TARGET:-}" ]; then  # a call after the stage2 call: reuse wh
   export EYAS_GPU_TARGET=$(cat /root/m/target_path)
 fi
 [ -d "$EYAS_GPU_TARGET" ] || { echo "target dir $EYAS_GPU_TARGET missing"; exit 3; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-q .carry/quality/whl/*.whl
+# QUALITY_SKIP_WHEELS=1: local dry runs with a Python that already has speculators
+[ -n "${QUALITY_SKIP_WHEELS:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-q .carry/quality/whl/*.whl
 export PYTHONPATH=/tmp/site-q:$PYTHONPATH PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -c "import speculators, datasets, torch; print('speculators', speculators.__version__, 'datasets', datasets.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0))"
+python3 -c "import speculators, datasets, torch; import importlib.metadata as md; print('speculators', md.version('speculators'), 'datasets', datasets.__version__, 'torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no cuda')"
 W=/tmp/quality; rm -rf $W; mkdir -p $W
 gunzip -c .carry/quality/sharegpt_first4000.jsonl.gz > $W/sharegpt.jsonl
 # leave ~25 s of the 600 s call for packing results

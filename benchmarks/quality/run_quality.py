@@ -141,14 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-python", default=sys.executable, help="Python with speculators importable.")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--deadline-s", type=float, default=560.0)
-    ap.add_argument("--n-convs", type=int, default=2000)
+    ap.add_argument("--n-convs", type=int, default=1500)
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--regen-batch", type=int, default=512)
     ap.add_argument("--regen-max-new", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--vocab-small", type=int, default=8192)
     ap.add_argument("--layers", default=None, help="Aux layer ids (default: eyas's 2,N/2,N-3).")
-    ap.add_argument("--main-budget-s", type=float, default=75.0)
+    ap.add_argument("--main-budget-s", type=float, default=60.0)
     ap.add_argument("--eyas-probe-steps", type=int, default=30)
     ap.add_argument("--spec-probe-steps", type=int, default=20)
     ap.add_argument("--eyas-args", default="--ttt-steps 7 --lr 5e-4 --tokens-per-batch 8192 --warmup 30",
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-args", default="", help="Extra speculators flags (default: none).")
     ap.add_argument("--spec-workers", type=int, default=8)
     ap.add_argument("--abl-steps", type=int, default=0, help="0: from the eyas probe and --abl-budget-s.")
-    ap.add_argument("--abl-budget-s", type=float, default=60.0)
+    ap.add_argument("--abl-budget-s", type=float, default=45.0)
     ap.add_argument("--abl-slowdown", type=float, default=2.5, help="Assumed slowdown of side-by-side runs.")
     ap.add_argument("--eval-prompts", type=int, default=80)
     ap.add_argument("--abl-eval-prompts", type=int, default=40)
@@ -207,10 +207,14 @@ def _pipeline(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     p_small = r.start("prepare_regen_small", r.eyas(
         "prepare", "--out", small, "--draft-vocab-size", a.vocab_small, *common, "--regenerate",
         "--gen-batch-size", a.regen_batch, "--max-new-tokens", a.regen_max_new, "--device", a.device))
-    r.wait(p_orig)
-    r.wait(p_small)
+    for p in (p_orig, p_small):  # ablation data: a failure costs the ablations, not the run
+        r.wait(p, check=False)
+        if p.returncode != 0:
+            log(f"{p._eyas_name} failed: no ablations")  # type: ignore[attr-defined]
+            a.skip_ablations = True
     res["data"] = {name: json.loads((d / "manifest.json").read_text()) for name, d in
-                   (("regenerated", regen), ("original", orig), ("regenerated_small_vocab", small))}
+                   (("regenerated", regen), ("original", orig), ("regenerated_small_vocab", small))
+                   if (d / "manifest.json").is_file()}
     for m in res["data"].values():
         m.pop("shards", None)
     res["stages"]["data_s"] = time.time() - t
@@ -229,15 +233,20 @@ def _pipeline(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
                      env=r.spec_env())
     if not a.skip_ablations:
         for name in ("original", "regenerated_small_vocab"):
-            r.run(f"extract_{name}", r.eyas("extract", "--target", T, "--data", preps[name], "--out",
-                                            stores[name], "--device", a.device, *layers))
+            pe = r.start(f"extract_{name}", r.eyas("extract", "--target", T, "--data", preps[name], "--out",
+                                                   stores[name], "--device", a.device, *layers))
+            r.wait(pe, check=False)
+            if pe.returncode != 0:
+                log(f"extract_{name} failed: no ablations")
+                a.skip_ablations = True
     r.wait(p_conv)
     res["speculators_data"] = json.loads((spec_data / "eyas_conversion.json").read_text())
     res["stages"]["extract_convert_s"] = time.time() - t
     save()
     # ------------------------------------------------------------------ budget check
-    # what is left must hold: 2 probes (~90 s), 2 main runs, ablations, evaluation (~150 s)
-    spare = r.left() - 90 - 150 - (0 if a.skip_ablations else a.abl_budget_s)
+    # what is left must hold: 2 probes (~110 s), setup + compile of the 2 main runs (~50 s),
+    # the 2 main budgets, the ablations and the evaluation (~120 s)
+    spare = r.left() - 110 - 50 - 120 - (0 if a.skip_ablations else a.abl_budget_s)
     if spare < 2 * a.main_budget_s and not a.skip_ablations:
         log(f"only {r.left():.0f}s left: skipping the ablations")
         a.skip_ablations = True
@@ -287,11 +296,14 @@ def _pipeline(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
         spec_cmd.append("--cpu")
     if a.spec_args.strip():
         spec_cmd += ["--", *a.spec_args.split()]
-    r.run("spec_main", spec_cmd, env=r.spec_env())
-    sm = json.loads((work / "spec_main" / "spec_train.json").read_text())
+    ps = r.start("spec_main", spec_cmd, env=r.spec_env())
+    r.wait(ps, timeout=max(60.0, r.left() - 150), check=False)  # a failure still leaves eyas's evals
+    sj = work / "spec_main" / "spec_train.json"
+    sm = json.loads(sj.read_text()) if sj.is_file() else {"error": f"rc={ps.returncode}, see logs/spec_main.log"}
     res["spec_main"] = sm
-    r.run("spec_convert", [a.python, HERE / "from_speculators.py", "--ckpt", sm["checkpoint"],
-                           "--target", T, "--out", work / "spec_draft"], env=r.spec_env())
+    if sm.get("checkpoint"):
+        r.run("spec_convert", [a.python, HERE / "from_speculators.py", "--ckpt", sm["checkpoint"],
+                               "--target", T, "--out", work / "spec_draft"], env=r.spec_env())
     res["stages"]["main_training_s"] = time.time() - t
     save()
     # ------------------------------------------------------------------ evals (+ ablation training)
