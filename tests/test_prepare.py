@@ -150,6 +150,9 @@ def test_rerun_refuses_other_settings_and_targets(tmp_path, tiny_target, tiny_ll
     assert "nothing to do" in logs[0]
     with pytest.raises(EyasError, match="max_length: 256 there, 128 now"):
         prepare(_opts(out, tiny_target, data, max_length=128), log=lambda s: None)
+    data.write_text(data.read_text().replace("question 3.0", "question three"))  # edited input
+    with pytest.raises(EyasError, match="data_sha256"):
+        prepare(_opts(out, tiny_target, data), log=lambda s: None)
     other_dir = tiny.make_target(tmp_path / "other", "qwen2", num_layers=2, seed=1)
     from eyas.target import resolve_target
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import threading
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -95,6 +96,7 @@ class ChatEncoder:
         self.stop_ids = np.array(sorted(set(int(x) for x in stop_ids)), dtype=np.int64)
         self._kwargs = special_tokens
         self._backend = backend
+        self._lock = threading.Lock()
 
     def parts(self) -> tuple[str, str, dict, list[int]]:
         """Picklable state for worker processes (they skip importing AutoTokenizer)."""
@@ -125,8 +127,9 @@ class ChatEncoder:
         if self.uses_generation_blocks:
             from transformers.utils.chat_template_utils import render_jinja_template
 
-            out, idx = render_jinja_template(conversations=[messages], chat_template=self.template,
-                                             return_assistant_tokens_mask=True, **self._kwargs)
+            with self._lock:  # transformers' generation tracker lives on the shared environment
+                out, idx = render_jinja_template(conversations=[messages], chat_template=self.template,
+                                                 return_assistant_tokens_mask=True, **self._kwargs)
             return out[0], [(int(s), int(e)) for s, e in idx[0]]
         full = self.render(messages)
         spans: list[tuple[int, int]] = []

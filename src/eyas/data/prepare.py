@@ -72,6 +72,12 @@ def _init_worker(parts: tuple, single_thread: bool) -> None:
     _ENCODER = ChatEncoder.from_parts(*parts)
 
 
+def _ids_sha256(items: list[tuple[str, str, Any]]) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(it[0] for it in items).encode()).hexdigest()[:16]
+
+
 def _new_stats() -> dict[str, Any]:
     return {"read": 0, "kept": 0, "dropped": {}, "examples": {}, "tokens": 0,
             "trained_tokens": 0, "truncated_samples": 0}
@@ -88,6 +94,7 @@ def _encode_chunk(items: list[tuple[str, str, Any]], max_length: int):
     """items: (source_id, location, messages | Skip). Returns (ids, masks, source_ids, stats)."""
     stats = _new_stats()
     stats["read"] = len(items)
+    stats["ids_sha256"] = _ids_sha256(items)
     convs = [(i, it) for i, it in enumerate(items) if not isinstance(it[2], Skip)]
     encoded = _ENCODER.encode([it[2] for _, it in convs], max_length) if convs else []
     results: list[Any] = [it[2] for it in items]
@@ -209,9 +216,12 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
     encoder = ChatEncoder(tok, template, stop_token_ids(tok, target.path), name=f"target {opts.target}")
     vocab_size = _target_vocab_size(target.config())
     out = Path(opts.out)
+    sources = [open_source(spec) for spec in opts.data]
     settings = {
         "target": target.identity,
         "data": list(opts.data),
+        # content hashes where cheap (files, built-ins): an edited input is not resumed into
+        "data_sha256": [info.sha256 for info, _ in sources],
         "max_samples": opts.max_samples,
         "max_length": opts.max_length,
         "draft_vocab_size": min(opts.draft_vocab_size, vocab_size),
@@ -233,7 +243,6 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
     else:
         log(f"{out}: resuming an unfinished prepare")
 
-    sources = [open_source(spec) for spec in opts.data]
     items: Iterator = _iter_items(sources, opts.max_samples)
     regen_info = None
     if opts.regenerate:
@@ -294,10 +303,10 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
             f = out / shard_name(k)
             if f.is_file():  # done in an earlier run
                 meta = read_shard_metadata(f) or {}
-                if meta.get("read") != len(chunk):
-                    raise EyasError(f"{f}: holds {meta.get('read')} records, this run's chunk has "
-                                    f"{len(chunk)}; the input changed since the first run: "
-                                    "choose a new --out")
+                if meta.get("read") != len(chunk) or meta.get("ids_sha256") != _ids_sha256(chunk):
+                    raise EyasError(f"{f}: holds other records ({meta.get('read')}) than this run's "
+                                    f"chunk {k} ({len(chunk)}); the input changed since the first "
+                                    "run: choose a new --out")
                 kept += meta.get("kept", 0)
                 bar.update(len(chunk))
                 continue

@@ -81,6 +81,10 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
     answers: dict[int, list[dict[str, Any]]] = {i: [] for i in convs}
     ended: dict[int, str] = {}  # conversation -> why it stops being regenerated
     stops = [int(x) for x in encoder.stop_ids]
+    if not stops:
+        raise EyasError(f"target {target.spec}: no eos token in the tokenizer or generation_config."
+                        "json, so eyas cannot tell where an answer ends; add eos_token_id to "
+                        "generation_config.json")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     device = pick_device(opts.device)
     model = None
