@@ -8,7 +8,6 @@ import shutil
 import numpy as np
 import pytest
 
-import tiny
 from eyas.data import regenerate as regen
 from eyas.data.dataset import open_prepared
 from eyas.data.prepare import PrepareOptions, RegenerateOptions, prepare
