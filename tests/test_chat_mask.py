@@ -46,6 +46,15 @@ DEEPSEEK_V3 = (
     "{%- elif m['role'] == 'assistant' -%}{{ '<｜Assistant｜>' + m['content'] + '<｜end▁of▁sentence｜>' }}"
     "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<｜Assistant｜>' }}{%- endif -%}"
 )
+# Kimi-K2 style: role tags inside the turn, and a default system prompt when there is none.
+KIMI = (
+    "{%- if messages[0]['role'] != 'system' -%}<|im_system|>system<|im_middle|>You are Kimi, an AI "
+    "assistant created by Moonshot AI.<|im_end|>{%- endif -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif m['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}{{ m['content'] }}<|im_end|>"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
 CHATML_GENERATION = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}"
@@ -67,6 +76,8 @@ STYLES = {
     "gemma": (GEMMA, "<bos>", "<end_of_turn>", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]),
     "deepseek_v3": (DEEPSEEK_V3, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
                     ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]),
+    "kimi": (KIMI, "[BOS]", "<|im_end|>", ["[BOS]", "<|im_system|>", "<|im_user|>",
+                                          "<|im_assistant|>", "<|im_middle|>"]),
     "chatml_generation": (CHATML_GENERATION, "<|im_start|>", "<|im_end|>", []),
 }
 
