@@ -192,8 +192,10 @@ def run_once(argv: list[str], budget_s: float | None, cpu: bool) -> Probe:
 
 def plan(budget_s: float, p: dict, margin: float = 0.97) -> dict:
     """Whole epochs that fit in the budget, else steps (so the LR schedule ends in time)."""
-    step = p["step_s_median"]
+    step = p["step_s_median"] or p["first_step_s"]  # one probe step (tiny data): its own time
     spe = p["steps_per_epoch"]
+    if not step or not spe:
+        raise RuntimeError(f"the probe recorded no steps ({p}); cannot plan the budget")
     val = max(p["val_s"]) if p["val_s"] else 0.0
     ckpt = max(p["ckpt_s"]) if p["ckpt_s"] else 0.0
     # the budget starts after the first step (compilation), so only steady steps count
