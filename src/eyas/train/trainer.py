@@ -292,6 +292,14 @@ def train(cfg: TrainConfig) -> Path:
                 "global_micro": global_micro, "seed": cfg.seed, "ttt_steps": cfg.ttt_steps,
                 "heldout_fraction": cfg.heldout_fraction, "aux_layers": list(source.aux_layers)}
 
+    too_long = int((dataset.lengths > cfg.tokens_per_batch).sum())
+    if too_long and is_main:
+        import warnings
+
+        warnings.warn(f"{too_long} of {len(dataset)} samples are longer than --tokens-per-batch "
+                      f"{cfg.tokens_per_batch} and are cut to it (their tails, often assistant tokens, are "
+                      "not trained on); use --tokens-per-batch >= the dataset's max_length "
+                      f"({dataset.manifest.get('max_length')}) to keep them whole", stacklevel=1)
     existing = ckpt.checkpoint_dirs(run_dir)
     if existing and not cfg.resume:
         raise EyasError(f"run directory {run_dir} already has checkpoints (latest {existing[-1].name}); "
