@@ -64,13 +64,15 @@ class TargetRunner:
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run ``tokens`` after the committed prefix; returns (logits [T,V], aux [T,A*H] or None)."""
+    def forward(self, tokens: list[int], want_aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``tokens`` after the committed prefix; returns (logits [T,V], aux [T,A*H] or None).
+
+        ``want_aux=False`` (plain decoding) leaves the hooks idle, so the baseline pays no capture."""
         dev = self.model.device
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)
         pos = torch.arange(self.length, self.length + len(tokens), device=dev)[None]
         aux = None
-        if self.capture is not None:
+        if self.capture is not None and want_aux:
             with self.capture.recording() as recs:
                 out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
                                  use_cache=True)
@@ -105,10 +107,10 @@ def plain_generate(target: TargetRunner, prompt: list[int], max_new_tokens: int,
     """Ordinary one-token-per-forward decoding with the same KV cache (the speedup baseline)."""
     start = time.perf_counter()
     target.reset()
-    logits, _ = target.forward(prompt)
+    logits, _ = target.forward(prompt, want_aux=False)
     out = [_pick(logits[-1], temperature, generator)]
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
-        logits, _ = target.forward([out[-1]])
+        logits, _ = target.forward([out[-1]], want_aux=False)
         out.append(_pick(logits[-1], temperature, generator))
     return GenerationResult(tokens=out, seconds=time.perf_counter() - start)
 
