@@ -47,6 +47,12 @@ def make_target(out: Path, arch: str) -> Path:
     cfg = tiny.tiny_config(arch, vocab_size=len(tok), num_layers=8, hidden=128)
     if hasattr(cfg, "head_dim") and arch != "deepseek_v3":
         cfg.head_dim = 32
+    if arch == "deepseek_v3":
+        # HF's DeepSeek-V3 router is sigmoid + e_score_correction_bias ("noaux_tc"); vLLM reads
+        # these from the config (default softmax/greedy, and then has no slot for the bias)
+        cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"
+        # vLLM's CPU MLA kernels exist only for DeepSeek's latent size 512 + rope 64 = 576
+        cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.head_dim = 512, 64, 64  # head_dim: RoPE dims in HF
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
     return out
 
