@@ -76,3 +76,15 @@ def test_data_parallel_shards_cover_every_sample_once():
     loads = [int(lengths[s].sum()) for s in shards]
     assert max(loads) - min(loads) <= max(lengths)  # balanced by tokens, not by count
     assert len(_shards([4], lengths, 3)) == 1  # no empty engines
+
+
+def test_doctor_points_at_vllm_envs(tmp_path, monkeypatch):
+    from eyas.extract.backends import backend_statuses, vllm_env_dirs
+
+    py = tmp_path / ".venvs" / "vllm-0.14.0" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert tmp_path / ".venvs" / "vllm-0.14.0" in vllm_env_dirs()
+    hooks = next(s for s in backend_statuses(None) if s.name == "vllm-hooks")
+    assert hooks.usable and "--vllm-python" in hooks.reason

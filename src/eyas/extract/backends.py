@@ -37,6 +37,15 @@ def installed_vllm_version() -> str | None:
     return None
 
 
+def vllm_env_dirs() -> list:
+    """``.venvs/vllm-VERSION`` environments (scripts/setup_vllm_env.sh) under the cwd or the repo."""
+    from pathlib import Path
+
+    roots = {Path.cwd().resolve(), Path(__file__).resolve().parents[3]}
+    found = {p.parent.parent for r in roots for p in (r / ".venvs").glob("vllm-*/bin/python")}
+    return sorted(found, key=lambda d: parse_version(d.name.split("-", 1)[1]))
+
+
 def backend_statuses(vllm_version: str | None = None) -> list[BackendStatus]:
     out = []
     try:
@@ -47,9 +56,16 @@ def backend_statuses(vllm_version: str | None = None) -> list[BackendStatus]:
     except ImportError as e:  # pragma: no cover - eyas depends on both
         out.append(BackendStatus("hf", False, f"cannot import: {e}"))
     if vllm_version is None:
-        out.append(BackendStatus("vllm", False, "vLLM is not installed in this environment "
-                                 "(install vllm>=0.18, or pass --vllm-python to use another env)"))
-        out.append(BackendStatus("vllm-hooks", False, "vLLM is not installed in this environment"))
+        envs = vllm_env_dirs()
+        for name, fits in (("vllm", lambda v: v >= CONNECTOR_MIN),
+                           ("vllm-hooks", lambda v: HOOKS_RANGE[0] <= v < HOOKS_RANGE[1])):
+            usable = [d for d in envs if fits(parse_version(d.name.split("-", 1)[1])[:2])]
+            if usable:
+                out.append(BackendStatus(name, True, f"not in this environment, but {usable[-1]} has "
+                                         f"{usable[-1].name}: pass --vllm-python {usable[-1]}/bin/python"))
+            else:
+                out.append(BackendStatus(name, False, "vLLM is not installed in this environment "
+                                         "(pass --vllm-python, or run scripts/setup_vllm_env.sh VERSION)"))
         return out
     v = parse_version(vllm_version)[:2]
     if v >= CONNECTOR_MIN:

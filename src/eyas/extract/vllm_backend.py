@@ -65,11 +65,9 @@ def probe_vllm(python: str) -> VllmInstall:
 
 
 def _env_pythons() -> list[Path]:
-    roots = {Path.cwd(), Path(__file__).resolve().parents[3]}
-    found = []
-    for root in roots:
-        found += sorted((root / ".venvs").glob("vllm-*/bin/python"))
-    return found
+    from eyas.extract.backends import vllm_env_dirs
+
+    return [d / "bin" / "python" for d in vllm_env_dirs()]
 
 
 def find_vllm_python(explicit: str | None = None) -> tuple[str, str]:
