@@ -168,8 +168,10 @@ def test_resume_after_kill(version, targets, tmp_path):
     cmd = [sys.executable, "-m", "eyas.cli", "extract", "--target", str(tdir), "--data", str(data),
            "--out", str(store), "--backend", "auto", "--vllm-python", py, "--dtype", "fp32",
            "--model-dtype", "fp32", "--batch-tokens", "64"]
+    # the engine hangs after 2 batches, so the kill lands mid-run however fast the machine is
+    env = {**os.environ, "EYAS_ENGINE_PAUSE_AFTER_BATCHES": "2"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None and not list(store.glob("shard-*.json")):
         time.sleep(0.2)

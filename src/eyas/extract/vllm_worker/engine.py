@@ -178,6 +178,7 @@ def main(job_path: str) -> None:
         log("hooks-installed", workers=info)
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     done, tokens, t1 = 0, 0, time.time()
+    pause_after = int(os.environ.get("EYAS_ENGINE_PAUSE_AFTER_BATCHES", "0"))
     for seq, batch in enumerate(batches(prompts, job.get("batch_tokens", 16384))):
         if job["backend"] == "vllm-hooks":
             written = run_hooks(llm, job, batch, sp)
@@ -186,6 +187,9 @@ def main(job_path: str) -> None:
         done += len(written)
         tokens += sum(len(ids) for _, ids in batch)
         log("batch", samples=done, tokens=tokens, seconds=round(time.time() - t1, 3))
+        if seq + 1 == pause_after:  # fault injection for the resume test: hang until killed
+            log("paused", batches=seq + 1)
+            time.sleep(3600)
     if job["backend"] == "vllm-hooks":
         llm.collective_rpc("eyas_remove")
     log("done", samples=done, tokens=tokens, seconds=round(time.time() - t1, 3))
