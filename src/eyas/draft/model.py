@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.errors import EyasError
+from eyas.fsio import atomic_dir
 
 CONFIG_KIND = "eyas-eagle3-draft"
 
@@ -389,23 +388,10 @@ class Eagle3Draft(nn.Module):
         """config.json + model.safetensors, written to a temp dir and renamed into place."""
         from safetensors.torch import save_file
 
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
-        try:
+        with atomic_dir(Path(directory)) as tmp:
             state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-            if directory.exists():
-                old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-                os.replace(directory, old)
-                os.replace(tmp, directory)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, directory)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         return directory
 
     @classmethod

