@@ -40,7 +40,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
         {"source": cfg.source, "target": cfg.target, "features": cfg.features,
          "launcher": cfg.launcher, "sections": cfg.sections}, indent=2, default=str))
     timings: dict[str, float] = {}
-    target = resolve_target(cfg.target)  # converts a built-in target once, up front
+    resolve_target(cfg.target)  # converts a built-in target once, up front
     console.rule(f"eyas pipeline: target {cfg.target} -> {work}")
 
     t = time.perf_counter()
@@ -95,7 +95,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     (work / "pipeline-timings.json").write_text(json.dumps(timings, indent=2))
     console.print(f"pipeline done in {sum(timings.values()):.0f} s: "
                   + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
-    del target
+    for engine, rep in report.items():
+        overall = rep.get("overall") if isinstance(rep, dict) else None
+        if not overall:
+            continue
+        rates = ", ".join(f"{r:.3f}" for r in overall.get("acceptance_rate_per_pos", []))
+        console.print(f"[bold]{engine}[/bold]: tau {overall['tau']:.3f} tokens per target forward, "
+                      f"acceptance per draft position [{rates}], speedup "
+                      f"{overall.get('speedup') or float('nan'):.2f}x -> {work / 'eval' / engine}/"
+                      "report.json, acceptance_per_position.png, tau_per_category.png")
     return report
 
 
