@@ -24,10 +24,6 @@ from eyas.errors import EyasError
 console = Console(stderr=True)
 
 
-def _stage(name: str, workdir: Path) -> Path:
-    return workdir / name
-
-
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     """Run every stage of ``cfg``; returns the evaluation report (a dict)."""
     from eyas.data.prepare import PrepareOptions, RegenerateOptions, prepare
@@ -48,10 +44,14 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     regen = prep.pop("regenerate", None)
     if regen is True:
         regen = {}
-    prepared = _stage("prepared", work)
+    prepared = work / "prepared"
+    if isinstance(prep.get("data"), str):
+        prep["data"] = [prep["data"]]
+    if prep.get("chat_template"):
+        prep["chat_template"] = Path(prep["chat_template"])
     prepare(PrepareOptions(out=prepared, target=cfg.target,
                            regenerate=RegenerateOptions(**regen) if isinstance(regen, dict) else None,
-                           **_paths(prep, "data", "chat_template")),
+                           **prep),
             log=lambda msg: console.print(f"[dim]prepare[/dim] {msg}"))
     timings["prepare"] = time.perf_counter() - t
 
@@ -60,14 +60,14 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
         from eyas.extract.run import run_extract
 
         t = time.perf_counter()
-        store = _stage("store", work)
+        store = work / "store"
         console.rule("extract")
         run_extract(cfg.target, prepared, store, **cfg.section("extract"))
         timings["extract"] = time.perf_counter() - t
 
     t = time.perf_counter()
     console.rule("train")
-    run_dir = _stage("train", work)
+    run_dir = work / "train"
     draft = run_dir / "draft"
     if (draft / "model.safetensors").is_file() and (draft / "config.json").is_file():
         console.print(f"train: {draft} exists, skipping (delete it to train again)")
@@ -79,7 +79,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     console.rule("export")
     exp = cfg.section("export")
     fmt = exp.pop("fmt", "vllm")
-    exported = _stage(f"export-{fmt}", work)
+    exported = work / f"export-{fmt}"
     export_checkpoint(draft, fmt, exported, cfg.target, overwrite=True, **exp)
     timings["export"] = time.perf_counter() - t
 
@@ -90,7 +90,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     ev = cfg.section("evaluate")
     if "prompts" in ev:
         ev["prompts"] = Path(ev["prompts"])
-    report = evaluate_draft(cfg.target, draft, out=_stage("eval", work), **ev)
+    report = evaluate_draft(cfg.target, draft, out=work / "eval", **ev)
     timings["evaluate"] = time.perf_counter() - t
     (work / "pipeline-timings.json").write_text(json.dumps(timings, indent=2))
     console.print(f"pipeline done in {sum(timings.values()):.0f} s: "
@@ -105,17 +105,6 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
                       f"{overall.get('speedup') or float('nan'):.2f}x -> {work / 'eval' / engine}/"
                       "report.json, acceptance_per_position.png, tau_per_category.png")
     return report
-
-
-def _paths(section: dict[str, Any], *keys: str) -> dict[str, Any]:
-    out = dict(section)
-    for k in keys:
-        v = out.get(k)
-        if isinstance(v, str) and k != "data":
-            out[k] = Path(v)
-        elif k == "data" and isinstance(v, str):
-            out[k] = [v]
-    return out
 
 
 def _train(cfg: PipelineConfig, prepared: Path, store: Path | None, run_dir: Path) -> None:
