@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def evaluate(draft_dir: Path, target_dir: str, prompts: Path, out: Path, k: int, device: str,
              max_prompts: int | None, max_new_tokens: int, dtype: str, progress: bool = True) -> dict[str, Any]:
     import torch
-    from transformers import GenerationConfig
 
-    from eyas.evaluate.prompts import read_questions, stop_token_ids
+    from eyas.data.chat import stop_token_ids
+    from eyas.evaluate.prompts import read_questions
     from eyas.evaluate.report import build_report, write_report
     from eyas.evaluate.runner import run_questions
     from eyas.evaluate.speculative import BuiltinEngine
@@ -36,11 +36,7 @@ def evaluate(draft_dir: Path, target_dir: str, prompts: Path, out: Path, k: int,
     torch_dtype = getattr(torch, dtype)
     target = resolve_target(target_dir)
     tokenizer = target.load_tokenizer()
-    try:
-        gen_cfg = GenerationConfig.from_pretrained(target.path)
-    except OSError:
-        gen_cfg = None
-    stop_ids = stop_token_ids(tokenizer, gen_cfg)
+    stop_ids = set(stop_token_ids(tokenizer, target.path))
     questions = read_questions(prompts, max_prompts)
     model = target.load_model(dtype=torch_dtype, device=device)
     draft = load_draft(draft_dir, device=device, dtype=torch_dtype)

@@ -23,7 +23,8 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
                    max_per_category: int | None = None) -> dict[str, Any]:
     """Evaluate; writes OUT/<engine>/report.json + plots (and OUT/comparison.json for both).
     Returns {engine: report} (plus "comparison")."""
-    from eyas.evaluate.prompts import DEFAULT_PROMPTS, read_questions, stop_token_ids
+    from eyas.data.chat import stop_token_ids
+    from eyas.evaluate.prompts import DEFAULT_PROMPTS, read_questions
     from eyas.export.checks import check_against_target, load_checkpoint
     from eyas.target import resolve_target
 
@@ -37,13 +38,7 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
     check_against_target(ckpt, target.config(), target.identity, f"target {target_spec!r}")
     questions = read_questions(prompts, max_prompts, max_per_category)
     tokenizer = target.load_tokenizer()
-    from transformers import GenerationConfig
-
-    try:
-        gen_cfg = GenerationConfig.from_pretrained(target.path)
-    except OSError:
-        gen_cfg = None
-    stop_ids = stop_token_ids(tokenizer, gen_cfg)
+    stop_ids = set(stop_token_ids(tokenizer, target.path))
     meta = {"target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
             "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
             "dtype": dtype, "seed": seed, "max_prompts": max_prompts, "max_per_category": max_per_category}

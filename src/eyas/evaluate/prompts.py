@@ -91,13 +91,3 @@ def render_turn(tokenizer, question: Question, turn: int, answers: list[str]) ->
     messages.append({"role": "user", "content": question.turns[turn]})
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def stop_token_ids(tokenizer, generation_config: Any = None) -> set[int]:
-    """EOS ids from the tokenizer and the model's generation config (either may list several)."""
-    ids: set[int] = set()
-    for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if source is None:
-            continue
-        ids.update([source] if isinstance(source, int) else list(source))
-    return ids
