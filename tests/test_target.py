@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +24,6 @@ def test_hf_dir_resolves_with_stable_identity(tiny_llama_dir):
 
 
 def test_identity_tracks_weights_and_tokenizer(tiny_llama_dir, tmp_path):
-    import torch
     from safetensors.torch import load_file, save_file
 
     base = target_identity(tiny_llama_dir)

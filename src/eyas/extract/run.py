@@ -20,7 +20,6 @@ import importlib
 import os
 import queue
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
