@@ -18,6 +18,17 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("EYAS_CACHE", str(tmp_path_factory.getbasetemp() / "eyas-cache"))
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: on 2 shared cores more threads only contend."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A random 8-layer Llama (H=64) with a ChatML byte-level BPE tokenizer."""

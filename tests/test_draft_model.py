@@ -12,12 +12,7 @@ from eyas.draft.model import DraftConfig, DraftKVCache, Eagle3Draft, shift_in_do
 from eyas.errors import EyasError
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _vocab(vocab: int, draft_vocab: int, seed: int = 0):

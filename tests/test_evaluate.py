@@ -17,12 +17,7 @@ from eyas.evaluate.report import aggregate
 from eyas.evaluate.speculative import DraftRunner, TargetRunner, plain_generate, speculative_generate
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: more threads only contend
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

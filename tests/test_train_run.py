@@ -24,12 +24,7 @@ PY = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: more threads only contend
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _write_data(path: Path, target, n: int = 48, seed: int = 0) -> Path:

@@ -16,20 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from eyas.data.formats import Skip
+from eyas.device import resolve_device
 from eyas.errors import EyasError
 
 CACHE = "regenerated.jsonl"
 HEADER = "regenerate.json"
-
-
-def pick_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EyasError(f"--device {device}: CUDA is not available here; use --device cpu or auto")
-    return device
 
 
 def _load_cache(out: Path, header: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
@@ -86,7 +77,7 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
                         "json, so eyas cannot tell where an answer ends; add eos_token_id to "
                         "generation_config.json")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
-    device = pick_device(opts.device)
+    device = resolve_device(opts.device)
     model = None
     todo_total = sum(len(t) for i, t in turns.items()
                      if len(cache.get(items[i][0], {})) < len(t))

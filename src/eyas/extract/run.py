@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import typer
 
+from eyas.device import resolve_device
 from eyas.errors import EyasError
 from eyas.extract.layers import CONVENTION, parse_layers, resolve_layers
 from eyas.extract.store import DTYPES, ShardItem, StoreWriter, check_finite, verify_store
@@ -70,14 +71,6 @@ class ExtractJob:
     progress: Callable[[int], None] = lambda n: None
     options: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)  # backends set "t_first_batch" (perf_counter)
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise EyasError(f"--device {device}: CUDA is not available here; use --device cpu")
-    return device
 
 
 def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
