@@ -25,7 +25,7 @@ def _data(tmp_path, n=3):
 
 
 def _opts(out, target_dir, data, **kw):
-    r = dict(temperature=0.8, top_p=0.9, max_new_tokens=4, seed=3, batch_size=2, device="auto")
+    r = dict(temperature=0.8, top_p=0.9, max_new_tokens=4, seed=3, batch_size=2, device="auto", backend="hf")
     r.update(kw)
     return PrepareOptions(out=out, target=str(target_dir), data=[str(data)], draft_vocab_size=40,
                           max_length=256, workers=1, progress=False, regenerate=RegenerateOptions(**r))

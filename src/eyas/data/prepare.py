@@ -35,6 +35,10 @@ class RegenerateOptions:
     batch_size: int = 32
     device: str = "auto"
     drop_length_limited: bool = False
+    backend: str = "auto"              # hf | vllm | auto (vLLM where eyas finds it)
+    vllm_python: str | None = None
+    dtype: str = "auto"                # auto: HF bf16 on CUDA, fp32 on CPU; vLLM the model's dtype
+    max_turns: int = 0                 # answer at most N assistant turns per conversation (0: all)
 
     def settings(self) -> dict[str, Any]:
         """What determines the answers (batch size and device do not, by intent)."""
@@ -228,7 +232,8 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         "chat_template_sha256": encoder.template_sha256,
         "chunk_size": opts.chunk_size,
         "strict": opts.strict,
-        "regenerate": ({**opts.regenerate.settings(), "drop_length_limited": opts.regenerate.drop_length_limited}
+        "regenerate": ({**opts.regenerate.settings(), "drop_length_limited": opts.regenerate.drop_length_limited,
+                        "max_turns": opts.regenerate.max_turns}
                        if opts.regenerate else None),
     }
     mode = _check_out_dir(out, settings)
@@ -424,7 +429,11 @@ def summary_lines(manifest: dict[str, Any]) -> list[str]:
     r = manifest.get("regenerate")
     if r:
         lines.append(f"regenerated {r['answers']:,} answers ({r['length_limited']:,} hit "
-                     f"--max-new-tokens, {r['empty']:,} empty) with {r['settings']}")
+                     f"--max-new-tokens, {r['empty']:,} empty) with {r['settings']} on "
+                     f"{r.get('engine', 'hf')}; conversations in {r.get('conversations_file')}")
+        if r.get("turns_beyond_max_turns"):
+            lines.append(f"  {r['turns_beyond_max_turns']:,} later assistant turns cut by --max-turns "
+                         f"{r['max_turns']}")
     return lines
 
 
@@ -458,7 +467,17 @@ def register(app) -> None:
         top_p: float = typer.Option(0.9, "--top-p", help="--regenerate nucleus sampling."),
         max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="--regenerate answer length limit."),
         seed: int = typer.Option(0, "--seed", help="--regenerate sampling seed."),
-        gen_batch_size: int = typer.Option(32, "--gen-batch-size", help="--regenerate batch size."),
+        gen_batch_size: int = typer.Option(32, "--gen-batch-size",
+                                           help="--regenerate prompts per batch (vLLM: 256+ is faster)."),
+        gen_backend: str = typer.Option("auto", "--gen-backend",
+                                        help="--regenerate engine: hf, vllm, or auto (vLLM where found)."),
+        gen_dtype: str = typer.Option("auto", "--gen-dtype",
+                                      help="--regenerate weights dtype: auto, bf16, fp16, fp32."),
+        max_turns: int = typer.Option(0, "--max-turns",
+                                      help="--regenerate at most N assistant turns per conversation "
+                                           "(the rest of it is cut; 0: all)."),
+        vllm_python: str | None = typer.Option(None, "--vllm-python",
+                                               help="--regenerate: Python of an environment with vLLM."),
         device: str = typer.Option("auto", "--device", help="--regenerate device (auto: cuda if available)."),
         drop_length_limited: bool = typer.Option(False, "--drop-length-limited",
                                                  help="--regenerate: drop conversations whose answer "
@@ -470,7 +489,9 @@ def register(app) -> None:
 
         regen = RegenerateOptions(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
                                   seed=seed, batch_size=gen_batch_size, device=device,
-                                  drop_length_limited=drop_length_limited) if regenerate_ else None
+                                  drop_length_limited=drop_length_limited, backend=gen_backend,
+                                  vllm_python=vllm_python, dtype=gen_dtype,
+                                  max_turns=max_turns) if regenerate_ else None
         console = Console(stderr=True)
         opts = PrepareOptions(out=out, target=target, data=data, max_samples=max_samples,
                               max_length=max_length, draft_vocab_size=draft_vocab_size,

@@ -2,7 +2,8 @@
 
 Turn by turn: round r answers the r-th assistant turn of every conversation, conditioned on the
 conversation so far with the *regenerated* earlier answers. Each round's prompts are sorted by
-length and run as left-padded batches through HF ``generate``. Every answer is appended (and
+length and run in batches, through HF ``generate`` (left-padded) or one vLLM engine
+(``regenerate_vllm.py``; ``auto`` takes vLLM where it is installed). Every answer is appended (and
 flushed) to ``regenerated.jsonl`` in the output directory, keyed by conversation id and turn, so a
 re-run skips what is done. ``regenerate.json`` records the target and sampling settings; a re-run
 with other settings is refused rather than mixing answers.
@@ -21,6 +22,7 @@ from eyas.errors import EyasError
 
 CACHE = "regenerated.jsonl"
 HEADER = "regenerate.json"
+CONVERSATIONS = "regenerated_conversations.jsonl"  # the result as chat messages, reusable as --data
 
 
 def _load_cache(out: Path, header: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
@@ -61,14 +63,16 @@ def _load_cache(out: Path, header: dict[str, Any]) -> dict[str, dict[int, dict[s
 def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Path, opts,
                max_length: int, progress: bool = True) -> tuple[list[tuple[str, str, Any]], dict[str, Any]]:
     """Return ``items`` with assistant turns replaced by the target's answers, plus counts."""
-    import torch
     from tqdm import tqdm
 
+    engine = _pick_engine(opts)
     header = {"target": target.identity, "chat_template_sha256": encoder.template_sha256,
-              "max_length": max_length, **opts.settings()}
+              "max_length": max_length, **opts.settings(), "engine": engine}
     cache = _load_cache(Path(out), header)
     convs = {i: it[2] for i, it in enumerate(items) if not isinstance(it[2], Skip)}
     turns = {i: [j for j, m in enumerate(msgs) if m["role"] == "assistant"] for i, msgs in convs.items()}
+    if opts.max_turns:  # later turns are cut off with their conversation's tail (counted below)
+        turns = {i: t[: opts.max_turns] for i, t in turns.items()}
     answers: dict[int, list[dict[str, Any]]] = {i: [] for i in convs}
     ended: dict[int, str] = {}  # conversation -> why it stops being regenerated
     stops = [int(x) for x in encoder.stop_ids]
@@ -77,12 +81,13 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
                         "json, so eyas cannot tell where an answer ends; add eos_token_id to "
                         "generation_config.json")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
-    device = resolve_device(opts.device)
-    model = None
+    device = resolve_device(opts.device) if engine == "hf" else "vllm"
+    gen = None  # made on first use: a fully cached run loads no model
     todo_total = sum(len(t) for i, t in turns.items()
                      if len(cache.get(items[i][0], {})) < len(t))
     bar = tqdm(total=todo_total, unit="answer", desc="regenerate", disable=not progress, dynamic_ncols=True)
     fh = open(Path(out) / CACHE, "a", encoding="utf-8")
+    generators: list = []
     try:
         for r in range(max((len(t) for t in turns.values()), default=0)):
             pending = []
@@ -104,14 +109,17 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
                 pending.append((len(ids), i, ids))
             if not pending:
                 continue
-            if model is None:
-                dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-                model = target.load_model(dtype=dtype, device=device)
+            if gen is None:
+                gen = _make_generator(engine, target, tok, opts, stops, pad_id, device, Path(out),
+                                      max_length)
+                generators.append(gen)
             pending.sort(key=lambda p: p[0])
             for b in range(0, len(pending), opts.batch_size):
                 batch = pending[b: b + opts.batch_size]
-                texts = _generate(model, tok, [p[2] for p in batch], opts, stops, pad_id, device,
-                                  seed=opts.seed * 1_000_003 + r * 10_007 + b)
+                # HF samples a batch from one generator; vLLM each answer from its own (by
+                # conversation and turn, so not tied to the batching)
+                base = opts.seed * 1_000_003 + r * 10_007
+                texts = gen([p[2] for p in batch], base + b, [base + p[1] for p in batch])
                 for (_, i, ids), (text, finish) in zip(batch, texts):
                     rec = {"id": items[i][0], "turn": r, "text": text, "finish": finish,
                            "prompt_tokens": len(ids)}
@@ -125,16 +133,19 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
     finally:
         fh.close()
         bar.close()
+        for g in generators:
+            getattr(g, "close", lambda: None)()
 
     new_items = list(items)
     counts = {"answers": 0, "length_limited": 0, "empty": 0, "turns_beyond_max_length": 0,
-              "conversations": len(convs)}
+              "turns_beyond_max_turns": 0, "conversations": len(convs)}
     for i, msgs in convs.items():
         got = answers[i]
         counts["answers"] += len(got)
         n_limited = sum(a["finish"] == "length" for a in got)
         counts["length_limited"] += n_limited
         counts["turns_beyond_max_length"] += len(turns[i]) - len(got)
+        counts["turns_beyond_max_turns"] += sum(m["role"] == "assistant" for m in msgs) - len(turns[i])
         sid, loc, _ = items[i]
         if any(a["finish"] == "empty" for a in got):
             counts["empty"] += 1
@@ -146,9 +157,65 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
         else:
             last = turns[i][len(got) - 1]
             new_items[i] = (sid, loc, _with_answers(msgs[: last + 1], turns[i], got))
-    info = {"settings": opts.settings(), "device": device, "batch_size": opts.batch_size,
-            "drop_length_limited": opts.drop_length_limited, "cache": CACHE, **counts}
+    from eyas.fsio import atomic_write_text
+
+    atomic_write_text(Path(out) / CONVERSATIONS, "".join(
+        json.dumps({"id": sid, "messages": msgs}, ensure_ascii=False) + "\n"
+        for sid, _, msgs in new_items if not isinstance(msgs, Skip)))
+    info = {"settings": opts.settings(), "engine": engine, "device": device, "batch_size": opts.batch_size,
+            "drop_length_limited": opts.drop_length_limited, "max_turns": opts.max_turns, "cache": CACHE,
+            "conversations_file": CONVERSATIONS, **counts}
     return new_items, info
+
+
+def _pick_engine(opts) -> str:
+    """``hf`` or ``vllm``; ``auto`` takes vLLM where eyas can find it (it is much faster)."""
+    if opts.backend in ("hf", "vllm"):
+        return opts.backend
+    if opts.backend != "auto":
+        raise EyasError(f"--gen-backend {opts.backend!r}: expected hf, vllm or auto")
+    from eyas.extract.vllm_backend import find_vllm_python
+
+    try:
+        find_vllm_python(opts.vllm_python)
+    except EyasError:
+        return "hf"
+    return "vllm"
+
+
+def _make_generator(engine: str, target, tok, opts, stops: list[int], pad_id: int, device: str,
+                    out: Path, max_length: int):
+    """A function (prompts, batch_seed, answer_seeds) -> [(text, finish)] for the chosen engine."""
+    if engine == "vllm":
+        from eyas.data.regenerate_vllm import VllmGenerator
+
+        eng = VllmGenerator(target.path, out / ".vllm-generate", max_model_len=max_length + opts.max_new_tokens,
+                            seed=opts.seed, vllm_python=opts.vllm_python, dtype=opts.dtype)
+
+        def run(prompts: list[list[int]], batch_seed: int, seeds: list[int]) -> list[tuple[str, str]]:
+            got = eng.generate(prompts, opts.max_new_tokens, opts.temperature, opts.top_p, seeds, stops)
+            return [_decode(tok, ids, set(stops)) for ids, _ in got]
+
+        run.close = eng.close  # type: ignore[attr-defined]
+        return run
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(opts.dtype)
+    if dtype is None:  # auto
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = target.load_model(dtype=dtype, device=device)
+    # looked up at call time, so tests can wrap it
+    return lambda prompts, batch_seed, seeds: _generate(model, tok, prompts, opts, stops, pad_id, device,
+                                                        seed=batch_seed)
+
+
+def _decode(tok, row: list[int], stop_set: set[int]) -> tuple[str, str]:
+    """(text, finish): cut at the first stop token; finish stop|length|empty."""
+    end = next((k for k, t in enumerate(row) if t in stop_set), None)
+    text = tok.decode(row[:end] if end is not None else row, skip_special_tokens=True).strip()
+    if not text:
+        return "", "empty"
+    return text, "stop" if end is not None else "length"
 
 
 def _with_answers(msgs: list[dict], turn_idx: list[int], answers: list[dict]) -> list[dict]:
@@ -181,14 +248,5 @@ def _generate(model, tok, prompts: list[list[int]], opts, stops: list[int], pad_
     with torch.no_grad():
         gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                              generation_config=cfg)
-    new = gen[:, width:].cpu().tolist()
     stop_set = set(stops)
-    out = []
-    for row in new:
-        end = next((k for k, t in enumerate(row) if t in stop_set), None)
-        text = tok.decode(row[:end] if end is not None else row, skip_special_tokens=True).strip()
-        if not text:
-            out.append(("", "empty"))
-        else:
-            out.append((text, "stop" if end is not None else "length"))
-    return out
+    return [_decode(tok, row, stop_set) for row in gen[:, width:].cpu().tolist()]

@@ -1,0 +1,99 @@
+"""`eyas prepare --regenerate --gen-backend vllm` against real vLLM builds (CPU), old and new.
+
+Greedy answers from the vLLM engine must be the HF backend's answers token for token (same fp32
+weights, same prompts), the engine is recorded in the manifest, and an answer cache made by one
+engine is not silently continued by the other.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny
+from eyas.data import regenerate as regen
+from eyas.data.prepare import PrepareOptions, RegenerateOptions, prepare
+from eyas.errors import EyasError
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _vllm_python(version: str) -> str:
+    py = ROOT / ".venvs" / f"vllm-{version}" / "bin" / "python"
+    if not py.is_file():
+        pytest.skip(f"{py} is absent: run scripts/setup_vllm_env.sh {version} to test vLLM {version}")
+    return str(py)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    """Llama, 4 layers, head_dim 32 (the smallest vLLM's CPU attention takes), fp32."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("regen-target")
+    tok = tiny.make_tokenizer(out)
+    torch.manual_seed(1)
+    cfg = tiny.tiny_config("llama", vocab_size=len(tok), num_layers=4, hidden=128)
+    cfg.head_dim = 32
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+    return out
+
+
+def _data(tmp_path: Path, n: int = 5) -> Path:
+    rows = [{"conversations": [{"from": "human", "value": f"question {i}: why is the sky blue?"},
+                               {"from": "gpt", "value": "ORIGINAL"},
+                               {"from": "human", "value": f"and the capital of France {i}?"},
+                               {"from": "gpt", "value": "ORIGINAL"}]} for i in range(n)]
+    f = tmp_path / "c.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+def _opts(out: Path, target: Path, data: Path, **kw) -> PrepareOptions:
+    r = dict(temperature=0.0, max_new_tokens=12, seed=0, batch_size=3, dtype="fp32")
+    r.update(kw)
+    return PrepareOptions(out=out, target=str(target), data=[str(data)], draft_vocab_size=64,
+                          max_length=256, workers=1, progress=False, regenerate=RegenerateOptions(**r))
+
+
+def _answers(out: Path) -> dict[tuple[str, int], str]:
+    return {(r["id"], r["turn"]): r["text"] for r in
+            map(json.loads, (out / regen.CACHE).read_text().splitlines())}
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.16.0"])
+def test_vllm_greedy_answers_equal_hf(tmp_path, target, version, one_thread):
+    py = _vllm_python(version)
+    data = _data(tmp_path)
+    hf = prepare(_opts(tmp_path / "hf", target, data, backend="hf"), log=lambda s: None)
+    vl = prepare(_opts(tmp_path / "vllm", target, data, backend="vllm", vllm_python=py), log=lambda s: None)
+    assert hf["regenerate"]["engine"] == "hf" and vl["regenerate"]["engine"] == "vllm"
+    a_hf, a_vl = _answers(tmp_path / "hf"), _answers(tmp_path / "vllm")
+    assert len(a_hf) == 10 and a_vl == a_hf  # both turns of 5 conversations, token for token
+    assert "ORIGINAL" not in (tmp_path / "vllm" / regen.CONVERSATIONS).read_text()
+    convs = [json.loads(x) for x in (tmp_path / "vllm" / regen.CONVERSATIONS).read_text().splitlines()]
+    assert [c["messages"][1]["content"] for c in convs] == [a_vl[(c["id"], 0)] for c in convs]
+    assert (tmp_path / "vllm" / "regenerate-vllm.log").is_file()
+    assert not (tmp_path / "vllm" / ".vllm-generate").exists()
+
+    # the HF answers seeded into a vLLM run: refused, naming the engine
+    seeded = tmp_path / "seeded"
+    seeded.mkdir()
+    for name in (regen.CACHE, regen.HEADER):
+        shutil.copy(tmp_path / "hf" / name, seeded / name)
+    with pytest.raises(EyasError, match="engine"):
+        prepare(_opts(seeded, target, data, backend="vllm", vllm_python=py), log=lambda s: None)
+
+
+def test_max_turns_cuts_conversations(tmp_path, target, one_thread):
+    data = _data(tmp_path)
+    m = prepare(_opts(tmp_path / "one", target, data, backend="hf", max_turns=1), log=lambda s: None)
+    r = m["regenerate"]
+    assert r["answers"] == 5 and r["turns_beyond_max_turns"] == 5
+    convs = [json.loads(x) for x in (tmp_path / "one" / regen.CONVERSATIONS).read_text().splitlines()]
+    assert [len(c["messages"]) for c in convs] == [2] * 5  # user + the one regenerated answer
