@@ -38,6 +38,7 @@ def test_seed_case_config():
     assert cfg.section("extract")["tensor_parallel_size"] == 8
     assert cfg.launcher["nproc_per_node"] == 8
     assert cfg.features == "offline"
+    assert cfg.section("train")["parallel"] == "fsdp2"
 
 
 @pytest.mark.parametrize("raw, match", [

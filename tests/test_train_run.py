@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -192,5 +193,82 @@ def test_torchrun_two_processes_match_single_process(tiny_target, data, tmp_path
     assert l1 == pytest.approx(l2, rel=1e-5)
     a = load_file(str(single / "draft" / "model.safetensors"))
     b = load_file(str(ddp / "draft" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
+            "train", *args]
+
+
+def test_fsdp2_two_processes_match_single_process(tiny_target, data, tmp_path):
+    """FSDP2 (fully_shard on gloo) with the same global batch gives the single process's losses and
+    weights; its checkpoint is the same full format (it resumes in one process, equal to uninterrupted)."""
+    steps = ["--max-steps", "4", "--eval-batches", "3", "--heldout", "0.15"]  # 3 held-out packs
+    single = tmp_path / "single"
+    subprocess.run(_cli(*_train_args(tiny_target, data, single, *steps, "--save-every", "0",
+                                     "--grad-accum", "2")), env=ENV, check=True, capture_output=True)
+    fsdp = tmp_path / "fsdp"
+    res = subprocess.run(_torchrun(*_train_args(tiny_target, data, fsdp, *steps, "--save-every", "2",
+                                                "--parallel", "fsdp2")),
+                         env=ENV, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((fsdp / "summary.json").read_text())["parallel"] == "fsdp2"
+    l1 = [r["loss"] for r in _records(single)]
+    l2 = [r["loss"] for r in _records(fsdp)]
+    assert len(l1) == len(l2) == 4
+    assert l1 == pytest.approx(l2, rel=1e-5)
+    # the clip norm is the norm of the whole gradient, not of one rank's shard
+    g1, g2 = [r["grad_norm"] for r in _records(single)], [r["grad_norm"] for r in _records(fsdp)]
+    assert g1 == pytest.approx(g2, rel=1e-4)
+    # held-out evaluation (3 batches over 2 ranks: one rank runs a padding batch) counts each position once
+    h1, h2 = _records(single, "heldout")[-1], _records(fsdp, "heldout")[-1]
+    assert h1["positions"] == h2["positions"] and h1["loss"] == pytest.approx(h2["loss"], rel=1e-5)
+    a = load_file(str(single / "draft" / "model.safetensors"))
+    b = load_file(str(fsdp / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+    # the step-2 checkpoint is a full, unsharded state: optimizer ids 0..n-1 with whole tensors
+    ck = checkpoint_dirs(fsdp)[0]
+    assert ck.name == "step-00000002"
+    w = load_file(str(ck / "model.safetensors"))
+    assert w["fc.weight"].shape == a["fc.weight"].shape and w["d2t"].dtype == torch.int64
+    opt = torch.load(ck / "optimizer.pt", weights_only=False)["optimizer"]
+    n_train = len(opt["param_groups"][0]["params"])
+    assert sorted(opt["state"]) == list(range(n_train)) and "embed_tokens.weight" not in str(opt)
+    shapes = sorted(tuple(s["exp_avg"].shape) for s in opt["state"].values())
+    assert tuple(w["lm_head.weight"].shape) in shapes and tuple(w["embed_tokens.weight"].shape) not in shapes
+    # resume the fsdp2 step-2 checkpoint in ONE process (grad-accum 2: the same global batch)
+    for later in checkpoint_dirs(fsdp)[1:]:
+        shutil.rmtree(later)
+    shutil.rmtree(fsdp / "draft")
+    subprocess.run(_cli(*_train_args(tiny_target, data, fsdp, *steps, "--save-every", "2",
+                                     "--grad-accum", "2", "--resume")), env=ENV, check=True, capture_output=True)
+    assert [r["loss"] for r in _records(fsdp)] == pytest.approx(l1, rel=1e-5)
+    c = load_file(str(fsdp / "draft" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], c[k], atol=1e-5, rtol=1e-4)
+
+
+def test_fsdp2_resumes_a_single_process_checkpoint(tiny_target, data, tmp_path):
+    """The other direction: a one-process checkpoint continued by FSDP2 on 2 processes."""
+    args = ["--max-steps", "4", "--save-every", "2"]
+    full = tmp_path / "full"
+    subprocess.run(_cli(*_train_args(tiny_target, data, full, *args, "--grad-accum", "2")), env=ENV,
+                   check=True, capture_output=True)
+    run = tmp_path / "run"
+    subprocess.run(_cli(*_train_args(tiny_target, data, run, "--max-steps", "2", "--save-every", "2",
+                                     "--grad-accum", "2")), env=ENV, check=True, capture_output=True)
+    shutil.rmtree(run / "draft")
+    res = subprocess.run(_torchrun(*_train_args(tiny_target, data, run, *args, "--parallel", "fsdp2",
+                                                "--resume")), env=ENV, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["parallel"] == "fsdp2"
+    assert [r["step"] for r in _records(run)] == [1, 2, 3, 4]
+    assert [r["loss"] for r in _records(run)] == pytest.approx([r["loss"] for r in _records(full)], rel=1e-5)
+    a = load_file(str(full / "draft" / "model.safetensors"))
+    b = load_file(str(run / "draft" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)

@@ -384,12 +384,16 @@ class Eagle3Draft(nn.Module):
         return model
 
 
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """config.json + model.safetensors, written to a temp dir and renamed into place."""
+    def save_pretrained(self, directory: str | os.PathLike,
+                        state: dict[str, torch.Tensor] | None = None) -> Path:
+        """config.json + model.safetensors, written to a temp dir and renamed into place.
+
+        ``state``: a full state dict to write instead of ``self.state_dict()`` (a sharded model's,
+        gathered by the caller)."""
         from safetensors.torch import save_file
 
         with atomic_dir(Path(directory)) as tmp:
-            state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+            state = {k: v.detach().contiguous().cpu() for k, v in (state or self.state_dict()).items()}
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         return directory

@@ -67,6 +67,8 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, help="Seed for init and data order."),
         draft_config: str = typer.Option(None, help="Draft overrides, e.g. 'intermediate_size=2048,rope_theta=1e6'."),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the draft's TTT forward."),
+        parallel: str = typer.Option("ddp", help="ddp or fsdp2 (sharded params, grads and optimizer "
+                                     "state); only used when torchrun starts more than one process."),
     ) -> None:
         """Train an EAGLE-3 draft with training-time test (offline from a store, or --online)."""
         from rich.console import Console
@@ -81,6 +83,7 @@ def register(app: typer.Typer) -> None:
                           warmup=warmup, clip=clip, weight_decay=weight_decay, save_every=save_every,
                           eval_every=eval_every, eval_batches=eval_batches, heldout_fraction=heldout,
                           resume=resume, device=device, precision=precision, seed=seed,
-                          draft_overrides=_overrides(draft_config), compile=compile)
+                          draft_overrides=_overrides(draft_config), compile=compile,
+                          parallel=parallel)
         draft = run(cfg)
         Console(stderr=True).print(f"draft -> {draft}")

@@ -1,6 +1,7 @@
 """`eyas train`: the EAGLE-3 draft trained with training-time test (TTT).
 
-One process (CPU or one GPU) or many under ``torchrun`` (DDP; gloo on CPU, NCCL on GPU). The
+One process (CPU or one GPU) or many under ``torchrun`` (DDP or FSDP2, ``--parallel``; gloo on CPU,
+NCCL on GPU; see :mod:`eyas.train.parallel`). The
 global batch is ``world_size * grad_accum * batch_size`` packs; micro-batch m of a step goes to
 rank ``m % world``, so a run's numbers do not depend on how the global batch is split.
 Every ``save_every`` steps a checkpoint holds model, optimizer, scheduler, RNG and the step
@@ -25,6 +26,7 @@ from eyas.draft.loss import TargetHead, ttt_loss
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.train import checkpoint as ckpt
+from eyas.train import parallel
 from eyas.train.packing import pack_indices, split_indices
 
 # Fields that must match between a run and its resume (they fix the data order and the objective).
@@ -65,6 +67,7 @@ class TrainConfig:
     layers: list[int] | None = None
     draft_overrides: dict[str, Any] = field(default_factory=dict)
     compile: bool = False
+    parallel: str = "ddp"  # ddp | fsdp2; used only when torchrun starts more than one process
     progress: bool = True
 
 
@@ -265,6 +268,7 @@ def train(cfg: TrainConfig) -> Path:
     from eyas.data.dataset import open_prepared
     from eyas.target import resolve_target
 
+    parallel.check_mode(cfg.parallel)
     dist, device = setup_dist(cfg.device)
     run_dir = Path(cfg.out)
     is_main = dist.rank == 0
@@ -321,13 +325,15 @@ def train(cfg: TrainConfig) -> Path:
         model = Eagle3Draft.from_target(draft_cfg, target.path, d2t, t2d, seed=cfg.seed)
     model.to(device)
     head = TargetHead.from_target(target.path, d2t, float(text_cfg.get("rms_norm_eps", 1e-6))).to(device)
+    # wrap first: FSDP2 turns the parameters into shards, and the optimizer must hold those
+    net = parallel.wrap(model, cfg.parallel, dist.world, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                               fused=device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg.warmup, total, cfg.min_lr_ratio))
     start = 0
     if resumed:
-        optim.load_state_dict(resumed["optimizer"])
+        parallel.load_optim_state(model, optim, resumed["optimizer"])
         sched.load_state_dict(resumed["scheduler"])
         start = int(resumed["trainer"]["step"])
         if resumed["rng"] is not None:
@@ -337,12 +343,7 @@ def train(cfg: TrainConfig) -> Path:
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-    net: torch.nn.Module = model
-    if dist.on:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        net = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                  broadcast_buffers=False)  # d2t/t2d never change
+    sharded = parallel.is_fsdp(model)
     fwd = torch.compile(net) if cfg.compile else net
     autocast = _autocast(device, cfg.precision)
     logger = Logger(run_dir, start, is_main)
@@ -378,9 +379,16 @@ def train(cfg: TrainConfig) -> Path:
             return None
         model.eval()
         acc = None
+        # FSDP2's forward is collective: every rank runs the same number of batches, and a rank
+        # past the end reruns chunk 0 with its counts dropped
+        rounds = -(-len(chunks) // dist.world) if sharded else None
+        mine = list(range(dist.rank, len(chunks), dist.world))
         with torch.no_grad():
-            for chunk in chunks[dist.rank::dist.world]:
-                _, stats, _ = run_batch(chunk, grad=False)
+            for i in range(rounds) if sharded else mine:
+                idx = (i * dist.world + dist.rank) if sharded else i
+                _, stats, _ = run_batch(chunks[idx if idx < len(chunks) else 0], grad=False)
+                if idx >= len(chunks):
+                    continue
                 s = torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in stats], 1).to(device)
                 acc = s if acc is None else acc + s
         if acc is None:
@@ -397,9 +405,11 @@ def train(cfg: TrainConfig) -> Path:
         tmp = ckpt.begin(run_dir, step) if is_main else ckpt.tmp_dir_for(run_dir, step)
         dist.barrier()
         ckpt.write_rank_rng(tmp, dist.rank)
+        model_state = parallel.full_model_state(model)  # collective under FSDP2
+        optim_state = parallel.full_optim_state(model, optim)
         dist.barrier()
         if is_main:
-            ckpt.finish(run_dir, tmp, step, model.state_dict(), optim.state_dict(), sched.state_dict(),
+            ckpt.finish(run_dir, tmp, step, model_state, optim_state, sched.state_dict(),
                         {"step": step, "tokens_seen": tokens_seen, "epoch": plan.locate(step)[0] if step < total else None,
                          "world_size": dist.world, "run": run_info},
                         draft_cfg.to_dict(), cfg.keep_checkpoints)
@@ -417,8 +427,7 @@ def train(cfg: TrainConfig) -> Path:
     for step in range(start, total):
         step_stats, loss_acc, step_tokens = [], torch.zeros((), device=device), 0
         for a, epoch, packs in micro_batches(step):
-            sync = contextlib.nullcontext() if (not dist.on or a == cfg.grad_accum - 1) else net.no_sync()
-            with sync:
+            with parallel.grad_sync(net, a == cfg.grad_accum - 1):
                 loss, stats, ntok = run_batch(packs, grad=True)
                 (loss / cfg.grad_accum).backward()
             step_stats.extend(stats)
@@ -440,7 +449,7 @@ def train(cfg: TrainConfig) -> Path:
             t_last, tok_last = now, 0
             cnt = per_step[2].clamp_min(1)
             rec = {"split": "train", "step": done, "loss": totals[0].item() / global_micro,
-                   "lr": sched.get_last_lr()[0], "grad_norm": float(grad_norm), "tokens": tokens_seen,
+                   "lr": sched.get_last_lr()[0], "grad_norm": parallel.total_norm(grad_norm), "tokens": tokens_seen,
                    "tokens_per_s": tps, "epoch": epoch,
                    "acc": (per_step[1] / cnt).tolist(), "step_loss": (per_step[0] / cnt).tolist()}
             logger.log(rec)
@@ -456,10 +465,12 @@ def train(cfg: TrainConfig) -> Path:
         bar.close()
     last_eval = evaluate(total) or last_eval
     out = run_dir / "draft"
+    final_state = parallel.full_model_state(model)  # collective under FSDP2
     if is_main:
-        model.save_pretrained(out)
+        model.save_pretrained(out, state=final_state)
         plot_losses(run_dir)
-        summary = {"steps": total, "tokens_seen": tokens_seen, "heldout": last_eval, "draft": str(out)}
+        summary = {"steps": total, "tokens_seen": tokens_seen, "heldout": last_eval, "draft": str(out),
+                   "world_size": dist.world, "parallel": ("fsdp2" if sharded else "ddp") if dist.on else "single"}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     logger.close()
     dist.barrier()
