@@ -27,38 +27,44 @@ def _rates(r: dict | None) -> str:
 
 
 def summarize(res: dict, command: str | None = None, machine: str | None = None) -> str:
-    a = res.get("args", {})
+    am = res.get("args", {}).get("main", {})
+    ar = res.get("args", {}).get("rest", {})
     ev = res.get("evaluations", {})
-    lines = [f"## Quality run {res.get('started', '?')}", ""]
+    lines = [f"## Quality run {res.get('started', {}).get('main', '?')}", ""]
     if machine:
         lines.append(f"Machine: {machine}.")
     if command:
-        lines.append(f"Command: `{command}`")
-    lines.append(f"Elapsed: {_f(res.get('elapsed_s'), 0)} s. Error: {res.get('error') or 'none'}.")
+        lines.append(f"Commands: {command}")
+    el = res.get("elapsed_s", {})
+    lines.append(f"Elapsed: main phase {_f(el.get('main'), 0)} s, rest phase {_f(el.get('rest'), 0)} s. "
+                 f"Errors: {res.get('errors') or 'none'}.")
     lines.append("")
     data = res.get("data", {})
     if data:
-        lines += ["| data | samples | tokens | trained tokens | draft vocab | coverage |", "|---|---|---|---|---|---|"]
+        lines += ["| data | conversations | tokens | trained tokens | draft vocab | vocab coverage |",
+                  "|---|---|---|---|---|---|"]
         for name, m in data.items():
-            c = m.get("counts", {})
+            c = m.get("counts") or {}
             lines.append(f"| {name} | {_f(c.get('samples'))} | {_f(c.get('tokens'))} | {_f(c.get('trained_tokens'))} "
                          f"| {_f(m.get('draft_vocab_size'))} | {_f(m.get('coverage'))} |")
-        lines.append(f"\nConversations: first {a.get('n_convs')} of ShareGPT (regenerated with at most "
-                     f"{a.get('regen_max_new')} new tokens per answer, max length {a.get('max_length')}).")
         lines.append("")
     em, sm = res.get("eyas_main", {}), res.get("spec_main", {})
     run = sm.get("run", {}) if isinstance(sm, dict) else {}
+    es = em.get("summary") or {}
     lines += ["| main run | budget s | steps | steady s/step | setup s | wall s | notes |", "|---|---|---|---|---|---|---|",
-              f"| eyas | {_f(res.get('main_budget_s'), 0)} | {_f(em.get('max_steps'))} | {_f(em.get('probe', {}).get('step_s'))} "
-              f"| {_f(em.get('probe', {}).get('setup_s'), 1)} | {_f(em.get('wall_s'), 1)} | rc {em.get('rc')}; {' '.join(em.get('args', []))} |",
-              f"| speculators 0.9.0 | {_f(sm.get('budget_s'), 0)} | {_f(run.get('steps'))} | {_f(sm.get('probe', {}).get('step_s_median'))} "
-              f"| {_f(run.get('setup_s'), 1)} | {_f(run.get('wall_s'), 1)} | plan {sm.get('plan')}; first step {_f(run.get('first_step_s'), 1)} s; "
+              f"| eyas | {_f(am.get('main_budget_s'), 0)} | {_f(es.get('steps', em.get('max_steps')))} "
+              f"| {_f(em.get('probe', {}).get('step_s'))} | {_f(em.get('probe', {}).get('setup_s'), 1)} "
+              f"| {_f(em.get('wall_s'), 1)} | rc {em.get('rc')}; {' '.join(em.get('args', []))} |",
+              f"| speculators 0.9.0 | {_f(sm.get('budget_s'), 0)} | {_f(run.get('steps'))} "
+              f"| {_f(run.get('step_s_median'))} | {_f(run.get('setup_s'), 1)} | {_f(run.get('wall_s'), 1)} "
+              f"| plan {sm.get('plan')}; first step {_f(run.get('first_step_s'), 1)} s; "
               f"interrupted {run.get('interrupted')} |", ""]
-    lines += ["| draft | k | tau | acceptance per position | questions x turns |", "|---|---|---|---|---|"]
+    lines += ["| draft | k | tau | acceptance rate per position | prompts (question turns) |",
+              "|---|---|---|---|---|"]
     for name, r in ev.items():
         k = name.rsplit("_k", 1)[-1]
-        lines.append(f"| {name.rsplit('_k', 1)[0]} | {k} | {_f(r.get('tau'))} | {_rates(r)} | {_f(r.get('prompts'))} |"
-                     if "error" not in r else f"| {name} | {k} | - | {r['error']} | - |")
+        done = "" if r.get("complete", True) else " (cut at the deadline)"
+        lines.append(f"| {name.rsplit('_k', 1)[0]} | {k} | {_f(r.get('tau'))} | {_rates(r)} | {_f(r.get('prompts'))}{done} |")
     v = res.get("verdict", {})
     if v:
         lines.append("")
@@ -68,8 +74,12 @@ def summarize(res: dict, command: str | None = None, machine: str | None = None)
                          f"{'eyas >= speculators' if d['eyas_at_least_speculators'] else 'eyas BELOW speculators'}")
     abl = res.get("ablations")
     if abl:
-        lines.append(f"\nAblations: {abl.get('steps')} steps each, side by side; k=5, first "
-                     f"{a.get('abl_eval_prompts')} questions.")
+        lines.append(f"\nAblations: {abl.get('steps')} steps each (the main eyas run's), two per GPU; "
+                     f"reference: {abl.get('reference')}; evaluated with k in {ar.get('abl_ks')}, "
+                     f"{ar.get('abl_eval_max_per_category')} questions per category.")
+        lines += ["", "| ablation | data | wall s | rc |", "|---|---|---|---|"]
+        for name, x in abl.get("runs", {}).items():
+            lines.append(f"| {name} | {x.get('data')} | {_f(x.get('wall_s'), 0)} | {x.get('rc')} |")
     return "\n".join(lines) + "\n"
 
 
