@@ -89,6 +89,11 @@ def test_vllm_greedy_answers_equal_hf(tmp_path, target, version, one_thread):
     with pytest.raises(EyasError, match="engine"):
         prepare(_opts(seeded, target, data, backend="vllm", vllm_python=py), log=lambda s: None)
 
+    # sampling runs too (vLLM's CPU runner cannot take per-request seeds; the engine seeds it)
+    s = prepare(_opts(tmp_path / "sampled", target, data, backend="vllm", vllm_python=py,
+                      temperature=1.0, top_p=0.95), log=lambda s: None)
+    assert s["regenerate"]["answers"] + s["regenerate"]["turns_beyond_max_length"] == 10
+
 
 def test_max_turns_cuts_conversations(tmp_path, target, one_thread):
     data = _data(tmp_path)

@@ -29,7 +29,12 @@ def main(job_path: str) -> None:
               tensor_parallel_size=job.get("tensor_parallel_size", 1),
               gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85),
               enable_prefix_caching=True)  # later turns share their conversation's prefix
-    reply.write(json.dumps({"ready": True}) + "\n")
+    import torch
+
+    # vLLM's CPU runner breaks on per-request seeds (its CPU generators have no offset to
+    # rewind): there, sampling follows the engine seed alone
+    per_request_seed = torch.cuda.is_available()
+    reply.write(json.dumps({"ready": True, "per_request_seed": per_request_seed}) + "\n")
     for line in sys.stdin:
         if not line.strip():
             continue
@@ -38,7 +43,7 @@ def main(job_path: str) -> None:
         # a seed per prompt (eyas derives it from conversation and turn), not per batch
         params = [SamplingParams(max_tokens=req["max_tokens"], temperature=0.0 if greedy else req["temperature"],
                                  top_p=1.0 if greedy else req["top_p"],
-                                 seed=None if greedy else req["seeds"][k],
+                                 seed=req["seeds"][k] if per_request_seed and not greedy else None,
                                  stop_token_ids=req["stop_token_ids"], detokenize=False)
                   for k in range(len(req["prompts"]))]
         outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], params, use_tqdm=False)
