@@ -41,6 +41,8 @@ def test_ttt_unroll_matches_incremental_step_with_kv_cache():
     doc = torch.zeros(1, t, dtype=torch.long)
     with torch.no_grad():
         ttt = m(aux, x, pos, doc, k)
+        for j, lg in enumerate(m(aux, x, pos, doc, k, attention="flex")):  # the flex kernel's unroll too
+            torch.testing.assert_close(lg, ttt[j], rtol=0, atol=1e-10)
         checked = 0
         for p in range(t - k - 1):
             cache = DraftKVCache()
@@ -222,3 +224,92 @@ def test_gradients_flow_only_into_the_draft(tiny_target):
     for name, p in draft.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def _packed_batch(seed: int = 0):
+    """Two packs of 2-3 documents each (and a padding tail, doc -1), positions restarting per document."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [[9, 7, 6], [5, 13, 4]]  # lengths; the second pack ends in 4 padding tokens
+    doc_ids, pos = [], []
+    for row, lens in enumerate(docs):
+        d, p = [], []
+        for n, length in enumerate(lens):
+            tag = -1 if (row == 1 and n == len(lens) - 1) else n
+            d += [tag] * length
+            p += list(range(length))
+        doc_ids.append(d)
+        pos.append(p)
+    doc, pos = torch.tensor(doc_ids), torch.tensor(pos)
+    x = torch.randint(0, 50, doc.shape, generator=g)
+    aux = torch.randn(*doc.shape, 96, generator=g)
+    return aux, x, pos, doc
+
+
+def _gqa_draft(kv_heads: int) -> Eagle3Draft:
+    torch.manual_seed(0)
+    cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8,
+                      intermediate_size=64, vocab_size=50, draft_vocab_size=20,
+                      aux_layer_ids=[1, 2, 3], target_hidden_size=32)
+    return Eagle3Draft(cfg)
+
+
+def _flex_vs_dense(m: Eagle3Draft, aux, x, pos, doc, grads: bool):
+    """Per-step logits (and parameter gradients of a random projection of them) under both kernels."""
+    weights = [torch.randn(*doc.shape, 20, generator=torch.Generator().manual_seed(j)).to(aux.device)
+               for j in range(3)]
+    out = {}
+    for kind in ("dense", "flex"):
+        m.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(grads):
+            logits = m(aux, x, pos, doc, 3, attention=kind)
+        g = {}
+        if grads:
+            sum((lg * w).sum() for lg, w in zip(logits, weights)).backward()
+            g = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+        out[kind] = ([lg.detach() for lg in logits], g)
+    return out
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])  # GQA through flex's enable_gqa, and plain MHA
+def test_flex_attention_matches_dense_logits(kv_heads):
+    """On CPU flex runs eagerly, forward only (torch has no flex backward on CPU)."""
+    m = _gqa_draft(kv_heads)
+    aux, x, pos, doc = _packed_batch()
+    out = _flex_vs_dense(m, aux, x, pos, doc, grads=False)
+    for j in range(3):
+        torch.testing.assert_close(out["flex"][0][j], out["dense"][0][j], atol=1e-5, rtol=1e-5)
+    # the comparison can fail: the mask is read (one document per pack gives other logits)
+    with torch.no_grad():
+        merged = m(aux, x, pos, torch.zeros_like(doc), 3, attention="flex")
+    assert (merged[2] - out["dense"][0][2]).abs().max() > 1e-3
+    # training with flex off CUDA is refused up front, in eyas's words
+    with pytest.raises(EyasError, match="no backward"):
+        m(aux, x, pos, doc, 3, attention="flex")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention's backward needs CUDA")
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_flex_attention_matches_dense_gradients_on_cuda(kv_heads):
+    """Compiled flex (the kernel training uses) vs dense: logits and every parameter gradient, fp32."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    m = _gqa_draft(kv_heads).cuda()
+    aux, x, pos, doc = (t.cuda() for t in _packed_batch())
+    out = _flex_vs_dense(m, aux, x, pos, doc, grads=True)
+    for j in range(3):
+        torch.testing.assert_close(out["flex"][0][j], out["dense"][0][j], atol=1e-5, rtol=1e-5)
+    g_dense, g_flex = out["dense"][1], out["flex"][1]
+    assert g_dense.keys() == g_flex.keys()
+    for n in g_dense:
+        assert g_dense[n].abs().sum() > 0, n
+        torch.testing.assert_close(g_flex[n], g_dense[n], atol=1e-5, rtol=1e-5)
+
+
+def test_attention_choice():
+    from eyas.draft import flex
+
+    assert flex.resolve("auto", torch.device("cpu")) == "dense"
+    assert flex.resolve("auto", torch.device("cuda", 0)) == "flex"
+    assert flex.resolve("flex", torch.device("cpu")) == "flex"
+    assert flex.resolve("flex", torch.device("cuda", 0), backward=True) == "flex"
+    with pytest.raises(EyasError, match="--attention 'sdpa'"):
+        flex.resolve("sdpa", torch.device("cpu"))

@@ -214,7 +214,8 @@ def test_fsdp2_two_processes_match_single_process(tiny_target, data, tmp_path):
                                                 "--parallel", "fsdp2")),
                          env=ENV, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads((fsdp / "summary.json").read_text())["parallel"] == "fsdp2"
+    summary = json.loads((fsdp / "summary.json").read_text())
+    assert summary["parallel"] == "fsdp2" and summary["attention"] == "dense"  # auto on CPU
     l1 = [r["loss"] for r in _records(single)]
     l2 = [r["loss"] for r in _records(fsdp)]
     assert len(l1) == len(l2) == 4
@@ -272,3 +273,12 @@ def test_fsdp2_resumes_a_single_process_checkpoint(tiny_target, data, tmp_path):
     b = load_file(str(run / "draft" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+
+
+def test_flex_attention_cannot_train_on_cpu(tiny_target, data, tmp_path):
+    """torch has no flex-attention backward on CPU: refused up front, before anything is written."""
+    with pytest.raises(EyasError, match="--attention flex on cpu.*no backward"):
+        train(_cfg(tiny_target, data, tmp_path / "r", attention="flex", device="cpu"))
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(EyasError, match="--attention 'fused'"):
+        train(_cfg(tiny_target, data, tmp_path / "r", attention="fused", device="cpu"))

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eyas.draft import flex
 from eyas.errors import EyasError
 from eyas.fsio import atomic_dir
 
@@ -316,15 +317,18 @@ class Eagle3Draft(nn.Module):
     # ------------------------------------------------------------------ training (TTT)
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                doc_ids: torch.Tensor, ttt_steps: int) -> list[torch.Tensor]:
+                doc_ids: torch.Tensor, ttt_steps: int, attention: str = "auto") -> list[torch.Tensor]:
         """Training-time-test unroll over packed sequences.
 
         aux [B,T,num_aux*H_t], input_ids/position_ids/doc_ids [B,T] (doc_ids separate packed
         documents; positions restart at 0 per document). Returns per-step draft logits
         [B,T,draft_vocab]; entry j at index i predicts x[i+2+j] (valid where it is in the document).
+        ``attention``: dense, flex (block-sparse, :mod:`eyas.draft.flex`) or auto (flex on CUDA).
         """
         layer, attn = self.midlayer, self.midlayer.self_attn
         scale = 1.0 / math.sqrt(attn.d)
+        if flex.resolve(attention, aux.device, backward=torch.is_grad_enabled()) == "flex":
+            return self._forward_flex(aux, input_ids, position_ids, doc_ids, ttt_steps, scale)
         # step-0 keys visible to query i: same document, not later (packs keep documents in order)
         same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
         causal = torch.ones(same_doc.shape[-2:], dtype=torch.bool, device=aux.device).tril()
@@ -353,6 +357,27 @@ class Eagle3Draft(nn.Module):
             o = torch.matmul(probs[..., :t].to(v0.dtype), v0)
             for n, vv in enumerate(chain_v):
                 o = o + probs[..., t + n: t + n + 1].to(vv.dtype) * vv
+            hidden = layer.post(attn.out(o), residual)
+            out_logits.append(self.logits(hidden))
+        return out_logits
+
+    def _forward_flex(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      doc_ids: torch.Tensor, ttt_steps: int, scale: float) -> list[torch.Tensor]:
+        """:meth:`forward` with flex attention: the same keys and mask, only visible blocks computed."""
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        hidden = self.fc(aux)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        out_logits = []
+        for j in range(ttt_steps):
+            tokens = shift_in_doc(input_ids, doc_ids, 1 + j, fill=0)
+            x, residual = layer.pre(self.embed_tokens(tokens).to(hidden.dtype), hidden)
+            cos, sin = self.rotary(position_ids + j)
+            q, k, v = attn.qkv(x, cos, sin)
+            keys.append(k)
+            values.append(v)
+            mask = flex.ttt_block_mask(doc_ids, j, ttt_steps)
+            o = flex.ttt_attention(q, keys, values, mask, ttt_steps, scale)
             hidden = layer.post(attn.out(o), residual)
             out_logits.append(self.logits(hidden))
         return out_logits

@@ -69,6 +69,9 @@ def register(app: typer.Typer) -> None:
         compile: bool = typer.Option(False, "--compile", help="torch.compile the draft's TTT forward."),
         parallel: str = typer.Option("ddp", help="ddp or fsdp2 (sharded params, grads and optimizer "
                                      "state); only used when torchrun starts more than one process."),
+        attention: str = typer.Option("auto", help="TTT attention kernel: dense, flex (block-sparse "
+                                      "flex_attention, compiled; CUDA only for training) or auto "
+                                      "(flex on CUDA, dense elsewhere)."),
     ) -> None:
         """Train an EAGLE-3 draft with training-time test (offline from a store, or --online)."""
         from rich.console import Console
@@ -84,6 +87,6 @@ def register(app: typer.Typer) -> None:
                           eval_every=eval_every, eval_batches=eval_batches, heldout_fraction=heldout,
                           resume=resume, device=device, precision=precision, seed=seed,
                           draft_overrides=_overrides(draft_config), compile=compile,
-                          parallel=parallel)
+                          parallel=parallel, attention=attention)
         draft = run(cfg)
         Console(stderr=True).print(f"draft -> {draft}")

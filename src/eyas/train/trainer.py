@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eyas.draft import flex
 from eyas.draft.loss import TargetHead, ttt_loss
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
@@ -68,6 +69,7 @@ class TrainConfig:
     draft_overrides: dict[str, Any] = field(default_factory=dict)
     compile: bool = False
     parallel: str = "ddp"  # ddp | fsdp2; used only when torchrun starts more than one process
+    attention: str = "auto"  # dense | flex | auto (flex on CUDA): the TTT unroll's attention kernel
     progress: bool = True
 
 
@@ -270,6 +272,7 @@ def train(cfg: TrainConfig) -> Path:
 
     parallel.check_mode(cfg.parallel)
     dist, device = setup_dist(cfg.device)
+    attention = flex.resolve(cfg.attention, device, backward=True)
     run_dir = Path(cfg.out)
     is_main = dist.rank == 0
     if device.type == "cuda":
@@ -364,7 +367,8 @@ def train(cfg: TrainConfig) -> Path:
     def run_batch(packs, grad: bool):
         batch = source.batch(packs)
         with autocast():
-            logits = (fwd if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids, cfg.ttt_steps)
+            logits = (fwd if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
+                                              cfg.ttt_steps, attention=attention)
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             tgt = head(batch.final)
         loss, stats = ttt_loss(logits, tgt, batch.loss_mask, batch.doc_ids, cfg.step_decay)
@@ -469,8 +473,9 @@ def train(cfg: TrainConfig) -> Path:
     if is_main:
         model.save_pretrained(out, state=final_state)
         plot_losses(run_dir)
+        mode = ("fsdp2" if sharded else "ddp") if dist.on else "single"
         summary = {"steps": total, "tokens_seen": tokens_seen, "heldout": last_eval, "draft": str(out),
-                   "world_size": dist.world, "parallel": ("fsdp2" if sharded else "ddp") if dist.on else "single"}
+                   "world_size": dist.world, "parallel": mode, "attention": attention}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     logger.close()
     dist.barrier()

@@ -1,0 +1,85 @@
+"""Flex attention for the TTT unroll: block-sparse instead of dense [B, heads, T, T] scores.
+
+TTT step j's queries (positions 0..T-1) see the keys ``[k_0 | k_1 | ... | k_j]`` laid side by side
+(block n holds step n's keys of every position):
+
+- block 0: same document and not later (``kv <= q``), the packed-document causal mask;
+- block n >= 1: only the query's own chain, ``kv - n*T == q``.
+
+The key/value tensors are always ``ttt_steps`` blocks long (blocks past j are zeros and masked
+off, so the kernel skips them): every step then has the same shapes and the same mask function
+(j enters as a tensor), and one compiled kernel serves the whole unroll instead of one compile
+per step (dynamo's recompile limit is 8). On CUDA flex_attention runs through ``torch.compile``
+(dynamic shapes off: packs are a fixed token budget); elsewhere it runs eagerly, a slow reference
+that the tests compare against the dense path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from eyas.errors import EyasError
+
+KINDS = ("auto", "dense", "flex")
+_compiled = None
+
+
+def resolve(attention: str, device: torch.device, backward: bool = False) -> str:
+    """``auto`` -> flex on CUDA (compiled), dense elsewhere (flex's eager path is slow there).
+
+    ``backward``: gradients are needed; torch's flex attention has none on CPU (torch 2.13 raises
+    "FlexAttention does not support backward on CPU"), so flex is refused there."""
+    if attention not in KINDS:
+        raise EyasError(f"--attention {attention!r}: use one of {', '.join(KINDS)}")
+    if attention == "auto":
+        return "flex" if device.type == "cuda" else "dense"
+    if attention == "flex" and backward and device.type != "cuda":
+        raise EyasError(f"--attention flex on {device.type}: torch's flex attention has no backward "
+                        f"there (torch {torch.__version__}: 'FlexAttention does not support backward on "
+                        "CPU'), so it cannot train; use --attention dense (or auto) off CUDA")
+    return attention
+
+
+def _kernel(device: torch.device):
+    global _compiled
+    if device.type != "cuda":
+        return _eager
+    if _compiled is None:  # compile once; every step and batch of the run reuses it
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return _compiled
+
+
+def _eager(*args, **kwargs) -> torch.Tensor:
+    """flex_attention without compile: the unfused reference (forward only off CUDA), on purpose."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
+
+
+def ttt_block_mask(doc_ids: torch.Tensor, step: int, steps: int) -> BlockMask:
+    """The mask of TTT step ``step`` over ``steps`` key blocks of length T (doc_ids: [B, T])."""
+    b, t = doc_ids.shape
+    last = torch.tensor(step, device=doc_ids.device)
+
+    def mask_mod(bi, h, q, kv):
+        block = kv // t
+        src = kv - block * t
+        causal = (block == 0) & (src <= q) & (doc_ids[bi, src] == doc_ids[bi, q])
+        chain = (block >= 1) & (block <= last) & (src == q)
+        return causal | chain
+
+    return create_block_mask(mask_mod, b, None, t, steps * t, device=doc_ids.device,
+                             _compile=doc_ids.device.type == "cuda")
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  mask: BlockMask, steps: int, scale: float) -> torch.Tensor:
+    """Attention of step ``len(keys)-1``: q [B, heads, T, d], keys/values per step [B, kv_heads, T, d]
+    (GQA handled by the kernel, no expanded copies). Returns [B, heads, T, d]."""
+    pad = [torch.zeros_like(keys[0])] * (steps - len(keys))
+    k = torch.cat([*keys, *pad], dim=2)
+    v = torch.cat([*values, *pad], dim=2)
+    return _kernel(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
