@@ -1,7 +1,9 @@
 """`eyas train` throughput and model FLOP utilisation (MFU), offline and online.
 
     python benchmarks/train_bench.py --target DIR --data PREPARED --work /dev/shm/eyas-tb \
-        [--modes online,offline] [--batch-sizes 1,4] [--steps 40] [--warmup-steps 8] [--json OUT]
+        [--modes online,offline] [--batch-sizes 1,4] [--steps 40] [--warmup-steps 8] [--json OUT] \
+        [--attention auto|dense|flex] [--parallel ddp|fsdp2]
+    torchrun --nproc-per-node 8 benchmarks/train_bench.py ... --parallel fsdp2   # several GPUs
 
 Each configuration runs the real trainer (`eyas.train.trainer.train`: packing, features, TTT
 forward/backward, AdamW, logging) for warmup + measured steps; tokens/s comes from the trainer's
@@ -10,7 +12,10 @@ extracts a store with `eyas extract`'s HF backend (not timed).
 
 FLOPs counted per real token (training = 3x forward for matmuls with weight and input grads):
   draft matmuls  ttt * 3 * 2 * (qkv + o + mlp + lm_head params) + 2 * 2 * fc params
-  attention      ttt * 3 * 4 * T_pack * heads * head_dim (dense block-masked scores + PV, as executed)
+  attention      dense: ttt * 3 * 4 * T_pack * heads * head_dim (every query row against T keys, as executed)
+                 flex:  the 128x128 tiles the BlockMask lets the kernel run (partial + full), counted from the
+                        epoch-0 training packs' document layout: per step j, block 0 tiles (document-causal)
+                        + j diagonal-block tiles; 3 * 4 * 128*128 * head_dim * heads per tile, per real token
   target head    2 * H * draft_vocab (no grad)            online target: 2 * non-embedding params
 MFU = draft-matmul FLOP/s / peak (H200 bf16 dense 989.4 TFLOP/s unless --peak-tflops).
 """
@@ -32,7 +37,10 @@ import torch
 from eyas.data.dataset import open_prepared, write_prepared
 from eyas.draft.model import DraftConfig
 from eyas.target import resolve_target
-from eyas.train.trainer import TrainConfig, train
+from eyas.train.packing import pack_indices, split_indices
+from eyas.train.trainer import TrainConfig, setup_dist, train
+
+TILE = 128  # flex_attention's default BLOCK_SIZE
 
 
 def rewrite_for(ds, target, out: Path, n: int | None) -> Path:
@@ -60,6 +68,42 @@ def flops_per_token(cfg: DraftConfig, ttt: int, pack: int, target_cfg: dict) -> 
             "attention": ttt * 3 * 4 * pack * nh * d,
             "target_head": 2 * h * cfg.draft_vocab_size,
             "online_target": 2 * tparams}
+
+
+def flex_tiles(doc: np.ndarray, steps: int) -> int:
+    """128x128 tiles flex runs over all TTT steps for one pack's doc ids [T] (-1 = padding, last)."""
+    t = len(doc)
+    nq = -(-t // TILE)
+    d = np.where(doc < 0, doc.max() + 1, doc)  # padding is one more "document" at the end
+    lo = [d[a * TILE:(a + 1) * TILE].min() for a in range(nq)]
+    hi = [d[a * TILE:(a + 1) * TILE].max() for a in range(nq)]
+    # block 0: kv tile b <= q tile a is visible iff the tiles share a document (documents are contiguous)
+    block0 = sum(1 for a in range(nq) for b in range(a + 1) if hi[b] >= lo[a])
+    # block n >= 1: kv tiles touched by the diagonal kv = n*T + q, per q tile
+    diag = [sum((n * t + min((a + 1) * TILE, t) - 1) // TILE - (n * t + a * TILE) // TILE + 1
+                for a in range(nq)) for n in range(steps)]
+    return sum(block0 + sum(diag[1:j + 1]) for j in range(steps))
+
+
+def attention_flops_per_token(cfg: DraftConfig, ttt: int, pack: int, kind: str, ds, seed: int = 0) -> float:
+    """Training attention FLOPs per real token as executed (see the module docstring)."""
+    nh, d = cfg.num_attention_heads, cfg.head_dim
+    if kind == "dense":
+        return ttt * 3 * 4 * pack * nh * d
+    train_idx, _ = split_indices(len(ds), 0.01)
+    packs = pack_indices(train_idx, ds.lengths, pack, seed=seed * 100003)  # the trainer's epoch-0 packs
+    tiles = real = 0
+    for p in packs:
+        lens = [min(int(ds.lengths[i]), pack) for i in p]
+        doc = np.full(pack, -1, np.int64)
+        at = 0
+        for k, n in enumerate(lens):
+            n = min(n, pack - at)
+            doc[at:at + n] = k
+            at += n
+        tiles += flex_tiles(doc, ttt)
+        real += at
+    return 3 * 4 * TILE * TILE * d * nh * tiles / max(real, 1)
 
 
 def measure(run: Path, warmup: int) -> dict[str, float]:
@@ -92,13 +136,22 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--attention", default="auto", help="TTT attention: auto, dense or flex (trainer's --attention)")
+    ap.add_argument("--parallel", default="ddp", help="ddp or fsdp2 (used under torchrun with >1 process)")
     args = ap.parse_args()
 
+    # under torchrun every rank trains; rank 0 alone prepares files, measures and reports
+    dist, _ = setup_dist(args.device)
+    main_rank = dist.rank == 0
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
     target = resolve_target(args.target)
-    data = rewrite_for(open_prepared(args.data), target, work / "data", args.max_samples)
+    if main_rank:
+        work.mkdir(parents=True, exist_ok=True)
+        rewrite_for(open_prepared(args.data), target, work / "data", args.max_samples)
+    dist.barrier()
+    data = work / "data"
     cuda = torch.cuda.is_available() and args.device in ("auto", "cuda")
+    attention = args.attention if args.attention != "auto" else ("flex" if cuda else "dense")
     peak = args.peak_tflops or (989.4 if cuda else None)
     device_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
     results = []
@@ -108,50 +161,62 @@ def main() -> None:
             from eyas.extract.run import run_extract
 
             store = work / "store"
-            if store.exists():
-                shutil.rmtree(store)
-            t0 = time.perf_counter()
-            s = run_extract(str(target.path), data, store, None, dtype="bf16", device=args.device,
-                            progress=False)
-            print(f"store: {s['tokens']:,} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+            if main_rank:
+                if store.exists():
+                    shutil.rmtree(store)
+                t0 = time.perf_counter()
+                s = run_extract(str(target.path), data, store, None, dtype="bf16", device=args.device,
+                                progress=False)
+                print(f"store: {s['tokens']:,} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
+            dist.barrier()
         for bs in [int(x) for x in args.batch_sizes.split(",")]:
             for comp in [bool(int(x)) for x in args.compile.split(",")]:
-                run = work / f"run-{mode}-b{bs}-c{int(comp)}"
-                if run.exists():
+                run = work / f"run-{mode}-b{bs}-c{int(comp)}-{attention}-w{dist.world}"
+                if main_rank and run.exists():
                     shutil.rmtree(run)
+                dist.barrier()
                 cfg = TrainConfig(target=str(target.path), data=str(data), out=str(run),
                                   online=mode == "online", store=str(store) if mode == "offline" else None,
                                   ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
                                   batch_size=bs, max_steps=args.warmup_steps + args.steps, warmup=5,
                                   save_every=0, eval_every=0, eval_batches=1, heldout_fraction=0.01,
-                                  device=args.device, progress=False, compile=comp)
+                                  device=args.device, progress=False, compile=comp,
+                                  attention=args.attention, parallel=args.parallel)
                 t0 = time.perf_counter()
                 try:
                     draft_dir = train(cfg)
                 except Exception as e:  # record and go on: one failing variant must not lose the rest
                     print(f"{mode} b{bs} compile={comp}: FAILED {type(e).__name__}: {e}", flush=True)
-                    results.append({"mode": mode, "batch_packs": bs, "compile": comp, "error": str(e)[:500]})
+                    results.append({"mode": mode, "batch_packs": bs, "compile": comp, "attention": attention,
+                                    "error": str(e)[:500]})
                     continue
                 wall = time.perf_counter() - t0
+                if not main_rank:
+                    continue
                 m = measure(run, args.warmup_steps)
                 dcfg = DraftConfig.from_dict(json.loads((draft_dir / "config.json").read_text()))
                 f = flops_per_token(dcfg, args.ttt_steps, args.tokens_per_batch, target.config())
+                f["attention"] = attention_flops_per_token(dcfg, args.ttt_steps, args.tokens_per_batch, attention,
+                                                           open_prepared(data))
                 tps = m["tokens_per_s"]
-                row = {"mode": mode, "batch_packs": bs, "compile": comp, **m, "wall_s_total": wall,
+                row = {"mode": mode, "batch_packs": bs, "compile": comp, "attention": attention,
+                       "parallel": args.parallel if dist.world > 1 else "single", "world_size": dist.world,
+                       **m, "wall_s_total": wall,
                        "flops_per_token": f,
                        "draft_matmul_tflops": f["draft_matmul"] * tps / 1e12,
                        "all_tflops": sum(f.values() if mode == "online" else
                                          [v for k, v in f.items() if k != "online_target"]) * tps / 1e12}
-                if peak:
-                    row["mfu_draft_matmul"] = row["draft_matmul_tflops"] / peak
-                    row["hfu_all"] = row["all_tflops"] / peak
+                if peak:  # per-GPU peak times the GPUs training
+                    row["mfu_draft_matmul"] = row["draft_matmul_tflops"] / (peak * dist.world)
+                    row["hfu_all"] = row["all_tflops"] / (peak * dist.world)
                 results.append(row)
                 report(args, device_name, peak, data, results)
-                print(f"{mode:8} packs/micro={bs} compile={int(comp)}  {tps:>12,.0f} tok/s  "
+                print(f"{mode:8} packs/micro={bs} compile={int(comp)} {attention} x{dist.world}  {tps:>12,.0f} tok/s  "
                       f"draft matmuls {row['draft_matmul_tflops']:.1f} TFLOP/s"
                       + (f"  MFU {row['mfu_draft_matmul']:.1%}  (all counted FLOPs {row['hfu_all']:.1%})"
                          if peak else "") + f"  loss {m['final_loss']:.3f}", flush=True)
-    print(json.dumps(report(args, device_name, peak, data, results)))
+    if main_rank:
+        print(json.dumps(report(args, device_name, peak, data, results)))
 
 
 def report(args, device_name: str, peak, data: Path, results: list) -> dict:
