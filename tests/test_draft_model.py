@@ -247,7 +247,8 @@ def _packed_batch(seed: int = 0):
 
 def _gqa_draft(kv_heads: int) -> Eagle3Draft:
     torch.manual_seed(0)
-    cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=8,
+    cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads,
+                      head_dim=16,  # flex's Triton kernel needs head_dim >= 16
                       intermediate_size=64, vocab_size=50, draft_vocab_size=20,
                       aux_layer_ids=[1, 2, 3], target_hidden_size=32)
     return Eagle3Draft(cfg)

@@ -79,6 +79,9 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
                   mask: BlockMask, steps: int, scale: float) -> torch.Tensor:
     """Attention of step ``len(keys)-1``: q [B, heads, T, d], keys/values per step [B, kv_heads, T, d]
     (GQA handled by the kernel, no expanded copies). Returns [B, heads, T, d]."""
+    if q.is_cuda and q.shape[-1] < 16:
+        raise EyasError(f"--attention flex: head_dim {q.shape[-1]} is below 16, which flex attention's "
+                        "Triton kernel does not support; use --attention dense for this draft")
     pad = [torch.zeros_like(keys[0])] * (steps - len(keys))
     k = torch.cat([*keys, *pad], dim=2)
     v = torch.cat([*values, *pad], dim=2)

@@ -250,7 +250,8 @@ def _autocast(device: torch.device, precision: str):
 def build_source(cfg: TrainConfig, target, dataset, device: torch.device):
     from eyas.train.features import OfflineFeatures, OnlineFeatures
 
-    feat_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # bf16 features on GPU, except for --precision fp32 (the draft's fp32 fc would meet bf16 input)
+    feat_dtype = torch.bfloat16 if device.type == "cuda" and cfg.precision != "fp32" else torch.float32
     if cfg.online == bool(cfg.store):
         raise EyasError("pass exactly one feature source: --store STORE (offline, from `eyas extract`) "
                         "or --online (the target runs in the training job)")
