@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Freeze the committed code for a series of device calls: .carry/snap = `git archive HEAD` of
+# src/ and benchmarks/. Carry it once, then `source benchmarks/gpu/use_snapshot.sh` in every call:
+# all calls of one benchmark then run the same commit, whatever is being edited here meanwhile.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+rm -rf .carry/snap && mkdir -p .carry/snap
+git archive HEAD src benchmarks | tar -x -C .carry/snap
+git rev-parse HEAD > .carry/snap/COMMIT
+echo "snapshot of $(cat .carry/snap/COMMIT) in .carry/snap ($(du -sh .carry/snap | cut -f1))"
