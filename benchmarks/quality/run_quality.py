@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -264,8 +265,20 @@ def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     ps = r.start("spec_main", spec_cmd, env=spec_env)
 
     eyas_args = a.eyas_args.split()
-    r.run("eyas_probe", eyas_train(r, a, "eyas_probe", preps["regenerated"], stores["regenerated"],
-                                   eyas_args, a.eyas_probe_steps, 0), env=_gpu_env(r, 0))
+    pp = r.start("eyas_probe", eyas_train(r, a, "eyas_probe", preps["regenerated"], stores["regenerated"],
+                                          eyas_args, a.eyas_probe_steps, 0), env=_gpu_env(r, 0))
+    r.wait(pp, check=False)
+    if pp.returncode != 0 and "--attention" not in eyas_args:
+        # the default on CUDA is compiled flex attention; the dense path is the measured fallback
+        log("eyas probe failed: retrying with --attention dense")
+        res["eyas_fallback"] = "flex attention failed in the probe; dense used"
+        eyas_args += ["--attention", "dense"]
+        shutil.rmtree(work / "eyas_probe", ignore_errors=True)
+        t = time.time()
+        r.run("eyas_probe_dense", eyas_train(r, a, "eyas_probe", preps["regenerated"], stores["regenerated"],
+                                             eyas_args, a.eyas_probe_steps, 0), env=_gpu_env(r, 0))
+    elif pp.returncode != 0:
+        raise RuntimeError("eyas probe failed; see logs/eyas_probe.log")
     probe_wall = time.time() - t
     step_s = eyas_step_time(work / "eyas_probe")
     if not step_s:
