@@ -26,19 +26,21 @@ def spec(name, **kw):
                 heldout_fraction=0.15, progress=False, device="cuda", precision="fp32")
     base.update(kw)
     p = w / f"{name}.json"; p.write_text(json.dumps(asdict(TrainConfig(**base)))); return p
-env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1"}
+env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1", "TORCH_LOGS": "recompiles"}
 def go(name, n, p):
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                         "-m", "eyas.pipeline", str(p)], capture_output=True, text=True, env=env)
     if r.returncode:
         print(name, "FAILED", r.stderr[-1500:], flush=True); LOG.write(name + "\n" + r.stderr + "\n"); LOG.flush(); return None
+    LOG.write(f"== {name}\n" + r.stderr + "\n"); LOG.flush()
+    recompiles = r.stderr.count("Recompiling function")
     recs = [json.loads(l) for l in (w / name / "metrics.jsonl").read_text().splitlines()]
     tr = [r["loss"] for r in recs if r["split"] == "train"]
     s = json.loads((w / name / "summary.json").read_text())
     print(f"{name}: {time.time()-t0:.0f}s losses {[round(x, 6) for x in tr]} grad_norms "
           f"{[round(r['grad_norm'], 5) for r in recs if r['split']=='train']} heldout {s['heldout']['loss']} "
-          f"parallel {s['parallel']} attention {s['attention']}", flush=True)
+          f"parallel {s['parallel']} attention {s['attention']} dynamo recompiles (all ranks) {recompiles}", flush=True)
     return tr
 import torch
 from safetensors.torch import load_file

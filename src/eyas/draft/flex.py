@@ -23,6 +23,7 @@ from eyas.errors import EyasError
 
 KINDS = ("auto", "dense", "flex")
 _compiled = None
+_compiled_mask = None
 
 
 def resolve(attention: str, device: torch.device, backward: bool = False) -> str:
@@ -71,8 +72,13 @@ def ttt_block_mask(doc_ids: torch.Tensor, step: int, steps: int) -> BlockMask:
         chain = (block >= 1) & (block <= last) & (src == q)
         return causal | chain
 
-    return create_block_mask(mask_mod, b, None, t, steps * t, device=doc_ids.device,
-                             _compile=doc_ids.device.type == "cuda")
+    make = create_block_mask
+    if doc_ids.is_cuda:  # compiled, as torch advises (its _compile flag is deprecated in 2.11)
+        global _compiled_mask
+        if _compiled_mask is None:
+            _compiled_mask = torch.compile(create_block_mask)
+        make = _compiled_mask
+    return make(mask_mod, b, None, t, steps * t, device=doc_ids.device)
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
