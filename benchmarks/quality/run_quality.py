@@ -158,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-probe-steps", type=int, default=20)
     ap.add_argument("--eyas-args", default="--ttt-steps 7 --lr 5e-4 --tokens-per-batch 8192 --warmup 30",
                     help="eyas train settings of the main run (ablations vary one thing each).")
-    ap.add_argument("--spec-args", default="", help="Extra speculators flags (default: none).")
+    # its fused Triton KL loss breaks torch.compile (dynamo) on torch 2.11, the GPU machine's torch
+    # (RESULTS.md, 2026-11-30); its own eager implementation is the switch it offers for that
+    ap.add_argument("--spec-args", default="--loss-implementation eager",
+                    help="Extra speculators flags (default: its eager loss, see above).")
     ap.add_argument("--spec-workers", type=int, default=8)
     ap.add_argument("--abl-steps", type=int, default=0, help="0: the main eyas run's steps.")
     ap.add_argument("--eval-max-per-category", type=int, default=10, help="10: all 80 MT-bench questions.")

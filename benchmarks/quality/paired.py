@@ -1,0 +1,71 @@
+"""Paired tau: each evaluation against a reference on the (question, turn) pairs both finished.
+
+Ablations are evaluated on fewer questions than the main draft and can be cut at a deadline;
+comparing their tau with the main run's over all 80 questions would mix prompt sets. This
+recomputes both over the same prompts (tau = 1 + accepted / rounds, as `eyas evaluate`), with a
+95% bootstrap interval of the difference over questions (both turns of a question together).
+
+    python paired.py --reference EVAL_DIR --others EVAL_DIR... [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _records(d: Path) -> dict[tuple[int, int], dict]:
+    rep = json.loads((d / "builtin" / "report.json").read_text())
+    return {(r["question_id"], r["turn"]): r for r in rep["per_prompt"]}
+
+
+def _tau(recs: list[dict]) -> tuple[float, list[float]]:
+    rounds = sum(r["rounds"] for r in recs)
+    k = len(recs[0]["accepted_per_pos"])
+    per = [sum(r["accepted_per_pos"][j] for r in recs) for j in range(k)]
+    return 1 + sum(per) / rounds, [a / rounds for a in per]
+
+
+def _bootstrap(ref: dict, oth: dict, common: list, n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    import random
+
+    rng = random.Random(seed)
+    by_q: dict[int, list] = {}
+    for c in common:
+        by_q.setdefault(c[0], []).append(c)
+    qs = sorted(by_q)
+    diffs = []
+    for _ in range(n):
+        pick = [c for q in (rng.choice(qs) for _ in qs) for c in by_q[q]]
+        diffs.append(_tau([oth[c] for c in pick])[0] - _tau([ref[c] for c in pick])[0])
+    diffs.sort()
+    return diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reference", required=True, type=Path)
+    ap.add_argument("--others", nargs="+", required=True, type=Path)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    ref = _records(a.reference)
+    rows = []
+    for d in a.others:
+        oth = _records(d)
+        common = sorted(set(ref) & set(oth))
+        t_ref, r_ref = _tau([ref[c] for c in common])
+        t_oth, r_oth = _tau([oth[c] for c in common])
+        lo, hi = _bootstrap(ref, oth, common)
+        rows.append({"name": d.name, "prompts": len(common), "tau": t_oth, "reference_tau": t_ref,
+                     "difference": t_oth - t_ref, "difference_ci95": [lo, hi], "rates": r_oth,
+                     "reference_rates": r_ref})
+        print(f"{d.name:32s} prompts {len(common):3d}  tau {t_oth:.3f}  reference {t_ref:.3f}  "
+              f"diff {t_oth - t_ref:+.3f} [{lo:+.3f}, {hi:+.3f}]  rates {' '.join(f'{x:.3f}' for x in r_oth)}")
+    if a.json:
+        a.json.write_text(json.dumps({"reference": str(a.reference), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
