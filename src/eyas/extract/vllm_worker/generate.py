@@ -28,7 +28,9 @@ def main(job_path: str) -> None:
               max_model_len=job["max_model_len"], seed=job["seed"],
               tensor_parallel_size=job.get("tensor_parallel_size", 1),
               gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85),
-              enable_prefix_caching=True)  # later turns share their conversation's prefix
+              enable_prefix_caching=True,  # later turns share their conversation's prefix
+              # ids in, ids out: eyas decodes, so vLLM's (older) transformers never reads the tokenizer
+              skip_tokenizer_init=True)
     import torch
 
     # vLLM's CPU runner breaks on per-request seeds (its CPU generators have no offset to
