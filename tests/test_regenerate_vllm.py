@@ -73,6 +73,7 @@ def test_vllm_greedy_answers_equal_hf(tmp_path, target, version, one_thread):
     hf = prepare(_opts(tmp_path / "hf", target, data, backend="hf"), log=lambda s: None)
     vl = prepare(_opts(tmp_path / "vllm", target, data, backend="vllm", vllm_python=py), log=lambda s: None)
     assert hf["regenerate"]["engine"] == "hf" and vl["regenerate"]["engine"] == "vllm"
+    assert vl["regenerate"]["seeding"] == "engine seed"  # vLLM's CPU runner: no per-request seeds
     a_hf, a_vl = _answers(tmp_path / "hf"), _answers(tmp_path / "vllm")
     assert len(a_hf) == 10 and a_vl == a_hf  # both turns of 5 conversations, token for token
     assert "ORIGINAL" not in (tmp_path / "vllm" / regen.CONVERSATIONS).read_text()

@@ -164,6 +164,7 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
         for sid, _, msgs in new_items if not isinstance(msgs, Skip)))
     info = {"settings": opts.settings(), "engine": engine, "device": device, "batch_size": opts.batch_size,
             "drop_length_limited": opts.drop_length_limited, "max_turns": opts.max_turns, "cache": CACHE,
+            "seeding": generators[0].seeding if generators else None,  # None: every answer was cached
             "conversations_file": CONVERSATIONS, **counts}
     return new_items, info
 
@@ -197,6 +198,7 @@ def _make_generator(engine: str, target, tok, opts, stops: list[int], pad_id: in
             return [_decode(tok, ids, set(stops)) for ids, _ in got]
 
         run.close = eng.close  # type: ignore[attr-defined]
+        run.seeding = "per answer" if eng.per_request_seed else "engine seed"  # type: ignore[attr-defined]
         return run
     import torch
 
@@ -204,9 +206,12 @@ def _make_generator(engine: str, target, tok, opts, stops: list[int], pad_id: in
     if dtype is None:  # auto
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = target.load_model(dtype=dtype, device=device)
-    # looked up at call time, so tests can wrap it
-    return lambda prompts, batch_seed, seeds: _generate(model, tok, prompts, opts, stops, pad_id, device,
-                                                        seed=batch_seed)
+    def run_hf(prompts: list[list[int]], batch_seed: int, seeds: list[int]) -> list[tuple[str, str]]:
+        # looked up at call time, so tests can wrap it
+        return _generate(model, tok, prompts, opts, stops, pad_id, device, seed=batch_seed)
+
+    run_hf.seeding = "per batch"  # type: ignore[attr-defined]
+    return run_hf
 
 
 def _decode(tok, row: list[int], stop_set: set[int]) -> tuple[str, str]:

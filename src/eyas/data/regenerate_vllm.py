@@ -48,7 +48,9 @@ class VllmGenerator:
         self.proc = subprocess.Popen([python, "-m", f"{PKG}.generate", str(self.work / "job.json")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                      text=True, cwd=self.work, env=env, preexec_fn=_die_with_parent)
-        self._read()  # {"ready": true} once the model is loaded
+        ready = self._read()  # once the model is loaded
+        # vLLM's CPU runner cannot seed single requests; there the engine seed drives sampling
+        self.per_request_seed = bool(ready.get("per_request_seed"))
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
