@@ -15,19 +15,12 @@ import pytest
 import torch
 
 import tiny
+from vllm_envs import vllm_python
 from eyas.data import regenerate as regen
 from eyas.data.prepare import PrepareOptions, RegenerateOptions, prepare
 from eyas.errors import EyasError
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _vllm_python(version: str) -> str:
-    py = ROOT / ".venvs" / f"vllm-{version}" / "bin" / "python"
-    if not py.is_file():
-        pytest.skip(f"{py} is absent: run scripts/setup_vllm_env.sh {version} to test vLLM {version}")
-    return str(py)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +61,7 @@ def _answers(out: Path) -> dict[tuple[str, int], str]:
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.16.0"])
 def test_vllm_greedy_answers_equal_hf(tmp_path, target, version, one_thread):
-    py = _vllm_python(version)
+    py = vllm_python(version)
     data = _data(tmp_path)
     hf = prepare(_opts(tmp_path / "hf", target, data, backend="hf"), log=lambda s: None)
     vl = prepare(_opts(tmp_path / "vllm", target, data, backend="vllm", vllm_python=py), log=lambda s: None)

