@@ -327,45 +327,14 @@ class Eagle3Draft(nn.Module):
         """
         layer, attn = self.midlayer, self.midlayer.self_attn
         scale = 1.0 / math.sqrt(attn.d)
-        if flex.resolve(attention, aux.device, backward=torch.is_grad_enabled()) == "flex":
-            return self._forward_flex(aux, input_ids, position_ids, doc_ids, ttt_steps, scale)
-        # step-0 keys visible to query i: same document, not later (packs keep documents in order)
-        same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-        causal = torch.ones(same_doc.shape[-2:], dtype=torch.bool, device=aux.device).tril()
-        mask0 = (same_doc & causal)[:, None]  # [B,1,T,T]
+        use_flex = flex.resolve(attention, aux.device, backward=torch.is_grad_enabled()) == "flex"
+        if not use_flex:
+            # step-0 keys visible to query i: same document, not later (packs keep documents in order)
+            same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+            causal = torch.ones(same_doc.shape[-2:], dtype=torch.bool, device=aux.device).tril()
+            mask0 = (same_doc & causal)[:, None]  # [B,1,T,T]
         hidden = self.fc(aux)
-        k0 = v0 = None
-        chain_k: list[torch.Tensor] = []
-        chain_v: list[torch.Tensor] = []
-        out_logits = []
-        for j in range(ttt_steps):
-            tokens = shift_in_doc(input_ids, doc_ids, 1 + j, fill=0)
-            x, residual = layer.pre(self.embed_tokens(tokens).to(hidden.dtype), hidden)
-            cos, sin = self.rotary(position_ids + j)
-            q, k, v = attn.qkv(x, cos, sin)
-            if j == 0:
-                k0, v0 = attn.expand_kv(k), attn.expand_kv(v)
-            else:
-                chain_k.append(attn.expand_kv(k))
-                chain_v.append(attn.expand_kv(v))
-            # scores against step-0 keys (block-causal) and against this chain's own later keys
-            s0 = _f32(torch.matmul(q, k0.transpose(-1, -2))) * scale
-            s0 = s0.masked_fill(~mask0, float("-inf"))
-            diag = [_f32((q * kk).sum(-1, keepdim=True)) * scale for kk in chain_k]
-            probs = torch.softmax(torch.cat([s0, *diag], dim=-1), dim=-1)
-            t = s0.shape[-1]
-            o = torch.matmul(probs[..., :t].to(v0.dtype), v0)
-            for n, vv in enumerate(chain_v):
-                o = o + probs[..., t + n: t + n + 1].to(vv.dtype) * vv
-            hidden = layer.post(attn.out(o), residual)
-            out_logits.append(self.logits(hidden))
-        return out_logits
-
-    def _forward_flex(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      doc_ids: torch.Tensor, ttt_steps: int, scale: float) -> list[torch.Tensor]:
-        """:meth:`forward` with flex attention: the same keys and mask, only visible blocks computed."""
-        layer, attn = self.midlayer, self.midlayer.self_attn
-        hidden = self.fc(aux)
+        # per TTT step: flex takes the kv heads as they are (GQA in the kernel), dense expanded ones
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         out_logits = []
@@ -374,10 +343,13 @@ class Eagle3Draft(nn.Module):
             x, residual = layer.pre(self.embed_tokens(tokens).to(hidden.dtype), hidden)
             cos, sin = self.rotary(position_ids + j)
             q, k, v = attn.qkv(x, cos, sin)
-            keys.append(k)
-            values.append(v)
-            mask = flex.ttt_block_mask(doc_ids, j, ttt_steps)
-            o = flex.ttt_attention(q, keys, values, mask, ttt_steps, scale)
+            keys.append(k if use_flex else attn.expand_kv(k))
+            values.append(v if use_flex else attn.expand_kv(v))
+            if use_flex:
+                mask = flex.ttt_block_mask(doc_ids, j, ttt_steps)
+                o = flex.ttt_attention(q, keys, values, mask, ttt_steps, scale)
+            else:
+                o = _dense_ttt_attention(q, keys, values, mask0, scale)
             hidden = layer.post(attn.out(o), residual)
             out_logits.append(self.logits(hidden))
         return out_logits
@@ -443,6 +415,22 @@ class Eagle3Draft(nn.Module):
         if dtype is not None:
             model = model.to(dtype)
         return model.to(device)
+
+
+def _dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                         mask0: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense TTT attention: q against the step-0 keys (block-causal ``mask0``) and against this
+    chain's own later keys (``keys[1:]``, one per position); kv already expanded to q's heads."""
+    k0, v0 = keys[0], values[0]
+    s0 = _f32(torch.matmul(q, k0.transpose(-1, -2))) * scale
+    s0 = s0.masked_fill(~mask0, float("-inf"))
+    diag = [_f32((q * kk).sum(-1, keepdim=True)) * scale for kk in keys[1:]]
+    probs = torch.softmax(torch.cat([s0, *diag], dim=-1), dim=-1)
+    t = s0.shape[-1]
+    o = torch.matmul(probs[..., :t].to(v0.dtype), v0)
+    for n, vv in enumerate(values[1:]):
+        o = o + probs[..., t + n: t + n + 1].to(vv.dtype) * vv
+    return o
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
