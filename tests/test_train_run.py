@@ -91,7 +91,6 @@ def test_online_run_writes_draft_logs_plot(tiny_target, data, tmp_path):
     assert (run / "loss.png").stat().st_size > 1000
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     # the embeddings stayed the target's; the layer moved
-    init = torch.load  # noqa: F841 - keep names short below
     from safetensors import safe_open
 
     with safe_open(str(tiny_target.path / "model.safetensors"), "pt") as fh:
@@ -177,15 +176,19 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny_target, data, tmp_path):
     assert res.returncode != 0 and "seed" in res.stderr
 
 
+def _torchrun(*args: str) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
+            "train", *args]
+
+
 def test_torchrun_two_processes_match_single_process(tiny_target, data, tmp_path):
     steps = ["--max-steps", "4", "--save-every", "0"]
     single = tmp_path / "single"
     subprocess.run(_cli(*_train_args(tiny_target, data, single, *steps, "--grad-accum", "2")), env=ENV,
                    check=True, capture_output=True)
     ddp = tmp_path / "ddp"
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
-           "train", *_train_args(tiny_target, data, ddp, *steps, "--grad-accum", "1")]
-    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
+    res = subprocess.run(_torchrun(*_train_args(tiny_target, data, ddp, *steps, "--grad-accum", "1")),
+                         env=ENV, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     l1 = [r["loss"] for r in _records(single)]
     l2 = [r["loss"] for r in _records(ddp)]
@@ -195,11 +198,6 @@ def test_torchrun_two_processes_match_single_process(tiny_target, data, tmp_path
     b = load_file(str(ddp / "draft" / "model.safetensors"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
-
-
-def _torchrun(*args: str) -> list[str]:
-    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
-            "train", *args]
 
 
 def test_fsdp2_two_processes_match_single_process(tiny_target, data, tmp_path):
