@@ -21,10 +21,10 @@ def _records(d: Path) -> dict[tuple[int, int], dict]:
 
 
 def _tau(recs: list[dict]) -> tuple[float, list[float]]:
-    rounds = sum(r["rounds"] for r in recs)
-    k = len(recs[0]["accepted_per_pos"])
-    per = [sum(r["accepted_per_pos"][j] for r in recs) for j in range(k)]
-    return 1 + sum(per) / rounds, [a / rounds for a in per]
+    from eyas.evaluate.report import aggregate
+
+    agg = aggregate(recs, len(recs[0]["accepted_per_pos"]))
+    return agg["tau"], agg["acceptance_rate_per_pos"]
 
 
 def _bootstrap(ref: dict, oth: dict, common: list, n: int = 2000, seed: int = 0) -> tuple[float, float]:

@@ -16,15 +16,21 @@ from typing import Any
 
 from eyas.errors import EyasError
 
-VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
-
 
 class VllmGenerator:
     """``generate(prompts, ...)`` -> [(token_ids, hit_length_limit)], served by one vLLM engine."""
 
     def __init__(self, target_path: str | Path, work: Path, max_model_len: int, seed: int,
                  vllm_python: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1):
-        from eyas.extract.vllm_backend import PKG, WORKER_SRC, _die_with_parent, find_vllm_python, probe_vllm
+        from eyas.extract.vllm_backend import (
+            PKG,
+            VLLM_DTYPES,
+            WORKER_SRC,
+            _die_with_parent,
+            _engine_env,
+            find_vllm_python,
+            probe_vllm,
+        )
 
         python, why = find_vllm_python(vllm_python)
         inst = probe_vllm(python)
@@ -39,8 +45,6 @@ class VllmGenerator:
                "seed": int(seed), "dtype": VLLM_DTYPES.get(dtype, dtype),
                "tensor_parallel_size": int(tensor_parallel_size)}
         (self.work / "job.json").write_text(json.dumps(job, indent=1))
-        from eyas.extract.vllm_backend import _engine_env
-
         env = _engine_env(self.work / "pkg", {}, backend="vllm")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         self.log_path = self.work.parent / "regenerate-vllm.log"  # outlives the work dir
