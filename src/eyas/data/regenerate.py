@@ -87,7 +87,6 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
                      if len(cache.get(items[i][0], {})) < len(t))
     bar = tqdm(total=todo_total, unit="answer", desc="regenerate", disable=not progress, dynamic_ncols=True)
     fh = open(Path(out) / CACHE, "a", encoding="utf-8")
-    generators: list = []
     try:
         for r in range(max((len(t) for t in turns.values()), default=0)):
             pending = []
@@ -112,7 +111,6 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
             if gen is None:
                 gen = _make_generator(engine, target, tok, opts, stops, pad_id, device, Path(out),
                                       max_length)
-                generators.append(gen)
             pending.sort(key=lambda p: p[0])
             for b in range(0, len(pending), opts.batch_size):
                 batch = pending[b: b + opts.batch_size]
@@ -133,8 +131,8 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
     finally:
         fh.close()
         bar.close()
-        for g in generators:
-            getattr(g, "close", lambda: None)()
+        if gen is not None:
+            getattr(gen, "close", lambda: None)()
 
     new_items = list(items)
     counts = {"answers": 0, "length_limited": 0, "empty": 0, "turns_beyond_max_length": 0,
@@ -164,7 +162,7 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
         for sid, _, msgs in new_items if not isinstance(msgs, Skip)))
     info = {"settings": opts.settings(), "engine": engine, "device": device, "batch_size": opts.batch_size,
             "drop_length_limited": opts.drop_length_limited, "max_turns": opts.max_turns, "cache": CACHE,
-            "seeding": generators[0].seeding if generators else None,  # None: every answer was cached
+            "seeding": gen.seeding if gen is not None else None,  # None: every answer was cached
             "conversations_file": CONVERSATIONS, **counts}
     return new_items, info
 
