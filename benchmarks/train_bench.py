@@ -138,6 +138,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--attention", default="auto", help="TTT attention: auto, dense or flex (trainer's --attention)")
     ap.add_argument("--parallel", default="ddp", help="ddp or fsdp2 (used under torchrun with >1 process)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="N > 0: also profile N steady steps of the first configuration (torch.profiler), "
+                         "written next to --json as profile-<config>.txt")
     args = ap.parse_args()
 
     # under torchrun every rank trains; rank 0 alone prepares files, measures and reports
@@ -185,6 +188,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 try:
                     draft_dir = train(cfg)
+                    if args.profile and main_rank and not results and dist.world == 1:
+                        profile(cfg, run.name, args)
                 except Exception as e:  # record and go on: one failing variant must not lose the rest
                     print(f"{mode} b{bs} compile={comp}: FAILED {type(e).__name__}: {e}", flush=True)
                     results.append({"mode": mode, "batch_packs": bs, "compile": comp, "attention": attention,
@@ -217,6 +222,45 @@ def main() -> None:
                          if peak else "") + f"  loss {m['final_loss']:.3f}", flush=True)
     if main_rank:
         print(json.dumps(report(args, device_name, peak, data, results)))
+
+
+def profile(cfg: TrainConfig, name: str, args) -> None:
+    """Kernel time by op over ``args.profile`` steady steps of ``cfg`` (a separate short run).
+
+    The trainer has no per-step hook, so the profiler's schedule advances on every optimizer step
+    through torch's global optimizer hook; the warm-up (compilation included) is not recorded.
+    """
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
+
+    from dataclasses import replace
+
+    run = Path(cfg.out + "-profile")
+    if run.exists():
+        shutil.rmtree(run)
+    cfg = replace(cfg, out=str(run), max_steps=args.warmup_steps + args.profile + 1)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    marks: list[float] = []
+    with torch_profile(activities=acts, schedule=schedule(wait=args.warmup_steps, warmup=1, active=args.profile,
+                                                          repeat=1)) as prof:
+        def on_step(*_):
+            marks.append(time.perf_counter())
+            prof.step()
+        handle = register_optimizer_step_post_hook(on_step)
+        try:
+            train(cfg)
+        finally:
+            handle.remove()
+    wall = marks[args.warmup_steps + 1 + args.profile - 1] - marks[args.warmup_steps]  # the active steps
+    events = prof.key_averages()
+    dev_us = sum(e.self_device_time_total for e in events)
+    by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    text = (f"{args.profile} steps profiled ({name}): wall {wall:.3f} s, {wall / args.profile * 1e3:.1f} ms/step; "
+            f"GPU kernel time {dev_us / 1e6:.3f} s ({dev_us / 1e6 / max(wall, 1e-9):.0%} of wall)\n\n"
+            + events.table(sort_by=by, row_limit=45, max_name_column_width=70))
+    out = Path(args.json).parent if args.json else Path(args.work)
+    (out / f"profile-{name}.txt").write_text(text)
+    print(text.split("\n\n")[0], flush=True)
 
 
 def report(args, device_name: str, peak, data: Path, results: list) -> dict:

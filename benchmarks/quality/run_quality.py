@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+ABLATIONS = ("ttt1", "ttt3", "original_data", "small_vocab")
 T0 = time.time()
 LOG: list[str] = []
 
@@ -163,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-args", default="--loss-implementation eager",
                     help="Extra speculators flags (default: its eager loss, see above).")
     ap.add_argument("--spec-workers", type=int, default=8)
+    ap.add_argument("--ablations", default=",".join(ABLATIONS),
+                    help="rest phase: the ablations to train ('' for none: only the main drafts are evaluated).")
     ap.add_argument("--abl-steps", type=int, default=0, help="0: the main eyas run's steps.")
     ap.add_argument("--eval-max-per-category", type=int, default=10, help="10: all 80 MT-bench questions.")
     ap.add_argument("--abl-eval-max-per-category", type=int, default=10)
@@ -171,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-dtype", default="bfloat16")
     ap.add_argument("--eval-shards", type=int, default=8)
     a = ap.parse_args(argv)
+    unknown = sorted(set(filter(None, a.ablations.split(","))) - set(ABLATIONS))
+    if unknown:
+        ap.error(f"--ablations: unknown {unknown}; choose from {', '.join(ABLATIONS)}")
     r = Runner(a)
     work, out = Path(a.work), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -352,13 +358,14 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     # ablation training first (it takes longest), then the main evaluations beside it
     abl: dict[str, dict] = {}
     procs: dict[str, subprocess.Popen] = {}
-    if em.get("max_steps"):
+    if em.get("max_steps") and a.ablations.strip():
         steps = a.abl_steps or em["max_steps"]
         base = list(em["args"])
         specs = {"ttt1": ("regenerated", _with(base, "--ttt-steps", 1)),
                  "ttt3": ("regenerated", _with(base, "--ttt-steps", 3)),
                  "original_data": ("original", base),
                  "small_vocab": ("regenerated_small_vocab", base)}
+        specs = {k: v for k, v in specs.items() if k in a.ablations.split(",")}
         res["ablations"] = {"steps": steps, "reference": "eyas_main (TTT 7, regenerated, vocab "
                             f"{a.vocab}, {em['max_steps']} steps)", "runs": abl}
         for n, (name, (data, args)) in enumerate(specs.items()):
