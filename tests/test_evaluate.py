@@ -232,6 +232,14 @@ def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert (out / "builtin" / "records.jsonl").read_text() == before
+    # a kill in the middle of a write: the torn question is redone, the file is whole again
+    rec_file = out / "builtin" / "records.jsonl"
+    rec_file.write_text(before.rstrip("\n").rsplit("\n", 1)[0] + "\n" + before.rstrip("\n").rsplit("\n", 1)[1][:25])
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    lines = rec_file.read_text().splitlines()
+    assert [json.loads(x)["question_id"] for x in lines[1:]] == [json.loads(x)["question_id"]
+                                                                 for x in before.splitlines()[1:]]
     # other settings in the same --out are refused, not mixed
     res = CliRunner().invoke(app, args[:-4] + ["--max-new-tokens", "10"])
     assert res.exit_code != 0 and "other settings" in str(res.exception)

@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-workers", type=int, default=8)
     ap.add_argument("--ablations", default=",".join(ABLATIONS),
                     help="rest phase: the ablations to train ('' for none: only the main drafts are evaluated).")
+    ap.add_argument("--train", default="speculators,eyas",
+                    help="main phase: the trainers this call runs (both: at once on 2 GPUs, one after the "
+                         "other on 1); a later main call on the same machine reuses the data and stores")
     ap.add_argument("--abl-steps", type=int, default=0, help="0: the main eyas run's steps.")
     ap.add_argument("--eval-max-per-category", type=int, default=10, help="10: all 80 MT-bench questions.")
     ap.add_argument("--abl-eval-max-per-category", type=int, default=10)
@@ -177,18 +180,24 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(filter(None, a.ablations.split(","))) - set(ABLATIONS))
     if unknown:
         ap.error(f"--ablations: unknown {unknown}; choose from {', '.join(ABLATIONS)}")
+    if not set(filter(None, a.train.split(","))) <= {"eyas", "speculators"}:
+        ap.error(f"--train {a.train!r}: a comma list of eyas, speculators")
     r = Runner(a)
     work, out = Path(a.work), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     state = work / "results.json"
-    res: dict[str, Any] = json.loads(state.read_text()) if a.phase == "rest" and state.is_file() else {
+    # a later call on the same machine continues the state (main --train eyas after main --train speculators)
+    res: dict[str, Any] = json.loads(state.read_text()) if state.is_file() else {
         "kind": "eyas-quality-comparison", "stages": {}}
-    res.setdefault("args", {})[a.phase] = vars(a)
-    res.setdefault("started", {})[a.phase] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(T0))
+    # one key per call: main, main-2, ... (a split main phase), rest
+    n = sum(1 for k in res.get("args", {}) if k.split("-")[0] == a.phase)
+    call = a.phase if n == 0 else f"{a.phase}-{n + 1}"
+    res.setdefault("args", {})[call] = vars(a)
+    res.setdefault("started", {})[call] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(T0))
 
     def save() -> None:
-        res.setdefault("log", {})[a.phase] = LOG
-        res.setdefault("elapsed_s", {})[a.phase] = time.time() - T0
+        res.setdefault("log", {})[call] = LOG
+        res.setdefault("elapsed_s", {})[call] = time.time() - T0
         for where in (state, out / "results.json"):
             tmp = where.with_name("results.json.tmp")
             tmp.write_text(json.dumps(res, indent=2, default=str))
@@ -217,14 +226,40 @@ def _device(a) -> str:
 
 
 def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
+    trainers = [x for x in a.train.split(",") if x]
+    if "data" not in res:
+        _data(r, a, work, res, save)
+    else:
+        log("data and stores: from the earlier main call")
+    t = time.time()
+    ps = _spec_start(r, a, work) if "speculators" in trainers else None
+    if ps is not None and (a.gpus == 1 or "eyas" not in trainers):
+        # one GPU: each trainer has it alone (the comparison's fairest form), speculators first
+        _spec_finish(r, a, work, res, ps, timeout=None)
+        save()
+        ps = None
+    if "eyas" in trainers:
+        _eyas_main(r, a, work, res, save, started_after=time.time() - t if ps is not None else None)
+    if ps is not None:
+        _spec_finish(r, a, work, res, ps, timeout=max(30.0, r.left() - 30))
+    res["stages"]["main_training_s"] = res["stages"].get("main_training_s", 0.0) + time.time() - t
+    save()
+
+
+def _data(r: Runner, a, work: Path, res: dict, save) -> None:
+    """prepare + extract the sets the ablations need; the regenerated store -> speculators' format."""
     T, dev = a.target, _device(a)
     layers = ["--layers", a.layers] if a.layers else []
-    # ------------------------------------------------------------------ data
+    abls = a.ablations.split(",")
     t = time.time()
     preps = {"regenerated": work / "prep_regen", "original": work / "prep_orig",
              "regenerated_small_vocab": work / "prep_regen_small"}
     srcs = {"regenerated": (a.regenerated, a.vocab), "original": (a.original, a.vocab),
             "regenerated_small_vocab": (a.regenerated, a.vocab_small)}
+    if "original_data" not in abls:
+        del preps["original"]
+    if "small_vocab" not in abls:
+        del preps["regenerated_small_vocab"]
     procs = {name: r.start(f"prepare_{name}", r.eyas(
         "prepare", "--target", T, "--data", srcs[name][0], "--out", preps[name], "--draft-vocab-size",
         srcs[name][1], "--max-length", a.max_length, "--quiet")) for name in preps}
@@ -237,43 +272,62 @@ def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     res["stages"]["data_s"] = time.time() - t
     log(f"data: {json.dumps({k: v.get('counts') for k, v in res['data'].items()})}")
     save()
-    # ------------------------------------------------------------------ extract + convert
+    # extraction: the sets over the GPUs, the conversion as soon as the regenerated store exists
     t = time.time()
     stores = {name: work / f"store_{name}" for name in preps}
-
-    def extract(name: str, gpu: int) -> subprocess.Popen:
-        return r.start(f"extract_{name}", r.eyas("extract", "--target", T, "--data", preps[name], "--out",
-                                                 stores[name], "--device", dev, *layers), env=_gpu_env(r, gpu))
-
-    e1, e2 = extract("regenerated", 0), extract("original", 1)
-    r.wait(e1)
+    pending = list(enumerate(preps))
+    lanes = max(1, a.gpus)
+    running: dict[str, subprocess.Popen] = {}
+    p_conv = None
     spec_data = work / "spec_data"
-    p_conv = r.start("to_speculators", [a.spec_python, HERE / "to_speculators.py", "--store",
-                                        stores["regenerated"], "--out", spec_data, "--threads", "8"],
-                     env=r.spec_env())
-    r.wait(e2)
-    e3 = extract("regenerated_small_vocab", 0)
+    while pending or running:
+        while pending and len(running) < lanes:
+            i, name = pending.pop(0)
+            running[name] = r.start(f"extract_{name}", r.eyas(
+                "extract", "--target", T, "--data", preps[name], "--out", stores[name], "--device", dev, *layers),
+                env=_gpu_env(r, i))
+        name = next(iter(running))  # the oldest; the regenerated set first
+        r.wait(running.pop(name))
+        if name == "regenerated":
+            p_conv = r.start("to_speculators", [a.spec_python, HERE / "to_speculators.py", "--store",
+                                                stores[name], "--out", spec_data, "--threads", "8"],
+                             env=r.spec_env())
     r.wait(p_conv)
-    r.wait(e3)
     res["speculators_data"] = json.loads((spec_data / "eyas_conversion.json").read_text())
     res["stores"] = {k: str(v) for k, v in stores.items()}
     res["preps"] = {k: str(v) for k, v in preps.items()}
     res["stages"]["extract_convert_s"] = time.time() - t
     save()
-    # ------------------------------------------------------------------ main: both trainers at once
-    t = time.time()
-    spec_cmd = [a.spec_python, HERE / "spec_train.py", "--verifier", T, "--data", spec_data,
-                "--out", work / "spec_main", "--budget-s", a.main_budget_s,
-                "--probe-steps", a.spec_probe_steps, "--num-workers", a.spec_workers]
-    if dev == "cpu":
-        spec_cmd.append("--cpu")
-    if a.spec_args.strip():
-        spec_cmd += ["--", *a.spec_args.split()]
-    spec_env = r.spec_env()
-    spec_env.update({k: v for k, v in _gpu_env(r, 1).items() if k == "CUDA_VISIBLE_DEVICES"})
-    ps = r.start("spec_main", spec_cmd, env=spec_env)
 
+
+def _spec_start(r: Runner, a, work: Path) -> subprocess.Popen:
+    cmd = [a.spec_python, HERE / "spec_train.py", "--verifier", a.target, "--data", work / "spec_data",
+           "--out", work / "spec_main", "--budget-s", a.main_budget_s,
+           "--probe-steps", a.spec_probe_steps, "--num-workers", a.spec_workers]
+    if _device(a) == "cpu":
+        cmd.append("--cpu")
+    if a.spec_args.strip():
+        cmd += ["--", *a.spec_args.split()]
+    env = r.spec_env()
+    env.update({k: v for k, v in _gpu_env(r, 1).items() if k == "CUDA_VISIBLE_DEVICES"})
+    return r.start("spec_main", cmd, env=env)
+
+
+def _spec_finish(r: Runner, a, work: Path, res: dict, ps: subprocess.Popen, timeout: float | None) -> None:
+    r.wait(ps, timeout=timeout if timeout is not None else max(30.0, r.left() - 30), check=False)
+    sj = work / "spec_main" / "spec_train.json"
+    sm = json.loads(sj.read_text()) if sj.is_file() else {"error": f"rc={ps.returncode}, see logs/spec_main.log"}
+    res["spec_main"] = sm
+    if sm.get("checkpoint"):
+        r.run("spec_convert", [a.python, HERE / "from_speculators.py", "--ckpt", sm["checkpoint"],
+                               "--target", a.target, "--out", work / "spec_draft"], env=r.spec_env())
+        res["spec_main"]["draft"] = str(work / "spec_draft")
+
+
+def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float | None) -> None:
+    preps, stores = {k: Path(v) for k, v in res["preps"].items()}, {k: Path(v) for k, v in res["stores"].items()}
     eyas_args = a.eyas_args.split()
+    t = time.time()
     pp = r.start("eyas_probe", eyas_train(r, a, "eyas_probe", preps["regenerated"], stores["regenerated"],
                                           eyas_args, a.eyas_probe_steps, 0), env=_gpu_env(r, 0))
     r.wait(pp, check=False)
@@ -308,17 +362,10 @@ def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     em["draft"] = str(latest_eyas_draft(work / "eyas_main"))
     summ = work / "eyas_main" / "summary.json"
     em["summary"] = json.loads(summ.read_text()) if summ.is_file() else None
-    log(f"eyas main: {dt:.0f}s, started {t_e - t:.0f}s after speculators")
-    save()
-    r.wait(ps, timeout=max(30.0, r.left() - 30), check=False)
-    sj = work / "spec_main" / "spec_train.json"
-    sm = json.loads(sj.read_text()) if sj.is_file() else {"error": f"rc={ps.returncode}, see logs/spec_main.log"}
-    res["spec_main"] = sm
-    if sm.get("checkpoint"):
-        r.run("spec_convert", [a.python, HERE / "from_speculators.py", "--ckpt", sm["checkpoint"],
-                               "--target", T, "--out", work / "spec_draft"], env=r.spec_env())
-        res["spec_main"]["draft"] = str(work / "spec_draft")
-    res["stages"]["main_training_s"] = time.time() - t
+    if started_after is not None:
+        em["started_after_speculators_s"] = started_after + (t_e - t)
+    log(f"eyas main: {dt:.0f}s" + (f", started {em['started_after_speculators_s']:.0f}s after speculators"
+                                   if started_after is not None else " (alone on its GPU)"))
     save()
 
 
@@ -366,6 +413,9 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
                  "original_data": ("original", base),
                  "small_vocab": ("regenerated_small_vocab", base)}
         specs = {k: v for k, v in specs.items() if k in a.ablations.split(",")}
+        for k in [k for k, (data, _) in specs.items() if data not in res["preps"]]:
+            log(f"ablation {k}: its data set was not prepared in the main phase (its --ablations); skipped")
+            del specs[k]
         res["ablations"] = {"steps": steps, "reference": "eyas_main (TTT 7, regenerated, vocab "
                             f"{a.vocab}, {em['max_steps']} steps)", "runs": abl}
         for n, (name, (data, args)) in enumerate(specs.items()):

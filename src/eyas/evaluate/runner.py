@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -27,8 +28,14 @@ def run_questions(engine: Engine, questions: list[Question], tokenizer, max_new_
                   stop_ids: set[int], records_path: Path, settings: dict[str, Any],
                   progress: bool = True, on_record: Callable[[dict], None] | None = None) -> list[dict]:
     records = _load_records(records_path, settings)
-    # All turns of a question are written together, so a question is either done or not.
-    done_ids = {r["question_id"] for r in records}
+    # A question counts as done with all its turns; a kill while its turns were being written can
+    # leave the first ones alone, and those are dropped here (and from the file) to be redone.
+    n_turns = {q.question_id: len(q.turns) for q in questions}
+    have = Counter(r["question_id"] for r in records)
+    done_ids = {qid for qid, n in have.items() if n >= n_turns.get(qid, 0)}
+    if len(done_ids) < len(have):
+        records = [r for r in records if r["question_id"] in done_ids]
+        _rewrite(records_path, settings, records)
     todo = [q for q in questions if q.question_id not in done_ids]
     with open(records_path, "a") as fh, tqdm(total=len(questions), initial=len(questions) - len(todo),
                                              desc=f"evaluate ({settings['engine']})", unit="q",
@@ -78,7 +85,10 @@ def _load_records(path: Path, settings: dict[str, Any]) -> list[dict]:
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
-            break  # a torn last line from a crash: everything before it is whole
+            # a torn last line from a kill: everything before it is whole; drop the tear so the
+            # records appended next are not hidden behind it on the following resume
+            _rewrite(path, settings, out)
+            break
     return out
 
 
