@@ -163,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     # (RESULTS.md, 2026-11-30); its own eager implementation is the switch it offers for that
     ap.add_argument("--spec-args", default="--loss-implementation eager",
                     help="Extra speculators flags (default: its eager loss, see above).")
+    ap.add_argument("--spec-epochs", type=int, default=None,
+                    help="With --spec-probe-steps 0: speculators' epochs, planned from an earlier probe.")
+    ap.add_argument("--spec-allowance-s", type=float, default=0.0,
+                    help="With --spec-probe-steps 0: its first validation's compile time (spec_train.py).")
     ap.add_argument("--spec-workers", type=int, default=8)
     ap.add_argument("--ablations", default=",".join(ABLATIONS),
                     help="rest phase: the ablations to train ('' for none: only the main drafts are evaluated).")
@@ -304,6 +308,10 @@ def _spec_start(r: Runner, a, work: Path) -> subprocess.Popen:
     cmd = [a.spec_python, HERE / "spec_train.py", "--verifier", a.target, "--data", work / "spec_data",
            "--out", work / "spec_main", "--budget-s", a.main_budget_s,
            "--probe-steps", a.spec_probe_steps, "--num-workers", a.spec_workers]
+    if a.spec_probe_steps == 0:
+        if not a.spec_epochs:
+            raise ValueError("--spec-probe-steps 0 needs --spec-epochs (and --spec-allowance-s)")
+        cmd += ["--epochs", a.spec_epochs, "--allowance-s", a.spec_allowance_s]
     if _device(a) == "cpu":
         cmd.append("--cpu")
     if a.spec_args.strip():

@@ -5,20 +5,24 @@ wall-clock budget as eyas without changing its code or its defaults (muon, lr 1e
 schedule with 1% warmup, KL loss, 3 TTT steps, norm_before_fc / norm_output / norm_before_
 residual, total_seq_len 8192, 10% validation split, per-epoch validation and checkpoints):
 
-1. probe: its trainer runs ``--probe-steps`` steps (``--epochs 1 --max-steps P``), timing
-   every step through the trainer's own ``step_callback`` hook, its validation epoch and its
-   checkpoint save;
+1. probe: its trainer runs ``--probe-steps`` steps and one more in a second epoch
+   (``--epochs 2 --max-steps P``), timing every step through the trainer's own
+   ``step_callback`` hook, both validation epochs (the first compiles the no-grad graph, the
+   second is steady) and the checkpoint saves;
 2. plan: the number of whole epochs (its default unit) that fits in ``--budget-s``
-   (steady step time x steps per epoch + validation + checkpoint per epoch); below one epoch,
-   ``--max-steps`` so that its LR schedule still ends inside the budget;
-3. run: the trainer from scratch with that plan. A timer sends SIGTERM at the budget, which
-   speculators' graceful-shutdown handler turns into an ``interrupted`` checkpoint (so an
-   overrun is cut at the budget, never extended).
+   (steady step time x steps per epoch + steady validation + checkpoint per epoch); below one
+   epoch, ``--max-steps`` so that its LR schedule still ends inside the budget;
+3. run: the trainer from scratch with that plan. A timer sends SIGTERM at the budget plus the
+   allowance, which speculators' graceful-shutdown handler turns into an ``interrupted``
+   checkpoint (so an overrun is cut, never extended).
 
 The budget clock starts at the end of the run's first optimizer step (model and data-loader
 setup, ``setup_s``, and the first step with its ``torch.compile``, ``first_step_s``, are
 logged but not counted; eyas's runs are planned from steady step times the same way) and
-covers the remaining training, its validation epochs and its checkpoints. Writes ``OUT/spec_train.json`` with the plan, timings and the
+covers the remaining training, its validation epochs and its checkpoints. The first validation
+epoch's compilation is compilation too: the timer gets it as an allowance (``allowance_s``:
+first minus steady validation time in the probe, or ``--allowance-s`` without a probe), and the
+plan does not spend it. Writes ``OUT/spec_train.json`` with the plan, timings and the
 checkpoint directory to evaluate.
 
 ``--cpu`` (tests on machines without an accelerator only): 0.9.0's trainer moves the model to
@@ -195,17 +199,21 @@ def plan(budget_s: float, p: dict, margin: float = 0.97) -> dict:
     spe = p["steps_per_epoch"]
     if not step or not spe:
         raise RuntimeError(f"the probe recorded no steps ({p}); cannot plan the budget")
-    val = max(p["val_s"]) if p["val_s"] else 0.0
+    vals = p["val_s"]
+    val = vals[-1] if vals else 0.0  # the steady one (the first compiles), see the docstring
     ckpt = max(p["ckpt_s"]) if p["ckpt_s"] else 0.0
     # the budget starts after the first step (compilation), so only steady steps count
     overhead = 0.0
     avail = budget_s * margin
     per_epoch = spe * step + val + ckpt
     epochs = int(avail // per_epoch) if per_epoch > 0 else 0
+    allowance = max(0.0, vals[0] - vals[-1]) if len(vals) >= 2 else 0.0
     if epochs >= 1:
-        return {"epochs": epochs, "max_steps": None, "expected_s": overhead + epochs * per_epoch}
+        return {"epochs": epochs, "max_steps": None, "expected_s": overhead + epochs * per_epoch,
+                "allowance_s": allowance}
     steps = max(1, int((avail - val - ckpt) // step))
-    return {"epochs": 1, "max_steps": min(steps, spe), "expected_s": overhead + steps * step + val + ckpt}
+    return {"epochs": 1, "max_steps": min(steps, spe), "expected_s": overhead + steps * step + val + ckpt,
+            "allowance_s": allowance}
 
 
 def final_checkpoint(save_path: Path) -> Path | None:
@@ -231,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-steps", type=int, default=30, help="0: no probe, use --epochs/--max-steps.")
     ap.add_argument("--epochs", type=int, default=None, help="With --probe-steps 0 only.")
     ap.add_argument("--max-steps", type=int, default=None, help="With --probe-steps 0 only.")
+    ap.add_argument("--allowance-s", type=float, default=0.0,
+                    help="With --probe-steps 0: timer seconds beyond the budget for the first validation's "
+                         "compilation (a probe measures it).")
     ap.add_argument("--ttt-steps", type=int, default=None, help="Default: speculators' own (3).")
     ap.add_argument("--num-workers", type=int, default=8, help="Its dataloader workers (its default 12).")
     ap.add_argument("--cpu", action="store_true", help="Tests only: run without an accelerator.")
@@ -241,13 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if a.probe_steps > 0:
         probe_dir = out / "probe"
-        pa = base_argv(a, probe_dir, extra) + ["--epochs", "1", "--max-steps", str(a.probe_steps)]
+        pa = base_argv(a, probe_dir, extra) + ["--epochs", "2", "--max-steps", str(a.probe_steps)]
         p = run_once(pa, None, a.cpu).summary()
         p["wall_s"] = time.perf_counter() - t0
         result["probe"] = p
         result["plan"] = plan(a.budget_s, p)
     else:
-        result["plan"] = {"epochs": a.epochs, "max_steps": a.max_steps, "expected_s": None}
+        result["plan"] = {"epochs": a.epochs, "max_steps": a.max_steps, "expected_s": None,
+                          "allowance_s": a.allowance_s}
     run_dir = out / "run"
     ra = base_argv(a, run_dir, extra)
     if result["plan"]["epochs"] is not None:
@@ -255,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     if result["plan"]["max_steps"] is not None:
         ra += ["--max-steps", str(result["plan"]["max_steps"])]
     t1 = time.perf_counter()
-    probe = run_once(ra, a.budget_s, a.cpu)
+    probe = run_once(ra, a.budget_s + result["plan"]["allowance_s"], a.cpu)
     s = probe.summary()
     s["setup_s"] = (probe.run_start - t1) if probe.run_start else None
     s["wall_s"] = time.perf_counter() - t1
