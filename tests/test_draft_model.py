@@ -314,3 +314,20 @@ def test_attention_choice():
     assert flex.resolve("flex", torch.device("cuda", 0), backward=True) == "flex"
     with pytest.raises(EyasError, match="--attention 'sdpa'"):
         flex.resolve("sdpa", torch.device("cpu"))
+
+
+def test_compiled_soft_cross_entropy_matches_eager():
+    """`eyas train --compile` swaps in the compiled loss: same values and gradients, for the
+    different position counts the TTT steps score (one dynamic graph)."""
+    from eyas.draft.loss import soft_cross_entropy
+
+    compiled = torch.compile(soft_cross_entropy, dynamic=True)
+    torch.manual_seed(0)
+    for n in (9, 8, 7):
+        z = torch.randn(2, n, 50, requires_grad=True)
+        p = torch.softmax(torch.randn(2, n, 50), -1)
+        ref = -(p * torch.log_softmax(z.detach(), -1)).sum(-1)
+        out = compiled(z, p)
+        assert torch.allclose(out, ref, atol=1e-5)
+        (g,) = torch.autograd.grad(out.sum(), z)
+        assert torch.allclose(g, torch.softmax(z.detach(), -1) - p, atol=1e-5)

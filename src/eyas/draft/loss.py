@@ -7,6 +7,7 @@ target's own final norm and lm_head rows of the draft vocab; logits are never st
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,15 +51,29 @@ class StepStats:
     count: torch.Tensor     # positions counted
 
 
+def soft_cross_entropy(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of softmax(z) against the distribution p, per position, in fp32.
+
+    logsumexp(z) - <p, z> never materialises log_softmax(z). The dot is an elementwise product
+    and a sum: as a batched [1,V]x[V,1] matmul it was 40% of an H200 training step (cuBLAS runs
+    it as thousands of tiny gemv's; benchmarks/train_bench.md). ``eyas train --compile`` fuses
+    the whole function into one reduction.
+    """
+    z = z.float()
+    return torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
+
+
 def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, loss_mask: torch.Tensor,
-             doc_ids: torch.Tensor, step_decay: float) -> tuple[torch.Tensor, list[StepStats]]:
+             doc_ids: torch.Tensor, step_decay: float,
+             ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = soft_cross_entropy,
+             ) -> tuple[torch.Tensor, list[StepStats]]:
     """Weighted sum over steps of the masked mean cross entropy against the target distribution.
 
     step_logits[j][b,i] predicts x[i+2+j]; the target's distribution for that token comes from its
     logits at i+1+j. A position counts when x[i+2+j] is in the same document and in the loss mask.
     target_logits: [B,T,draft_vocab] (no grad); loss_mask, doc_ids: [B,T].
     The target's softmax is taken once and each step reads it through a slice (a view, no copy);
-    cross entropy is logsumexp(z) - <p, z>, which never materialises log_softmax(z).
+    ``ce`` is :func:`soft_cross_entropy` or a compiled version of it.
     """
     t = target_logits.shape[1]
     p_all = torch.softmax(target_logits.float(), dim=-1)
@@ -71,14 +86,11 @@ def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, loss_
             zero = total.new_zeros(())
             stats.append(StepStats(zero, zero, zero))
             continue
-        z = logits[:, :n].float()
         p = p_all[:, 1 + j:1 + j + n]
         valid = loss_mask[:, 2 + j:].bool() & (doc_ids[:, 2 + j:] == doc_ids[:, :n])
-        dot = torch.matmul(p.unsqueeze(-2), z.unsqueeze(-1)).squeeze(-1).squeeze(-1)  # <p, z> per position
-        ce = torch.logsumexp(z, dim=-1) - dot
         w = valid.float()
         count = w.sum()
-        loss_sum = (ce * w).sum()
+        loss_sum = (ce(logits[:, :n], p) * w).sum()
         correct = ((logits[:, :n].argmax(-1) == tgt_top[:, 1 + j:1 + j + n]).float() * w).sum()
         total = total + (step_decay ** j) * loss_sum / count.clamp_min(1.0)
         stats.append(StepStats(loss_sum.detach(), correct.detach(), count.detach()))

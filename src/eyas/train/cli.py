@@ -66,7 +66,7 @@ def register(app: typer.Typer) -> None:
         precision: str = typer.Option("auto", help="bf16 (autocast), fp32, or auto (bf16 on GPU)."),
         seed: int = typer.Option(0, help="Seed for init and data order."),
         draft_config: str = typer.Option(None, help="Draft overrides, e.g. 'intermediate_size=2048,rope_theta=1e6'."),
-        compile: bool = typer.Option(False, "--compile", help="torch.compile the draft's TTT forward."),
+        compile: bool = typer.Option(False, "--compile", help="torch.compile the draft's TTT forward and the loss."),
         parallel: str = typer.Option("ddp", help="ddp or fsdp2 (sharded params, grads and optimizer "
                                      "state); only used when torchrun starts more than one process."),
         attention: str = typer.Option("auto", help="TTT attention kernel: dense, flex (block-sparse "

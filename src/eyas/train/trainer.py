@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from eyas.draft import flex
-from eyas.draft.loss import TargetHead, ttt_loss
+from eyas.draft.loss import TargetHead, soft_cross_entropy, ttt_loss
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.train import checkpoint as ckpt
@@ -349,6 +349,9 @@ def train(cfg: TrainConfig) -> Path:
         (run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     sharded = parallel.is_fsdp(model)
     fwd = torch.compile(net) if cfg.compile else net
+    # the loss's [tokens, draft_vocab] fp32 passes are most of a step's memory traffic; compiled, one
+    # fused reduction (dynamic: each TTT step scores a different number of positions)
+    ce = torch.compile(soft_cross_entropy, dynamic=True) if cfg.compile else soft_cross_entropy
     autocast = _autocast(device, cfg.precision)
     logger = Logger(run_dir, start, is_main)
 
@@ -372,7 +375,7 @@ def train(cfg: TrainConfig) -> Path:
                                               cfg.ttt_steps, attention=attention)
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             tgt = head(batch.final)
-        loss, stats = ttt_loss(logits, tgt, batch.loss_mask, batch.doc_ids, cfg.step_decay)
+        loss, stats = ttt_loss(logits, tgt, batch.loss_mask, batch.doc_ids, cfg.step_decay, ce)
         return loss, stats, batch.num_tokens
 
     held_packs = pack_indices(held_idx, dataset.lengths, cfg.tokens_per_batch, seed=None)
