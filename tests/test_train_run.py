@@ -280,3 +280,44 @@ def test_flex_attention_cannot_train_on_cpu(tiny_target, data, tmp_path):
     assert not (tmp_path / "r").exists()
     with pytest.raises(EyasError, match="--attention 'fused'"):
         train(_cfg(tiny_target, data, tmp_path / "r", attention="fused", device="cpu"))
+
+
+def test_muon_optimizer_resumes_exactly_and_differs_from_adamw(tiny_target, data, tmp_path):
+    """--optimizer muon: Muon on the hidden matrices, AdamW on lm_head/norms; both states are
+    checkpointed, so resuming the step-2 checkpoint ends equal to the uninterrupted run."""
+    from eyas.train.optim import muon_split
+
+    full = tmp_path / "muon"
+    train(_cfg(tiny_target, data, full, optimizer="muon", eval_every=0))
+    opt = torch.load(checkpoint_dirs(full)[-1] / "optimizer.pt", weights_only=False)
+    muon_state, adamw_state = opt["optimizer"]["optimizers"]
+    assert len(muon_state["state"]) > 0 and len(adamw_state["state"]) > 0
+    assert "momentum_buffer" in next(iter(muon_state["state"].values()))
+    assert "exp_avg" in next(iter(adamw_state["state"].values()))
+    # resume from step 2: copy the run, drop what came after
+    part = tmp_path / "part"
+    shutil.copytree(full, part)
+    shutil.rmtree(part / "draft")
+    for ck in checkpoint_dirs(part):
+        if int(ck.name.split("-")[1]) > 2:
+            shutil.rmtree(ck)
+    train(_cfg(tiny_target, data, part, optimizer="muon", eval_every=0, resume=True))
+    a = load_file(str(full / "draft" / "model.safetensors"))
+    b = load_file(str(part / "draft" / "model.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # another optimizer is refused on resume
+    with pytest.raises(EyasError, match="optimizer"):
+        train(_cfg(tiny_target, data, part, optimizer="adamw", eval_every=0, resume=True, max_steps=6))
+    # and AdamW trains to other weights (the option is not ignored); lm_head is on AdamW in both
+    adamw = tmp_path / "adamw"
+    train(_cfg(tiny_target, data, adamw, eval_every=0))
+    c = load_file(str(adamw / "draft" / "model.safetensors"))
+    assert not torch.allclose(a["midlayer.mlp.down_proj.weight"], c["midlayer.mlp.down_proj.weight"])
+    from eyas.draft.model import DraftConfig, Eagle3Draft
+
+    draft = Eagle3Draft(DraftConfig.from_dict(json.loads((full / "draft" / "config.json").read_text())))
+    muon, rest = muon_split(draft)
+    names = {id(p): n for n, p in draft.named_parameters()}
+    assert all(p.ndim == 2 for p in muon) and "fc.weight" in {names[id(p)] for p in muon}
+    assert {names[id(p)] for p in rest} >= {"lm_head.weight", "norm.weight"}

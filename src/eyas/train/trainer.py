@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,12 +26,14 @@ from eyas.draft.loss import TargetHead, soft_cross_entropy, ttt_loss
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.train import checkpoint as ckpt
+from eyas.train import optim as optim_mod
 from eyas.train import parallel
 from eyas.train.packing import pack_indices, split_indices
 
 # Fields that must match between a run and its resume (they fix the data order and the objective).
 RESUME_KEYS = ("target_id", "dataset_id", "tokens_per_batch", "batch_size", "global_micro", "seed",
-               "ttt_steps", "heldout_fraction", "aux_layers")
+               "ttt_steps", "heldout_fraction", "aux_layers", "optimizer")
+RESUME_DEFAULTS = {"optimizer": "adamw"}  # what checkpoints written before the key existed used
 
 
 @dataclass
@@ -68,6 +69,7 @@ class TrainConfig:
     layers: list[int] | None = None
     draft_overrides: dict[str, Any] = field(default_factory=dict)
     compile: bool = False
+    optimizer: str = "adamw"  # adamw | muon (Muon for the hidden matrices, AdamW for lm_head and norms)
     parallel: str = "ddp"  # ddp | fsdp2; used only when torchrun starts more than one process
     attention: str = "auto"  # dense | flex | auto (flex on CUDA): the TTT unroll's attention kernel
     progress: bool = True
@@ -113,15 +115,6 @@ def setup_dist(device_arg: str) -> tuple[Dist, torch.device]:
 
 
 # ------------------------------------------------------------------------------ schedule
-
-
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        frac = (step - warmup) / max(1, total - warmup)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
-    return f
 
 
 class EpochPlan:
@@ -298,7 +291,8 @@ def train(cfg: TrainConfig) -> Path:
     run_info = {"target_id": target.id, "dataset_id": dataset.manifest.get("id"),
                 "tokens_per_batch": cfg.tokens_per_batch, "batch_size": cfg.batch_size,
                 "global_micro": global_micro, "seed": cfg.seed, "ttt_steps": cfg.ttt_steps,
-                "heldout_fraction": cfg.heldout_fraction, "aux_layers": list(source.aux_layers)}
+                "heldout_fraction": cfg.heldout_fraction, "aux_layers": list(source.aux_layers),
+                "optimizer": cfg.optimizer}
 
     too_long = int((dataset.lengths > cfg.tokens_per_batch).sum())
     if too_long and is_main:
@@ -318,7 +312,8 @@ def train(cfg: TrainConfig) -> Path:
                                         **cfg.draft_overrides)
     if resumed:
         old = resumed["trainer"]["run"]
-        diffs = [f"{k}: {old.get(k)!r} there, {run_info[k]!r} now" for k in RESUME_KEYS if old.get(k) != run_info[k]]
+        diffs = [f"{k}: {old.get(k, RESUME_DEFAULTS.get(k))!r} there, {run_info[k]!r} now" for k in RESUME_KEYS
+                 if old.get(k, RESUME_DEFAULTS.get(k)) != run_info[k]]
         if diffs:
             raise EyasError(f"cannot resume {existing[-1]}: " + "; ".join(diffs) +
                             ". Resume with the same settings, or start a new --out")
@@ -332,9 +327,9 @@ def train(cfg: TrainConfig) -> Path:
     # wrap first: FSDP2 turns the parameters into shards, and the optimizer must hold those
     net = parallel.wrap(model, cfg.parallel, dist.world, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    optim = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                              fused=device.type == "cuda")
-    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg.warmup, total, cfg.min_lr_ratio))
+    optim = optim_mod.build(model, cfg.optimizer, cfg.lr, cfg.betas, cfg.weight_decay,
+                            fused=device.type == "cuda", sharded=parallel.is_fsdp(model))
+    sched = optim_mod.schedule(optim, optim_mod.lr_lambda(cfg.warmup, total, cfg.min_lr_ratio))
     start = 0
     if resumed:
         parallel.load_optim_state(model, optim, resumed["optimizer"])

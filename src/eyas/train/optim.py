@@ -1,0 +1,120 @@
+"""The draft's optimizer and LR schedule: AdamW, or Muon for the hidden matrices + AdamW for the rest.
+
+Muon (``torch.optim.Muon``, torch >= 2.9) orthogonalises the update of 2-D weight matrices; the
+usual split keeps vectors (norm weights) and the output head on AdamW. With
+``adjust_lr_fn="match_rms_adamw"`` its update has AdamW's RMS, so one ``--lr`` serves both groups.
+
+AdamW alone is a plain ``torch.optim.AdamW`` (checkpoints as before); Muon + AdamW are driven as
+one :class:`Optimizers` (step, zero_grad, a state dict ``{"optimizers": [...]}``), each with its
+own warmup + cosine schedule (:class:`Schedules`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from eyas.errors import EyasError
+
+OPTIMIZERS = ("adamw", "muon")
+# 2-D weights kept on AdamW: the output head (Muon's convention; also the embedding, frozen here)
+ADAMW_MATRICES = ("lm_head",)
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
+    """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``total``."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = (step - warmup) / max(1, total - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    return f
+
+
+class Optimizers:
+    """Optimizers stepped, zeroed and checkpointed together."""
+
+    def __init__(self, optims: list[torch.optim.Optimizer]):
+        self.optims = optims
+
+    def step(self) -> None:
+        for o in self.optims:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optims:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizers": [o.state_dict() for o in self.optims]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("optimizers")
+        if saved is None or len(saved) != len(self.optims):
+            raise EyasError(f"the checkpoint holds {'one optimizer' if saved is None else f'{len(saved)} optimizers'}, "
+                            f"this run builds {len(self.optims)}: resume with the same --optimizer")
+        for o, s in zip(self.optims, saved):
+            o.load_state_dict(s)
+
+
+class Schedules:
+    """One LambdaLR per optimizer, stepped and checkpointed together."""
+
+    def __init__(self, optims: Optimizers, fn: Callable[[int], float]):
+        self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, fn) for o in optims.optims]
+
+    def step(self) -> None:
+        for s in self.scheds:
+            s.step()
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheds[0].get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedulers": [s.state_dict() for s in self.scheds]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for s, st in zip(self.scheds, state["schedulers"]):
+            s.load_state_dict(st)
+
+
+def muon_split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """(Muon params, AdamW params) among the trainable ones, in ``model.parameters()`` order."""
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        matrix = p.ndim == 2 and not any(h in name for h in ADAMW_MATRICES)
+        (muon if matrix else adamw).append(p)
+    return muon, adamw
+
+
+def schedule(optim: "torch.optim.Optimizer | Optimizers", fn: Callable[[int], float]):
+    """The LR schedule ``fn`` (a multiplier per step) on ``optim``."""
+    if isinstance(optim, Optimizers):
+        return Schedules(optim, fn)
+    return torch.optim.lr_scheduler.LambdaLR(optim, fn)
+
+
+def build(model: nn.Module, kind: str, lr: float, betas: tuple[float, float], weight_decay: float,
+          fused: bool, sharded: bool) -> "torch.optim.Optimizer | Optimizers":
+    """The run's optimizers over ``model``'s trainable parameters (after any FSDP2/DDP wrap)."""
+    if kind not in OPTIMIZERS:
+        raise EyasError(f"--optimizer {kind!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if kind == "adamw":
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
+    if not hasattr(torch.optim, "Muon"):
+        raise EyasError(f"--optimizer muon needs torch >= 2.9 (torch.optim.Muon); this is torch {torch.__version__}")
+    if sharded:
+        raise EyasError("--optimizer muon is not supported with --parallel fsdp2 yet (Muon orthogonalises "
+                        "whole matrices, FSDP2 shards them); use --parallel ddp or --optimizer adamw")
+    muon, adamw = muon_split(model)
+    optims: list[torch.optim.Optimizer] = [torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay,
+                                                             adjust_lr_fn="match_rms_adamw")]
+    if adamw:
+        optims.append(torch.optim.AdamW(adamw, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused))
+    return Optimizers(optims)
