@@ -62,7 +62,7 @@ def self_distilled(target, n: int, new_tokens: int = 48, seed: int = 1):
 
 
 def train_draft(target, work: Path, steps: int = 150, n: int = 96, draft_vocab: int = 256,
-                seed: int = 0) -> Path:
+                seed: int = 0, **draft_overrides) -> Path:
     """Prepared self-distilled data -> `eyas train` online for ``steps`` -> RUN_DIR/draft."""
     from eyas.data.dataset import write_prepared
     from eyas.data.vocab import build_draft_vocab, count_trained_tokens
@@ -75,7 +75,7 @@ def train_draft(target, work: Path, steps: int = 150, n: int = 96, draft_vocab: 
     cfg = TrainConfig(target=str(target.path), data=str(data), out=str(work / "run"), online=True,
                       layers=AUX, ttt_steps=3, tokens_per_batch=512, max_steps=steps, warmup=10,
                       lr=3e-3, save_every=10_000, eval_every=0, eval_batches=1, heldout_fraction=0.05,
-                      progress=False, seed=seed, epochs=100)
+                      progress=False, seed=seed, epochs=100, draft_overrides=draft_overrides)
     return Path(train(cfg))
 
 

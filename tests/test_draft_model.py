@@ -23,17 +23,23 @@ def _vocab(vocab: int, draft_vocab: int, seed: int = 0):
     return ids - torch.arange(draft_vocab), t2d
 
 
-def _small_draft(seed: int = 0) -> Eagle3Draft:
+def _small_draft(seed: int = 0, fc_norm: bool = False) -> Eagle3Draft:
     torch.manual_seed(seed)
     cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       intermediate_size=64, vocab_size=50, draft_vocab_size=20,
-                      aux_layer_ids=[1, 2, 3], target_hidden_size=32)
-    return Eagle3Draft(cfg).double()
+                      aux_layer_ids=[1, 2, 3], target_hidden_size=32, fc_norm=fc_norm)
+    m = Eagle3Draft(cfg).double()
+    if fc_norm:  # non-trivial norm weights, so a path that skips them is caught
+        with torch.no_grad():
+            for n in m.fc_norm:
+                n.weight.uniform_(0.5, 1.5)
+    return m
 
 
-def test_ttt_unroll_matches_incremental_step_with_kv_cache():
+@pytest.mark.parametrize("fc_norm", [False, True])
+def test_ttt_unroll_matches_incremental_step_with_kv_cache(fc_norm):
     """TTT step j at position p equals inference: prefix with target features, then j own steps."""
-    m = _small_draft()
+    m = _small_draft(fc_norm=fc_norm)
     t, k = 14, 5
     x = torch.randint(0, 50, (1, t))
     aux = torch.randn(1, t, 96, dtype=torch.float64)
@@ -331,3 +337,17 @@ def test_compiled_soft_cross_entropy_matches_eager():
         assert torch.allclose(out, ref, atol=1e-5)
         (g,) = torch.autograd.grad(out.sum(), z)
         assert torch.allclose(g, torch.softmax(z.detach(), -1) - p, atol=1e-5)
+
+
+def test_fc_norm_normalises_each_aux_layer_before_fc():
+    """fc_norm: each aux layer's state is RMS-normed on its own, so rescaling one layer's input
+    (as the target's layers differ in scale) changes nothing; without it, it does."""
+    for fc_norm in (True, False):
+        m = _small_draft(fc_norm=fc_norm)
+        aux = torch.randn(1, 6, 96, dtype=torch.float64)
+        scaled = aux.clone()
+        scaled[..., 64:] *= 25.0  # the last aux layer, 25x larger
+        same = torch.allclose(m.combine(aux), m.combine(scaled), atol=1e-5)  # eps: ~1e-7 apart
+        assert same == fc_norm
+    ref = m.fc(aux)  # fc_norm False: plain fc
+    torch.testing.assert_close(m.combine(aux), ref)

@@ -25,7 +25,7 @@ def target(tmp_path_factory):
 
 
 def _draft(target, out: Path, layers=(1, 3, 4), draft_vocab: int = 200, seed: int = 0,
-           target_dir: Path | None = None) -> Path:
+           target_dir: Path | None = None, **overrides) -> Path:
     """A draft initialised from ``target_dir`` (default: the target) with a non-trivial d2t."""
     from eyas.draft.model import DraftConfig, Eagle3Draft
     from eyas.target import resolve_target
@@ -36,7 +36,7 @@ def _draft(target, out: Path, layers=(1, 3, 4), draft_vocab: int = 200, seed: in
     ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[ids] = True
-    cfg = DraftConfig.from_target(src.config(), list(layers), draft_vocab, src.identity)
+    cfg = DraftConfig.from_target(src.config(), list(layers), draft_vocab, src.identity, **overrides)
     draft = Eagle3Draft.from_target(cfg, src.path, ids - torch.arange(draft_vocab), t2d, seed=seed)
     return draft.save_pretrained(out)
 
@@ -63,6 +63,20 @@ def test_vllm_format(target, tmp_path):
     assert torch.equal(got["d2t"], src["d2t"]) and got["d2t"].dtype == torch.int64
     assert torch.equal(got["t2d"], src["t2d"]) and got["t2d"].dtype == torch.bool
     assert not any(k.startswith("midlayer.") for k in got)
+
+
+def test_vllm_format_with_fc_norm(target, tmp_path):
+    """A draft with per-aux-layer norms exports them under the names vLLM's EAGLE-3 head loads
+    (``fc_norm.{i}.weight`` -> ``model.fc_norm.{i}``) with the config switch; SGLang refuses it."""
+    ckpt = _draft(target, tmp_path / "ckpt", fc_norm=True)
+    out = export_checkpoint(ckpt, "vllm", tmp_path / "vllm", str(target.path))
+    assert json.loads((out / "config.json").read_text())["fc_norm"] is True
+    got = load_file(str(out / "model.safetensors"))
+    assert sorted(k for k in got if k.startswith("fc_norm.")) == [f"fc_norm.{i}.weight" for i in range(3)]
+    plain = export_checkpoint(_draft(target, tmp_path / "c2"), "vllm", tmp_path / "v2", str(target.path))
+    assert "fc_norm" not in json.loads((plain / "config.json").read_text())  # what vLLM 0.16 reads
+    with pytest.raises(EyasError, match="fc_norm"):
+        export_checkpoint(ckpt, "sglang", tmp_path / "sgl", str(target.path))
 
 
 def test_sglang_format_ids_in_both_conventions(target, tmp_path):

@@ -46,10 +46,27 @@ def _run_vllm(py: Path, target_dir: Path, draft: Path | None, prompts, log: Path
 
 
 def test_vllm_0_32_serves_the_export_greedy_exact_and_tau_agrees(setup, tmp_path):
-    py = vllm_python("0.32.0")
     target, draft_dir, exports, prompts = setup
+    _served_equals_builtin(vllm_python("0.32.0"), target, draft_dir, exports["vllm"], prompts, tmp_path)
+
+
+def test_vllm_0_32_serves_a_draft_with_fc_norm(setup, tmp_path):
+    """A draft trained with fc_norm=true (an RMSNorm per aux layer before fc): vLLM 0.32 loads the
+    norms (else its proposals, and tau, would differ from the built-in loop's)."""
+    target, _, _, prompts = setup
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        draft_dir = evalkit.train_draft(target, tmp_path / "work", steps=80, n=48, fc_norm=True)
+    finally:
+        torch.set_num_threads(n)
+    export = export_checkpoint(draft_dir, "vllm", tmp_path / "vllm", str(target.path), num_speculative_tokens=K)
+    _served_equals_builtin(vllm_python("0.32.0"), target, draft_dir, export, prompts, tmp_path)
+
+
+def _served_equals_builtin(py, target, draft_dir, export, prompts, tmp_path):
     plain = _run_vllm(py, target.path, None, prompts, tmp_path / "plain.log")
-    spec = _run_vllm(py, target.path, exports["vllm"], prompts, tmp_path / "spec.log")
+    spec = _run_vllm(py, target.path, export, prompts, tmp_path / "spec.log")
     # 1. greedy output with EAGLE-3 equals plain greedy decoding
     assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
     # 2. vLLM's own counters: drafts proposed and accepted, per position

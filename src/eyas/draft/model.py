@@ -50,6 +50,10 @@ class DraftConfig:
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
     norm_before_residual: bool = False
+    # RMSNorm on each aux layer's state before fc (vLLM's `fc_norm`): the target's layers differ in
+    # scale by an order of magnitude (SmolLM2: RMS ~3, ~6, ~23 at layers 2, 15, 27), which an
+    # un-normalised fc sees as one dominant input. Served by vLLM 0.32.0, not by 0.16.0.
+    fc_norm: bool = False
     target_num_layers: int = 0
     target_model_type: str = "llama"
     target_architectures: list[str] = field(default_factory=list)
@@ -254,6 +258,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
         self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, h, bias=False)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
@@ -270,6 +276,13 @@ class Eagle3Draft(nn.Module):
                 nn.init.ones_(m.weight)
         nn.init.normal_(self.embed_tokens.weight, std=std)
 
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """fc over the concatenated aux states [.., num_aux*H_t] (each normed first with fc_norm)."""
+        if self.config.fc_norm:
+            chunks = aux.chunk(self.config.num_aux, dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux)
+
     # ------------------------------------------------------------------ inference
 
     def features_to_hidden(self, features: torch.Tensor) -> torch.Tensor:
@@ -277,7 +290,7 @@ class Eagle3Draft(nn.Module):
         cfg = self.config
         width = cfg.num_aux * cfg.target_hidden_size
         if features.shape[-1] == width and width != cfg.hidden_size:
-            return self.fc(features)
+            return self.combine(features)
         if features.shape[-1] == cfg.hidden_size and width != cfg.hidden_size:
             return features
         if width == cfg.hidden_size:
@@ -300,7 +313,7 @@ class Eagle3Draft(nn.Module):
         if from_target is None:
             hidden = self.features_to_hidden(features)
         else:
-            hidden = self.fc(features) if from_target else features
+            hidden = self.combine(features) if from_target else features
         layer = self.midlayer
         x, residual = layer.pre(self.embed_tokens(input_ids).to(hidden.dtype), hidden)
         cos, sin = self.rotary(position_ids)
@@ -333,7 +346,7 @@ class Eagle3Draft(nn.Module):
             same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
             causal = torch.ones(same_doc.shape[-2:], dtype=torch.bool, device=aux.device).tril()
             mask0 = (same_doc & causal)[:, None]  # [B,1,T,T]
-        hidden = self.fc(aux)
+        hidden = self.combine(aux)
         # per TTT step: flex takes the kv heads as they are (GQA in the kernel), dense expanded ones
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []

@@ -53,4 +53,6 @@ def export_vllm(ckpt: DraftCheckpoint, target_config: dict[str, Any], out: Path,
         },
         "eyas": {"format": "vllm", "layer_id_convention": "vllm-input-of-layer", "target": cfg.target},
     }
+    if cfg.fc_norm:  # only then: vLLM 0.16 reads neither the key nor the fc_norm.* weights
+        config["fc_norm"] = True
     return write_model_dir(out, config, tensors, overwrite=overwrite)

@@ -10,7 +10,7 @@ from eyas.errors import EyasError
 
 
 def _overrides(text: str | None) -> dict:
-    """--draft-config 'intermediate_size=2048,num_attention_heads=8' -> dict of ints/floats."""
+    """--draft-config 'intermediate_size=2048,fc_norm=true' -> dict of ints/floats/bools."""
     out: dict = {}
     for part in (text or "").split(","):
         if not part.strip():
@@ -18,6 +18,9 @@ def _overrides(text: str | None) -> dict:
         if "=" not in part:
             raise EyasError(f"--draft-config {text!r}: expected key=value pairs separated by commas")
         k, v = (x.strip() for x in part.split("=", 1))
+        if v.lower() in ("true", "false"):
+            out[k] = v.lower() == "true"
+            continue
         try:
             out[k] = int(v)
         except ValueError:
