@@ -21,6 +21,11 @@ stays on the machine between the calls):
     evaluate  greedy, MT-bench, k=3 and k=5, with eyas's built-in speculative loop
               (evaluate_any.py), each evaluation split over --eval-shards processes
 
+On one GPU, or over several calls, `--train eyas|speculators` runs one trainer per main call (both
+on 1 GPU: one after the other, each alone on it); a later main call reuses the data and stores.
+`--ablations` names the ablations (and so the data sets prepared); `""` evaluates only the main
+drafts.
+
 --deadline-s makes late stages stop (evaluations keep the questions they finished, recorded in
 the report) instead of overrunning the device call.
 """
@@ -231,7 +236,7 @@ def _device(a) -> str:
 
 def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     trainers = [x for x in a.train.split(",") if x]
-    if "data" not in res:
+    if "stores" not in res:  # set once every store and the conversion are complete
         _data(r, a, work, res, save)
     else:
         log("data and stores: from the earlier main call")
