@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train", default="speculators,eyas",
                     help="main phase: the trainers this call runs (both: at once on 2 GPUs, one after the "
                          "other on 1); a later main call on the same machine reuses the data and stores")
+    ap.add_argument("--abl-args", action="append", default=[], metavar="NAME=ARGS",
+                    help="rest phase, repeatable: an extra ablation, the main eyas run with ARGS changed "
+                         "(e.g. 'no_fc_norm=--draft-config fc_norm=false'), on the regenerated data")
     ap.add_argument("--abl-steps", type=int, default=0, help="0: the main eyas run's steps.")
     ap.add_argument("--eval-max-per-category", type=int, default=10, help="10: all 80 MT-bench questions.")
     ap.add_argument("--abl-eval-max-per-category", type=int, default=10)
@@ -189,6 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(filter(None, a.ablations.split(","))) - set(ABLATIONS))
     if unknown:
         ap.error(f"--ablations: unknown {unknown}; choose from {', '.join(ABLATIONS)}")
+    for spec in a.abl_args:
+        name, eq, changes = spec.partition("=")
+        if not (name and eq and changes.strip()) or name in ABLATIONS:
+            ap.error(f"--abl-args {spec!r}: expected NAME=--flag value ..., NAME not one of {', '.join(ABLATIONS)}")
+        try:
+            _override([], changes)
+        except ValueError as e:
+            ap.error(str(e))
     if not set(filter(None, a.train.split(","))) <= {"eyas", "speculators"}:
         ap.error(f"--train {a.train!r}: a comma list of eyas, speculators")
     r = Runner(a)
@@ -398,6 +409,23 @@ def _with(args: list[str], flag: str, value: Any) -> list[str]:
     return args
 
 
+def _override(args: list[str], changes: str) -> list[str]:
+    """``args`` with each ``--flag value`` of ``changes`` replaced or added (a bare ``--flag`` added)."""
+    toks = changes.split()
+    i = 0
+    while i < len(toks):
+        flag = toks[i]
+        if not flag.startswith("--"):
+            raise ValueError(f"ablation args {changes!r}: expected --flag [value], got {flag!r}")
+        if i + 1 < len(toks) and not toks[i + 1].startswith("--"):
+            args = _with(args, flag, toks[i + 1])
+            i += 2
+        else:
+            args = args if flag in args else args + [flag]
+            i += 1
+    return args
+
+
 def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     em, sm = res.get("eyas_main") or {}, res.get("spec_main") or {}
     ev_base = [a.python, HERE / "evaluate_any.py", "--target", a.target, "--prompts", a.prompts,
@@ -418,7 +446,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     # ablation training first (it takes longest), then the main evaluations beside it
     abl: dict[str, dict] = {}
     procs: dict[str, subprocess.Popen] = {}
-    if em.get("max_steps") and a.ablations.strip():
+    if em.get("max_steps") and (a.ablations.strip() or a.abl_args):
         steps = a.abl_steps or em["max_steps"]
         base = list(em["args"])
         specs = {"ttt1": ("regenerated", _with(base, "--ttt-steps", 1)),
@@ -426,11 +454,14 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
                  "original_data": ("original", base),
                  "small_vocab": ("regenerated_small_vocab", base)}
         specs = {k: v for k, v in specs.items() if k in a.ablations.split(",")}
+        for spec in a.abl_args:  # NAME=ARGS: the main run's settings with ARGS changed
+            name, _, changes = spec.partition("=")
+            specs[name] = ("regenerated", _override(base, changes))
         for k in [k for k, (data, _) in specs.items() if data not in res["preps"]]:
             log(f"ablation {k}: its data set was not prepared in the main phase (its --ablations); skipped")
             del specs[k]
-        res["ablations"] = {"steps": steps, "reference": "eyas_main (TTT 7, regenerated, vocab "
-                            f"{a.vocab}, {em['max_steps']} steps)", "runs": abl}
+        res["ablations"] = {"steps": steps, "reference": f"eyas_main ({' '.join(base)}; regenerated data, "
+                            f"vocab {a.vocab}, {em['max_steps']} steps)", "runs": abl}
         for n, (name, (data, args)) in enumerate(specs.items()):
             procs[name] = r.start(f"abl_{name}", eyas_train(r, a, f"abl_{name}", Path(res["preps"][data]),
                                                             Path(res["stores"][data]), args, steps,
