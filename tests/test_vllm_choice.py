@@ -88,3 +88,27 @@ def test_doctor_points_at_vllm_envs(tmp_path, monkeypatch):
     assert tmp_path / ".venvs" / "vllm-0.14.0" in vllm_env_dirs()
     hooks = next(s for s in backend_statuses(None) if s.name == "vllm-hooks")
     assert hooks.usable and "--vllm-python" in hooks.reason
+
+
+def test_one_interpreter_search_for_every_stage(tmp_path, monkeypatch):
+    """extract/prepare (--vllm-python) and evaluate (--vllm) resolve a version, a venv dir or a
+    python path the same way, default to the same search, and name what was not found."""
+    from eyas.evaluate.vllm_metrics import find_vllm_python as for_evaluate
+    from eyas.extract.vllm_backend import find_vllm_python
+
+    venv = tmp_path / ".venvs" / "vllm-0.99.0"
+    py = venv / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("#!/bin/sh\n")
+    py.chmod(0o755)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EYAS_VLLM_PYTHON", raising=False)
+    for spec in ("0.99.0", str(venv), str(py)):
+        assert find_vllm_python(spec)[0] == str(py)
+        assert for_evaluate(spec) == py
+    with pytest.raises(EyasError, match="--vllm '0.98.0'.*setup_vllm_env.sh"):
+        for_evaluate("0.98.0")
+    with pytest.raises(EyasError, match="--vllm-python"):
+        find_vllm_python(str(tmp_path / "missing"))
+    monkeypatch.setenv("EYAS_VLLM_PYTHON", str(venv))
+    assert find_vllm_python(None) == (str(py), "$EYAS_VLLM_PYTHON") and for_evaluate(None) == py

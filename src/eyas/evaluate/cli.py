@@ -145,7 +145,8 @@ def register(app: typer.Typer) -> None:
         max_new_tokens: int = typer.Option(256, help="Tokens generated per turn at most."),
         dtype: str = typer.Option("float32", help="Target/draft dtype for both engines (float32, bfloat16)."),
         vllm: str = typer.Option(None, "--vllm", help="vLLM env: version (.venvs/vllm-VERSION), venv dir or "
-                                 "python path (default 0.32.0)."),
+                                 "python path (default: $EYAS_VLLM_PYTHON, this Python if it has vLLM, "
+                                 "else the newest .venvs/vllm-*)."),
         seed: int = typer.Option(0, help="Sampling seed."),
         no_plain: bool = typer.Option(False, "--no-plain", help="builtin: skip the plain-decoding baseline (no speedup)."),
     ) -> None:

@@ -18,19 +18,14 @@ from eyas.errors import EyasError
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
 PREFIX = "EYAS-JSON "
-REPO = Path(__file__).resolve().parents[3]
-DEFAULT_VLLM = "0.32.0"
 
 
 def find_vllm_python(spec: str | None = None) -> Path:
-    """``spec`` is a python executable, a venv dir, or a version (-> .venvs/vllm-VERSION)."""
-    spec = spec or DEFAULT_VLLM
-    cands = [Path(spec), Path(spec) / "bin" / "python", REPO / ".venvs" / f"vllm-{spec}" / "bin" / "python"]
-    for c in cands:
-        if c.is_file() and os.access(c, os.X_OK):
-            return c
-    raise EyasError(f"--vllm {spec!r}: no vLLM python found (looked at {', '.join(map(str, cands))}); "
-                    f"create the env with `scripts/setup_vllm_env.sh {spec}` or pass a python path")
+    """``--vllm``: a python, a venv dir or a version; unset, the same search as extraction's
+    (``$EYAS_VLLM_PYTHON``, this Python, the newest ``.venvs/vllm-*``)."""
+    from eyas.extract.vllm_backend import find_vllm_python as find
+
+    return Path(find(spec, flag="--vllm")[0])
 
 
 class VllmEngine:

@@ -70,16 +70,30 @@ def _env_pythons() -> list[Path]:
     return [d / "bin" / "python" for d in vllm_env_dirs()]
 
 
-def find_vllm_python(explicit: str | None = None) -> tuple[str, str]:
+def python_of(spec: str, flag: str = "--vllm-python") -> Path:
+    """``spec`` as an interpreter: a python executable, a venv dir, or a version (``.venvs/vllm-VERSION``)."""
+    from eyas.extract.backends import vllm_env_dirs
+
+    cands = [Path(spec), Path(spec) / "bin" / "python"]
+    cands += [d / "bin" / "python" for d in vllm_env_dirs() if d.name == f"vllm-{spec}"]
+    for c in cands:
+        if c.is_file() and os.access(c, os.X_OK):
+            return c
+    raise EyasError(f"{flag} {spec!r}: no python found (looked at {', '.join(map(str, cands))}); pass a "
+                    "python path or venv dir, or make .venvs/vllm-VERSION with scripts/setup_vllm_env.sh VERSION")
+
+
+def find_vllm_python(explicit: str | None = None, flag: str = "--vllm-python") -> tuple[str, str]:
     """The interpreter that runs the engine, and why it was picked.
 
-    Order: ``--vllm-python``; ``$EYAS_VLLM_PYTHON``; this Python if it has vLLM; else the
-    newest ``.venvs/vllm-*`` environment (made by scripts/setup_vllm_env.sh).
+    Order: ``explicit`` (``--vllm-python``: a python, a venv dir or a version, see :func:`python_of`);
+    ``$EYAS_VLLM_PYTHON``; this Python if it has vLLM; else the newest ``.venvs/vllm-*``
+    environment (made by scripts/setup_vllm_env.sh).
     """
     if explicit:
-        return str(explicit), "--vllm-python"
+        return str(python_of(str(explicit), flag)), flag
     if os.environ.get("EYAS_VLLM_PYTHON"):
-        return os.environ["EYAS_VLLM_PYTHON"], "$EYAS_VLLM_PYTHON"
+        return str(python_of(os.environ["EYAS_VLLM_PYTHON"], "$EYAS_VLLM_PYTHON")), "$EYAS_VLLM_PYTHON"
     from eyas.extract.backends import installed_vllm_version, parse_version
 
     if installed_vllm_version():
