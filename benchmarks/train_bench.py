@@ -29,6 +29,7 @@ import platform
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -235,8 +236,6 @@ def profile(cfg: TrainConfig, name: str, args) -> None:
     """
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from torch.profiler import ProfilerActivity, profile as torch_profile, schedule
-
-    from dataclasses import replace
 
     run = Path(cfg.out + "-profile")
     if run.exists():

@@ -27,13 +27,14 @@ class Engine(Protocol):
 def run_questions(engine: Engine, questions: list[Question], tokenizer, max_new_tokens: int,
                   stop_ids: set[int], records_path: Path, settings: dict[str, Any],
                   progress: bool = True, on_record: Callable[[dict], None] | None = None) -> list[dict]:
-    records = _load_records(records_path, settings)
+    records, torn = _load_records(records_path, settings)
     # A question counts as done with all its turns; a kill while its turns were being written can
-    # leave the first ones alone, and those are dropped here (and from the file) to be redone.
+    # leave the first ones alone (and a torn last line), which are dropped here to be redone. The
+    # file is rewritten without them, so what is appended next is not hidden behind a tear.
     n_turns = {q.question_id: len(q.turns) for q in questions}
     have = Counter(r["question_id"] for r in records)
     done_ids = {qid for qid, n in have.items() if n >= n_turns.get(qid, 0)}
-    if len(done_ids) < len(have):
+    if torn or len(done_ids) < len(have):
         records = [r for r in records if r["question_id"] in done_ids]
         _rewrite(records_path, settings, records)
     todo = [q for q in questions if q.question_id not in done_ids]
@@ -68,11 +69,12 @@ def run_questions(engine: Engine, questions: list[Question], tokenizer, max_new_
                   key=lambda r: (order[r["question_id"]], r["turn"]))
 
 
-def _load_records(path: Path, settings: dict[str, Any]) -> list[dict]:
+def _load_records(path: Path, settings: dict[str, Any]) -> tuple[list[dict], bool]:
+    """The whole records of ``path``, and whether a torn last line followed them."""
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         _rewrite(path, settings, [])
-        return []
+        return [], False
     lines = path.read_text().splitlines()
     header = json.loads(lines[0]) if lines else {}
     if header.get("settings") != settings:
@@ -85,11 +87,8 @@ def _load_records(path: Path, settings: dict[str, Any]) -> list[dict]:
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
-            # a torn last line from a kill: everything before it is whole; drop the tear so the
-            # records appended next are not hidden behind it on the following resume
-            _rewrite(path, settings, out)
-            break
-    return out
+            return out, True  # a torn last line from a kill: everything before it is whole
+    return out, False
 
 
 def _rewrite(path: Path, settings: dict[str, Any], records: list[dict]) -> None:

@@ -326,9 +326,10 @@ def train(cfg: TrainConfig) -> Path:
     head = TargetHead.from_target(target.path, d2t, float(text_cfg.get("rms_norm_eps", 1e-6))).to(device)
     # wrap first: FSDP2 turns the parameters into shards, and the optimizer must hold those
     net = parallel.wrap(model, cfg.parallel, dist.world, device)
+    sharded = parallel.is_fsdp(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = optim_mod.build(model, cfg.optimizer, cfg.lr, cfg.betas, cfg.weight_decay,
-                            fused=device.type == "cuda", sharded=parallel.is_fsdp(model))
+                            fused=device.type == "cuda", sharded=sharded)
     sched = optim_mod.schedule(optim, optim_mod.lr_lambda(cfg.warmup, total, cfg.min_lr_ratio))
     start = 0
     if resumed:
@@ -342,7 +343,6 @@ def train(cfg: TrainConfig) -> Path:
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-    sharded = parallel.is_fsdp(model)
     fwd = torch.compile(net) if cfg.compile else net
     # the loss's [tokens, draft_vocab] fp32 passes are most of a step's memory traffic; compiled, one
     # fused reduction (dynamic: each TTT step scores a different number of positions)
