@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eyas.draft.loss import TargetHead, ttt_loss
-from eyas.draft.model import DraftConfig, DraftKVCache, Eagle3Draft, shift_in_doc
+from eyas.draft.model import DraftConfig, DraftKVCache, Eagle3Draft, RMSNorm, shift_in_doc
 from eyas.errors import EyasError
 
 
@@ -23,23 +23,26 @@ def _vocab(vocab: int, draft_vocab: int, seed: int = 0):
     return ids - torch.arange(draft_vocab), t2d
 
 
-def _small_draft(seed: int = 0, fc_norm: bool = False) -> Eagle3Draft:
+def _small_draft(seed: int = 0, **options) -> Eagle3Draft:
     torch.manual_seed(seed)
     cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       intermediate_size=64, vocab_size=50, draft_vocab_size=20,
-                      aux_layer_ids=[1, 2, 3], target_hidden_size=32, fc_norm=fc_norm)
+                      aux_layer_ids=[1, 2, 3], target_hidden_size=32, **options)
     m = Eagle3Draft(cfg).double()
-    if fc_norm:  # non-trivial norm weights, so a path that skips them is caught
-        with torch.no_grad():
-            for n in m.fc_norm:
-                n.weight.uniform_(0.5, 1.5)
+    with torch.no_grad():  # non-trivial norm weights, so a path that skips one is caught
+        for mod in m.modules():
+            if isinstance(mod, RMSNorm):
+                mod.weight.uniform_(0.5, 1.5)
     return m
 
 
-@pytest.mark.parametrize("fc_norm", [False, True])
-def test_ttt_unroll_matches_incremental_step_with_kv_cache(fc_norm):
+DRAFT_OPTIONS = [{}, {"fc_norm": True}, {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}]
+
+
+@pytest.mark.parametrize("options", DRAFT_OPTIONS, ids=["plain", "fc_norm", "speculators_defaults"])
+def test_ttt_unroll_matches_incremental_step_with_kv_cache(options):
     """TTT step j at position p equals inference: prefix with target features, then j own steps."""
-    m = _small_draft(fc_norm=fc_norm)
+    m = _small_draft(**options)
     t, k = 14, 5
     x = torch.randint(0, 50, (1, t))
     aux = torch.randn(1, t, 96, dtype=torch.float64)

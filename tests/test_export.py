@@ -79,6 +79,21 @@ def test_vllm_format_with_fc_norm(target, tmp_path):
         export_checkpoint(ckpt, "sglang", tmp_path / "sgl", str(target.path))
 
 
+def test_vllm_format_with_speculators_head_options(target, tmp_path):
+    """norm_before_fc (one norm over the concatenated aux states: ``input_norm.weight``, which
+    vLLM loads as ``model.input_norm``) and norm_output are written as vLLM's config switches."""
+    ckpt = _draft(target, tmp_path / "ckpt", norm_before_fc=True, norm_output=True)
+    out = export_checkpoint(ckpt, "vllm", tmp_path / "vllm", str(target.path))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["norm_before_fc"] is True and cfg["norm_output"] is True and "fc_norm" not in cfg
+    got = load_file(str(out / "model.safetensors"))
+    assert got["input_norm.weight"].shape == (3 * 128,)
+    with pytest.raises(EyasError, match="norm_before_fc, norm_output"):
+        export_checkpoint(ckpt, "sglang", tmp_path / "sgl", str(target.path))
+    with pytest.raises(EyasError, match="exclude each other"):
+        _draft(target, tmp_path / "both", norm_before_fc=True, fc_norm=True)
+
+
 def test_sglang_format_ids_in_both_conventions(target, tmp_path):
     ckpt = _draft(target, tmp_path / "ckpt")
     out = export_checkpoint(ckpt, "sglang", tmp_path / "sgl", str(target.path), dtype="bfloat16")

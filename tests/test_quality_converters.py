@@ -147,7 +147,7 @@ d2t = torch.from_numpy(np.load(Path(inputs).parent / "d2t.npy"))
 t2d = torch.from_numpy(np.load(Path(inputs).parent / "t2d.npy"))
 cfg = Eagle3SpeculatorConfig(
     transformer_layer_config=tl, draft_vocab_size=int(d2t.numel()),
-    norm_before_residual=flags["nbr"], norm_before_fc=flags["nbf"], fc_norm=False,
+    norm_before_residual=flags["nbr"], norm_before_fc=flags["nbf"], fc_norm=flags.get("fcn", False),
     norm_output=flags["nout"], embed_requires_grad=False, eagle_aux_hidden_state_layer_ids=[1, 3, 4],
     speculators_config=SpeculatorsConfig(algorithm="eagle3",
         proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
@@ -176,7 +176,8 @@ print("OK")
 @needs_spec
 @pytest.mark.parametrize("flags", [
     {"nbr": True, "nbf": True, "nout": True},     # speculators 0.9.0's EAGLE-3 defaults
-    {"nbr": False, "nbf": False, "nout": False},  # the classic head: a plain eyas checkpoint
+    {"nbr": False, "nbf": False, "nout": False},  # the classic head
+    {"nbr": True, "nbf": False, "nout": False, "fcn": True},  # a norm per aux layer
 ])
 def test_speculators_checkpoint_runs_in_eyas_step_loop(tiny_store, tiny_llama_dir, flags):
     """Logits of every TTT step of speculators' own forward = the converted draft driven through
@@ -185,10 +186,9 @@ def test_speculators_checkpoint_runs_in_eyas_step_loop(tiny_store, tiny_llama_di
 
     import from_speculators
     from eyas.draft.model import DraftKVCache, Eagle3Draft
-    from eyas.errors import EyasError
 
     tmp, prep, store = tiny_store
-    case = tmp / ("ref_" + "".join("1" if flags[k] else "0" for k in ("nbr", "nbf", "nout")))
+    case = tmp / ("ref_" + "".join("1" if flags.get(k) else "0" for k in ("nbr", "nbf", "nout", "fcn")))
     case.mkdir()
     from eyas.data.dataset import open_prepared
     from eyas.extract.store import open_store
@@ -205,16 +205,11 @@ def test_speculators_checkpoint_runs_in_eyas_step_loop(tiny_store, tiny_llama_di
               str(case / "inputs.safetensors"), json.dumps(flags))
     ref = load_file(str(case / "spec_ckpt" / "ref_logits.safetensors"))
 
-    summary = from_speculators.convert(case / "spec_ckpt", tiny_llama_dir, case / "eyas_draft")
-    plain = not flags["nbf"] and not flags["nout"]
-    assert summary["plain_eyas_checkpoint"] == plain
-    if plain:
-        draft = Eagle3Draft.from_pretrained(case / "eyas_draft")  # eyas's own loader
-    else:
-        with pytest.raises(EyasError):  # eyas's loader must not silently drop the extra norms
-            Eagle3Draft.from_pretrained(case / "eyas_draft")
-        draft = from_speculators.load_draft(case / "eyas_draft")
-    assert draft.config.norm_before_residual == flags["nbr"]
+    from_speculators.convert(case / "spec_ckpt", tiny_llama_dir, case / "eyas_draft")
+    draft = Eagle3Draft.from_pretrained(case / "eyas_draft")  # eyas's own head and loader
+    cfg = draft.config
+    assert (cfg.norm_before_residual, cfg.norm_before_fc, cfg.norm_output, cfg.fc_norm) == \
+        (flags["nbr"], flags["nbf"], flags["nout"], flags.get("fcn", False))
     draft.eval()
     with torch.no_grad():
         cache = DraftKVCache()
@@ -230,4 +225,10 @@ def test_speculators_checkpoint_runs_in_eyas_step_loop(tiny_store, tiny_llama_di
                                    from_target=False)
                 torch.testing.assert_close(lj[0, 0], ref[f"step{j}"][i], rtol=1e-4, atol=1e-4)
                 checked += 1
+        # eyas's own training unroll (what `eyas train` optimises) agrees with speculators' too
+        unroll = draft(s.aux.reshape(t + 1, -1).float()[None], s.input_ids.long()[None],
+                       torch.arange(t + 1)[None], torch.zeros(1, t + 1, dtype=torch.long), 3,
+                       attention="dense")
+        for j in range(3):
+            torch.testing.assert_close(unroll[j][0, :t - 2], ref[f"step{j}"][:t - 2], rtol=1e-4, atol=1e-4)
     assert checked == 2 * (t - 2)

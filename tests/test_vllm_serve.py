@@ -50,18 +50,39 @@ def test_vllm_0_32_serves_the_export_greedy_exact_and_tau_agrees(setup, tmp_path
     _served_equals_builtin(vllm_python("0.32.0"), target, draft_dir, exports["vllm"], prompts, tmp_path)
 
 
-def test_vllm_0_32_serves_a_draft_with_fc_norm(setup, tmp_path):
-    """A draft trained with fc_norm=true (an RMSNorm per aux layer before fc): vLLM 0.32 loads the
-    norms (else its proposals, and tau, would differ from the built-in loop's)."""
+HEAD_OPTIONS = {"fc_norm": {"fc_norm": True},
+                "speculators_defaults": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}}
+
+
+@pytest.mark.parametrize("name", list(HEAD_OPTIONS))
+def test_vllm_0_32_serves_a_draft_with_head_options(setup, tmp_path, name):
+    """A draft trained with fc_norm (an RMSNorm per aux layer before fc), or with speculators'
+    defaults (one norm before fc, the normed hidden fed to the next step): vLLM 0.32 reads them
+    (else its proposals, and tau, would differ from the built-in loop's)."""
     target, _, _, prompts = setup
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        draft_dir = evalkit.train_draft(target, tmp_path / "work", steps=80, n=48, fc_norm=True)
+        draft_dir = evalkit.train_draft(target, tmp_path / "work", steps=80, n=48, **HEAD_OPTIONS[name])
     finally:
         torch.set_num_threads(n)
     export = export_checkpoint(draft_dir, "vllm", tmp_path / "vllm", str(target.path), num_speculative_tokens=K)
     _served_equals_builtin(vllm_python("0.32.0"), target, draft_dir, export, prompts, tmp_path)
+
+
+def test_vllm_0_16_refuses_head_options_it_would_ignore(setup, tmp_path):
+    """vLLM 0.16's EAGLE-3 head reads neither norm_before_fc nor norm_output: serving such an
+    export there would run another draft, so the engine refuses it before loading anything."""
+    from eyas.draft.model import DraftConfig, Eagle3Draft
+    from eyas.errors import EyasError
+
+    target, draft_dir, _, _ = setup
+    plain = Eagle3Draft.from_pretrained(draft_dir)
+    cfg = DraftConfig.from_dict({**plain.config.to_dict(), "norm_before_fc": True, "norm_output": True})
+    Eagle3Draft(cfg).save_pretrained(tmp_path / "draft")
+    export = export_checkpoint(tmp_path / "draft", "vllm", tmp_path / "vllm", str(target.path))
+    with pytest.raises(EyasError, match=r"norm_before_fc, norm_output.*vLLM 0\.16\.0"):
+        VllmEngine(vllm_python("0.16.0"), target.path, export, k=K, dtype="float32")
 
 
 def _served_equals_builtin(py, target, draft_dir, export, prompts, tmp_path):

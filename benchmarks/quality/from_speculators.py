@@ -5,21 +5,9 @@ speculators saves ``DIR/config.json`` (``Eagle3SpeculatorConfig``: ``transformer
 draft (interface C) names it ``midlayer.*``; the rest (``fc``, ``norm``, ``lm_head``, ``d2t``,
 ``t2d``, ``embed_tokens``) keeps its name.
 
-0.9.0's EAGLE-3 defaults add two things eyas's head does not have:
-
-* ``norm_before_fc``: an RMSNorm over the concatenated aux states before ``fc``
-  (``input_norm.weight`` [num_aux*H]); RMS over the concatenation is not linear, so it cannot
-  be folded into ``fc``;
-* ``norm_output``: the hidden state handed to the next speculative step is ``norm(h)``, not
-  ``h`` (the logits are ``lm_head(norm(h))`` either way).
-
-``norm_before_residual`` (also on by default) is a DraftConfig field eyas already supports.
-With neither extra flag the output is a plain eyas checkpoint (``eyas evaluate`` and
-``Eagle3Draft.from_pretrained`` load it). With either flag it is written with config kind
-``eyas-eagle3-draft+speculators`` so eyas's own loader refuses it instead of silently dropping
-the norms; :func:`load_draft` loads it as :class:`SpeculatorsEagle3Draft`, whose ``step`` is
-eyas's plus those two norms, and eyas's evaluation loop (``eyas.evaluate.speculative``) drives
-it like any eyas draft.
+0.9.0's EAGLE-3 defaults (``norm_before_fc``, ``norm_output``, ``norm_before_residual``) and its ``fc_norm`` are
+DraftConfig options of eyas's own head, so the result is a plain eyas checkpoint: ``eyas
+evaluate``, ``eyas export`` and ``Eagle3Draft.from_pretrained`` take it as it is.
 
 Usage: python from_speculators.py --ckpt SPEC_DIR --target TARGET_HF_DIR --out DRAFT_DIR
 """
@@ -37,38 +25,8 @@ from typing import Any
 
 import torch
 
-from eyas.draft.model import CONFIG_KIND, DraftConfig, Eagle3Draft, RMSNorm
+from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
-
-KIND = CONFIG_KIND + "+speculators"
-
-
-class SpeculatorsEagle3Draft(Eagle3Draft):
-    """eyas's EAGLE-3 head plus speculators' optional ``input_norm`` and ``norm_output``."""
-
-    def __init__(self, cfg: DraftConfig, norm_before_fc: bool, norm_output: bool):
-        super().__init__(cfg)
-        self.norm_before_fc = norm_before_fc
-        self.norm_output = norm_output
-        self.input_norm = RMSNorm(cfg.num_aux * cfg.target_hidden_size, cfg.rms_norm_eps) \
-            if norm_before_fc else None
-
-    def step(self, features, input_ids, position_ids, cache, from_target=None):
-        cfg = self.config
-        width = cfg.num_aux * cfg.target_hidden_size
-        if from_target is None:
-            if width == cfg.hidden_size:
-                raise EyasError("ambiguous features: pass from_target=True/False")
-            from_target = features.shape[-1] == width
-        if from_target and self.input_norm is not None:
-            features = self.input_norm(features)
-        logits, hidden = super().step(features, input_ids, position_ids, cache, from_target=from_target)
-        if self.norm_output:
-            hidden = self.norm(hidden)  # speculators feeds the normed state to the next step
-        return logits, hidden
-
-    def forward(self, *args, **kwargs):
-        raise EyasError("SpeculatorsEagle3Draft is for evaluation only (step); train with speculators")
 
 
 def draft_config_from_speculators(spec_cfg: dict[str, Any], target_dir: Path) -> DraftConfig:
@@ -79,8 +37,6 @@ def draft_config_from_speculators(spec_cfg: dict[str, Any], target_dir: Path) ->
         raise EyasError(f"speculators draft layer type {tl.get('model_type')!r}: only llama converts")
     if int(tl.get("num_hidden_layers", 1)) != 1:
         raise EyasError(f"speculators draft has {tl.get('num_hidden_layers')} layers; eyas's head has one")
-    if spec_cfg.get("fc_norm"):
-        raise EyasError("speculators draft uses fc_norm (per-layer norms before fc): not supported here")
     aux = spec_cfg.get("eagle_aux_hidden_state_layer_ids")
     if not aux:
         raise EyasError("speculators config has no eagle_aux_hidden_state_layer_ids; pass a trained "
@@ -108,6 +64,9 @@ def draft_config_from_speculators(spec_cfg: dict[str, Any], target_dir: Path) ->
         max_position_embeddings=int(tl.get("max_position_embeddings", 4096)),
         hidden_act=tl.get("hidden_act", "silu"),
         norm_before_residual=bool(spec_cfg.get("norm_before_residual", False)),
+        norm_before_fc=bool(spec_cfg.get("norm_before_fc", False)),
+        fc_norm=bool(spec_cfg.get("fc_norm", False)),
+        norm_output=bool(spec_cfg.get("norm_output", False)),
         target_num_layers=int(ttc.get("num_hidden_layers", 0)),
         target_model_type=ttc.get("model_type", "llama"),
         target_architectures=list(target_cfg.get("architectures") or []), target=identity,
@@ -143,9 +102,8 @@ def convert(ckpt: str | os.PathLike, target: str | os.PathLike, out: str | os.Pa
         raise EyasError(f"{ckpt}: speculators_model_type {spec_cfg.get('speculators_model_type')!r}, "
                         "expected 'eagle3'")
     cfg = draft_config_from_speculators(spec_cfg, target)
-    nbf, nout = bool(spec_cfg.get("norm_before_fc")), bool(spec_cfg.get("norm_output"))
     state = rename(load_file(str(ckpt / "model.safetensors")))
-    model = SpeculatorsEagle3Draft(cfg, nbf, nout)
+    model = Eagle3Draft(cfg)
     if "embed_tokens.weight" not in state:  # frozen: the target's own
         from eyas.draft.target_weights import read_target_head
 
@@ -155,15 +113,11 @@ def convert(ckpt: str | os.PathLike, target: str | os.PathLike, out: str | os.Pa
     if missing or unexpected:
         raise EyasError(f"speculators checkpoint {ckpt}: tensors missing {missing}, unexpected "
                         f"{unexpected} after renaming")
-    plain = not nbf and not nout
-    cfg_dict = cfg.to_dict()
-    summary = {"source": str(ckpt.resolve()), "norm_before_fc": nbf, "norm_output": nout,
-               "norm_before_residual": cfg.norm_before_residual, "plain_eyas_checkpoint": plain,
+    summary = {"source": str(ckpt.resolve()), "norm_before_fc": cfg.norm_before_fc, "fc_norm": cfg.fc_norm,
+               "norm_output": cfg.norm_output, "norm_before_residual": cfg.norm_before_residual,
                "speculators_version": spec_cfg.get("speculators_version"),
                "sliding_window": spec_cfg["transformer_layer_config"].get("sliding_window")}
-    if not plain:
-        cfg_dict["kind"] = KIND
-        cfg_dict["speculators"] = summary
+    cfg_dict = cfg.to_dict()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
@@ -181,23 +135,8 @@ def convert(ckpt: str | os.PathLike, target: str | os.PathLike, out: str | os.Pa
 
 def load_draft(directory: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None) -> Eagle3Draft:
-    """Load what :func:`convert` wrote (or any eyas draft checkpoint)."""
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    data = json.loads((directory / "config.json").read_text())
-    if data.get("kind") != KIND:
-        return Eagle3Draft.from_pretrained(directory, device=device, dtype=dtype)
-    extra = data.pop("speculators")
-    data["kind"] = CONFIG_KIND
-    cfg = DraftConfig.from_dict(data)
-    model = SpeculatorsEagle3Draft(cfg, extra["norm_before_fc"], extra["norm_output"])
-    missing, unexpected = model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=False)
-    if missing or unexpected:
-        raise EyasError(f"{directory}: tensors missing {missing}, unexpected {unexpected}")
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.to(device)
+    """Load what :func:`convert` wrote (any eyas draft checkpoint)."""
+    return Eagle3Draft.from_pretrained(directory, device=device, dtype=dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,11 +54,27 @@ class DraftConfig:
     # scale by an order of magnitude (SmolLM2: RMS ~3, ~6, ~23 at layers 2, 15, 27), which an
     # un-normalised fc sees as one dominant input. Served by vLLM 0.32.0, not by 0.16.0.
     fc_norm: bool = False
+    # One RMSNorm over the whole concatenation instead (vLLM's and speculators' `norm_before_fc`,
+    # speculators 0.9.0's EAGLE-3 default); exclusive with fc_norm. Served by vLLM 0.32.0.
+    norm_before_fc: bool = False
+    # Feed the *normed* output hidden to the next draft step (vLLM's `norm_output`, "EAGLE 3.1",
+    # speculators 0.9.0's default): keeps its scale from drifting across steps. vLLM 0.32.0.
+    norm_output: bool = False
     target_num_layers: int = 0
     target_model_type: str = "llama"
     target_architectures: list[str] = field(default_factory=list)
     target: dict[str, str] = field(default_factory=dict)  # target identity
     kind: str = CONFIG_KIND
+
+    def __post_init__(self) -> None:
+        if self.fc_norm and self.norm_before_fc:
+            raise EyasError("draft config: fc_norm (a norm per aux layer) and norm_before_fc (one norm "
+                            "over their concatenation) exclude each other; set one of them")
+
+    @property
+    def serving_options(self) -> list[str]:
+        """The options set that older servers ignore (vLLM 0.16 reads none of them)."""
+        return [k for k in ("fc_norm", "norm_before_fc", "norm_output") if getattr(self, k)]
 
     @classmethod
     def from_target(cls, target_config: dict[str, Any], aux_layer_ids: list[int], draft_vocab_size: int,
@@ -218,7 +234,7 @@ class MidLayer(nn.Module):
         return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
 
     def post(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Residual + MLP; returns the pre-norm output hidden (what the next step feeds on)."""
+        """Residual + MLP; returns the layer's (pre-norm) output."""
         residual = attn_out + residual
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
@@ -260,6 +276,8 @@ class Eagle3Draft(nn.Module):
         self.fc = nn.Linear(cfg.num_aux * cfg.target_hidden_size, h, bias=False)
         if cfg.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux))
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(cfg.num_aux * cfg.target_hidden_size, cfg.rms_norm_eps)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
@@ -277,7 +295,10 @@ class Eagle3Draft(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=std)
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
-        """fc over the concatenated aux states [.., num_aux*H_t] (each normed first with fc_norm)."""
+        """fc over the concatenated aux states [.., num_aux*H_t] (normed first with fc_norm or
+        norm_before_fc)."""
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
         if self.config.fc_norm:
             chunks = aux.chunk(self.config.num_aux, dim=-1)
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
@@ -299,16 +320,18 @@ class Eagle3Draft(nn.Module):
         raise EyasError(f"features have width {features.shape[-1]}, expected {width} (target aux "
                         f"states) or {cfg.hidden_size} (draft hidden)")
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits from the pre-norm hidden."""
-        return self.lm_head(self.norm(hidden))
+    def head(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft-vocab logits, the hidden the next step feeds on) from the layer's output: the
+        pre-norm output, or with ``norm_output`` the normed one."""
+        normed = self.norm(out)
+        return self.lm_head(normed), (normed if self.config.norm_output else out)
 
     def step(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
              cache: DraftKVCache, from_target: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One incremental draft forward over T new tokens, appending their keys to ``cache``.
 
         Each new token attends to every earlier cache entry and to the new ones up to itself.
-        Returns (draft_logits [B,T,draft_vocab], hidden [B,T,H] pre-norm).
+        Returns (draft_logits [B,T,draft_vocab], hidden [B,T,H] for the next step).
         """
         if from_target is None:
             hidden = self.features_to_hidden(features)
@@ -324,8 +347,7 @@ class Eagle3Draft(nn.Module):
         mask = torch.arange(total, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
         attn = layer.self_attn
         o = F.scaled_dot_product_attention(q, attn.expand_kv(k_all), attn.expand_kv(v_all), attn_mask=mask)
-        out = layer.post(attn.out(o), residual)
-        return self.logits(out), out
+        return self.head(layer.post(attn.out(o), residual))
 
     # ------------------------------------------------------------------ training (TTT)
 
@@ -363,8 +385,8 @@ class Eagle3Draft(nn.Module):
                 o = flex.ttt_attention(q, keys, values, mask, ttt_steps, scale)
             else:
                 o = _dense_ttt_attention(q, keys, values, mask0, scale)
-            hidden = layer.post(attn.out(o), residual)
-            out_logits.append(self.logits(hidden))
+            logits, hidden = self.head(layer.post(attn.out(o), residual))
+            out_logits.append(logits)
         return out_logits
 
     # ------------------------------------------------------------------ persistence

@@ -46,6 +46,9 @@ class VllmEngine:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
         self.info = self._read()
+        if "error" in self.info:
+            self.close()
+            raise EyasError(self.info["error"])
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None

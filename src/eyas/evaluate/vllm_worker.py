@@ -48,10 +48,37 @@ def delta(after, before):
     return out
 
 
+HEAD_OPTIONS = ("fc_norm", "norm_before_fc", "norm_output")
+
+
+def ignored_head_options(draft_dir):
+    """Draft head options set in the export that this vLLM's EAGLE-3 head never reads (0.16 reads
+    none): serving would silently run a different draft. Detected in vLLM's source, not by version."""
+    import importlib.util
+    import os
+
+    with open(os.path.join(draft_dir, "config.json")) as f:
+        cfg = json.load(f)
+    used = [k for k in HEAD_OPTIONS if cfg.get(k)]
+    if not used:
+        return []
+    with open(importlib.util.find_spec("vllm.model_executor.models.llama_eagle3").origin) as f:
+        src = f.read()
+    return [k for k in used if k not in src]
+
+
 def main():
     opts = json.loads(sys.argv[1])
     import vllm
     from vllm import LLM, SamplingParams
+
+    if opts.get("draft"):
+        ignored = ignored_head_options(opts["draft"])
+        if ignored:
+            reply({"error": f"draft {opts['draft']} uses {', '.join(ignored)}, which vLLM {vllm.__version__}'s "
+                            "EAGLE-3 head does not read (it would serve a different draft); use a newer "
+                            "vLLM (0.32.0 reads them) or train the draft without them"})
+            return
 
     # Prompts arrive as token ids and outputs leave as ids: no tokenizer needed, so a tokenizer
     # saved by a newer transformers cannot break an older vLLM.

@@ -65,10 +65,10 @@ def export_sglang(ckpt: DraftCheckpoint, target_config: dict[str, Any], out: Pat
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
     cfg = ckpt.config
-    if cfg.fc_norm:
-        raise EyasError(f"draft {ckpt.path}: trained with fc_norm (an RMSNorm per aux layer before fc), "
-                        "which SGLang's EAGLE-3 head does not have; export with --format vllm (vLLM >= 0.32 "
-                        "serves it) or train without --draft-config fc_norm=true")
+    if cfg.serving_options:
+        opts = ", ".join(cfg.serving_options)
+        raise EyasError(f"draft {ckpt.path}: trained with {opts}, which SGLang's EAGLE-3 head does not "
+                        f"have; export with --format vllm (vLLM 0.32 serves it) or train without {opts}")
     config = llama_layer_config(ckpt, target_config, dtype_name(tensors))
     config.update({
         "architectures": ["LlamaForCausalLMEagle3"],

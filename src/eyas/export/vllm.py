@@ -4,7 +4,9 @@ vLLM's speculators support reads ``speculators_model_type``, ``transformer_layer
 ``draft_vocab_size``, ``target_hidden_size``, ``norm_before_residual`` (defaulting to True when
 absent, so it is always written), ``eagle_aux_hidden_state_layer_ids`` (explicit: tiny targets
 would get duplicate defaults) and ``speculators_config.verifier`` (the target to load).
-Weights use the speculators layout (``layers.0.*``).
+Weights use the speculators layout (``layers.0.*``). The head options ``fc_norm``,
+``norm_before_fc`` and ``norm_output`` are written only when set (vLLM 0.32 reads them; 0.16 does
+not, and ``eyas evaluate --engine vllm`` refuses such a draft on a vLLM that would ignore them).
 """
 
 from __future__ import annotations
@@ -53,6 +55,6 @@ def export_vllm(ckpt: DraftCheckpoint, target_config: dict[str, Any], out: Path,
         },
         "eyas": {"format": "vllm", "layer_id_convention": "vllm-input-of-layer", "target": cfg.target},
     }
-    if cfg.fc_norm:  # only then: vLLM 0.16 reads neither the key nor the fc_norm.* weights
-        config["fc_norm"] = True
+    for option in cfg.serving_options:  # only when set: vLLM 0.16 reads none of these keys or weights
+        config[option] = True
     return write_model_dir(out, config, tensors, overwrite=overwrite)
