@@ -48,7 +48,7 @@ def test_vllm_format(target, tmp_path):
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert cfg["draft_vocab_size"] == 200 and cfg["target_hidden_size"] == 128
-    assert cfg["norm_before_residual"] is False  # vLLM defaults to True when absent
+    assert cfg["norm_before_residual"] is True  # eyas's default for new drafts
     layer = cfg["transformer_layer_config"]
     assert layer["num_hidden_layers"] == 1 and layer["vocab_size"] == target.config()["vocab_size"]
     assert layer["head_dim"] == 32 and layer["hidden_size"] == 128
@@ -73,8 +73,11 @@ def test_vllm_format_with_fc_norm(target, tmp_path):
     assert json.loads((out / "config.json").read_text())["fc_norm"] is True
     got = load_file(str(out / "model.safetensors"))
     assert sorted(k for k in got if k.startswith("fc_norm.")) == [f"fc_norm.{i}.weight" for i in range(3)]
-    plain = export_checkpoint(_draft(target, tmp_path / "c2"), "vllm", tmp_path / "v2", str(target.path))
-    assert "fc_norm" not in json.loads((plain / "config.json").read_text())  # what vLLM 0.16 reads
+    plain = export_checkpoint(_draft(target, tmp_path / "c2", norm_before_residual=False), "vllm",
+                              tmp_path / "v2", str(target.path))
+    plain_cfg = json.loads((plain / "config.json").read_text())
+    assert "fc_norm" not in plain_cfg  # what vLLM 0.16 reads
+    assert plain_cfg["norm_before_residual"] is False  # explicit: vLLM takes True when it is absent
     with pytest.raises(EyasError, match="fc_norm"):
         export_checkpoint(ckpt, "sglang", tmp_path / "sgl", str(target.path))
 

@@ -142,7 +142,7 @@ def test_vllm_0_16_reads_the_format(setup, fmt):
     got = json.loads(lines[-1][len("EYAS-JSON "):])
     assert got["method"] == "eagle3" and got["k"] == K
     assert got["aux"] == evalkit.AUX and got["target_hidden_size"] == 128
-    assert got["draft_vocab_size"] == 256 and got["norm_before_residual"] is False
+    assert got["draft_vocab_size"] == 256 and got["norm_before_residual"] is True  # eyas's default
 
 
 def test_evaluate_both_engines_report_and_agree(setup, tmp_path):

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-samples", type=int, default=None, help="As given to that prepare.")
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args(argv)
-    regen = [json.loads(x) for x in a.regenerated.read_text().splitlines() if x.strip()]
+    regen = [json.loads(x) for x in a.regenerated.read_text().split("\n") if x.strip()]
     want = {r["id"]: len(r["messages"]) for r in regen}
     found: dict[str, list] = {}
     _info, records = open_source(a.data)

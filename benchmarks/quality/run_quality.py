@@ -111,7 +111,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     p = run_dir / "metrics.jsonl"
     if not p.is_file():
         return []
-    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+    return [json.loads(x) for x in p.read_text().split("\n") if x.strip()]
 
 
 def eyas_step_time(run_dir: Path) -> float | None:
@@ -355,17 +355,24 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
     pp = r.start("eyas_probe", eyas_train(r, a, "eyas_probe", preps["regenerated"], stores["regenerated"],
                                           eyas_args, a.eyas_probe_steps, 0), env=_gpu_env(r, 0))
     r.wait(pp, check=False)
-    if pp.returncode != 0 and "--attention" not in eyas_args:
-        # the default on CUDA is compiled flex attention; the dense path is the measured fallback
-        log("eyas probe failed: retrying with --attention dense")
-        res["eyas_fallback"] = "flex attention failed in the probe; dense used"
-        eyas_args += ["--attention", "dense"]
+    # fallbacks, measured ones, in order: eager instead of --compile, then dense instead of flex
+    fallbacks = [(f, why) for f, why in (("--compile", "--compile failed in the probe; eager used"),
+                                         ("--attention", "flex attention failed in the probe; dense used"))
+                 if (f in eyas_args) == (f == "--compile")]
+    while pp.returncode != 0 and fallbacks:
+        flag, why = fallbacks.pop(0)
+        eyas_args = [x for x in eyas_args if x != "--compile"] if flag == "--compile" \
+            else eyas_args + ["--attention", "dense"]
+        log(f"eyas probe failed: {why}")
+        res.setdefault("eyas_fallback", []).append(why)
         shutil.rmtree(work / "eyas_probe", ignore_errors=True)
         t = time.time()
-        r.run("eyas_probe_dense", eyas_train(r, a, "eyas_probe", preps["regenerated"], stores["regenerated"],
-                                             eyas_args, a.eyas_probe_steps, 0), env=_gpu_env(r, 0))
-    elif pp.returncode != 0:
-        raise RuntimeError("eyas probe failed; see logs/eyas_probe.log")
+        pp = r.start(f"eyas_probe_{flag.strip('-')}", eyas_train(r, a, "eyas_probe", preps["regenerated"],
+                                                                 stores["regenerated"], eyas_args,
+                                                                 a.eyas_probe_steps, 0), env=_gpu_env(r, 0))
+        r.wait(pp, check=False)
+    if pp.returncode != 0:
+        raise RuntimeError("eyas probe failed; see logs/eyas_probe*.log")
     probe_wall = time.time() - t
     step_s = eyas_step_time(work / "eyas_probe")
     if not step_s:

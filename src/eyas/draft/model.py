@@ -49,6 +49,9 @@ class DraftConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
+    # The residual around attention starts from the *normed* fused hidden (vLLM's and speculators'
+    # default; EAGLE-3's original head used the raw one). New drafts set it (from_target); False
+    # here only reads old checkpoints right. The raw fc output carries the target's outliers.
     norm_before_residual: bool = False
     # RMSNorm on each aux layer's state before fc (vLLM's `fc_norm`): the target's layers differ in
     # scale by an order of magnitude (SmolLM2: RMS ~3, ~6, ~23 at layers 2, 15, 27), which an
@@ -97,6 +100,7 @@ class DraftConfig:
             aux_layer_ids=list(aux_layer_ids), target_hidden_size=h,
             rms_norm_eps=tc.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
             max_position_embeddings=tc.get("max_position_embeddings", 4096),
+            norm_before_residual=True,
             target_num_layers=tc.get("num_hidden_layers", 0),
             target_model_type=tc.get("model_type", "llama"),
             target_architectures=list(target_config.get("architectures") or []),

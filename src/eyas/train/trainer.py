@@ -167,7 +167,7 @@ class Logger:
         if not enabled:
             return
         if self.path.exists():  # drop lines past the checkpoint we resume from (they are redone)
-            keep = [ln for ln in self.path.read_text().splitlines()
+            keep = [ln for ln in self.path.read_text().split("\n")
                     if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(k + "\n" for k in keep))
@@ -207,7 +207,7 @@ def plot_losses(run_dir: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().split("\n") if ln.strip()]
     train = [r for r in recs if r["split"] == "train"]
     held = [r for r in recs if r["split"] == "heldout"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
