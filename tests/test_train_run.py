@@ -321,3 +321,25 @@ def test_muon_optimizer_resumes_exactly_and_differs_from_adamw(tiny_target, data
     names = {id(p): n for n, p in draft.named_parameters()}
     assert all(p.ndim == 2 for p in muon) and "fc.weight" in {names[id(p)] for p in muon}
     assert {names[id(p)] for p in rest} >= {"lm_head.weight", "norm.weight"}
+
+
+def test_max_train_seconds_stops_early_and_writes_the_draft(tiny_target, data, tmp_path):
+    """A wall-clock budget (for equal-budget comparisons): training stops after the given seconds
+    counted from the first step, the draft and a resumable checkpoint are written, and the summary
+    says where it stopped."""
+    from eyas.draft.model import Eagle3Draft
+    from eyas.train.checkpoint import checkpoint_dirs
+    from eyas.train.trainer import train
+
+    run = tmp_path / "run"
+    t0 = time.perf_counter()
+    train(_cfg(tiny_target, data, run, max_steps=100_000, max_train_seconds=2.0, save_every=0, eval_every=0))
+    assert time.perf_counter() - t0 < 120
+    summary = json.loads((run / "summary.json").read_text())
+    steps = summary["steps"]
+    assert summary["stopped_by_time"] is True and summary["planned_steps"] == 100_000
+    assert 1 < steps < 100_000
+    assert [r["step"] for r in _records(run)] == list(range(1, steps + 1))
+    assert _records(run, "heldout")[-1]["step"] == steps
+    Eagle3Draft.from_pretrained(run / "draft")
+    assert int(checkpoint_dirs(run)[-1].name.split("-")[1]) == steps  # --resume continues from here

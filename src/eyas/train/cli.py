@@ -54,6 +54,10 @@ def register(app: typer.Typer) -> None:
         lr: float = typer.Option(1e-4, help="Peak learning rate (AdamW)."),
         epochs: int = typer.Option(1, help="Passes over the training split (ignored with --max-steps)."),
         max_steps: int = typer.Option(None, help="Optimizer steps to run (overrides --epochs)."),
+        max_train_seconds: float = typer.Option(
+            None, help="Stop once this many seconds of training have passed after the first step "
+                       "(set-up and compilation not counted) and write the draft; the LR schedule "
+                       "is still the one of --max-steps/--epochs."),
         tokens_per_batch: int = typer.Option(2048, help="Tokens per pack (documents packed, no cross-attention)."),
         batch_size: int = typer.Option(1, help="Packs per micro-batch."),
         grad_accum: int = typer.Option(1, help="Micro-batches per optimizer step (per process)."),
@@ -87,7 +91,7 @@ def register(app: typer.Typer) -> None:
 
         cfg = TrainConfig(target=target, data=str(data), out=str(out), store=str(store) if store else None,
                           online=online, layers=parse_layers(layers), ttt_steps=ttt_steps,
-                          step_decay=step_decay, lr=lr, epochs=epochs, max_steps=max_steps,
+                          step_decay=step_decay, lr=lr, epochs=epochs, max_steps=max_steps, max_train_seconds=max_train_seconds,
                           tokens_per_batch=tokens_per_batch, batch_size=batch_size, grad_accum=grad_accum,
                           warmup=warmup, clip=clip, weight_decay=weight_decay, optimizer=optimizer, save_every=save_every,
                           eval_every=eval_every, eval_batches=eval_batches, heldout_fraction=heldout,

@@ -51,6 +51,10 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     epochs: int = 1
     max_steps: int | None = None
+    # Stop (and write the draft) once this much training time has passed after the first optimizer
+    # step, so set-up and compilation are not counted; the LR schedule stays the one planned for
+    # max_steps. For equal wall-clock budgets. A resumed run counts afresh.
+    max_train_seconds: float | None = None
     tokens_per_batch: int = 2048
     batch_size: int = 1  # packs per micro-batch
     grad_accum: int = 1
@@ -427,6 +431,8 @@ def train(cfg: TrainConfig) -> Path:
     model.train()
     t_last, tok_last = time.perf_counter(), 0
     last_eval = None
+    t_first: float | None = None  # end of this process's first step (max_train_seconds)
+    finished, stopped_by_time = total, False
     for step in range(start, total):
         step_stats, loss_acc, step_tokens = [], torch.zeros((), device=device), 0
         for a, epoch, packs in micro_batches(step):
@@ -464,16 +470,26 @@ def train(cfg: TrainConfig) -> Path:
             last_eval = evaluate(done)
         if (cfg.save_every and done % cfg.save_every == 0) or done == total:
             save(done, tokens_seen)  # the last one makes a finished run's --resume a no-op
+        if cfg.max_train_seconds and done < total:
+            now = time.perf_counter()
+            t_first = now if t_first is None else t_first
+            over = torch.tensor(float(now - t_first >= cfg.max_train_seconds), device=device)
+            if dist.all_sum(over).item() > 0:  # every rank stops at the same step
+                finished, stopped_by_time = done, True
+                if not (cfg.save_every and done % cfg.save_every == 0):
+                    save(done, tokens_seen)
+                break
     if bar is not None:
         bar.close()
-    last_eval = evaluate(total) or last_eval
+    last_eval = evaluate(finished) or last_eval
     out = run_dir / "draft"
     final_state = parallel.full_model_state(model)  # collective under FSDP2
     if is_main:
         model.save_pretrained(out, state=final_state)
         plot_losses(run_dir)
         mode = ("fsdp2" if sharded else "ddp") if dist.on else "single"
-        summary = {"steps": total, "tokens_seen": tokens_seen, "heldout": last_eval, "draft": str(out),
+        summary = {"steps": finished, "planned_steps": total, "stopped_by_time": stopped_by_time,
+                   "tokens_seen": tokens_seen, "heldout": last_eval, "draft": str(out),
                    "world_size": dist.world, "parallel": mode, "attention": attention}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     logger.close()
