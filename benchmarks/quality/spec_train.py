@@ -9,9 +9,9 @@ residual, total_seq_len 8192, 10% validation split, per-epoch validation and che
    (``--epochs 2 --max-steps P``), timing every step through the trainer's own
    ``step_callback`` hook, both validation epochs (the first compiles the no-grad graph, the
    second is steady) and the checkpoint saves;
-2. plan: the number of whole epochs (its default unit) that fits in ``--budget-s``
-   (steady step time x steps per epoch + steady validation + checkpoint per epoch); below one
-   epoch, ``--max-steps`` so that its LR schedule still ends inside the budget;
+2. plan: the most steps that fit in ``--budget-s`` (steady step time per step, plus the steady
+   validation and a checkpoint per started epoch), given as ``--epochs`` and ``--max-steps``, over
+   which its LR schedule decays;
 3. run: the trainer from scratch with that plan. A timer sends SIGTERM at the budget plus the
    allowance, which speculators' graceful-shutdown handler turns into an ``interrupted``
    checkpoint (so an overrun is cut, never extended).
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -194,7 +195,11 @@ def run_once(argv: list[str], budget_s: float | None, cpu: bool) -> Probe:
 
 
 def plan(budget_s: float, p: dict, margin: float = 0.97) -> dict:
-    """Whole epochs that fit in the budget, else steps (so the LR schedule ends in time)."""
+    """The most steps that fit in the budget with their validation epochs and checkpoints; as
+    ``--epochs`` (rounded up) plus ``--max-steps`` when that is not a whole number of epochs, so
+    its LR schedule (which decays over ``--max-steps`` when set) ends with the budget.
+
+    Whole epochs only, as before run d, left speculators 16 s of its 90 (RESULTS.md, run d)."""
     step = p["step_s_median"] or p["first_step_s"]  # one probe step (tiny data): its own time
     spe = p["steps_per_epoch"]
     if not step or not spe:
@@ -203,16 +208,17 @@ def plan(budget_s: float, p: dict, margin: float = 0.97) -> dict:
     val = vals[-1] if vals else 0.0  # the steady one (the first compiles), see the docstring
     ckpt = max(p["ckpt_s"]) if p["ckpt_s"] else 0.0
     # the budget starts after the first step (compilation), so only steady steps count
-    overhead = 0.0
     avail = budget_s * margin
-    per_epoch = spe * step + val + ckpt
-    epochs = int(avail // per_epoch) if per_epoch > 0 else 0
     allowance = max(0.0, vals[0] - vals[-1]) if len(vals) >= 2 else 0.0
-    if epochs >= 1:
-        return {"epochs": epochs, "max_steps": None, "expected_s": overhead + epochs * per_epoch,
-                "allowance_s": allowance}
-    steps = max(1, int((avail - val - ckpt) // step))
-    return {"epochs": 1, "max_steps": min(steps, spe), "expected_s": overhead + steps * step + val + ckpt,
+
+    def cost(n: int) -> float:  # every started epoch ends with a validation and a checkpoint
+        return n * step + math.ceil(n / spe) * (val + ckpt)
+
+    n = int(avail // step)
+    while n > 1 and cost(n) > avail:
+        n -= 1
+    n = max(1, n)
+    return {"epochs": math.ceil(n / spe), "max_steps": n if n % spe else None, "expected_s": cost(n),
             "allowance_s": allowance}
 
 
