@@ -134,6 +134,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup-steps", type=int, default=8)
     ap.add_argument("--compile", default="0", help="comma list of 0/1: torch.compile variants")
+    ap.add_argument("--fused-loss", action="store_true",
+                    help="train with --fused-loss (FLOPs are still counted as for the unfused loss)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--json", default=None)
@@ -175,7 +177,7 @@ def main() -> None:
             dist.barrier()
         for bs in [int(x) for x in args.batch_sizes.split(",")]:
             for comp in [bool(int(x)) for x in args.compile.split(",")]:
-                run = work / f"run-{mode}-b{bs}-c{int(comp)}-{attention}-w{dist.world}"
+                run = work / f"run-{mode}-b{bs}-c{int(comp)}{'-fused' if args.fused_loss else ''}-{attention}-w{dist.world}"
                 if main_rank and run.exists():
                     shutil.rmtree(run)
                 dist.barrier()
@@ -184,7 +186,7 @@ def main() -> None:
                                   ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
                                   batch_size=bs, max_steps=args.warmup_steps + args.steps, warmup=5,
                                   save_every=0, eval_every=0, eval_batches=1, heldout_fraction=0.01,
-                                  device=args.device, progress=False, compile=comp,
+                                  device=args.device, progress=False, compile=comp, fused_loss=args.fused_loss,
                                   attention=args.attention, parallel=args.parallel)
                 t0 = time.perf_counter()
                 try:
@@ -209,7 +211,7 @@ def main() -> None:
                                                            open_prepared(data))
                 tps = m["tokens_per_s"]
                 row = {"mode": mode, "batch_packs": bs, "compile": comp, "attention": attention,
-                       "parallel": args.parallel if dist.world > 1 else "single", "world_size": dist.world,
+                       "fused_loss": args.fused_loss, "parallel": args.parallel if dist.world > 1 else "single", "world_size": dist.world,
                        **m, "wall_s_total": wall,
                        "flops_per_token": f,
                        "draft_matmul_tflops": f["draft_matmul"] * tps / 1e12,

@@ -354,3 +354,41 @@ def test_fc_norm_normalises_each_aux_layer_before_fc():
         assert same == fc_norm
     ref = m.fc(aux)  # fc_norm False: plain fc
     torch.testing.assert_close(m.combine(aux), ref)
+
+
+@pytest.mark.parametrize("chunk", [5, 4096])
+def test_fused_loss_equals_unfused_value_stats_and_gradients(chunk):
+    """fused_ttt_loss (lm_head + target distribution + CE chunked over the counted positions)
+    gives ttt_loss's value, per-step stats and gradients w.r.t. the draft (float64)."""
+    from eyas.draft.fused_loss import fused_ttt_loss
+
+    torch.manual_seed(0)
+    b, t, h, vocab, dv, k = 2, 17, 32, 50, 20, 3
+    m = _small_draft()
+    d2t, _ = _vocab(vocab, dv)
+    head = TargetHead(torch.rand(h, dtype=torch.float64) + 0.5, torch.randn(vocab, h, dtype=torch.float64),
+                      d2t, 1e-6)
+    x = torch.randint(0, 50, (b, t))
+    aux = torch.randn(b, t, 96, dtype=torch.float64)
+    pos = torch.arange(t).repeat(b, 1)
+    doc = torch.tensor([[0] * 9 + [1] * 8, [0] * 17])
+    mask = torch.rand(b, t) > 0.3
+    final = torch.randn(b, t, h, dtype=torch.float64) * 3
+
+    def grads(loss):
+        m.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    ref, ref_stats = ttt_loss(m(aux, x, pos, doc, k), head(final), mask, doc, 0.8)
+    ref_g = grads(ref)
+    got, got_stats = fused_ttt_loss(m(aux, x, pos, doc, k, return_normed=True), m.lm_head.weight, head,
+                                    final, mask, doc, 0.8, chunk=chunk)
+    got_g = grads(got)
+    torch.testing.assert_close(got, ref.float(), rtol=1e-6, atol=1e-6)
+    for r, g in zip(ref_stats, got_stats):
+        assert int(g.count) == int(r.count) > 0 and int(g.correct) == int(r.correct)
+        torch.testing.assert_close(g.loss_sum, r.loss_sum.float(), rtol=1e-6, atol=1e-6)
+    assert set(got_g) == set(ref_g) and "lm_head.weight" in got_g and "fc.weight" in got_g
+    for n in ref_g:
+        torch.testing.assert_close(got_g[n], ref_g[n], rtol=1e-5, atol=1e-6, msg=n)  # CE in fp32 (both)

@@ -343,3 +343,25 @@ def test_max_train_seconds_stops_early_and_writes_the_draft(tiny_target, data, t
     assert _records(run, "heldout")[-1]["step"] == steps
     Eagle3Draft.from_pretrained(run / "draft")
     assert int(checkpoint_dirs(run)[-1].name.split("-")[1]) == steps  # --resume continues from here
+
+
+def test_fused_loss_trains_like_the_unfused_loss_single_and_ddp(tiny_target, data, tmp_path):
+    """--fused-loss: the same losses and weights as the default loss, in one process and under
+    torchrun DDP (lm_head gets its gradient outside the DDP module's forward). Adam moves every
+    weight by far more than the tolerance in 4 steps, so a missing gradient (lm_head's) fails."""
+    steps = ["--max-steps", "4", "--save-every", "0"]
+    runs = {"plain": (_cli, []), "fused": (_cli, ["--fused-loss"]), "fused_ddp": (_torchrun, ["--fused-loss"])}
+    for name, (cmd, extra) in runs.items():
+        accum = ["--grad-accum", "1" if cmd is _torchrun else "2"]
+        res = subprocess.run(cmd(*_train_args(tiny_target, data, tmp_path / name, *steps, *accum, *extra)),
+                             env=ENV, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-3000:]
+    losses = {n: [r["loss"] for r in _records(tmp_path / n)] for n in runs}
+    assert len(losses["plain"]) == 4
+    assert losses["fused"] == pytest.approx(losses["plain"], rel=1e-5)
+    assert losses["fused_ddp"] == pytest.approx(losses["plain"], rel=1e-5)
+    ref = load_file(str(tmp_path / "plain" / "draft" / "model.safetensors"))
+    for n in ("fused", "fused_ddp"):
+        got = load_file(str(tmp_path / n / "draft" / "model.safetensors"))
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-4, msg=f"{n}: {k}")

@@ -356,13 +356,16 @@ class Eagle3Draft(nn.Module):
     # ------------------------------------------------------------------ training (TTT)
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                doc_ids: torch.Tensor, ttt_steps: int, attention: str = "auto") -> list[torch.Tensor]:
+                doc_ids: torch.Tensor, ttt_steps: int, attention: str = "auto",
+                return_normed: bool = False) -> list[torch.Tensor]:
         """Training-time-test unroll over packed sequences.
 
         aux [B,T,num_aux*H_t], input_ids/position_ids/doc_ids [B,T] (doc_ids separate packed
         documents; positions restart at 0 per document). Returns per-step draft logits
         [B,T,draft_vocab]; entry j at index i predicts x[i+2+j] (valid where it is in the document).
         ``attention``: dense, flex (block-sparse, :mod:`eyas.draft.flex`) or auto (flex on CUDA).
+        ``return_normed``: per step the normed hidden lm_head would take [B,T,H] instead of the
+        logits (for :func:`eyas.draft.fused_loss.fused_ttt_loss`).
         """
         layer, attn = self.midlayer, self.midlayer.self_attn
         scale = 1.0 / math.sqrt(attn.d)
@@ -389,8 +392,10 @@ class Eagle3Draft(nn.Module):
                 o = flex.ttt_attention(q, keys, values, mask, ttt_steps, scale)
             else:
                 o = _dense_ttt_attention(q, keys, values, mask0, scale)
-            logits, hidden = self.head(layer.post(attn.out(o), residual))
-            out_logits.append(logits)
+            out = layer.post(attn.out(o), residual)
+            normed = self.norm(out)
+            hidden = normed if self.config.norm_output else out
+            out_logits.append(normed if return_normed else self.lm_head(normed))
         return out_logits
 
     # ------------------------------------------------------------------ persistence

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from eyas.draft import flex
+from eyas.draft.fused_loss import fused_ttt_loss
 from eyas.draft.loss import TargetHead, soft_cross_entropy, ttt_loss
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
@@ -73,6 +74,9 @@ class TrainConfig:
     layers: list[int] | None = None
     draft_overrides: dict[str, Any] = field(default_factory=dict)
     compile: bool = False
+    # lm_head + target distribution + CE chunked over the counted positions (eyas.draft.fused_loss):
+    # no [tokens, draft_vocab] tensors kept; the same loss and gradients
+    fused_loss: bool = False
     optimizer: str = "adamw"  # adamw | muon (Muon for the hidden matrices, AdamW for lm_head and norms)
     parallel: str = "ddp"  # ddp | fsdp2; used only when torchrun starts more than one process
     attention: str = "auto"  # dense | flex | auto (flex on CUDA): the TTT unroll's attention kernel
@@ -352,6 +356,11 @@ def train(cfg: TrainConfig) -> Path:
     # fused reduction (dynamic: each TTT step scores a different number of positions)
     ce = torch.compile(soft_cross_entropy, dynamic=True) if cfg.compile else soft_cross_entropy
     autocast = _autocast(device, cfg.precision)
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    matmul_dtype = torch.bfloat16 if bf16 else None
+    if cfg.fused_loss and sharded:
+        raise EyasError("--fused-loss reads lm_head's whole weight, which --parallel fsdp2 shards; use "
+                        "--parallel ddp (or a single process), or drop --fused-loss")
     logger = Logger(run_dir, start, is_main)
 
     def micro_packs(step: int, a: int) -> tuple[int, list[list[int]]]:
@@ -370,11 +379,15 @@ def train(cfg: TrainConfig) -> Path:
     def run_batch(packs, grad: bool):
         batch = source.batch(packs)
         with autocast():
-            logits = (fwd if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
-                                              cfg.ttt_steps, attention=attention)
+            out = (fwd if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
+                                           cfg.ttt_steps, attention=attention, return_normed=cfg.fused_loss)
+        if cfg.fused_loss:
+            loss, stats = fused_ttt_loss(out, model.lm_head.weight, head, batch.final, batch.loss_mask,
+                                         batch.doc_ids, cfg.step_decay, dtype=matmul_dtype)
+            return loss, stats, batch.num_tokens
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             tgt = head(batch.final)
-        loss, stats = ttt_loss(logits, tgt, batch.loss_mask, batch.doc_ids, cfg.step_decay, ce)
+        loss, stats = ttt_loss(out, tgt, batch.loss_mask, batch.doc_ids, cfg.step_decay, ce)
         return loss, stats, batch.num_tokens
 
     held_packs = pack_indices(held_idx, dataset.lengths, cfg.tokens_per_batch, seed=None)

@@ -1,0 +1,77 @@
+"""The TTT loss fused with the draft's lm_head, chunked over the scored positions.
+
+:func:`eyas.draft.loss.ttt_loss` takes the draft's logits: per TTT step one [tokens, draft_vocab]
+tensor kept for backward, plus the target's logits and softmax over the whole pack, all in fp32.
+On the H200 those passes are the largest cost of a compiled step (benchmarks/train_bench.md).
+Here the lm_head matmul, the target's distribution, the cross entropy and its gradient run chunk by
+chunk over only the positions the loss counts (the loss mask drops prompt tokens): no
+[tokens, vocab] tensor outlives its chunk, and the gradients w.r.t. the draft's normed hidden
+and lm_head come out of the same pass. Same value and gradients as :func:`ttt_loss` (test).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eyas.draft.loss import StepStats, TargetHead
+
+
+class _FusedSoftCE(torch.autograd.Function):
+    """sum_rows CE(softmax(h W^T), softmax(target(f))) and the number of top-1 agreements."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, final: torch.Tensor, head: TargetHead,
+                chunk: int, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = dtype or h.dtype
+        w = weight.to(dtype)  # the matmul dtype autocast gives the unfused lm_head
+        grad_h = torch.empty_like(h)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        correct = torch.zeros((), dtype=torch.float32, device=h.device)
+        with torch.autocast(h.device.type, enabled=False), torch.no_grad():
+            for s in range(0, h.shape[0], chunk):
+                hc = h[s:s + chunk].to(dtype)
+                z = (hc @ w.T).float()
+                tz = head(final[s:s + chunk])
+                p = torch.softmax(tz, dim=-1)
+                lse = torch.logsumexp(z, dim=-1, keepdim=True)
+                loss += (lse.squeeze(-1) - (p * z).sum(-1)).sum()
+                correct += (z.argmax(-1) == tz.argmax(-1)).sum()
+                g = (torch.exp(z - lse) - p).to(dtype)  # d CE / d z
+                grad_h[s:s + chunk] = (g @ w).to(h.dtype)
+                grad_w += (g.T @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor, _grad_correct: torch.Tensor):
+        grad_h, grad_w = ctx.saved_tensors
+        return (grad_h * grad_loss.to(grad_h.dtype), (grad_w * grad_loss).to(ctx.weight_dtype),
+                None, None, None, None)
+
+
+def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, head: TargetHead,
+                   final: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+                   step_decay: float, chunk: int = 4096, dtype: torch.dtype | None = None,
+                   ) -> tuple[torch.Tensor, list[StepStats]]:
+    """:func:`eyas.draft.loss.ttt_loss` from the draft's normed hidden per TTT step
+    (``Eagle3Draft.forward(..., return_normed=True)``) and the target's final states [B,T,H].
+    ``dtype``: the lm_head matmuls' dtype (bf16 under bf16 autocast; default: the hidden's)."""
+    t = final.shape[1]
+    total = torch.zeros((), dtype=torch.float32, device=final.device)
+    stats = []
+    for j, h in enumerate(normed):
+        n = t - 2 - j  # positions i whose predicted token x[i+2+j] lies inside the pack
+        if n <= 0:
+            zero = total.new_zeros(())
+            stats.append(StepStats(zero, zero, zero))
+            continue
+        valid = loss_mask[:, 2 + j:].bool() & (doc_ids[:, 2 + j:] == doc_ids[:, :n])
+        count = valid.sum().float()
+        loss_sum, correct = _FusedSoftCE.apply(h[:, :n][valid], lm_head_weight,
+                                               final[:, 1 + j:1 + j + n][valid], head, chunk, dtype)
+        total = total + (step_decay ** j) * loss_sum / count.clamp_min(1.0)
+        stats.append(StepStats(loss_sum.detach(), correct.detach(), count.detach()))
+    return total, stats
