@@ -24,7 +24,8 @@ class _FusedSoftCE(torch.autograd.Function):
                 chunk: int, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = dtype or h.dtype
         w = weight.to(dtype)  # the matmul dtype autocast gives the unfused lm_head
-        grad_h = torch.empty_like(h)
+        need_grad = any(ctx.needs_input_grad[:2])  # not for held-out evaluation under no_grad
+        grad_h = torch.zeros_like(h)
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -37,6 +38,8 @@ class _FusedSoftCE(torch.autograd.Function):
                 lse = torch.logsumexp(z, dim=-1, keepdim=True)
                 loss += (lse.squeeze(-1) - (p * z).sum(-1)).sum()
                 correct += (z.argmax(-1) == tz.argmax(-1)).sum()
+                if not need_grad:
+                    continue
                 g = (torch.exp(z - lse) - p).to(dtype)  # d CE / d z
                 grad_h[s:s + chunk] = (g @ w).to(h.dtype)
                 grad_w += (g.T @ hc).float()

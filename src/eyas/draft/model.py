@@ -379,7 +379,7 @@ class Eagle3Draft(nn.Module):
         # per TTT step: flex takes the kv heads as they are (GQA in the kernel), dense expanded ones
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        out_logits = []
+        outs = []
         for j in range(ttt_steps):
             tokens = shift_in_doc(input_ids, doc_ids, 1 + j, fill=0)
             x, residual = layer.pre(self.embed_tokens(tokens).to(hidden.dtype), hidden)
@@ -395,8 +395,8 @@ class Eagle3Draft(nn.Module):
             out = layer.post(attn.out(o), residual)
             normed = self.norm(out)
             hidden = normed if self.config.norm_output else out
-            out_logits.append(normed if return_normed else self.lm_head(normed))
-        return out_logits
+            outs.append(normed if return_normed else self.lm_head(normed))
+        return outs
 
     # ------------------------------------------------------------------ persistence
 
