@@ -539,8 +539,8 @@ def plot(res: dict, out: Path) -> None:
     names = [n for n in ev if ev[n].get("tau") is not None]
     axes[0].barh(names, [ev[n]["tau"] for n in names],
                  color=["C0" if n.startswith("eyas") else "C1" if n.startswith("spec") else "C2" for n in names])
-    for i, n in enumerate(names):
-        axes[0].text(ev[n]["tau"], i, f" {ev[n]['tau']:.3f}", va="center")
+    for i, n in enumerate(names):  # the turn count: ablations run on fewer questions
+        axes[0].text(ev[n]["tau"], i, f" {ev[n]['tau']:.3f} ({ev[n].get('prompts', '?')} turns)", va="center")
     axes[0].set_xlabel("tau (tokens per target forward), MT-bench, greedy")
     axes[0].invert_yaxis()
     for n in names:
@@ -550,7 +550,16 @@ def plot(res: dict, out: Path) -> None:
     axes[1].set_xlabel("draft position")
     axes[1].set_ylabel("acceptance rate")
     axes[1].legend(fontsize=7)
-    fig.suptitle("eyas vs speculators 0.9.0 (same features, same budget) + eyas ablations")
+    em = (res.get("eyas_main") or {})
+    budget = next(iter((res.get("args") or {}).values()), {}).get("main_budget_s")
+    used = []
+    if em.get("summary", {}) and em.get("wall_s"):
+        used.append(f"eyas {em['summary'].get('steps')} steps")
+    sm = (res.get("spec_main") or {}).get("run") or {}
+    if sm.get("steps"):
+        used.append(f"speculators {sm['steps']} steps")
+    fig.suptitle(f"eyas vs speculators 0.9.0, same features, {budget} s training budget planned each "
+                 f"({', '.join(used) or 'see results.json'}; time actually used: RESULTS.md)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "quality.png", dpi=120)
     plt.close(fig)
