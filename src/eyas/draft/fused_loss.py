@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from eyas.draft.loss import StepStats, TargetHead
+from eyas.draft.loss import StepStats, TargetHead, reduce_ttt_steps
 
 
 class _FusedSoftCE(torch.autograd.Function):
@@ -62,19 +62,10 @@ def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, hea
     """:func:`eyas.draft.loss.ttt_loss` from the draft's normed hidden per TTT step
     (``Eagle3Draft.forward(..., return_normed=True)``) and the target's final states [B,T,H].
     ``dtype``: the lm_head matmuls' dtype (bf16 under bf16 autocast; default: the hidden's)."""
-    t = final.shape[1]
-    total = torch.zeros((), dtype=torch.float32, device=final.device)
-    stats = []
-    for j, h in enumerate(normed):
-        n = t - 2 - j  # positions i whose predicted token x[i+2+j] lies inside the pack
-        if n <= 0:
-            zero = total.new_zeros(())
-            stats.append(StepStats(zero, zero, zero))
-            continue
-        valid = loss_mask[:, 2 + j:].bool() & (doc_ids[:, 2 + j:] == doc_ids[:, :n])
-        count = valid.sum().float()
-        loss_sum, correct = _FusedSoftCE.apply(h[:, :n][valid], lm_head_weight,
+
+    def score(j: int, n: int, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        loss_sum, correct = _FusedSoftCE.apply(normed[j][:, :n][valid], lm_head_weight,
                                                final[:, 1 + j:1 + j + n][valid], head, chunk, dtype)
-        total = total + (step_decay ** j) * loss_sum / count.clamp_min(1.0)
-        stats.append(StepStats(loss_sum.detach(), correct.detach(), count.detach()))
-    return total, stats
+        return loss_sum, correct, valid.sum().float()
+
+    return reduce_ttt_steps(len(normed), final.shape[1], loss_mask, doc_ids, step_decay, score)

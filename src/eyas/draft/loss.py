@@ -63,6 +63,28 @@ def soft_cross_entropy(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
 
 
+def reduce_ttt_steps(num_steps: int, t: int, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+                     step_decay: float, score: Callable[[int, int, torch.Tensor], tuple[torch.Tensor, ...]],
+                     ) -> tuple[torch.Tensor, list[StepStats]]:
+    """The TTT loss's bookkeeping, shared by :func:`ttt_loss` and the fused loss: per step j, the
+    positions i whose predicted token x[i+2+j] is inside the pack, in the same document and in
+    the loss mask (``valid`` [B, n]); ``score(j, n, valid)`` gives (loss_sum, correct, count)
+    over them; the result is the decay-weighted sum of the per-step mean losses."""
+    total = torch.zeros((), dtype=torch.float32, device=loss_mask.device)
+    stats = []
+    for j in range(num_steps):
+        n = t - 2 - j
+        if n <= 0:
+            zero = total.new_zeros(())
+            stats.append(StepStats(zero, zero, zero))
+            continue
+        valid = loss_mask[:, 2 + j:].bool() & (doc_ids[:, 2 + j:] == doc_ids[:, :n])
+        loss_sum, correct, count = score(j, n, valid)
+        total = total + (step_decay ** j) * loss_sum / count.clamp_min(1.0)
+        stats.append(StepStats(loss_sum.detach(), correct.detach(), count.detach()))
+    return total, stats
+
+
 def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, loss_mask: torch.Tensor,
              doc_ids: torch.Tensor, step_decay: float,
              ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = soft_cross_entropy,
@@ -75,23 +97,13 @@ def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, loss_
     The target's softmax is taken once and each step reads it through a slice (a view, no copy);
     ``ce`` is :func:`soft_cross_entropy` or a compiled version of it.
     """
-    t = target_logits.shape[1]
     p_all = torch.softmax(target_logits.float(), dim=-1)
     tgt_top = target_logits.argmax(-1)
-    total = step_logits[0].new_zeros((), dtype=torch.float32)
-    stats = []
-    for j, logits in enumerate(step_logits):
-        n = t - 2 - j  # positions i whose predicted token x[i+2+j] lies inside the pack
-        if n <= 0:
-            zero = total.new_zeros(())
-            stats.append(StepStats(zero, zero, zero))
-            continue
-        p = p_all[:, 1 + j:1 + j + n]
-        valid = loss_mask[:, 2 + j:].bool() & (doc_ids[:, 2 + j:] == doc_ids[:, :n])
-        w = valid.float()
-        count = w.sum()
-        loss_sum = (ce(logits[:, :n], p) * w).sum()
-        correct = ((logits[:, :n].argmax(-1) == tgt_top[:, 1 + j:1 + j + n]).float() * w).sum()
-        total = total + (step_decay ** j) * loss_sum / count.clamp_min(1.0)
-        stats.append(StepStats(loss_sum.detach(), correct.detach(), count.detach()))
-    return total, stats
+
+    def score(j: int, n: int, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits, w = step_logits[j][:, :n], valid.float()
+        loss_sum = (ce(logits, p_all[:, 1 + j:1 + j + n]) * w).sum()
+        correct = ((logits.argmax(-1) == tgt_top[:, 1 + j:1 + j + n]).float() * w).sum()
+        return loss_sum, correct, w.sum()
+
+    return reduce_ttt_steps(len(step_logits), target_logits.shape[1], loss_mask, doc_ids, step_decay, score)

@@ -324,11 +324,16 @@ class Eagle3Draft(nn.Module):
         raise EyasError(f"features have width {features.shape[-1]}, expected {width} (target aux "
                         f"states) or {cfg.hidden_size} (draft hidden)")
 
-    def head(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(draft-vocab logits, the hidden the next step feeds on) from the layer's output: the
+    def _outputs(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what lm_head takes, the hidden the next step feeds on) from the layer's output: the
         pre-norm output, or with ``norm_output`` the normed one."""
         normed = self.norm(out)
-        return self.lm_head(normed), (normed if self.config.norm_output else out)
+        return normed, (normed if self.config.norm_output else out)
+
+    def head(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(draft-vocab logits, the hidden the next step feeds on) from the layer's output."""
+        normed, hidden = self._outputs(out)
+        return self.lm_head(normed), hidden
 
     def step(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
              cache: DraftKVCache, from_target: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -392,9 +397,7 @@ class Eagle3Draft(nn.Module):
                 o = flex.ttt_attention(q, keys, values, mask, ttt_steps, scale)
             else:
                 o = _dense_ttt_attention(q, keys, values, mask0, scale)
-            out = layer.post(attn.out(o), residual)
-            normed = self.norm(out)
-            hidden = normed if self.config.norm_output else out
+            normed, hidden = self._outputs(layer.post(attn.out(o), residual))
             outs.append(normed if return_normed else self.lm_head(normed))
         return outs
 

@@ -238,14 +238,19 @@ def plot_losses(run_dir: Path) -> Path | None:
 # ------------------------------------------------------------------------------ training
 
 
-def _autocast(device: torch.device, precision: str):
+def _autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+    """bf16 for bf16 autocast, None for plain fp32."""
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
     if precision == "bf16":
-        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+        return torch.bfloat16
     if precision == "fp32":
-        return contextlib.nullcontext
+        return None
     raise EyasError(f"--precision {precision!r}: use auto, bf16 or fp32")
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    return (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
 
 
 def build_source(cfg: TrainConfig, target, dataset, device: torch.device):
@@ -355,9 +360,8 @@ def train(cfg: TrainConfig) -> Path:
     # the loss's [tokens, draft_vocab] fp32 passes are most of a step's memory traffic; compiled, one
     # fused reduction (dynamic: each TTT step scores a different number of positions)
     ce = torch.compile(soft_cross_entropy, dynamic=True) if cfg.compile else soft_cross_entropy
-    autocast = _autocast(device, cfg.precision)
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-    matmul_dtype = torch.bfloat16 if bf16 else None
+    matmul_dtype = _autocast_dtype(device, cfg.precision)  # also the fused loss's lm_head dtype
+    autocast = _autocast(device, matmul_dtype)
     if cfg.fused_loss and sharded:
         raise EyasError("--fused-loss reads lm_head's whole weight, which --parallel fsdp2 shards; use "
                         "--parallel ddp (or a single process), or drop --fused-loss")
