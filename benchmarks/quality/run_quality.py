@@ -358,9 +358,11 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
                                           eyas_args, a.eyas_probe_steps, 0), env=_gpu_env(r, 0))
     r.wait(pp, check=False)
     # fallbacks, measured ones, in order: eager instead of --compile, then dense instead of flex
-    fallbacks = [(f, why) for f, why in (("--compile", "--compile failed in the probe; eager used"),
-                                         ("--attention", "flex attention failed in the probe; dense used"))
-                 if (f in eyas_args) == (f == "--compile")]
+    fallbacks = []
+    if "--compile" in eyas_args:
+        fallbacks.append(("--compile", "--compile failed in the probe; eager used"))
+    if "--attention" not in eyas_args:  # the default on CUDA is flex
+        fallbacks.append(("--attention", "flex attention failed in the probe; dense used"))
     while pp.returncode != 0 and fallbacks:
         flag, why = fallbacks.pop(0)
         eyas_args = [x for x in eyas_args if x != "--compile"] if flag == "--compile" \
