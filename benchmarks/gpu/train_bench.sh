@@ -2,7 +2,8 @@
 # train_bench.py on the warm device machine, in a call after stage2.sh (or after the quality
 # benchmark's calls): the converted target and gguf's site dir are already there. Data: DATA (a
 # prepared dataset on that machine; default the quality run's regenerated set). Arguments go to
-# train_bench.py; the record lands in $OUT/train_bench.json (+ profile-*.txt with --profile).
+# train_bench.py; the record lands in $OUT/$NAME.json (NAME default train_bench; + profile-*.txt
+# with --profile). NPROC=N runs it under torchrun on N GPUs (with --parallel ddp|fsdp2).
 set -eo pipefail
 cd "$(dirname "$0")/../.."
 : "${OUT:?OUT must be set (the result folder of the device call)}"
@@ -10,5 +11,11 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 EYAS_CACHE=/root/eyas-cache
 DATA=${DATA:-/tmp/quality/prep_regen}
 [ -d "$DATA" ] || { echo "prepared dataset $DATA missing (set DATA)"; exit 3; }
-timeout "${BENCH_TIMEOUT_S:-540}" python3 benchmarks/train_bench.py --target "$(cat /root/m/target_path)" \
-  --data "$DATA" --work /dev/shm/eyas-tb --json "$OUT/train_bench.json" "$@" 2>&1 | tee "$OUT/train_bench.log"
+NAME=${NAME:-train_bench}
+LAUNCH=(python3)
+if [ -n "${NPROC:-}" ]; then
+  LAUNCH=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # KINDS.md
+fi
+timeout "${BENCH_TIMEOUT_S:-540}" "${LAUNCH[@]}" benchmarks/train_bench.py --target "$(cat /root/m/target_path)" \
+  --data "$DATA" --work /dev/shm/eyas-tb --json "$OUT/$NAME.json" "$@" 2>&1 | tee "$OUT/$NAME.log"

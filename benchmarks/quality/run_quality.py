@@ -16,10 +16,14 @@ stays on the machine between the calls):
               trainer) on GPU 1, at the same time, each for --main-budget-s of training;
               each is first probed for its step time so its own LR schedule ends in budget
   --phase rest
-    ablations eyas at the main run's steps: TTT 1 and 3 (the main run is TTT 7), original
-              data, small draft vocab; two per GPU (results do not depend on speed: fixed steps)
+    ablations eyas at the main run's planned steps, each changing one thing: TTT 1 and 3, original
+              data, small draft vocab, and any --abl-args NAME=ARGS; spread over the GPUs (results
+              do not depend on speed: fixed steps)
     evaluate  greedy, MT-bench, k=3 and k=5, with eyas's built-in speculative loop
               (evaluate_any.py), each evaluation split over --eval-shards processes
+    A second rest call on the same machine keeps the ablations that finished and the evaluations
+    that completed, resumes cut-off ablations from their checkpoints and evaluations from their
+    records.
 
 On one GPU, or over several calls, `--train eyas|speculators` runs one trainer per main call (both
 on 1 GPU: one after the other, each alone on it); a later main call reuses the data and stores.
@@ -447,7 +451,14 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     shard_procs: dict[str, list[subprocess.Popen]] = {}
     slot = [0]
 
+    done_before = {n: e for n, e in (res.get("evaluations") or {}).items()
+                   if e.get("complete") and (res.get("eval_plan") or {}).get(n, {}).get("max_per_category")}
+
     def start_eval(name: str, draft: str, k: int, per_cat: int) -> None:
+        plan = {"draft": draft, "k": k, "max_per_category": per_cat}
+        if name in done_before and res["eval_plan"][name] == plan:
+            log(f"eval {name}: complete from an earlier rest call")
+            return
         d = work / f"eval_{name}"
         shard_procs[name] = []
         for i in range(a.eval_shards):
@@ -455,10 +466,12 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
                 "--draft", draft, "--out", d, "-k", k, "--max-per-category", per_cat,
                 "--shard", i, "--num-shards", a.eval_shards, "--quiet"], env=_gpu_env(r, slot[0])))
             slot[0] += 1
-        res.setdefault("eval_plan", {})[name] = {"draft": draft, "k": k, "max_per_category": per_cat}
+        res.setdefault("eval_plan", {})[name] = plan
 
     # ablation training first (it takes longest), then the main evaluations beside it
     abl: dict[str, dict] = {}
+    prev = (res.get("ablations") or {}).get("runs", {})
+    ks = [int(k) for k in a.abl_ks.split(",") if k]
     procs: dict[str, subprocess.Popen] = {}
     if em.get("max_steps") and (a.ablations.strip() or a.abl_args):
         steps = a.abl_steps or em["max_steps"]
@@ -477,10 +490,20 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
         res["ablations"] = {"steps": steps, "reference": f"eyas_main ({' '.join(base)}; regenerated data, "
                             f"vocab {a.vocab}, {em['max_steps']} steps)", "runs": abl}
         for n, (name, (data, args)) in enumerate(specs.items()):
-            procs[name] = r.start(f"abl_{name}", eyas_train(r, a, f"abl_{name}", Path(res["preps"][data]),
-                                                            Path(res["stores"][data]), args, steps,
-                                                            max(1, steps // 2)), env=_gpu_env(r, n))
+            run_dir = work / f"abl_{name}"
             abl[name] = {"data": data, "args": args}
+            if (run_dir / "draft" / "model.safetensors").is_file():
+                # a later rest call on the same machine: trained by the earlier one
+                log(f"ablation {name}: trained in an earlier rest call")
+                abl[name].update(prev.get(name, {}), reused=True)
+                for k in ks:
+                    start_eval(f"abl_{name}_k{k}", str(run_dir / "draft"), k, a.abl_eval_max_per_category)
+                continue
+            # cut off by an earlier call's deadline: continue from its last checkpoint
+            resume = ["--resume"] if run_dir.is_dir() and latest_eyas_draft(run_dir) else []
+            procs[name] = r.start(f"abl_{name}", eyas_train(r, a, f"abl_{name}", Path(res["preps"][data]),
+                                                            Path(res["stores"][data]), args + resume, steps,
+                                                            max(1, steps // 4)), env=_gpu_env(r, n))
     for who, d in (("eyas", em.get("draft")), ("speculators", sm.get("draft"))):
         if d in (None, "None") or not Path(d).exists():
             log(f"no {who} draft to evaluate")
@@ -488,17 +511,18 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
         for k in (3, 5):
             start_eval(f"{who}_k{k}", d, k, a.eval_max_per_category)
     save()
-    ks = [int(k) for k in a.abl_ks.split(",") if k]
     for name, p in procs.items():
         dt = r.wait(p, timeout=max(10.0, r.left() - 60), check=False)
         abl[name].update(wall_s=dt, rc=p.returncode, draft=str(latest_eyas_draft(work / f"abl_{name}")),
                          summary=json.loads((work / f"abl_{name}" / "summary.json").read_text())
                          if (work / f"abl_{name}" / "summary.json").is_file() else None)
-        if abl[name]["draft"] != "None":
+        if (work / f"abl_{name}" / "draft" / "model.safetensors").is_file():
             for k in ks:
                 start_eval(f"abl_{name}_k{k}", abl[name]["draft"], k, a.abl_eval_max_per_category)
+        else:  # a checkpoint is not the ablation's draft: another rest call resumes it
+            log(f"ablation {name}: cut off before its last step; a later rest call resumes it")
         save()
-    reports: dict[str, Any] = {}
+    reports: dict[str, Any] = dict(done_before)
     for name, ps in shard_procs.items():
         for p in ps:
             r.wait(p, timeout=max(1.0, r.left() - 15), check=False)
