@@ -98,6 +98,21 @@ class Runner:
             raise RuntimeError(f"{name} failed (rc={rc}):\n{tail}")
         return dt
 
+    def wait_by(self, p: subprocess.Popen, group: list[subprocess.Popen], margin: float, floor: float) -> float:
+        """wait(p) until ``margin`` s before the deadline; past it, stop every running process of
+        ``group`` at once (one by one, each waited on for ``floor`` s, 80 evaluation shards took
+        90 s and ran a device call past its limit: 2026-11-30e)."""
+        if self.left() - margin <= floor:
+            alive = [q for q in group if q.poll() is None]
+            if alive:
+                log(f"deadline: stopping {len(alive)} running processes at once")
+                for q in alive:
+                    try:
+                        os.killpg(q.pid, 15)
+                    except ProcessLookupError:
+                        pass
+        return self.wait(p, timeout=max(floor, self.left() - margin), check=False)
+
     def run(self, name: str, cmd: list[str], timeout: float | None = None, env: dict | None = None) -> float:
         return self.wait(self.start(name, cmd, env), timeout)
 
@@ -512,7 +527,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             start_eval(f"{who}_k{k}", d, k, a.eval_max_per_category)
     save()
     for name, p in procs.items():
-        dt = r.wait(p, timeout=max(10.0, r.left() - 60), check=False)
+        dt = r.wait_by(p, list(procs.values()), margin=60, floor=10)
         abl[name].update(wall_s=dt, rc=p.returncode, draft=str(latest_eyas_draft(work / f"abl_{name}")),
                          summary=json.loads((work / f"abl_{name}" / "summary.json").read_text())
                          if (work / f"abl_{name}" / "summary.json").is_file() else None)
@@ -523,9 +538,10 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             log(f"ablation {name}: cut off before its last step; a later rest call resumes it")
         save()
     reports: dict[str, Any] = dict(done_before)
+    shards = [p for ps in shard_procs.values() for p in ps]
     for name, ps in shard_procs.items():
         for p in ps:
-            r.wait(p, timeout=max(1.0, r.left() - 15), check=False)
+            r.wait_by(p, shards, margin=15, floor=1)
         plan = res["eval_plan"][name]
         r.run(f"merge_{name}", ev_base + ["--draft", plan["draft"], "--out", work / f"eval_{name}",
                                           "-k", plan["k"], "--merge"], env=r.spec_env())
