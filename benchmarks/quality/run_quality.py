@@ -578,18 +578,28 @@ def plot(res: dict, out: Path) -> None:
         return
     ev = res.get("evaluations", {})
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [n for n in ev if ev[n].get("tau") is not None]
-    axes[0].barh(names, [ev[n]["tau"] for n in names],
-                 color=["C0" if n.startswith("eyas") else "C1" if n.startswith("spec") else "C2" for n in names])
+    # the comparison first, then the ablations; one colour per draft, k=3 and k=5 in two shades
+    rank = {"eyas": 0, "speculators": 1}
+    names = sorted((n for n in ev if ev[n].get("tau") is not None),
+                   key=lambda n: (rank.get(n.rsplit("_k", 1)[0], 2), n))
+    drafts = list(dict.fromkeys(n.rsplit("_k", 1)[0] for n in names))
+    cmap = plt.get_cmap("tab20")
+    colour = {n: cmap((2 * drafts.index(n.rsplit("_k", 1)[0])) % 20 + (1 if n.endswith("_k3") else 0))
+              for n in names}
+    axes[0].barh(names, [ev[n]["tau"] for n in names], color=[colour[n] for n in names])
     for i, n in enumerate(names):  # the turn count: ablations run on fewer questions
         axes[0].text(ev[n]["tau"], i, f" {ev[n]['tau']:.3f} ({ev[n].get('prompts', '?')} turns)", va="center")
     axes[0].set_xlabel("tau (tokens per target forward), MT-bench, greedy")
+    axes[0].set_xlim(0, max([ev[n]["tau"] for n in names] + [1.0]) * 1.3)
     axes[0].invert_yaxis()
-    for n in names:
+    longest = max((len(ev[n]["acceptance_rate_per_pos"]) for n in names), default=0)
+    for n in names:  # the largest k only: a smaller k's rates are nearly its first positions
         rates = ev[n]["acceptance_rate_per_pos"]
-        axes[1].plot(range(1, len(rates) + 1), rates, marker="o", label=n,
-                     linestyle="-" if not n.startswith("abl") else ":")
-    axes[1].set_xlabel("draft position")
+        if len(rates) != longest:
+            continue
+        axes[1].plot(range(1, len(rates) + 1), rates, marker="o", label=n, color=colour[n],
+                     linestyle=":" if n.startswith("abl") else "-", linewidth=1 if n.startswith("abl") else 2)
+    axes[1].set_xlabel(f"draft position (k={longest})")
     axes[1].set_ylabel("acceptance rate")
     axes[1].legend(fontsize=7)
     em = (res.get("eyas_main") or {})
