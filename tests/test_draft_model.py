@@ -356,10 +356,11 @@ def test_fc_norm_normalises_each_aux_layer_before_fc():
     torch.testing.assert_close(m.combine(aux), ref)
 
 
-@pytest.mark.parametrize("chunk", [5, 4096])
-def test_fused_loss_equals_unfused_value_stats_and_gradients(chunk):
+@pytest.mark.parametrize("chunk,compiled", [(5, False), (4096, False), (5, True)])
+def test_fused_loss_equals_unfused_value_stats_and_gradients(chunk, compiled):
     """fused_ttt_loss (lm_head + target distribution + CE chunked over the counted positions)
-    gives ttt_loss's value, per-step stats and gradients w.r.t. the draft (float64)."""
+    gives ttt_loss's value, per-step stats and gradients w.r.t. the draft (float64); compiled
+    (`--compile`) too, through chunks of different lengths (one dynamic graph)."""
     from eyas.draft.fused_loss import fused_ttt_loss
 
     torch.manual_seed(0)
@@ -383,7 +384,7 @@ def test_fused_loss_equals_unfused_value_stats_and_gradients(chunk):
     ref, ref_stats = ttt_loss(m(aux, x, pos, doc, k), head(final), mask, doc, 0.8)
     ref_g = grads(ref)
     got, got_stats = fused_ttt_loss(m(aux, x, pos, doc, k, return_normed=True), m.lm_head.weight, head,
-                                    final, mask, doc, 0.8, chunk=chunk)
+                                    final, mask, doc, 0.8, chunk=chunk, compiled=compiled)
     got_g = grads(got)
     torch.testing.assert_close(got, ref.float(), rtol=1e-6, atol=1e-6)
     for r, g in zip(ref_stats, got_stats):

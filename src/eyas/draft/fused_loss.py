@@ -16,12 +16,43 @@ import torch
 from eyas.draft.loss import StepStats, TargetHead, reduce_ttt_steps
 
 
+def chunk_terms(hc: torch.Tensor, w: torch.Tensor, final: torch.Tensor, head: TargetHead,
+                need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One chunk: (sum of CEs, top-1 agreements, d CE / d logits in ``hc``'s dtype or None).
+
+    Everything between the two matmul families of the backward lives here, so that ``--compile``
+    turns the fp32 [chunk, draft_vocab] passes (logits, target softmax, logsumexp, their
+    difference) into a few fused kernels (:func:`chunk_fn`)."""
+    z = (hc @ w.T).float()
+    tz = head(final)
+    p = torch.softmax(tz, dim=-1)
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    loss = (lse.squeeze(-1) - (p * z).sum(-1)).sum()
+    correct = (z.argmax(-1) == tz.argmax(-1)).sum().float()
+    g = (torch.exp(z - lse) - p).to(hc.dtype) if need_grad else None
+    return loss, correct, g
+
+
+_compiled_chunk = None
+
+
+def chunk_fn(compiled: bool):
+    """:func:`chunk_terms`, compiled once per process when ``compiled`` (dynamic: the last chunk
+    of each TTT step is shorter)."""
+    global _compiled_chunk
+    if not compiled:
+        return chunk_terms
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(chunk_terms, dynamic=True)
+    return _compiled_chunk
+
+
 class _FusedSoftCE(torch.autograd.Function):
     """sum_rows CE(softmax(h W^T), softmax(target(f))) and the number of top-1 agreements."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, final: torch.Tensor, head: TargetHead,
-                chunk: int, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, dtype: torch.dtype | None, terms) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = dtype or h.dtype
         w = weight.to(dtype)  # the matmul dtype autocast gives the unfused lm_head
         need_grad = any(ctx.needs_input_grad[:2])  # not for held-out evaluation under no_grad
@@ -31,16 +62,13 @@ class _FusedSoftCE(torch.autograd.Function):
         correct = torch.zeros((), dtype=torch.float32, device=h.device)
         with torch.autocast(h.device.type, enabled=False), torch.no_grad():
             for s in range(0, h.shape[0], chunk):
-                hc = h[s:s + chunk].to(dtype)
-                z = (hc @ w.T).float()
-                tz = head(final[s:s + chunk])
-                p = torch.softmax(tz, dim=-1)
-                lse = torch.logsumexp(z, dim=-1, keepdim=True)
-                loss += (lse.squeeze(-1) - (p * z).sum(-1)).sum()
-                correct += (z.argmax(-1) == tz.argmax(-1)).sum()
-                if not need_grad:
+                # detached: the same compiled graph for every call (requires_grad is guarded on)
+                hc = h[s:s + chunk].detach().to(dtype)
+                loss_c, correct_c, g = terms(hc, w.detach(), final[s:s + chunk].detach(), head, need_grad)
+                loss += loss_c
+                correct += correct_c
+                if g is None:
                     continue
-                g = (torch.exp(z - lse) - p).to(dtype)  # d CE / d z
                 grad_h[s:s + chunk] = (g @ w).to(h.dtype)
                 grad_w += (g.T @ hc).float()
         ctx.save_for_backward(grad_h, grad_w)
@@ -52,20 +80,22 @@ class _FusedSoftCE(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor, _grad_correct: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         return (grad_h * grad_loss.to(grad_h.dtype), (grad_w * grad_loss).to(ctx.weight_dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, head: TargetHead,
                    final: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
                    step_decay: float, chunk: int = 4096, dtype: torch.dtype | None = None,
-                   ) -> tuple[torch.Tensor, list[StepStats]]:
+                   compiled: bool = False) -> tuple[torch.Tensor, list[StepStats]]:
     """:func:`eyas.draft.loss.ttt_loss` from the draft's normed hidden per TTT step
     (``Eagle3Draft.forward(..., return_normed=True)``) and the target's final states [B,T,H].
-    ``dtype``: the lm_head matmuls' dtype (bf16 under bf16 autocast; default: the hidden's)."""
+    ``dtype``: the lm_head matmuls' dtype (bf16 under bf16 autocast; default: the hidden's).
+    ``compiled``: each chunk's elementwise work through torch.compile (``eyas train --compile``)."""
+    terms = chunk_fn(compiled)
 
     def score(j: int, n: int, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
         loss_sum, correct = _FusedSoftCE.apply(normed[j][:, :n][valid], lm_head_weight,
-                                               final[:, 1 + j:1 + j + n][valid], head, chunk, dtype)
+                                               final[:, 1 + j:1 + j + n][valid], head, chunk, dtype, terms)
         return loss_sum, correct, valid.sum().float()
 
     return reduce_ttt_steps(len(normed), final.shape[1], loss_mask, doc_ids, step_decay, score)

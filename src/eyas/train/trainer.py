@@ -387,7 +387,8 @@ def train(cfg: TrainConfig) -> Path:
                                            cfg.ttt_steps, attention=attention, return_normed=cfg.fused_loss)
         if cfg.fused_loss:
             loss, stats = fused_ttt_loss(out, model.lm_head.weight, head, batch.final, batch.loss_mask,
-                                         batch.doc_ids, cfg.step_decay, dtype=matmul_dtype)
+                                         batch.doc_ids, cfg.step_decay, dtype=matmul_dtype,
+                                         compiled=cfg.compile)
             return loss, stats, batch.num_tokens
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             tgt = head(batch.final)
