@@ -325,6 +325,28 @@ def test_attention_choice():
         flex.resolve("sdpa", torch.device("cpu"))
 
 
+def test_flex_kernel_first_asked_for_inside_a_compiled_graph_stays_compiled(monkeypatch):
+    """Under `eyas train --compile` the first flex call comes while dynamo traces the draft. The
+    kernel kept for later eager calls (held-out evaluation) must still be the compiled one, not
+    the plain function, which runs unfused and materialises every score (found in the H200 logs
+    of 2026-11-30e: flex's "called without torch.compile" warning at the end of compiled runs)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from eyas.draft import flex
+
+    monkeypatch.setattr(flex, "_compiled", None)
+    cuda = torch.device("cuda")  # only its type is read: nothing runs on a GPU here
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def traced(x):
+        assert flex._kernel(cuda) is flex_attention  # inside the graph: dynamo compiles flex itself
+        return x + 1
+
+    traced(torch.ones(2))
+    kept = flex._kernel(cuda)
+    assert kept is not flex_attention and flex._kernel(cuda) is kept
+
+
 def test_compiled_soft_cross_entropy_matches_eager():
     """`eyas train --compile` swaps in the compiled loss: same values and gradients, for the
     different position counts the TTT steps score (one dynamic graph)."""

@@ -46,6 +46,11 @@ def _kernel(device: torch.device):
     global _compiled
     if device.type != "cuda":
         return _eager
+    if torch.compiler.is_compiling():
+        # inside `eyas train --compile`'s graph, which compiles flex itself. A torch.compile made
+        # while tracing is traced away: the global would keep the plain function, and every later
+        # eager call (held-out evaluation) would run flex unfused, materialising all the scores.
+        return flex_attention
     if _compiled is None:  # compile once; every step and batch of the run reuses it
         _compiled = torch.compile(flex_attention, dynamic=False)
     return _compiled
@@ -73,7 +78,9 @@ def ttt_block_mask(doc_ids: torch.Tensor, step: int, steps: int) -> BlockMask:
         return causal | chain
 
     make = create_block_mask
-    if doc_ids.is_cuda:  # compiled, as torch advises (its _compile flag is deprecated in 2.11)
+    # compiled, as torch advises (its _compile flag is deprecated in 2.11); inside a compiled
+    # graph, the plain function, as in _kernel
+    if doc_ids.is_cuda and not torch.compiler.is_compiling():
         global _compiled_mask
         if _compiled_mask is None:
             _compiled_mask = torch.compile(create_block_mask)
