@@ -100,8 +100,8 @@ class Runner:
 
     def wait_by(self, p: subprocess.Popen, group: list[subprocess.Popen], margin: float, floor: float) -> float:
         """wait(p) until ``margin`` s before the deadline; past it, stop every running process of
-        ``group`` at once (one by one, each waited on for ``floor`` s, 80 evaluation shards took
-        90 s and ran a device call past its limit: 2026-11-30e)."""
+        ``group`` at once. Stopping them one at a time, each after a ``floor`` s wait, took 80
+        evaluation shards 90 s and ran a device call past its limit (2026-11-30e)."""
         if self.left() - margin <= floor:
             alive = [q for q in group if q.poll() is None]
             if alive:
