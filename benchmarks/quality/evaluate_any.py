@@ -1,10 +1,11 @@
 """`eyas evaluate`'s built-in engine for any draft the comparison produces, on a chosen device.
 
 Same loop, same report as ``eyas evaluate --engine builtin`` (``eyas.evaluate.speculative.
-BuiltinEngine`` + ``runner.run_questions`` + ``report.build_report``), with two differences the
-comparison needs: the draft is loaded with ``from_speculators.load_draft`` (eyas checkpoints
-and converted speculators checkpoints alike), and target and draft are put on ``--device``
-(the CLI evaluates on the CPU). Writes OUT/builtin/report.json (+ records, plots).
+BuiltinEngine`` + ``runner.run_questions`` + ``report.build_report``), for eyas drafts and
+converted speculators ones alike (``from_speculators.py`` writes plain eyas checkpoints), and with
+what the comparison adds: target and draft on ``--device`` (the CLI evaluates on the CPU), and
+questions split into shards. Writes OUT/builtin/report.json (+ records,
+plots).
 
 Usage: python evaluate_any.py --draft D --target T --prompts Q --out O -k 3 [--device cuda]
        [--max-prompts N] [--max-new-tokens 256] [--dtype float32]
@@ -18,8 +19,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 def evaluate(draft_dir: Path, target_dir: str, prompts: Path, out: Path, k: int, device: str,
              max_prompts: int | None, max_new_tokens: int, dtype: str, progress: bool = True,
@@ -27,12 +26,12 @@ def evaluate(draft_dir: Path, target_dir: str, prompts: Path, out: Path, k: int,
     import torch
 
     from eyas.data.chat import stop_token_ids
+    from eyas.draft.model import Eagle3Draft
     from eyas.evaluate.prompts import read_questions
     from eyas.evaluate.report import build_report, write_report
     from eyas.evaluate.runner import run_questions
     from eyas.evaluate.speculative import BuiltinEngine
     from eyas.target import resolve_target
-    from from_speculators import load_draft
 
     torch_dtype = getattr(torch, dtype)
     target = resolve_target(target_dir)
@@ -40,7 +39,7 @@ def evaluate(draft_dir: Path, target_dir: str, prompts: Path, out: Path, k: int,
     stop_ids = set(stop_token_ids(tokenizer, target.path))
     questions = read_questions(prompts, max_prompts, max_per_category)[shard::num_shards]
     model = target.load_model(dtype=torch_dtype, device=device)
-    draft = load_draft(draft_dir, device=device, dtype=torch_dtype)
+    draft = Eagle3Draft.from_pretrained(draft_dir, device=device, dtype=torch_dtype)
     sub = Path(out) / "builtin"
     sub.mkdir(parents=True, exist_ok=True)
     settings = {"target_id": target.id, "draft": str(Path(draft_dir).resolve()), "k": k,

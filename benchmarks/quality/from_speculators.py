@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +88,7 @@ def rename(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def convert(ckpt: str | os.PathLike, target: str | os.PathLike, out: str | os.PathLike) -> dict:
     """Write the eyas-side draft directory; returns a summary (also in ``out/conversion.json``)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     ckpt, target, out = Path(ckpt), Path(target), Path(out)
     for f in ("config.json", "model.safetensors"):
@@ -117,26 +115,9 @@ def convert(ckpt: str | os.PathLike, target: str | os.PathLike, out: str | os.Pa
                "norm_output": cfg.norm_output, "norm_before_residual": cfg.norm_before_residual,
                "speculators_version": spec_cfg.get("speculators_version"),
                "sliding_window": spec_cfg["transformer_layer_config"].get("sliding_window")}
-    cfg_dict = cfg.to_dict()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
-        (tmp / "conversion.json").write_text(json.dumps(summary, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(out)  # atomic: config.json + model.safetensors
+    (out / "conversion.json").write_text(json.dumps(summary, indent=2))
     return summary
-
-
-def load_draft(directory: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None) -> Eagle3Draft:
-    """Load what :func:`convert` wrote (any eyas draft checkpoint)."""
-    return Eagle3Draft.from_pretrained(directory, device=device, dtype=dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
