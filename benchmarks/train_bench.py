@@ -17,7 +17,13 @@ FLOPs counted per real token (training = 3x forward for matmuls with weight and 
                         epoch-0 training packs' document layout: per step j, block 0 tiles (document-causal)
                         + j diagonal-block tiles; 3 * 4 * 128*128 * head_dim * heads per tile, per real token
   target head    2 * H * draft_vocab (no grad)            online target: 2 * non-embedding params
-MFU = draft-matmul FLOP/s / peak (H200 bf16 dense 989.4 TFLOP/s unless --peak-tflops).
+  model          the draft matmuls training needs: the layer and fc on every position, lm_head only on
+                 the positions the loss scores (per TTT step j: loss mask at i+2+j, same document; counted
+                 from the epoch-0 packs). The default loss runs lm_head on every position (``draft_matmul``
+                 above); --fused-loss runs it on the scored ones only, and the target head there once per
+                 step on them (``executed``).
+MFU = model FLOP/s / peak (H200 bf16 dense 989.4 TFLOP/s unless --peak-tflops). ``mfu_draft_matmul``
+(lm_head on every position) is the figure reported before 2026-11-30 16:00 UTC, kept for comparison.
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ def rewrite_for(ds, target, out: Path, n: int | None) -> Path:
                           [r.source_id for r in rows], target, d2t, t2d)
 
 
-def flops_per_token(cfg: DraftConfig, ttt: int, pack: int, target_cfg: dict) -> dict[str, float]:
+def flops_per_token(cfg: DraftConfig, ttt: int, pack: int, target_cfg: dict, fractions: list[float],
+                    fused: bool) -> dict[str, float]:
     h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     layer = 2 * h * (nh * d + 2 * nkv * d) + nh * d * h + 3 * h * cfg.intermediate_size
     per_step = layer + h * cfg.draft_vocab_size
@@ -65,9 +72,12 @@ def flops_per_token(cfg: DraftConfig, ttt: int, pack: int, target_cfg: dict) -> 
     thd = tc.get("head_dim") or th // tc["num_attention_heads"]
     tparams = tl * (th * thd * (tc["num_attention_heads"] + 2 * tc.get("num_key_value_heads", tc["num_attention_heads"]))
                     + tc["num_attention_heads"] * thd * th + 3 * th * ti)
+    head = h * cfg.draft_vocab_size
+    scored = sum(fractions)
     return {"draft_matmul": ttt * 3 * 2 * per_step + 2 * 2 * fc,
+            "model": ttt * 3 * 2 * layer + 3 * 2 * head * scored + 2 * 2 * fc,
             "attention": ttt * 3 * 4 * pack * nh * d,
-            "target_head": 2 * h * cfg.draft_vocab_size,
+            "target_head": 2 * head * (scored if fused else 1.0),
             "online_target": 2 * tparams}
 
 
@@ -86,22 +96,40 @@ def flex_tiles(doc: np.ndarray, steps: int) -> int:
     return sum(block0 + sum(diag[1:j + 1]) for j in range(steps))
 
 
+def epoch0_packs(ds, pack: int, seed: int = 0):
+    """Per training pack of epoch 0 (as the trainer packs them): the cut documents' loss masks."""
+    train_idx, _ = split_indices(len(ds), 0.01)
+    for p in pack_indices(train_idx, ds.lengths, pack, seed=seed * 100003):
+        masks, at = [], 0
+        for i in p:
+            n = min(int(ds.lengths[i]), pack - at)
+            masks.append(np.asarray(ds[i].loss_mask[:n], bool))
+            at += n
+        yield masks
+
+
+def scored_fractions(ds, pack: int, ttt: int, seed: int = 0) -> list[float]:
+    """Per TTT step j: positions the loss scores (x[i+2+j] in the loss mask and the document) per real token."""
+    scored, real = np.zeros(ttt), 0
+    for masks in epoch0_packs(ds, pack, seed):
+        for m in masks:
+            scored += [m[2 + j:].sum() for j in range(ttt)]
+            real += len(m)
+    return (scored / max(real, 1)).tolist()
+
+
 def attention_flops_per_token(cfg: DraftConfig, ttt: int, pack: int, kind: str, ds, seed: int = 0) -> float:
     """Training attention FLOPs per real token as executed (see the module docstring)."""
     nh, d = cfg.num_attention_heads, cfg.head_dim
     if kind == "dense":
         return ttt * 3 * 4 * pack * nh * d
-    train_idx, _ = split_indices(len(ds), 0.01)
-    packs = pack_indices(train_idx, ds.lengths, pack, seed=seed * 100003)  # the trainer's epoch-0 packs
     tiles = real = 0
-    for p in packs:
-        lens = [min(int(ds.lengths[i]), pack) for i in p]
+    for masks in epoch0_packs(ds, pack, seed):
         doc = np.full(pack, -1, np.int64)
         at = 0
-        for k, n in enumerate(lens):
-            n = min(n, pack - at)
-            doc[at:at + n] = k
-            at += n
+        for k, m in enumerate(masks):
+            doc[at:at + len(m)] = k
+            at += len(m)
         tiles += flex_tiles(doc, ttt)
         real += at
     return 3 * 4 * TILE * TILE * d * nh * tiles / max(real, 1)
@@ -110,14 +138,16 @@ def attention_flops_per_token(cfg: DraftConfig, ttt: int, pack: int, kind: str, 
 def measure(run: Path, warmup: int) -> dict[str, float]:
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     recs = [r for r in recs if r["split"] == "train"]
-    tokens, seconds, prev = 0, 0.0, 0
+    tokens, seconds, warm_s, prev = 0, 0.0, 0.0, 0
     for r in recs:
         step_tokens = r["tokens"] - prev
         prev = r["tokens"]
         if r["step"] > warmup:
             tokens += step_tokens
             seconds += step_tokens / r["tokens_per_s"]
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+        else:  # compilation included
+            warm_s += step_tokens / r["tokens_per_s"]
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "warmup_s": warm_s,
             "steps": len(recs) - warmup, "final_loss": recs[-1]["loss"], "acc_step0": recs[-1]["acc"][0]}
 
 
@@ -134,8 +164,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup-steps", type=int, default=8)
     ap.add_argument("--compile", default="0", help="comma list of 0/1: torch.compile variants")
-    ap.add_argument("--fused-loss", action="store_true",
-                    help="train with --fused-loss (FLOPs are still counted as for the unfused loss)")
+    ap.add_argument("--fused-loss", action="store_true", help="train with --fused-loss")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--json", default=None)
@@ -206,26 +235,33 @@ def main() -> None:
                     continue
                 m = measure(run, args.warmup_steps)
                 dcfg = DraftConfig.from_dict(json.loads((draft_dir / "config.json").read_text()))
-                f = flops_per_token(dcfg, args.ttt_steps, args.tokens_per_batch, target.config())
+                fractions = scored_fractions(open_prepared(data), args.tokens_per_batch, args.ttt_steps)
+                f = flops_per_token(dcfg, args.ttt_steps, args.tokens_per_batch, target.config(), fractions,
+                                    args.fused_loss)
                 f["attention"] = attention_flops_per_token(dcfg, args.ttt_steps, args.tokens_per_batch, attention,
                                                            open_prepared(data))
+                # what this configuration runs: lm_head on every position, or (fused) on the scored ones
+                matmuls = f["model"] if args.fused_loss else f["draft_matmul"]
+                executed = matmuls + f["attention"] + f["target_head"] + (f["online_target"] if mode == "online" else 0)
                 tps = m["tokens_per_s"]
                 row = {"mode": mode, "batch_packs": bs, "compile": comp, "attention": attention,
                        "fused_loss": args.fused_loss, "parallel": args.parallel if dist.world > 1 else "single", "world_size": dist.world,
-                       **m, "wall_s_total": wall,
+                       **m, "wall_s_total": wall, "scored_fraction_per_step": fractions,
                        "flops_per_token": f,
+                       "model_tflops": f["model"] * tps / 1e12,
                        "draft_matmul_tflops": f["draft_matmul"] * tps / 1e12,
-                       "all_tflops": sum(f.values() if mode == "online" else
-                                         [v for k, v in f.items() if k != "online_target"]) * tps / 1e12}
+                       "executed_tflops": executed * tps / 1e12}
                 if peak:  # per-GPU peak times the GPUs training
+                    row["mfu"] = row["model_tflops"] / (peak * dist.world)
                     row["mfu_draft_matmul"] = row["draft_matmul_tflops"] / (peak * dist.world)
-                    row["hfu_all"] = row["all_tflops"] / (peak * dist.world)
+                    row["hfu_executed"] = row["executed_tflops"] / (peak * dist.world)
                 results.append(row)
                 report(args, device_name, peak, data, results)
-                print(f"{mode:8} packs/micro={bs} compile={int(comp)} {attention} x{dist.world}  {tps:>12,.0f} tok/s  "
-                      f"draft matmuls {row['draft_matmul_tflops']:.1f} TFLOP/s"
-                      + (f"  MFU {row['mfu_draft_matmul']:.1%}  (all counted FLOPs {row['hfu_all']:.1%})"
-                         if peak else "") + f"  loss {m['final_loss']:.3f}", flush=True)
+                print(f"{mode:8} packs/micro={bs} compile={int(comp)} fused={int(args.fused_loss)} {attention} "
+                      f"x{dist.world}  {tps:>12,.0f} tok/s  model {row['model_tflops']:.1f} TFLOP/s"
+                      + (f"  MFU {row['mfu']:.1%} (lm_head on all positions: {row['mfu_draft_matmul']:.1%}; "
+                         f"executed FLOPs {row['hfu_executed']:.1%})" if peak else "")
+                      + f"  warm-up {m['warmup_s']:.1f} s  loss {m['final_loss']:.3f}", flush=True)
     if main_rank:
         print(json.dumps(report(args, device_name, peak, data, results)))
 

@@ -288,6 +288,7 @@ class Eagle3Draft(nn.Module):
         self.rotary = Rotary(cfg)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self._regions: tuple | None = None  # compiled (_step_in, _step_out), see compile_regions
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -372,7 +373,7 @@ class Eagle3Draft(nn.Module):
         ``return_normed``: per step the normed hidden lm_head would take [B,T,H] instead of the
         logits (for :func:`eyas.draft.fused_loss.fused_ttt_loss`).
         """
-        layer, attn = self.midlayer, self.midlayer.self_attn
+        attn = self.midlayer.self_attn
         scale = 1.0 / math.sqrt(attn.d)
         use_flex = flex.resolve(attention, aux.device, backward=torch.is_grad_enabled()) == "flex"
         if not use_flex:
@@ -385,11 +386,10 @@ class Eagle3Draft(nn.Module):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         outs = []
+        step_in, step_out = self._regions or (self._step_in, self._step_out)
         for j in range(ttt_steps):
             tokens = shift_in_doc(input_ids, doc_ids, 1 + j, fill=0)
-            x, residual = layer.pre(self.embed_tokens(tokens).to(hidden.dtype), hidden)
-            cos, sin = self.rotary(position_ids + j)
-            q, k, v = attn.qkv(x, cos, sin)
+            q, k, v, residual = step_in(tokens, hidden, position_ids + j)
             keys.append(k if use_flex else attn.expand_kv(k))
             values.append(v if use_flex else attn.expand_kv(v))
             if use_flex:
@@ -397,9 +397,33 @@ class Eagle3Draft(nn.Module):
                 o = flex.ttt_attention(q, keys, values, mask, ttt_steps, scale)
             else:
                 o = _dense_ttt_attention(q, keys, values, mask0, scale)
-            normed, hidden = self._outputs(layer.post(attn.out(o), residual))
+            normed, hidden = step_out(o, residual)
             outs.append(normed if return_normed else self.lm_head(normed))
         return outs
+
+    def _step_in(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """One TTT step up to attention: (q, k, v, residual) from the step's input tokens and hidden."""
+        layer = self.midlayer
+        x, residual = layer.pre(self.embed_tokens(tokens).to(hidden.dtype), hidden)
+        cos, sin = self.rotary(positions)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        return q, k, v, residual
+
+    def _step_out(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One TTT step after attention: (normed hidden for lm_head, hidden for the next step)."""
+        layer = self.midlayer
+        return self._outputs(layer.post(layer.self_attn.out(o), residual))
+
+    def compile_regions(self, backend="inductor") -> None:
+        """torch.compile the TTT step's two dense regions (``eyas train --compile``).
+
+        Every step of the unroll has the same shapes (flex pads the keys to ``ttt_steps`` blocks), so
+        one compiled graph per region, forward and backward, serves all steps and the compile time
+        does not grow with ``--ttt-steps``. Compiling the whole unroll instead traced every step
+        separately: about 4 minutes for TTT 7 on the H200 (benchmarks/train_bench.md). Flex
+        attention and its block masks are compiled on their own (:mod:`eyas.draft.flex`)."""
+        self._regions = (torch.compile(self._step_in, backend=backend),
+                         torch.compile(self._step_out, backend=backend))
 
     # ------------------------------------------------------------------ persistence
 

@@ -356,7 +356,8 @@ def train(cfg: TrainConfig) -> Path:
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-    fwd = torch.compile(net) if cfg.compile else net
+    if cfg.compile:
+        model.compile_regions()  # per TTT step, not the whole unroll: compile time independent of the steps
     # the loss's [tokens, draft_vocab] fp32 passes are most of a step's memory traffic; compiled, one
     # fused reduction (dynamic: each TTT step scores a different number of positions)
     ce = torch.compile(soft_cross_entropy, dynamic=True) if cfg.compile else soft_cross_entropy
@@ -383,7 +384,7 @@ def train(cfg: TrainConfig) -> Path:
     def run_batch(packs, grad: bool):
         batch = source.batch(packs)
         with autocast():
-            out = (fwd if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
+            out = (net if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
                                            cfg.ttt_steps, attention=attention, return_normed=cfg.fused_loss)
         if cfg.fused_loss:
             loss, stats = fused_ttt_loss(out, model.lm_head.weight, head, batch.final, batch.loss_mask,
