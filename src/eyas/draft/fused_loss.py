@@ -3,10 +3,17 @@
 :func:`eyas.draft.loss.ttt_loss` takes the draft's logits: per TTT step one [tokens, draft_vocab]
 tensor kept for backward, plus the target's logits and softmax over the whole pack, all in fp32.
 On the H200 those passes are the largest cost of a compiled step (benchmarks/train_bench.md).
-Here the lm_head matmul, the target's distribution, the cross entropy and its gradient run chunk by
-chunk over only the positions the loss counts (the loss mask drops prompt tokens): no
-[tokens, vocab] tensor outlives its chunk, and the gradients w.r.t. the draft's normed hidden
-and lm_head come out of the same pass. Same value and gradients as :func:`ttt_loss` (test).
+Here only the positions the loss counts are scored (the loss mask drops prompt tokens: about half
+of a chat dataset's tokens):
+
+- the target's logits, their logsumexp and argmax are computed once per batch, for the positions
+  whose next token is in the loss mask; every TTT step reads its rows from them (step j's target
+  rows are a subset of step 0's);
+- per step, chunk by chunk, the lm_head matmul, the target's distribution, the cross entropy and its
+  gradient run together: no fp32 [tokens, vocab] tensor outlives its chunk, and the gradients
+  w.r.t. the draft's normed hidden and lm_head come out of the same pass.
+
+Same value and gradients as :func:`ttt_loss` (test).
 """
 
 from __future__ import annotations
@@ -16,19 +23,20 @@ import torch
 from eyas.draft.loss import StepStats, TargetHead, reduce_ttt_steps
 
 
-def chunk_terms(hc: torch.Tensor, w: torch.Tensor, final: torch.Tensor, head: TargetHead,
-                need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def chunk_terms(hc: torch.Tensor, w: torch.Tensor, tz: torch.Tensor, t_lse: torch.Tensor, t_top: torch.Tensor,
+                rows: torch.Tensor, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk: (sum of CEs, top-1 agreements, d CE / d logits in ``hc``'s dtype or None).
 
-    Everything between the two matmul families of the backward lives here, so that ``--compile``
-    turns the fp32 [chunk, draft_vocab] passes (logits, target softmax, logsumexp, their
-    difference) into a few fused kernels (:func:`chunk_fn`)."""
+    ``tz``/``t_lse``/``t_top``: the batch's target logits, logsumexp and argmax; ``rows``: this
+    chunk's rows of them. Everything between the two matmul families of the backward lives here,
+    so that ``--compile`` turns the fp32 [chunk, draft_vocab] passes (logits, target softmax,
+    logsumexp, their difference, the gather of the target rows) into a few fused kernels
+    (:func:`chunk_fn`)."""
     z = (hc @ w.T).float()
-    tz = head(final)
-    p = torch.softmax(tz, dim=-1)
+    p = torch.exp(tz[rows].float() - t_lse[rows, None])
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     loss = (lse.squeeze(-1) - (p * z).sum(-1)).sum()
-    correct = (z.argmax(-1) == tz.argmax(-1)).sum().float()
+    correct = (z.argmax(-1) == t_top[rows]).sum().float()
     g = (torch.exp(z - lse) - p).to(hc.dtype) if need_grad else None
     return loss, correct, g
 
@@ -37,8 +45,8 @@ _compiled_chunk = None
 
 
 def chunk_fn(compiled: bool):
-    """:func:`chunk_terms`, compiled once per process when ``compiled`` (dynamic: the last chunk
-    of each TTT step is shorter)."""
+    """:func:`chunk_terms`, compiled once per process when ``compiled`` (dynamic: chunks and
+    batches score different numbers of positions)."""
     global _compiled_chunk
     if not compiled:
         return chunk_terms
@@ -48,10 +56,10 @@ def chunk_fn(compiled: bool):
 
 
 class _FusedSoftCE(torch.autograd.Function):
-    """sum_rows CE(softmax(h W^T), softmax(target(f))) and the number of top-1 agreements."""
+    """sum_rows CE(softmax(h W^T), softmax(tz[rows])) and the number of top-1 agreements."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, final: torch.Tensor, head: TargetHead,
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, target: tuple[torch.Tensor, ...], rows: torch.Tensor,
                 chunk: int, dtype: torch.dtype | None, terms) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = dtype or h.dtype
         w = weight.to(dtype)  # the matmul dtype autocast gives the unfused lm_head
@@ -64,7 +72,7 @@ class _FusedSoftCE(torch.autograd.Function):
             for s in range(0, h.shape[0], chunk):
                 # detached: the same compiled graph for every call (requires_grad is guarded on)
                 hc = h[s:s + chunk].detach().to(dtype)
-                loss_c, correct_c, g = terms(hc, w.detach(), final[s:s + chunk].detach(), head, need_grad)
+                loss_c, correct_c, g = terms(hc, w.detach(), *target, rows[s:s + chunk], need_grad)
                 loss += loss_c
                 correct += correct_c
                 if g is None:
@@ -83,6 +91,26 @@ class _FusedSoftCE(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+@torch.no_grad()
+def target_rows(head: TargetHead, final: torch.Tensor, loss_mask: torch.Tensor, chunk: int
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """((logits, logsumexp, argmax) of the target at every position whose next token is in the
+    loss mask, row index per flat position [B*T] or -1). Logits stay in the head's matmul dtype
+    (bf16 on the GPU: half the bytes of fp32, and all the precision the matmul gave them)."""
+    b, t = loss_mask.shape
+    need = torch.zeros((b, t), dtype=torch.bool, device=loss_mask.device)
+    need[:, :-1] = loss_mask[:, 1:].bool()
+    flat = need.flatten().nonzero().squeeze(1)
+    row_of = torch.full((b * t,), -1, dtype=torch.long, device=loss_mask.device)
+    row_of[flat] = torch.arange(flat.numel(), device=loss_mask.device)
+    with torch.autocast(final.device.type, enabled=False):
+        tz = head.logits(final.reshape(b * t, -1)[flat])
+        lse = torch.cat([torch.logsumexp(tz[s:s + chunk].float(), dim=-1) for s in range(0, tz.shape[0], chunk)]
+                        or [tz.new_zeros(0, dtype=torch.float32)])
+        top = tz.argmax(-1) if tz.shape[0] else torch.zeros(0, dtype=torch.long, device=tz.device)
+    return (tz, lse, top), row_of
+
+
 def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, head: TargetHead,
                    final: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
                    step_decay: float, chunk: int = 4096, dtype: torch.dtype | None = None,
@@ -92,10 +120,14 @@ def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, hea
     ``dtype``: the lm_head matmuls' dtype (bf16 under bf16 autocast; default: the hidden's).
     ``compiled``: each chunk's elementwise work through torch.compile (``eyas train --compile``)."""
     terms = chunk_fn(compiled)
+    target, row_of = target_rows(head, final, loss_mask, chunk)
+    t = loss_mask.shape[1]
 
     def score(j: int, n: int, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        loss_sum, correct = _FusedSoftCE.apply(normed[j][:, :n][valid], lm_head_weight,
-                                               final[:, 1 + j:1 + j + n][valid], head, chunk, dtype, terms)
+        bi, ii = valid.nonzero(as_tuple=True)
+        # position i of step j predicts x[i+2+j] (in the loss mask): the target's row at i+1+j
+        rows = row_of[bi * t + ii + 1 + j]
+        loss_sum, correct = _FusedSoftCE.apply(normed[j][bi, ii], lm_head_weight, target, rows, chunk, dtype, terms)
         return loss_sum, correct, valid.sum().float()
 
-    return reduce_ttt_steps(len(normed), final.shape[1], loss_mask, doc_ids, step_decay, score)
+    return reduce_ttt_steps(len(normed), t, loss_mask, doc_ids, step_decay, score)

@@ -33,13 +33,19 @@ class TargetHead(nn.Module):
         return cls(head["norm"], head["lm_head"], d2t, eps)
 
     @torch.no_grad()
-    def forward(self, final: torch.Tensor) -> torch.Tensor:
-        """Target logits over the draft vocab, in fp32, for final states [.., H]."""
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """Target logits over the draft vocab for final states [.., H], in the head's dtype (what
+        its matmul gives: converting them to fp32 adds no information)."""
         dtype = self.norm_weight.dtype
         x = final.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         x = self.norm_weight * x.to(dtype)  # as the target's RMSNorm does
-        return F.linear(x, self.weight.to(x.dtype)).float()
+        return F.linear(x, self.weight.to(x.dtype))
+
+    @torch.no_grad()
+    def forward(self, final: torch.Tensor) -> torch.Tensor:
+        """Target logits over the draft vocab, in fp32, for final states [.., H]."""
+        return self.logits(final).float()
 
 
 @dataclass
