@@ -297,6 +297,80 @@ def test_flex_attention_matches_dense_logits(kv_heads):
         m(aux, x, pos, doc, 3, attention="flex")
 
 
+def _random_layout(b: int, t: int, seed: int) -> torch.Tensor:
+    """doc_ids [b, t]: documents of random lengths in order; row 1 ends in padding, row 2 is one document."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for r in range(b):
+        lens, total = [], 0
+        while total < t:
+            lens.append(int(torch.randint(1, 300, (), generator=g)))
+            total += lens[-1]
+        d = torch.cat([torch.full((n,), k) for k, n in enumerate(lens)])[:t]
+        if r == 1:
+            d[-100:] = -1
+        if r == 2:
+            d[:] = 0
+        rows.append(d)
+    return torch.stack(rows)
+
+
+def _block_sets(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """A BlockMask table (counts [B,H,rows], indices [B,H,rows,cols]) as a dense bool [B,H,rows,cols]."""
+    out = torch.zeros(*idx.shape, dtype=torch.bool)
+    for b in range(num.shape[0]):
+        for r in range(num.shape[2]):
+            out[b, 0, r, idx[b, 0, r, :num[b, 0, r]].long()] = True
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tiled_block_mask_equals_create_block_mask(seed):
+    """The TTT block mask built from the documents' tile layout (no mask_mod evaluation over all
+    pairs: compiled, that took 242 s of a cold --compile start) has create_block_mask's partial and
+    full tiles, forward and transposed, at every step."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from eyas.draft import flex
+
+    b, t, steps = 3, 512, 4
+    doc = _random_layout(b, t, seed)
+    for step in range(steps):
+        last = torch.tensor(step)
+
+        def mask_mod(bi, h, q, kv):
+            block = kv // t
+            src = kv - block * t
+            return (((block == 0) & (src <= q) & (doc[bi, src] == doc[bi, q]))
+                    | ((block >= 1) & (block <= last) & (src == q)))
+
+        ref = create_block_mask(mask_mod, b, None, t, steps * t, device="cpu")
+        got = flex.ttt_block_mask(doc, step, steps)
+        for kind in ("kv", "full_kv", "q", "full_q"):
+            torch.testing.assert_close(_block_sets(getattr(got, f"{kind}_num_blocks"), getattr(got, f"{kind}_indices")),
+                                       _block_sets(getattr(ref, f"{kind}_num_blocks"), getattr(ref, f"{kind}_indices")),
+                                       msg=f"step {step} {kind}")
+
+
+def test_flex_with_tiled_block_mask_matches_dense_logits():
+    """At a pack length that is a multiple of the tile (the tiled mask's case), flex's logits
+    equal the dense path's (CPU: flex forward only)."""
+    m = _gqa_draft(2)
+    b, t = 3, 256
+    doc = _random_layout(b, t, 3)
+    g = torch.Generator().manual_seed(0)
+    pos = torch.zeros(b, t, dtype=torch.long)
+    for r in range(b):
+        for d in doc[r].unique():
+            where = (doc[r] == d).nonzero().flatten()
+            pos[r, where] = torch.arange(len(where))
+    x = torch.randint(0, 50, (b, t), generator=g)
+    aux = torch.randn(b, t, 96, generator=g)
+    out = _flex_vs_dense(m, aux, x, pos, doc, grads=False)
+    for j in range(3):
+        torch.testing.assert_close(out["flex"][0][j], out["dense"][0][j], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention's backward needs CUDA")
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_flex_attention_matches_dense_gradients_on_cuda(kv_heads):

@@ -22,6 +22,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from eyas.errors import EyasError
 
 KINDS = ("auto", "dense", "flex")
+TILE = 128  # flex_attention's default block size
 _compiled = None
 _compiled_mask = None
 
@@ -77,6 +78,8 @@ def ttt_block_mask(doc_ids: torch.Tensor, step: int, steps: int) -> BlockMask:
         chain = (block >= 1) & (block <= last) & (src == q)
         return causal | chain
 
+    if t % TILE == 0:
+        return _tiled_block_mask(doc_ids, step, steps, mask_mod)
     make = create_block_mask
     # compiled, as torch advises (its _compile flag is deprecated in 2.11); inside a compiled
     # graph, the plain function, as in _kernel
@@ -86,6 +89,39 @@ def ttt_block_mask(doc_ids: torch.Tensor, step: int, steps: int) -> BlockMask:
             _compiled_mask = torch.compile(create_block_mask)
         make = _compiled_mask
     return make(mask_mod, b, None, t, steps * t, device=doc_ids.device)
+
+
+def _tiled_block_mask(doc_ids: torch.Tensor, step: int, steps: int, mask_mod) -> BlockMask:
+    """:func:`ttt_block_mask`'s tile tables worked out from the documents' layout, without
+    evaluating ``mask_mod`` over all [T, steps*T] pairs as ``create_block_mask`` does: compiled, that
+    took 242 s of a cold `eyas train --compile` start on the H200 (benchmarks/compile_time.md), and
+    uncompiled its temporaries grow with T^2 * steps. Documents are contiguous and in order, padding
+    (-1) last, so a q tile and a kv tile of block 0 share a document iff the kv tile's last document
+    is the q tile's first; the tile is full iff both hold that one document only. Block n >= 1 has
+    the diagonal tile of each q tile, for n <= step. Same tables as ``create_block_mask`` (test)."""
+    b, t = doc_ids.shape
+    nq, dev = t // TILE, doc_ids.device
+    d = torch.where(doc_ids < 0, t, doc_ids).view(b, nq, TILE)  # padding: one more document, last
+    lo, hi = d.amin(-1), d.amax(-1)
+    a = torch.arange(nq, device=dev)
+    earlier = a[None, :, None] > a[None, None, :]  # kv tile c before q tile a
+    shares = earlier & (hi[:, None, :] == lo[:, :, None])
+    single = lo == hi
+    full0 = shares & single[:, None, :] & single[:, :, None]
+    partial = torch.zeros(b, nq, steps * nq, dtype=torch.bool, device=dev)
+    full = torch.zeros_like(partial)
+    partial[:, :, :nq] = (shares & ~full0) | (a[:, None] == a[None, :])
+    full[:, :, :nq] = full0
+    for n in range(1, step + 1):
+        partial[:, a, n * nq + a] = True
+
+    def tables(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = dense.sum(-1, dtype=torch.int32)
+        idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return num[:, None], idx[:, None]  # one head dimension: the same for every head
+
+    return BlockMask.from_kv_blocks(*tables(partial), *tables(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
+                                    seq_lengths=(t, steps * t))
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
