@@ -165,6 +165,8 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=8)
     ap.add_argument("--compile", default="0", help="comma list of 0/1: torch.compile variants")
     ap.add_argument("--fused-loss", action="store_true", help="train with --fused-loss")
+    ap.add_argument("--compile-scope", default="regions", help="regions (eyas train --compile) or model (the whole "
+                    "TTT forward in one graph, for comparison)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--json", default=None)
@@ -206,7 +208,7 @@ def main() -> None:
             dist.barrier()
         for bs in [int(x) for x in args.batch_sizes.split(",")]:
             for comp in [bool(int(x)) for x in args.compile.split(",")]:
-                run = work / f"run-{mode}-b{bs}-c{int(comp)}{'-fused' if args.fused_loss else ''}-{attention}-w{dist.world}"
+                run = work / f"run-{mode}-b{bs}-c{int(comp)}{'-fused' if args.fused_loss else ''}{'-model' if args.compile_scope == 'model' else ''}-{attention}-w{dist.world}"
                 if main_rank and run.exists():
                     shutil.rmtree(run)
                 dist.barrier()
@@ -215,7 +217,7 @@ def main() -> None:
                                   ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
                                   batch_size=bs, max_steps=args.warmup_steps + args.steps, warmup=5,
                                   save_every=0, eval_every=0, eval_batches=1, heldout_fraction=0.01,
-                                  device=args.device, progress=False, compile=comp, fused_loss=args.fused_loss,
+                                  device=args.device, progress=False, compile=comp, compile_scope=args.compile_scope, fused_loss=args.fused_loss,
                                   attention=args.attention, parallel=args.parallel)
                 t0 = time.perf_counter()
                 try:
@@ -244,7 +246,8 @@ def main() -> None:
                 matmuls = f["model"] if args.fused_loss else f["draft_matmul"]
                 executed = matmuls + f["attention"] + f["target_head"] + (f["online_target"] if mode == "online" else 0)
                 tps = m["tokens_per_s"]
-                row = {"mode": mode, "batch_packs": bs, "compile": comp, "attention": attention,
+                row = {"mode": mode, "batch_packs": bs, "compile": comp, "compile_scope": args.compile_scope if comp else None,
+                       "attention": attention,
                        "fused_loss": args.fused_loss, "parallel": args.parallel if dist.world > 1 else "single", "world_size": dist.world,
                        **m, "wall_s_total": wall, "scored_fraction_per_step": fractions,
                        "flops_per_token": f,
@@ -257,7 +260,7 @@ def main() -> None:
                     row["hfu_executed"] = row["executed_tflops"] / (peak * dist.world)
                 results.append(row)
                 report(args, device_name, peak, data, results)
-                print(f"{mode:8} packs/micro={bs} compile={int(comp)} fused={int(args.fused_loss)} {attention} "
+                print(f"{mode:8} packs/micro={bs} compile={int(comp)}{'/model' if comp and args.compile_scope == 'model' else ''} fused={int(args.fused_loss)} {attention} "
                       f"x{dist.world}  {tps:>12,.0f} tok/s  model {row['model_tflops']:.1f} TFLOP/s"
                       + (f"  MFU {row['mfu']:.1%} (lm_head on all positions: {row['mfu_draft_matmul']:.1%}; "
                          f"executed FLOPs {row['hfu_executed']:.1%})" if peak else "")
@@ -304,7 +307,9 @@ def profile(cfg: TrainConfig, name: str, args) -> None:
     by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     text = (f"{args.profile} steps profiled ({name}): wall {wall:.3f} s, {wall / args.profile * 1e3:.1f} ms/step; "
             f"GPU kernel time {dev_us / 1e6:.3f} s ({dev_us / 1e6 / max(wall, 1e-9):.0%} of wall)\n\n"
-            + events.table(sort_by=by, row_limit=45, max_name_column_width=70))
+            + events.table(sort_by=by, row_limit=45, max_name_column_width=70)
+            + "\n\nBy self CPU time (where the host's time goes):\n"
+            + events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
     out = Path(args.json).parent if args.json else Path(args.work)
     (out / f"profile-{name}.txt").write_text(text)
     print(text.split("\n\n")[0], flush=True)

@@ -74,6 +74,9 @@ class TrainConfig:
     layers: list[int] | None = None
     draft_overrides: dict[str, Any] = field(default_factory=dict)
     compile: bool = False
+    # what --compile compiles: "regions" (the TTT step's two regions, one graph each for every step) or
+    # "model" (the whole TTT forward in one graph); a benchmark setting (benchmarks/train_bench.py)
+    compile_scope: str = "regions"
     # lm_head + target distribution + CE chunked over the counted positions (eyas.draft.fused_loss):
     # no [tokens, draft_vocab] tensors kept; the same loss and gradients
     fused_loss: bool = False
@@ -356,8 +359,11 @@ def train(cfg: TrainConfig) -> Path:
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-    if cfg.compile:
+    if cfg.compile_scope not in ("regions", "model"):
+        raise EyasError(f"compile_scope {cfg.compile_scope!r}: use 'regions' or 'model'")
+    if cfg.compile and cfg.compile_scope == "regions":
         model.compile_regions()  # per TTT step, not the whole unroll: compile time independent of the steps
+    fwd = torch.compile(net) if cfg.compile and cfg.compile_scope == "model" else net
     # the loss's [tokens, draft_vocab] fp32 passes are most of a step's memory traffic; compiled, one
     # fused reduction (dynamic: each TTT step scores a different number of positions)
     ce = torch.compile(soft_cross_entropy, dynamic=True) if cfg.compile else soft_cross_entropy
@@ -384,7 +390,7 @@ def train(cfg: TrainConfig) -> Path:
     def run_batch(packs, grad: bool):
         batch = source.batch(packs)
         with autocast():
-            out = (net if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
+            out = (fwd if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
                                            cfg.ttt_steps, attention=attention, return_normed=cfg.fused_loss)
         if cfg.fused_loss:
             loss, stats = fused_ttt_loss(out, model.lm_head.weight, head, batch.final, batch.loss_mask,
