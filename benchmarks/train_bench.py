@@ -165,8 +165,7 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=8)
     ap.add_argument("--compile", default="0", help="comma list of 0/1: torch.compile variants")
     ap.add_argument("--fused-loss", action="store_true", help="train with --fused-loss")
-    ap.add_argument("--compile-scope", default="regions", help="regions (eyas train --compile) or model (the whole "
-                    "TTT forward in one graph, for comparison)")
+    ap.add_argument("--compile-scope", default="model", help="model or regions (eyas train --compile-scope)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--json", default=None)

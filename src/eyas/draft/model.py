@@ -415,13 +415,14 @@ class Eagle3Draft(nn.Module):
         return self._outputs(layer.post(layer.self_attn.out(o), residual))
 
     def compile_regions(self, backend="inductor") -> None:
-        """torch.compile the TTT step's two dense regions (``eyas train --compile``).
+        """torch.compile the TTT step's two dense regions (``eyas train --compile --compile-scope regions``).
 
         Every step of the unroll has the same shapes (flex pads the keys to ``ttt_steps`` blocks), so
         one compiled graph per region, forward and backward, serves all steps and the compile time
-        does not grow with ``--ttt-steps``. Compiling the whole unroll instead traced every step
-        separately: about 4 minutes for TTT 7 on the H200 (benchmarks/train_bench.md). Flex
-        attention and its block masks are compiled on their own (:mod:`eyas.draft.flex`)."""
+        does not grow with ``--ttt-steps``: ~30 s cold on the H200, against minutes for the whole
+        unroll in one graph. The steps are slower than the whole-unroll graph's, as the glue between
+        the regions runs eagerly (benchmarks/train_bench.md). Flex attention is compiled on its own
+        (:mod:`eyas.draft.flex`)."""
         self._regions = (torch.compile(self._step_in, backend=backend),
                          torch.compile(self._step_out, backend=backend))
 

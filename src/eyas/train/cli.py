@@ -77,6 +77,10 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, help="Seed for init and data order."),
         draft_config: str = typer.Option(None, help="Draft overrides, e.g. 'intermediate_size=2048,rope_theta=1e6'."),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the draft's TTT forward and the loss."),
+        compile_scope: str = typer.Option("model", help="With --compile: model (the whole TTT forward in one "
+                                          "graph: the fastest steps measured, minutes of compilation on a cold "
+                                          "cache) or regions (each TTT step's two dense regions: ~30 s cold, "
+                                          "slower steps). Numbers: benchmarks/train_bench.md."),
         fused_loss: bool = typer.Option(False, "--fused-loss", help="lm_head, the target distribution and "
                                         "the cross entropy chunked over the positions the loss counts: "
                                         "no [tokens, vocab] tensors kept, same loss and gradients."),
@@ -99,7 +103,8 @@ def register(app: typer.Typer) -> None:
                           warmup=warmup, clip=clip, weight_decay=weight_decay, optimizer=optimizer, save_every=save_every,
                           eval_every=eval_every, eval_batches=eval_batches, heldout_fraction=heldout,
                           resume=resume, device=device, precision=precision, seed=seed,
-                          draft_overrides=_overrides(draft_config), compile=compile, fused_loss=fused_loss,
+                          draft_overrides=_overrides(draft_config), compile=compile, compile_scope=compile_scope,
+                          fused_loss=fused_loss,
                           parallel=parallel, attention=attention)
         draft = run(cfg)
         Console(stderr=True).print(f"draft -> {draft}")

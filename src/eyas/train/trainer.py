@@ -74,9 +74,10 @@ class TrainConfig:
     layers: list[int] | None = None
     draft_overrides: dict[str, Any] = field(default_factory=dict)
     compile: bool = False
-    # what --compile compiles: "regions" (the TTT step's two regions, one graph each for every step) or
-    # "model" (the whole TTT forward in one graph); a benchmark setting (benchmarks/train_bench.py)
-    compile_scope: str = "regions"
+    # what --compile compiles: "model" (the whole TTT forward in one graph: the fastest steps measured)
+    # or "regions" (the TTT step's two dense regions, one graph each for every step: a much shorter
+    # cold compile, slower steps; benchmarks/train_bench.md)
+    compile_scope: str = "model"
     # lm_head + target distribution + CE chunked over the counted positions (eyas.draft.fused_loss):
     # no [tokens, draft_vocab] tensors kept; the same loss and gradients
     fused_loss: bool = False
@@ -281,6 +282,8 @@ def train(cfg: TrainConfig) -> Path:
     from eyas.target import resolve_target
 
     parallel.check_mode(cfg.parallel)
+    if cfg.compile_scope not in ("regions", "model"):
+        raise EyasError(f"--compile-scope {cfg.compile_scope!r}: use 'model' or 'regions'")
     dist, device = setup_dist(cfg.device)
     attention = flex.resolve(cfg.attention, device, backward=True)
     run_dir = Path(cfg.out)
@@ -359,8 +362,6 @@ def train(cfg: TrainConfig) -> Path:
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
-    if cfg.compile_scope not in ("regions", "model"):
-        raise EyasError(f"compile_scope {cfg.compile_scope!r}: use 'regions' or 'model'")
     if cfg.compile and cfg.compile_scope == "regions":
         model.compile_regions()  # per TTT step, not the whole unroll: compile time independent of the steps
     fwd = torch.compile(net) if cfg.compile and cfg.compile_scope == "model" else net
