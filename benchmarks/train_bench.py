@@ -20,8 +20,8 @@ FLOPs counted per real token (training = 3x forward for matmuls with weight and 
   model          the draft matmuls training needs: the layer and fc on every position, lm_head only on
                  the positions the loss scores (per TTT step j: loss mask at i+2+j, same document; counted
                  from the epoch-0 packs). The default loss runs lm_head on every position (``draft_matmul``
-                 above); --fused-loss runs it on the scored ones only, and the target head there once per
-                 step on them (``executed``).
+                 above); --fused-loss runs it on the scored ones only, and the target head once per batch
+                 on them (``executed``).
 MFU = model FLOP/s / peak (H200 bf16 dense 989.4 TFLOP/s unless --peak-tflops). ``mfu_draft_matmul``
 (lm_head on every position) is the figure reported before 2026-11-30 16:00 UTC, kept for comparison.
 """
@@ -77,7 +77,8 @@ def flops_per_token(cfg: DraftConfig, ttt: int, pack: int, target_cfg: dict, fra
     return {"draft_matmul": ttt * 3 * 2 * per_step + 2 * 2 * fc,
             "model": ttt * 3 * 2 * layer + 3 * 2 * head * scored + 2 * 2 * fc,
             "attention": ttt * 3 * 4 * pack * nh * d,
-            "target_head": 2 * head * (scored if fused else 1.0),
+            # fused: once per batch, on the positions whose next token the loss counts (~ step 0's)
+            "target_head": 2 * head * (fractions[0] if fused else 1.0),
             "online_target": 2 * tparams}
 
 

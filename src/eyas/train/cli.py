@@ -78,9 +78,9 @@ def register(app: typer.Typer) -> None:
         draft_config: str = typer.Option(None, help="Draft overrides, e.g. 'intermediate_size=2048,rope_theta=1e6'."),
         compile: bool = typer.Option(False, "--compile", help="torch.compile the draft's TTT forward and the loss."),
         compile_scope: str = typer.Option("model", help="With --compile: model (the whole TTT forward in one "
-                                          "graph: the fastest steps measured, minutes of compilation on a cold "
-                                          "cache) or regions (each TTT step's two dense regions: ~30 s cold, "
-                                          "slower steps). Numbers: benchmarks/train_bench.md."),
+                                          "graph: the fastest steps measured, a longer cold compile) or regions "
+                                          "(each TTT step's two dense regions: 30 s cold on an H200, slower "
+                                          "steps). Numbers: benchmarks/train_bench.md."),
         fused_loss: bool = typer.Option(False, "--fused-loss", help="lm_head, the target distribution and "
                                         "the cross entropy chunked over the positions the loss counts: "
                                         "no [tokens, vocab] tensors kept, same loss and gradients."),
