@@ -91,18 +91,41 @@ class _FusedSoftCE(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+def _valid(loss_mask: torch.Tensor, doc_ids: torch.Tensor, j: int) -> torch.Tensor:
+    """[B, T] positions i that step j scores (as :func:`reduce_ttt_steps` selects them), False past T-2-j."""
+    t = loss_mask.shape[1]
+    out = torch.zeros_like(loss_mask, dtype=torch.bool)
+    n = t - 2 - j
+    if n > 0:
+        out[:, :n] = loss_mask[:, 2 + j:].bool() & (doc_ids[:, 2 + j:] == doc_ids[:, :n])
+    return out
+
+
 @torch.no_grad()
-def target_rows(head: TargetHead, final: torch.Tensor, loss_mask: torch.Tensor, chunk: int
-                ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """((logits, logsumexp, argmax) of the target at every position whose next token is in the
-    loss mask, row index per flat position [B*T] or -1). Logits stay in the head's matmul dtype
-    (bf16 on the GPU: half the bytes of fp32, and all the precision the matmul gave them)."""
-    b, t = loss_mask.shape
-    need = torch.zeros((b, t), dtype=torch.bool, device=loss_mask.device)
+def positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int
+              ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(flat positions whose next token is in the loss mask: the target rows [R], and per TTT step
+    the (batch, position) indices it scores), found with one ``nonzero`` for all steps: each
+    ``nonzero`` waits for the device, and one per step kept the host from running ahead."""
+    need = torch.zeros_like(loss_mask, dtype=torch.bool)
     need[:, :-1] = loss_mask[:, 1:].bool()
-    flat = need.flatten().nonzero().squeeze(1)
-    row_of = torch.full((b * t,), -1, dtype=torch.long, device=loss_mask.device)
-    row_of[flat] = torch.arange(flat.numel(), device=loss_mask.device)
+    stacked = torch.stack([need] + [_valid(loss_mask, doc_ids, j) for j in range(steps)])
+    nz = stacked.nonzero()
+    counts = torch.bincount(nz[:, 0], minlength=steps + 1).tolist()
+    parts = nz.split(counts)
+    t = loss_mask.shape[1]
+    return parts[0][:, 1] * t + parts[0][:, 2], [(q[:, 1], q[:, 2]) for q in parts[1:]]
+
+
+@torch.no_grad()
+def target_rows(head: TargetHead, final: torch.Tensor, flat: torch.Tensor, chunk: int
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """((logits, logsumexp, argmax) of the target at the flat positions ``flat`` (those whose next
+    token is in the loss mask), row index per flat position [B*T] or -1). Logits stay in the head's
+    matmul dtype (bf16 on the GPU: half the bytes of fp32, and all the precision the matmul gave)."""
+    b, t = final.shape[:2]
+    row_of = torch.full((b * t,), -1, dtype=torch.long, device=final.device)
+    row_of[flat] = torch.arange(flat.numel(), device=final.device)
     with torch.autocast(final.device.type, enabled=False):
         tz = head.logits(final.reshape(b * t, -1)[flat])
         lse = torch.cat([torch.logsumexp(tz[s:s + chunk].float(), dim=-1) for s in range(0, tz.shape[0], chunk)]
@@ -120,11 +143,12 @@ def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, hea
     ``dtype``: the lm_head matmuls' dtype (bf16 under bf16 autocast; default: the hidden's).
     ``compiled``: each chunk's elementwise work through torch.compile (``eyas train --compile``)."""
     terms = chunk_fn(compiled)
-    target, row_of = target_rows(head, final, loss_mask, chunk)
+    flat, scored = positions(loss_mask, doc_ids, len(normed))
+    target, row_of = target_rows(head, final, flat, chunk)
     t = loss_mask.shape[1]
 
     def score(j: int, n: int, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        bi, ii = valid.nonzero(as_tuple=True)
+        bi, ii = scored[j]
         # position i of step j predicts x[i+2+j] (in the loss mask): the target's row at i+1+j
         rows = row_of[bi * t + ii + 1 + j]
         loss_sum, correct = _FusedSoftCE.apply(normed[j][bi, ii], lm_head_weight, target, rows, chunk, dtype, terms)
