@@ -94,8 +94,8 @@ def ttt_block_mask(doc_ids: torch.Tensor, step: int, steps: int) -> BlockMask:
 def _tiled_block_mask(doc_ids: torch.Tensor, step: int, steps: int, mask_mod) -> BlockMask:
     """:func:`ttt_block_mask`'s tile tables worked out from the documents' layout, without
     evaluating ``mask_mod`` over all [T, steps*T] pairs as ``create_block_mask`` does: compiled, that
-    took 242 s of a cold `eyas train --compile` start on the H200 (benchmarks/compile_time.md), and
-    uncompiled its temporaries grow with T^2 * steps. Documents are contiguous and in order, padding
+    took 242 s of a cold `eyas train` start on the H200, with or without --compile
+    (benchmarks/compile_time.md), and uncompiled its temporaries grow with T^2 * steps. Documents are contiguous and in order, padding
     (-1) last, so a q tile and a kv tile of block 0 share a document iff the kv tile's last document
     is the q tile's first; the tile is full iff both hold that one document only. Block n >= 1 has
     the diagonal tile of each q tile, for n <= step. Same tables as ``create_block_mask`` (test)."""

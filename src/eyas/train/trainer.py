@@ -288,6 +288,12 @@ def train(cfg: TrainConfig) -> Path:
     attention = flex.resolve(cfg.attention, device, backward=True)
     run_dir = Path(cfg.out)
     is_main = dist.rank == 0
+    if attention == "flex" and cfg.tokens_per_batch % flex.TILE and is_main:
+        import warnings
+
+        warnings.warn(f"--tokens-per-batch {cfg.tokens_per_batch} is not a multiple of {flex.TILE}: flex's "
+                      "block masks are then built by a compiled create_block_mask, which took 4 minutes on a "
+                      f"cold cache (benchmarks/compile_time.md); use a multiple of {flex.TILE}", stacklevel=1)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     target = resolve_target(cfg.target)
