@@ -282,13 +282,14 @@ def test_flex_attention_cannot_train_on_cpu(tiny_target, data, tmp_path):
         train(_cfg(tiny_target, data, tmp_path / "r", attention="fused", device="cpu"))
 
 
-@pytest.mark.parametrize("scope", ["model", "regions"])
-def test_compiled_training_matches_eager(tiny_target, data, tmp_path, scope):
-    """--compile in either scope trains to the eager run's losses and held-out accuracies (fp32
-    on CPU: the compiled kernels only reorder sums); an unknown scope is refused before any work."""
+@pytest.mark.parametrize("scope,fused", [("model", False), ("regions", False), ("model", True)])
+def test_compiled_training_matches_eager(tiny_target, data, tmp_path, scope, fused):
+    """--compile in either scope, and with --fused-loss, trains to the eager run's losses and
+    held-out accuracies (fp32 on CPU: the compiled kernels only reorder sums); an unknown scope is
+    refused before any work."""
     kw = dict(device="cpu", precision="fp32", max_steps=3, save_every=0, eval_every=0)
     eager = train(_cfg(tiny_target, data, tmp_path / "eager", **kw))
-    comp = train(_cfg(tiny_target, data, tmp_path / scope, compile=True, compile_scope=scope, **kw))
+    comp = train(_cfg(tiny_target, data, tmp_path / scope, compile=True, compile_scope=scope, fused_loss=fused, **kw))
     assert [r["loss"] for r in _records(comp.parent)] == pytest.approx(
         [r["loss"] for r in _records(eager.parent)], rel=1e-4)
     assert _records(comp.parent, "heldout")[-1]["acc"] == pytest.approx(
