@@ -12,6 +12,11 @@ common=(--modes offline --batch-sizes 4 --tokens-per-batch 2048 --steps 30 --war
 BENCH_TIMEOUT_S=${FIRST_TIMEOUT_S:-300} NAME=s_model bash benchmarks/gpu/train_bench.sh "${common[@]}" | grep "tok/s"
 BENCH_TIMEOUT_S=150 NAME=s_model_fused bash benchmarks/gpu/train_bench.sh "${common[@]}" --fused-loss --profile 5 \
   | grep "tok/s\|profiled"
+# torchrun sets OMP_NUM_THREADS=1 and a plain process does not: the one difference in set-up
+# between the 2-GPU DDP run (88k tokens/s per GPU) and the 1-GPU runs (49-51k) of 2026-11-30
+OMP_NUM_THREADS=1 BENCH_TIMEOUT_S=120 NAME=s_model_fused_omp1 bash benchmarks/gpu/train_bench.sh "${common[@]}" \
+  --fused-loss | grep "tok/s"
+rm -f "$OUT/s_model_fused_omp1.log"  # a call returns at most 8 files; its line is printed above
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   NPROC=2 BENCH_TIMEOUT_S=200 NAME=s_fsdp2 bash benchmarks/gpu/train_bench.sh "${common[@]}" --parallel fsdp2 | grep "tok/s"
 fi
