@@ -23,7 +23,7 @@ FLOPs counted per real token (training = 3x forward for matmuls with weight and 
                  above); --fused-loss runs it on the scored ones only, and the target head once per batch
                  on them (``executed``).
 MFU = model FLOP/s / peak (H200 bf16 dense 989.4 TFLOP/s unless --peak-tflops). ``mfu_draft_matmul``
-(lm_head on every position) is the figure reported before 2026-11-30 16:00 UTC, kept for comparison.
+(lm_head on every position) is the figure reported before the fifth session of 2026-11-30, kept for comparison.
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def main() -> None:
             dist.barrier()
         for bs in [int(x) for x in args.batch_sizes.split(",")]:
             for comp in [bool(int(x)) for x in args.compile.split(",")]:
-                run = work / f"run-{mode}-b{bs}-c{int(comp)}{'-fused' if args.fused_loss else ''}{'-model' if args.compile_scope == 'model' else ''}-{attention}-w{dist.world}"
+                run = work / f"run-{mode}-b{bs}-c{int(comp)}{'-fused' if args.fused_loss else ''}{'-regions' if comp and args.compile_scope == 'regions' else ''}-{attention}-w{dist.world}"
                 if main_rank and run.exists():
                     shutil.rmtree(run)
                 dist.barrier()
@@ -302,8 +302,10 @@ def profile(cfg: TrainConfig, name: str, args) -> None:
             handle.remove()
     wall = marks[args.warmup_steps + 1 + args.profile - 1] - marks[args.warmup_steps]  # the active steps
     events = prof.key_averages()
-    # kernels only (operator rows repeat their kernels' time), as the table's "Self CUDA time total"
-    dev_us = sum(e.self_device_time_total for e in events if e.device_type != torch.autograd.DeviceType.CPU)
+    # kernels only, as the table's "Self CUDA time total": user annotations (ProfilerStep*) repeat
+    # their kernels' time; counting them gave >100% of wall before
+    dev_us = sum(e.self_device_time_total for e in events
+                 if e.device_type != torch.autograd.DeviceType.CPU and not getattr(e, "is_user_annotation", False))
     by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     text = (f"{args.profile} steps profiled ({name}): wall {wall:.3f} s, {wall / args.profile * 1e3:.1f} ms/step; "
             f"GPU kernel time {dev_us / 1e6:.3f} s ({dev_us / 1e6 / max(wall, 1e-9):.0%} of wall)\n\n"
