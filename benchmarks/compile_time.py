@@ -56,7 +56,7 @@ def main() -> None:
         rec[name] = time.perf_counter() - t0
         print(f"{rec[name]:8.1f} s  {name}", flush=True)
 
-    masks = [flex.ttt_block_mask(doc, j, a.ttt_steps) for j in range(a.ttt_steps)]
+    masks = flex.ttt_block_masks(doc, a.ttt_steps)
     mark("block masks (compiled create_block_mask), all steps")
     q = torch.randn(b, 9, t, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
     kv = [torch.randn(b, 3, t, 64, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]

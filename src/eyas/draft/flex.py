@@ -66,9 +66,9 @@ def _eager(*args, **kwargs) -> torch.Tensor:
         return flex_attention(*args, **kwargs)
 
 
-def ttt_block_mask(doc_ids: torch.Tensor, step: int, steps: int) -> BlockMask:
-    """The mask of TTT step ``step`` over ``steps`` key blocks of length T (doc_ids: [B, T])."""
-    b, t = doc_ids.shape
+def _mask_mod(doc_ids: torch.Tensor, step: int):
+    """TTT step ``step``'s mask over key blocks of length T (doc_ids: [B, T])."""
+    t = doc_ids.shape[1]
     last = torch.tensor(step, device=doc_ids.device)
 
     def mask_mod(bi, h, q, kv):
@@ -78,8 +78,15 @@ def ttt_block_mask(doc_ids: torch.Tensor, step: int, steps: int) -> BlockMask:
         chain = (block >= 1) & (block <= last) & (src == q)
         return causal | chain
 
+    return mask_mod
+
+
+def ttt_block_masks(doc_ids: torch.Tensor, steps: int) -> list[BlockMask]:
+    """The masks of TTT steps 0..steps-1 over ``steps`` key blocks of length T (doc_ids: [B, T])."""
+    b, t = doc_ids.shape
+    mods = [_mask_mod(doc_ids, j) for j in range(steps)]
     if t % TILE == 0:
-        return _tiled_block_mask(doc_ids, step, steps, mask_mod)
+        return _tiled_block_masks(doc_ids, steps, mods)
     make = create_block_mask
     # compiled, as torch advises (its _compile flag is deprecated in 2.11); inside a compiled
     # graph, the plain function, as in _kernel
@@ -88,17 +95,20 @@ def ttt_block_mask(doc_ids: torch.Tensor, step: int, steps: int) -> BlockMask:
         if _compiled_mask is None:
             _compiled_mask = torch.compile(create_block_mask)
         make = _compiled_mask
-    return make(mask_mod, b, None, t, steps * t, device=doc_ids.device)
+    return [make(m, b, None, t, steps * t, device=doc_ids.device) for m in mods]
 
 
-def _tiled_block_mask(doc_ids: torch.Tensor, step: int, steps: int, mask_mod) -> BlockMask:
-    """:func:`ttt_block_mask`'s tile tables worked out from the documents' layout, without
-    evaluating ``mask_mod`` over all [T, steps*T] pairs as ``create_block_mask`` does: compiled, that
+def _tiled_block_masks(doc_ids: torch.Tensor, steps: int, mask_mods: list) -> list[BlockMask]:
+    """:func:`ttt_block_masks`' tile tables worked out from the documents' layout, without
+    evaluating a mask_mod over all [T, steps*T] pairs as ``create_block_mask`` does: compiled, that
     took 242 s of a cold `eyas train` start on the H200, with or without --compile
-    (benchmarks/compile_time.md), and uncompiled its temporaries grow with T^2 * steps. Documents are contiguous and in order, padding
-    (-1) last, so a q tile and a kv tile of block 0 share a document iff the kv tile's last document
-    is the q tile's first; the tile is full iff both hold that one document only. Block n >= 1 has
-    the diagonal tile of each q tile, for n <= step. Same tables as ``create_block_mask`` (test)."""
+    (benchmarks/compile_time.md), and uncompiled its temporaries grow with T^2 * steps.
+
+    Documents are contiguous and in order, padding (-1) last, so a q tile and a kv tile of block 0
+    share a document iff the kv tile's last document is the q tile's first; the tile is full iff
+    both hold that one document only. Block 0 and the full tiles are the same at every step; step j
+    adds block j's diagonal tile of each q tile to step j-1's. Same tables as ``create_block_mask``
+    (test)."""
     b, t = doc_ids.shape
     nq, dev = t // TILE, doc_ids.device
     d = torch.where(doc_ids < 0, t, doc_ids).view(b, nq, TILE)  # padding: one more document, last
@@ -112,16 +122,20 @@ def _tiled_block_mask(doc_ids: torch.Tensor, step: int, steps: int, mask_mod) ->
     full = torch.zeros_like(partial)
     partial[:, :, :nq] = (shares & ~full0) | (a[:, None] == a[None, :])
     full[:, :, :nq] = full0
-    for n in range(1, step + 1):
-        partial[:, a, n * nq + a] = True
 
     def tables(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num = dense.sum(-1, dtype=torch.int32)
         idx = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
         return num[:, None], idx[:, None]  # one head dimension: the same for every head
 
-    return BlockMask.from_kv_blocks(*tables(partial), *tables(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                    seq_lengths=(t, steps * t))
+    full_tables = tables(full)
+    masks = []
+    for j, mod in enumerate(mask_mods):
+        if j:
+            partial[:, a, j * nq + a] = True  # tables() copies, so the earlier steps keep theirs
+        masks.append(BlockMask.from_kv_blocks(*tables(partial), *full_tables, BLOCK_SIZE=TILE, mask_mod=mod,
+                                              seq_lengths=(t, steps * t)))
+    return masks
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

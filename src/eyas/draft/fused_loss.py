@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from eyas.draft.loss import StepStats, TargetHead, reduce_ttt_steps
+from eyas.draft.loss import StepStats, TargetHead, reduce_ttt_steps, step_valid
 
 
 def chunk_terms(hc: torch.Tensor, w: torch.Tensor, tz: torch.Tensor, t_lse: torch.Tensor, t_top: torch.Tensor,
@@ -92,12 +92,11 @@ class _FusedSoftCE(torch.autograd.Function):
 
 
 def _valid(loss_mask: torch.Tensor, doc_ids: torch.Tensor, j: int) -> torch.Tensor:
-    """[B, T] positions i that step j scores (as :func:`reduce_ttt_steps` selects them), False past T-2-j."""
-    t = loss_mask.shape[1]
+    """:func:`step_valid` padded to [B, T] (False past T-2-j)."""
     out = torch.zeros_like(loss_mask, dtype=torch.bool)
-    n = t - 2 - j
-    if n > 0:
-        out[:, :n] = loss_mask[:, 2 + j:].bool() & (doc_ids[:, 2 + j:] == doc_ids[:, :n])
+    valid = step_valid(loss_mask, doc_ids, j)
+    if valid is not None:
+        out[:, :valid.shape[1]] = valid
     return out
 
 
@@ -154,4 +153,4 @@ def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, hea
         loss_sum, correct = _FusedSoftCE.apply(normed[j][bi, ii], lm_head_weight, target, rows, chunk, dtype, terms)
         return loss_sum, correct, valid.sum().float()
 
-    return reduce_ttt_steps(len(normed), t, loss_mask, doc_ids, step_decay, score)
+    return reduce_ttt_steps(len(normed), loss_mask, doc_ids, step_decay, score)

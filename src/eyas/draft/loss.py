@@ -69,23 +69,30 @@ def soft_cross_entropy(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
 
 
-def reduce_ttt_steps(num_steps: int, t: int, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+def step_valid(loss_mask: torch.Tensor, doc_ids: torch.Tensor, j: int) -> torch.Tensor | None:
+    """[B, T-2-j]: the positions i TTT step j scores, those whose predicted token x[i+2+j] is inside
+    the pack, in the same document and in the loss mask; None when T <= 2+j."""
+    n = loss_mask.shape[1] - 2 - j
+    if n <= 0:
+        return None
+    return loss_mask[:, 2 + j:].bool() & (doc_ids[:, 2 + j:] == doc_ids[:, :n])
+
+
+def reduce_ttt_steps(num_steps: int, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
                      step_decay: float, score: Callable[[int, int, torch.Tensor], tuple[torch.Tensor, ...]],
                      ) -> tuple[torch.Tensor, list[StepStats]]:
-    """The TTT loss's bookkeeping, shared by :func:`ttt_loss` and the fused loss: per step j, the
-    positions i whose predicted token x[i+2+j] is inside the pack, in the same document and in
-    the loss mask (``valid`` [B, n]); ``score(j, n, valid)`` gives (loss_sum, correct, count)
-    over them; the result is the decay-weighted sum of the per-step mean losses."""
+    """The TTT loss's bookkeeping, shared by :func:`ttt_loss` and the fused loss: per step j,
+    ``score(j, n, valid)`` gives (loss_sum, correct, count) over the positions it scores
+    (:func:`step_valid`, [B, n]); the result is the decay-weighted sum of the per-step mean losses."""
     total = torch.zeros((), dtype=torch.float32, device=loss_mask.device)
     stats = []
     for j in range(num_steps):
-        n = t - 2 - j
-        if n <= 0:
+        valid = step_valid(loss_mask, doc_ids, j)
+        if valid is None:
             zero = total.new_zeros(())
             stats.append(StepStats(zero, zero, zero))
             continue
-        valid = loss_mask[:, 2 + j:].bool() & (doc_ids[:, 2 + j:] == doc_ids[:, :n])
-        loss_sum, correct, count = score(j, n, valid)
+        loss_sum, correct, count = score(j, valid.shape[1], valid)
         total = total + (step_decay ** j) * loss_sum / count.clamp_min(1.0)
         stats.append(StepStats(loss_sum.detach(), correct.detach(), count.detach()))
     return total, stats
@@ -112,4 +119,4 @@ def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, loss_
         correct = ((logits.argmax(-1) == tgt_top[:, 1 + j:1 + j + n]).float() * w).sum()
         return loss_sum, correct, w.sum()
 
-    return reduce_ttt_steps(len(step_logits), target_logits.shape[1], loss_mask, doc_ids, step_decay, score)
+    return reduce_ttt_steps(len(step_logits), loss_mask, doc_ids, step_decay, score)

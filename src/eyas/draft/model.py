@@ -387,14 +387,14 @@ class Eagle3Draft(nn.Module):
         values: list[torch.Tensor] = []
         outs = []
         step_in, step_out = self._regions or (self._step_in, self._step_out)
+        masks = flex.ttt_block_masks(doc_ids, ttt_steps) if use_flex else None
         for j in range(ttt_steps):
             tokens = shift_in_doc(input_ids, doc_ids, 1 + j, fill=0)
             q, k, v, residual = step_in(tokens, hidden, position_ids + j)
             keys.append(k if use_flex else attn.expand_kv(k))
             values.append(v if use_flex else attn.expand_kv(v))
             if use_flex:
-                mask = flex.ttt_block_mask(doc_ids, j, ttt_steps)
-                o = flex.ttt_attention(q, keys, values, mask, ttt_steps, scale)
+                o = flex.ttt_attention(q, keys, values, masks[j], ttt_steps, scale)
             else:
                 o = _dense_ttt_attention(q, keys, values, mask0, scale)
             normed, hidden = step_out(o, residual)
