@@ -167,6 +167,9 @@ def main() -> None:
     ap.add_argument("--compile", default="0", help="comma list of 0/1: torch.compile variants")
     ap.add_argument("--fused-loss", action="store_true", help="train with --fused-loss")
     ap.add_argument("--compile-scope", default="model", help="model or regions (eyas train --compile-scope)")
+    ap.add_argument("--compile-mode", default="default",
+                    help="torch.compile mode for --compile-scope model (eyas train --compile-mode)")
+    ap.add_argument("--loss-chunk", type=int, default=4096, help="rows per chunk of --fused-loss")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--json", default=None)
@@ -208,7 +211,10 @@ def main() -> None:
             dist.barrier()
         for bs in [int(x) for x in args.batch_sizes.split(",")]:
             for comp in [bool(int(x)) for x in args.compile.split(",")]:
-                run = work / f"run-{mode}-b{bs}-c{int(comp)}{'-fused' if args.fused_loss else ''}{'-regions' if comp and args.compile_scope == 'regions' else ''}-{attention}-w{dist.world}"
+                tag = ("-regions" if comp and args.compile_scope == "regions" else "") + (
+                    f"-{args.compile_mode}" if comp and args.compile_mode != "default" else "") + (
+                    f"-fused{args.loss_chunk}" if args.fused_loss else "")
+                run = work / f"run-{mode}-b{bs}-c{int(comp)}{tag}-{attention}-w{dist.world}"
                 if main_rank and run.exists():
                     shutil.rmtree(run)
                 dist.barrier()
@@ -217,8 +223,11 @@ def main() -> None:
                                   ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
                                   batch_size=bs, max_steps=args.warmup_steps + args.steps, warmup=5,
                                   save_every=0, eval_every=0, eval_batches=1, heldout_fraction=0.01,
-                                  device=args.device, progress=False, compile=comp, compile_scope=args.compile_scope, fused_loss=args.fused_loss,
+                                  device=args.device, progress=False, compile=comp, compile_scope=args.compile_scope,
+                                  compile_mode=args.compile_mode, fused_loss=args.fused_loss, loss_chunk=args.loss_chunk,
                                   attention=args.attention, parallel=args.parallel)
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
                 try:
                     draft_dir = train(cfg)
@@ -228,6 +237,7 @@ def main() -> None:
                                     "error": str(e)[:500]})
                     continue
                 wall = time.perf_counter() - t0
+                peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
                 if args.profile and main_rank and not results and dist.world == 1:
                     try:
                         profile(cfg, run.name, args)  # a separate run, after the timed one
@@ -247,9 +257,11 @@ def main() -> None:
                 executed = matmuls + f["attention"] + f["target_head"] + (f["online_target"] if mode == "online" else 0)
                 tps = m["tokens_per_s"]
                 row = {"mode": mode, "batch_packs": bs, "compile": comp, "compile_scope": args.compile_scope if comp else None,
+                       "compile_mode": args.compile_mode if comp else None,
+                       "loss_chunk": args.loss_chunk if args.fused_loss else None,
                        "attention": attention,
                        "fused_loss": args.fused_loss, "parallel": args.parallel if dist.world > 1 else "single", "world_size": dist.world,
-                       **m, "wall_s_total": wall, "scored_fraction_per_step": fractions,
+                       **m, "wall_s_total": wall, "max_memory_allocated_gib": peak_mem, "scored_fraction_per_step": fractions,
                        "flops_per_token": f,
                        "model_tflops": f["model"] * tps / 1e12,
                        "draft_matmul_tflops": f["draft_matmul"] * tps / 1e12,
@@ -260,7 +272,7 @@ def main() -> None:
                     row["hfu_executed"] = row["executed_tflops"] / (peak * dist.world)
                 results.append(row)
                 report(args, device_name, peak, data, results)
-                print(f"{mode:8} packs/micro={bs} compile={int(comp)}{'/model' if comp and args.compile_scope == 'model' else ''} fused={int(args.fused_loss)} {attention} "
+                print(f"{mode:8} packs/micro={bs} compile={int(comp)}{'/model' if comp and args.compile_scope == 'model' else ''}{'/' + args.compile_mode if comp else ''} fused={int(args.fused_loss)} {attention} "
                       f"x{dist.world}  {tps:>12,.0f} tok/s  model {row['model_tflops']:.1f} TFLOP/s"
                       + (f"  MFU {row['mfu']:.1%} (lm_head on all positions: {row['mfu_draft_matmul']:.1%}; "
                          f"executed FLOPs {row['hfu_executed']:.1%})" if peak else "")

@@ -523,3 +523,36 @@ def test_fused_loss_equals_unfused_value_stats_and_gradients(chunk, compiled):
     assert set(got_g) == set(ref_g) and "lm_head.weight" in got_g and "fc.weight" in got_g
     for n in ref_g:
         torch.testing.assert_close(got_g[n], ref_g[n], rtol=1e-5, atol=1e-6, msg=n)  # CE in fp32 (both)
+
+
+def test_fused_loss_positions_are_what_each_step_scores():
+    """positions(): the target rows are the positions whose next token is in the loss mask, and
+    step j's indices are step_valid's (the trainer finds them on the host, before the forward);
+    handed to fused_ttt_loss they are the ones it scores (other positions give another loss)."""
+    from eyas.draft.fused_loss import Scored, fused_ttt_loss, positions
+    from eyas.draft.loss import step_valid
+
+    torch.manual_seed(1)
+    b, t, k = 3, 23, 4
+    doc = torch.tensor([[0] * 10 + [1] * 13, [0] * 23, [0] * 7 + [1] * 9 + [-1] * 7])
+    mask = (torch.rand(b, t) > 0.4) & (doc >= 0)
+    s = positions(mask, doc, k)
+    want = [r * t + i for r in range(b) for i in range(t - 1) if mask[r, i + 1]]
+    assert s.flat.tolist() == want
+    for j in range(k):
+        bi, ii = s.steps[j]
+        assert torch.stack([bi, ii], 1).tolist() == step_valid(mask, doc, j).nonzero().tolist()
+
+    m = _small_draft()
+    vocab, dv, h = 50, 20, 32
+    d2t, _ = _vocab(vocab, dv)
+    head = TargetHead(torch.rand(h, dtype=torch.float64) + 0.5, torch.randn(vocab, h, dtype=torch.float64), d2t, 1e-6)
+    x, pos = torch.randint(0, 50, (b, t)), torch.arange(t).repeat(b, 1)
+    aux, final = torch.randn(b, t, 96, dtype=torch.float64), torch.randn(b, t, h, dtype=torch.float64)
+    with torch.no_grad():
+        normed = m(aux, x, pos, doc, k, return_normed=True)
+        plain, _ = fused_ttt_loss(normed, m.lm_head.weight, head, final, mask, doc, 0.8)
+        given, _ = fused_ttt_loss(normed, m.lm_head.weight, head, final, mask, doc, 0.8, scored=s)
+        fewer = Scored(s.flat, [(bi[:1], ii[:1]) for bi, ii in s.steps])
+        other, _ = fused_ttt_loss(normed, m.lm_head.weight, head, final, mask, doc, 0.8, scored=fewer)
+    assert torch.equal(plain, given) and not torch.allclose(plain, other)

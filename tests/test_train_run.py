@@ -382,3 +382,27 @@ def test_fused_loss_trains_like_the_unfused_loss_single_and_ddp(tiny_target, dat
         got = load_file(str(tmp_path / n / "draft" / "model.safetensors"))
         for k in ref:
             torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-4, msg=f"{n}: {k}")
+
+
+def test_log_every_keeps_every_nth_record_and_its_numbers(tiny_target, data, tmp_path):
+    """--log-every 3 writes steps 3, 6 and the last, each with the numbers the per-step run logged
+    at that step (a step's numbers are read from the device one step late; none may be lost or
+    shifted); bad settings are refused before any work."""
+    kw = dict(device="cpu", precision="fp32", max_steps=7, save_every=0, eval_every=0)
+    train(_cfg(tiny_target, data, tmp_path / "every", **kw))
+    train(_cfg(tiny_target, data, tmp_path / "third", log_every=3, **kw))
+    every = {r["step"]: r for r in _records(tmp_path / "every")}
+    third = _records(tmp_path / "third")
+    assert [r["step"] for r in third] == [3, 6, 7]
+    for r in third:
+        ref = every[r["step"]]
+        assert r["tokens"] == ref["tokens"] and r["lr"] == ref["lr"]
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert r["acc"] == pytest.approx(ref["acc"], abs=1e-9)
+    summary = json.loads((tmp_path / "third" / "summary.json").read_text())
+    assert summary["tokens_seen"] == every[7]["tokens"]
+    for bad, match in ((dict(log_every=0), "--log-every 0"), (dict(compile_mode="fast"), "--compile-mode 'fast'"),
+                       (dict(loss_chunk=0), "--loss-chunk 0")):
+        with pytest.raises(EyasError, match=match):
+            train(_cfg(tiny_target, data, tmp_path / "bad", **{**kw, **bad}))
+        assert not (tmp_path / "bad").exists()

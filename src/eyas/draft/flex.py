@@ -69,7 +69,9 @@ def _eager(*args, **kwargs) -> torch.Tensor:
 def _mask_mod(doc_ids: torch.Tensor, step: int):
     """TTT step ``step``'s mask over key blocks of length T (doc_ids: [B, T])."""
     t = doc_ids.shape[1]
-    last = torch.tensor(step, device=doc_ids.device)
+    # a fill kernel: torch.tensor(step, device=cuda) copies from pageable memory, which waits for
+    # the device (7 host syncs per forward)
+    last = torch.full((), step, dtype=torch.long, device=doc_ids.device)
 
     def mask_mod(bi, h, q, kv):
         block = kv // t

@@ -18,6 +18,8 @@ Same value and gradients as :func:`ttt_loss` (test).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from eyas.draft.loss import StepStats, TargetHead, reduce_ttt_steps, step_valid
@@ -100,12 +102,30 @@ def _valid(loss_mask: torch.Tensor, doc_ids: torch.Tensor, j: int) -> torch.Tens
     return out
 
 
+@dataclass
+class Scored:
+    """Where the loss looks: the flat positions whose next token is in the loss mask (the target's
+    rows, [R]) and per TTT step the (batch, position) indices that step scores."""
+
+    flat: torch.Tensor
+    steps: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def to(self, device: torch.device) -> "Scored":
+        """On ``device``; from the host without waiting for it (page-locked, non-blocking copies)."""
+        def move(x: torch.Tensor) -> torch.Tensor:
+            if x.device == device:
+                return x
+            if device.type == "cuda" and x.device.type == "cpu":
+                x = x.pin_memory()
+            return x.to(device, non_blocking=True)
+        return Scored(move(self.flat), [(move(b), move(i)) for b, i in self.steps])
+
+
 @torch.no_grad()
-def positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int
-              ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """(flat positions whose next token is in the loss mask: the target rows [R], and per TTT step
-    the (batch, position) indices it scores), found with one ``nonzero`` for all steps: each
-    ``nonzero`` waits for the device, and one per step kept the host from running ahead."""
+def positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> Scored:
+    """The positions the loss scores, found with one ``nonzero`` for all steps. Called on the
+    batch's host tensors (the trainer does, ``Batch.layout``) it never waits for the device; on
+    device tensors ``nonzero`` waits for everything queued before it."""
     need = torch.zeros_like(loss_mask, dtype=torch.bool)
     need[:, :-1] = loss_mask[:, 1:].bool()
     stacked = torch.stack([need] + [_valid(loss_mask, doc_ids, j) for j in range(steps)])
@@ -113,7 +133,7 @@ def positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int
     counts = torch.bincount(nz[:, 0], minlength=steps + 1).tolist()
     parts = nz.split(counts)
     t = loss_mask.shape[1]
-    return parts[0][:, 1] * t + parts[0][:, 2], [(q[:, 1], q[:, 2]) for q in parts[1:]]
+    return Scored(parts[0][:, 1] * t + parts[0][:, 2], [(q[:, 1], q[:, 2]) for q in parts[1:]])
 
 
 @torch.no_grad()
@@ -136,18 +156,20 @@ def target_rows(head: TargetHead, final: torch.Tensor, flat: torch.Tensor, chunk
 def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, head: TargetHead,
                    final: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
                    step_decay: float, chunk: int = 4096, dtype: torch.dtype | None = None,
-                   compiled: bool = False) -> tuple[torch.Tensor, list[StepStats]]:
+                   compiled: bool = False, scored: Scored | None = None) -> tuple[torch.Tensor, list[StepStats]]:
     """:func:`eyas.draft.loss.ttt_loss` from the draft's normed hidden per TTT step
     (``Eagle3Draft.forward(..., return_normed=True)``) and the target's final states [B,T,H].
     ``dtype``: the lm_head matmuls' dtype (bf16 under bf16 autocast; default: the hidden's).
-    ``compiled``: each chunk's elementwise work through torch.compile (``eyas train --compile``)."""
+    ``compiled``: each chunk's elementwise work through torch.compile (``eyas train --compile``).
+    ``scored``: :func:`positions` of this batch, when already known (from its host tensors);
+    otherwise found here from ``loss_mask`` and ``doc_ids``."""
     terms = chunk_fn(compiled)
-    flat, scored = positions(loss_mask, doc_ids, len(normed))
-    target, row_of = target_rows(head, final, flat, chunk)
+    scored = (scored or positions(loss_mask, doc_ids, len(normed))).to(final.device)
+    target, row_of = target_rows(head, final, scored.flat, chunk)
     t = loss_mask.shape[1]
 
     def score(j: int, n: int, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        bi, ii = scored[j]
+        bi, ii = scored.steps[j]
         # position i of step j predicts x[i+2+j] (in the loss mask): the target's row at i+1+j
         rows = row_of[bi * t + ii + 1 + j]
         loss_sum, correct = _FusedSoftCE.apply(normed[j][bi, ii], lm_head_weight, target, rows, chunk, dtype, terms)

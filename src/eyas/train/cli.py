@@ -81,9 +81,15 @@ def register(app: typer.Typer) -> None:
                                           "graph: the fastest steps measured, a longer cold compile) or regions "
                                           "(each TTT step's two dense regions: 30 s cold on an H200, slower "
                                           "steps). Numbers: benchmarks/train_bench.md."),
+        compile_mode: str = typer.Option("default", help="With --compile --compile-scope model: torch.compile's "
+                                         "mode: default, reduce-overhead (CUDA graphs) or "
+                                         "max-autotune-no-cudagraphs."),
         fused_loss: bool = typer.Option(False, "--fused-loss", help="lm_head, the target distribution and "
                                         "the cross entropy chunked over the positions the loss counts: "
                                         "no [tokens, vocab] tensors kept, same loss and gradients."),
+        loss_chunk: int = typer.Option(4096, help="With --fused-loss: rows per chunk (each chunk's fp32 "
+                                       "temporaries are [rows, draft vocab])."),
+        log_every: int = typer.Option(1, help="Write a training record (metrics.jsonl, TensorBoard) every N steps."),
         parallel: str = typer.Option("ddp", help="ddp or fsdp2 (sharded params, grads and optimizer "
                                      "state); only used when torchrun starts more than one process."),
         attention: str = typer.Option("auto", help="TTT attention kernel: dense, flex (block-sparse "
@@ -104,7 +110,7 @@ def register(app: typer.Typer) -> None:
                           eval_every=eval_every, eval_batches=eval_batches, heldout_fraction=heldout,
                           resume=resume, device=device, precision=precision, seed=seed,
                           draft_overrides=_overrides(draft_config), compile=compile, compile_scope=compile_scope,
-                          fused_loss=fused_loss,
-                          parallel=parallel, attention=attention)
+                          compile_mode=compile_mode, fused_loss=fused_loss, loss_chunk=loss_chunk,
+                          log_every=log_every, parallel=parallel, attention=attention)
         draft = run(cfg)
         Console(stderr=True).print(f"draft -> {draft}")

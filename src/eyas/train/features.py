@@ -7,7 +7,7 @@ The checks here refuse features from another target, tokenizer, dataset or layer
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -26,6 +26,7 @@ class Batch:
     aux: torch.Tensor           # [B,T,num_aux*H]
     final: torch.Tensor         # [B,T,H] pre-norm last-layer state
     num_tokens: int             # real (non-padding) tokens
+    layout: PackLayout | None = None  # the same [B,T] tensors on the host (the loss's positions come from them)
 
 
 class FeatureSource(Protocol):
@@ -44,6 +45,16 @@ def _samples(dataset, packs: list[list[int]]) -> dict[int, tuple[np.ndarray, np.
             s = dataset[i]
             out[i] = (s.input_ids, s.loss_mask)
     return out
+
+
+def pinned(lay: PackLayout, device: torch.device) -> PackLayout:
+    """``lay`` with page-locked tensors when ``device`` is CUDA: a copy from pageable memory waits
+    for all the work queued on the device first, which stops the host from preparing the next step
+    while the device runs this one."""
+    if device.type != "cuda":
+        return lay
+    return replace(lay, input_ids=lay.input_ids.pin_memory(), loss_mask=lay.loss_mask.pin_memory(),
+                   position_ids=lay.position_ids.pin_memory(), doc_ids=lay.doc_ids.pin_memory())
 
 
 def _to(lay: PackLayout, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -71,13 +82,13 @@ class OnlineFeatures:
         self.hidden_size = self.capture.hidden_size
 
     def batch(self, packs: list[list[int]]) -> Batch:
-        lay = layout(packs, _samples(self.dataset, packs), self.budget)
+        lay = pinned(layout(packs, _samples(self.dataset, packs), self.budget), self.device)
         ids, mask, pos, doc = _to(lay, self.device)
         states = self.capture.capture_into(ids, position_ids=pos)
         # clone outside inference mode so autograd may save these as inputs of fc
         aux = states[:, :, :-1].flatten(2).clone()
         final = states[:, :, -1].clone()
-        return Batch(ids, mask, pos, doc, aux, final, lay.num_tokens)
+        return Batch(ids, mask, pos, doc, aux, final, lay.num_tokens, lay)
 
     def prefetch(self, packs: list[list[int]]) -> None:
         """Nothing to do ahead: the target runs on the device in order."""
@@ -117,7 +128,7 @@ class OfflineFeatures:
         lay, aux, final = fut.result() if fut is not None else self._load(packs)
         ids, mask, pos, doc = _to(lay, self.device)
         return Batch(ids, mask, pos, doc, aux.to(self.device, non_blocking=True),
-                     final.to(self.device, non_blocking=True), lay.num_tokens)
+                     final.to(self.device, non_blocking=True), lay.num_tokens, lay)
 
     def _load(self, packs: list[list[int]]) -> tuple[PackLayout, torch.Tensor, torch.Tensor]:
         lay = layout(packs, _samples(self.dataset, packs), self.budget)
@@ -136,7 +147,7 @@ class OfflineFeatures:
                 final[r, start:start + kept] = s.final[:kept].to(self.dtype)
         if self.device.type == "cuda":
             aux, final = aux.pin_memory(), final.pin_memory()
-        return lay, aux, final
+        return pinned(lay, self.device), aux, final
 
 
 def _key(packs: list[list[int]]) -> tuple:

@@ -23,6 +23,7 @@ import torch
 
 from eyas.draft import flex
 from eyas.draft.fused_loss import fused_ttt_loss
+from eyas.draft.fused_loss import positions as fused_positions
 from eyas.draft.loss import TargetHead, soft_cross_entropy, ttt_loss
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
@@ -35,6 +36,7 @@ from eyas.train.packing import pack_indices, split_indices
 RESUME_KEYS = ("target_id", "dataset_id", "tokens_per_batch", "batch_size", "global_micro", "seed",
                "ttt_steps", "heldout_fraction", "aux_layers", "optimizer")
 RESUME_DEFAULTS = {"optimizer": "adamw"}  # what checkpoints written before the key existed used
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 @dataclass
@@ -78,9 +80,13 @@ class TrainConfig:
     # or "regions" (the TTT step's two dense regions, one graph each for every step: a much shorter
     # cold compile, slower steps; benchmarks/train_bench.md)
     compile_scope: str = "model"
+    # torch.compile's mode for --compile-scope model: "default", "reduce-overhead" (CUDA graphs: the
+    # host launches a step's kernels as one graph) or "max-autotune-no-cudagraphs"
+    compile_mode: str = "default"
     # lm_head + target distribution + CE chunked over the counted positions (eyas.draft.fused_loss):
     # no [tokens, draft_vocab] tensors kept; the same loss and gradients
     fused_loss: bool = False
+    loss_chunk: int = 4096  # rows per chunk of the fused loss: fp32 [chunk, draft_vocab] temporaries
     optimizer: str = "adamw"  # adamw | muon (Muon for the hidden matrices, AdamW for lm_head and norms)
     parallel: str = "ddp"  # ddp | fsdp2; used only when torchrun starts more than one process
     attention: str = "auto"  # dense | flex | auto (flex on CUDA): the TTT unroll's attention kernel
@@ -284,6 +290,12 @@ def train(cfg: TrainConfig) -> Path:
     parallel.check_mode(cfg.parallel)
     if cfg.compile_scope not in ("regions", "model"):
         raise EyasError(f"--compile-scope {cfg.compile_scope!r}: use 'model' or 'regions'")
+    if cfg.compile_mode not in COMPILE_MODES:
+        raise EyasError(f"--compile-mode {cfg.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
+    if cfg.log_every < 1:
+        raise EyasError(f"--log-every {cfg.log_every}: must be at least 1")
+    if cfg.loss_chunk < 1:
+        raise EyasError(f"--loss-chunk {cfg.loss_chunk}: must be at least 1 (rows per chunk of the fused loss)")
     dist, device = setup_dist(cfg.device)
     attention = flex.resolve(cfg.attention, device, backward=True)
     run_dir = Path(cfg.out)
@@ -370,7 +382,9 @@ def train(cfg: TrainConfig) -> Path:
         (run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
     if cfg.compile and cfg.compile_scope == "regions":
         model.compile_regions()  # per TTT step, not the whole unroll: compile time independent of the steps
-    fwd = torch.compile(net) if cfg.compile and cfg.compile_scope == "model" else net
+    fwd = net
+    if cfg.compile and cfg.compile_scope == "model":
+        fwd = torch.compile(net, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
     # the loss's [tokens, draft_vocab] fp32 passes are most of a step's memory traffic; compiled, one
     # fused reduction (dynamic: each TTT step scores a different number of positions)
     ce = torch.compile(soft_cross_entropy, dynamic=True) if cfg.compile else soft_cross_entropy
@@ -396,13 +410,17 @@ def train(cfg: TrainConfig) -> Path:
 
     def run_batch(packs, grad: bool):
         batch = source.batch(packs)
+        # the fused loss's positions from the host's copy of the layout, before the forward is
+        # queued: found on the device, they would wait for it
+        scored = (fused_positions(batch.layout.loss_mask, batch.layout.doc_ids, cfg.ttt_steps)
+                  if cfg.fused_loss and batch.layout is not None else None)
         with autocast():
             out = (fwd if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
                                            cfg.ttt_steps, attention=attention, return_normed=cfg.fused_loss)
         if cfg.fused_loss:
             loss, stats = fused_ttt_loss(out, model.lm_head.weight, head, batch.final, batch.loss_mask,
-                                         batch.doc_ids, cfg.step_decay, dtype=matmul_dtype,
-                                         compiled=cfg.compile)
+                                         batch.doc_ids, cfg.step_decay, chunk=cfg.loss_chunk, dtype=matmul_dtype,
+                                         compiled=cfg.compile, scored=scored)
             return loss, stats, batch.num_tokens
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             tgt = head(batch.final)
@@ -465,6 +483,33 @@ def train(cfg: TrainConfig) -> Path:
     last_eval = None
     t_first: float | None = None  # end of this process's first step (max_train_seconds)
     finished, stopped_by_time = total, False
+    # A step's numbers stay on the device until the next step is queued: reading them waits for the
+    # device, and reading them at once would leave it idle while the host prepares the next step.
+    pending: dict[str, Any] | None = None
+
+    def flush() -> None:
+        nonlocal pending, tokens_seen, t_last, tok_last
+        if pending is None:
+            return
+        p, pending = pending, None
+        totals, per_step, done = p["totals"].tolist(), p["per_step"], p["step"]
+        tokens_seen += int(totals[1])
+        tok_last += int(totals[1])
+        if done % cfg.log_every == 0 or done == total:
+            now = time.perf_counter()
+            tps = tok_last / max(now - t_last, 1e-9)
+            t_last, tok_last = now, 0
+            cnt = per_step[2].clamp_min(1)
+            rec = {"split": "train", "step": done, "loss": totals[0] / global_micro,
+                   "lr": p["lr"], "grad_norm": parallel.total_norm(p["grad_norm"]), "tokens": tokens_seen,
+                   "tokens_per_s": tps, "epoch": p["epoch"],
+                   "acc": (per_step[1] / cnt).tolist(), "step_loss": (per_step[0] / cnt).tolist()}
+            logger.log(rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.2f}", tok_s=f"{tps:,.0f}")
+        if bar is not None:
+            bar.update(1)
+
     for step in range(start, total):
         step_stats, loss_acc, step_tokens = [], torch.zeros((), device=device), 0
         for a, epoch, packs in micro_batches(step):
@@ -480,37 +525,31 @@ def train(cfg: TrainConfig) -> Path:
         optim.zero_grad(set_to_none=True)
         k = cfg.ttt_steps
         per_step = _reduce_stats(step_stats, dist, device).view(3, -1, k).sum(1)  # [3, K]
-        totals = dist.all_sum(torch.stack([loss_acc, torch.tensor(float(step_tokens), device=device)]))
-        tokens_seen += int(totals[1].item())
-        tok_last += int(totals[1].item())
+        # torch.full, not torch.tensor: a fill kernel, where a copy of a host scalar would wait
+        totals = dist.all_sum(torch.stack([loss_acc, torch.full((), float(step_tokens), device=device)]))
         done = step + 1
-        if done % cfg.log_every == 0 or done == total:
-            now = time.perf_counter()
-            tps = tok_last / max(now - t_last, 1e-9)
-            t_last, tok_last = now, 0
-            cnt = per_step[2].clamp_min(1)
-            rec = {"split": "train", "step": done, "loss": totals[0].item() / global_micro,
-                   "lr": sched.get_last_lr()[0], "grad_norm": parallel.total_norm(grad_norm), "tokens": tokens_seen,
-                   "tokens_per_s": tps, "epoch": epoch,
-                   "acc": (per_step[1] / cnt).tolist(), "step_loss": (per_step[0] / cnt).tolist()}
-            logger.log(rec)
-            if bar is not None:
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.2f}", tok_s=f"{tps:,.0f}")
-        if bar is not None:
-            bar.update(1)
+        flush()  # the previous step's, now that this one is queued
+        pending = {"step": done, "epoch": epoch, "per_step": per_step, "totals": totals,
+                   "grad_norm": grad_norm, "lr": sched.get_last_lr()[0]}
         if cfg.eval_every and done % cfg.eval_every == 0 and done < total:
+            flush()
             last_eval = evaluate(done)
         if (cfg.save_every and done % cfg.save_every == 0) or done == total:
+            flush()  # tokens_seen goes into the checkpoint
             save(done, tokens_seen)  # the last one makes a finished run's --resume a no-op
         if cfg.max_train_seconds and done < total:
             now = time.perf_counter()
             t_first = now if t_first is None else t_first
-            over = torch.tensor(float(now - t_first >= cfg.max_train_seconds), device=device)
-            if dist.all_sum(over).item() > 0:  # every rank stops at the same step
+            over = now - t_first >= cfg.max_train_seconds
+            if dist.on:  # every rank stops at the same step
+                over = dist.all_sum(torch.full((), float(over), device=device)).item() > 0
+            if over:
+                flush()
                 finished, stopped_by_time = done, True
                 if not (cfg.save_every and done % cfg.save_every == 0):
                     save(done, tokens_seen)
                 break
+    flush()
     if bar is not None:
         bar.close()
     last_eval = evaluate(finished) or last_eval
