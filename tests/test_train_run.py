@@ -406,3 +406,37 @@ def test_log_every_keeps_every_nth_record_and_its_numbers(tiny_target, data, tmp
         with pytest.raises(EyasError, match=match):
             train(_cfg(tiny_target, data, tmp_path / "bad", **{**kw, **bad}))
         assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the copy stream and pinned memory)")
+def test_offline_batches_copied_on_a_side_stream_equal_the_host_ones(tiny_target, data, tmp_path):
+    """On CUDA the store's batches reach the device on a copy stream of their own, read ahead by a
+    background thread; the training stream must see exactly the host's tensors, also when it is
+    busy while they are copied."""
+    from eyas.data.dataset import open_prepared
+    from eyas.extract.run import run_extract
+    from eyas.target import resolve_target
+    from eyas.train.features import OfflineFeatures
+    from eyas.train.packing import pack_indices
+
+    store = tmp_path / "store"
+    run_extract(str(tiny_target.path), data, store, [1, 4, 6], dtype="fp32", device="cpu",
+                model_dtype="fp32", progress=False)
+    target, ds = resolve_target(str(tiny_target.path)), open_prepared(data, target=resolve_target(str(tiny_target.path)))
+    packs = pack_indices(np.arange(len(ds)), ds.lengths, 128, seed=0)
+    batches = [packs[i:i + 2] for i in range(0, 8, 2)]
+    cpu = OfflineFeatures(store, target, ds, None, torch.device("cpu"), torch.float32, 128)
+    gpu = OfflineFeatures(store, target, ds, None, torch.device("cuda"), torch.float32, 128)
+    busy = torch.randn(4096, 4096, device="cuda")
+    got = []
+    for i, b in enumerate(batches):
+        if i + 1 < len(batches):
+            gpu.prefetch(batches[i + 1])
+        for _ in range(20):  # keep the training stream busy while the next batch is copied
+            busy = busy @ busy / busy.norm()
+        x = gpu.batch(b)
+        got.append({k: getattr(x, k).clone() for k in ("input_ids", "loss_mask", "position_ids", "doc_ids", "aux", "final")})
+    for b, g in zip(batches, got):
+        ref = cpu.batch(b)
+        for k, v in g.items():
+            assert torch.equal(v.cpu(), getattr(ref, k)), k

@@ -6,7 +6,11 @@
 # --compile (whole-graph scope). SERIES picks the lanes:
 #   single (default): lane 0 the default loss, lane 1 --fused-loss (+ a profile); each at 16 and 4
 #                     packs per micro-batch, then at 16 with CUDA graphs (--compile-mode reduce-overhead);
-#   multi:            2 GPUs together: FSDP2 (default loss) and DDP (--fused-loss) at 16 packs.
+#   multi:            2 GPUs together: FSDP2 (default loss) and DDP (--fused-loss) at 16 packs;
+#   after:            (after the copy stream and the compiled target statistics) lane 0 the fused loss
+#                     offline at 16 packs (+ a profile), then at 4; lane 1 the CUDA-only tests of
+#                     training, then the fused loss online at 16 packs;
+#   ddp:              2 GPUs together: DDP with --fused-loss at 16 packs.
 # Every record lands in $OUT/series.tgz (a call returns at most 8 files); lines with tok/s are printed.
 set -o pipefail
 cd "$(dirname "$0")/../.."
@@ -41,10 +45,32 @@ multi() {
   NPROC=2 run m_ddp_f 200 --batch-sizes 16 --parallel ddp --fused-loss --loss-chunk 16384
 }
 
-export -f run lane0 lane1 multi
+after0() {
+  export CUDA_VISIBLE_DEVICES=0 WORK=/dev/shm/tb0
+  run o 260 --batch-sizes 16 --fused-loss --loss-chunk 16384 --profile 5
+  run o4 170 --batch-sizes 4 --fused-loss --loss-chunk 16384
+}
+
+after1() {
+  export CUDA_VISIBLE_DEVICES=1 WORK=/dev/shm/tb1
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_train_run.py -k "side_stream" 2>&1 | tail -3 \
+    | sed "s/^/[pytest] /"
+  run n 300 --batch-sizes 16 --fused-loss --loss-chunk 16384 --modes online
+}
+
+ddp() {
+  export WORK=/dev/shm/tbm
+  NPROC=2 run m_ddp_f 270 --batch-sizes 16 --parallel ddp --fused-loss --loss-chunk 16384
+}
+
+export -f run lane0 lane1 multi after0 after1 ddp
 export common_s="${common[*]}"
-if [ "${SERIES:-single}" = multi ]; then
-  timeout "$budget" bash -c 'common=($common_s); multi'
+if [ "${SERIES:-single}" = multi ] || [ "${SERIES:-single}" = ddp ]; then
+  timeout "$budget" bash -c "common=(\$common_s); $SERIES"
+elif [ "${SERIES:-single}" = after ]; then
+  timeout "$budget" bash -c 'common=($common_s); after0' &
+  timeout "$budget" bash -c 'common=($common_s); after1' &
+  wait
 else
   timeout "$budget" bash -c 'common=($common_s); lane0' &
   timeout "$budget" bash -c 'common=($common_s); lane1' &

@@ -136,20 +136,39 @@ def positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor, steps: int) -> Sco
     return Scored(parts[0][:, 1] * t + parts[0][:, 2], [(q[:, 1], q[:, 2]) for q in parts[1:]])
 
 
+def target_stats(tz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logsumexp in fp32, argmax) of target logits [R, V]: one fused reduction when compiled."""
+    z = tz.float()
+    return torch.logsumexp(z, dim=-1), z.argmax(-1)
+
+
+_compiled_stats = None
+
+
 @torch.no_grad()
-def target_rows(head: TargetHead, final: torch.Tensor, flat: torch.Tensor, chunk: int
+def target_rows(head: TargetHead, final: torch.Tensor, flat: torch.Tensor, chunk: int, compiled: bool = False
                 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """((logits, logsumexp, argmax) of the target at the flat positions ``flat`` (those whose next
     token is in the loss mask), row index per flat position [B*T] or -1). Logits stay in the head's
-    matmul dtype (bf16 on the GPU: half the bytes of fp32, and all the precision the matmul gave)."""
+    matmul dtype (bf16 on the GPU: half the bytes of fp32, and all the precision the matmul gave).
+    ``compiled``: logsumexp and argmax in one compiled pass over the logits (eager, they took
+    several fp32 passes over [R, draft_vocab]: about 4 ms of a 92 ms H200 step); eager, chunk by
+    chunk so that no fp32 copy of all the logits exists."""
+    global _compiled_stats
     b, t = final.shape[:2]
     row_of = torch.full((b * t,), -1, dtype=torch.long, device=final.device)
     row_of[flat] = torch.arange(flat.numel(), device=final.device)
     with torch.autocast(final.device.type, enabled=False):
         tz = head.logits(final.reshape(b * t, -1)[flat])
-        lse = torch.cat([torch.logsumexp(tz[s:s + chunk].float(), dim=-1) for s in range(0, tz.shape[0], chunk)]
-                        or [tz.new_zeros(0, dtype=torch.float32)])
-        top = tz.argmax(-1) if tz.shape[0] else torch.zeros(0, dtype=torch.long, device=tz.device)
+        if not tz.shape[0]:
+            return (tz, tz.new_zeros(0, dtype=torch.float32), torch.zeros(0, dtype=torch.long, device=tz.device)), row_of
+        if compiled:
+            if _compiled_stats is None:
+                _compiled_stats = torch.compile(target_stats, dynamic=True)
+            lse, top = _compiled_stats(tz)
+        else:
+            parts = [target_stats(tz[s:s + chunk]) for s in range(0, tz.shape[0], chunk)]
+            lse, top = torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
     return (tz, lse, top), row_of
 
 
@@ -165,7 +184,7 @@ def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, hea
     otherwise found here from ``loss_mask`` and ``doc_ids``."""
     terms = chunk_fn(compiled)
     scored = (scored or positions(loss_mask, doc_ids, len(normed))).to(final.device)
-    target, row_of = target_rows(head, final, scored.flat, chunk)
+    target, row_of = target_rows(head, final, scored.flat, chunk, compiled)
     t = loss_mask.shape[1]
 
     def score(j: int, n: int, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -114,9 +114,12 @@ class OfflineFeatures:
                             f"dataset are not stored (first: {missing[:5]}); finish `eyas extract` "
                             "(re-run it to resume) before training")
 
-        # one background thread reads the next batch from the store while the device trains
+        # one background thread reads the next batch from the store while the device trains, and on
+        # CUDA copies it to the device on a stream of its own: on the training stream the copy (150 MB
+        # for 16 packs of 2,048 tokens) held up the kernels for 3% of an H200 step
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="eyas-store")
         self._ahead: dict[tuple, Future] = {}
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def prefetch(self, packs: list[list[int]]) -> None:
         key = _key(packs)
@@ -125,12 +128,19 @@ class OfflineFeatures:
 
     def batch(self, packs: list[list[int]]) -> Batch:
         fut = self._ahead.pop(_key(packs), None)
-        lay, aux, final = fut.result() if fut is not None else self._load(packs)
-        ids, mask, pos, doc = _to(lay, self.device)
-        return Batch(ids, mask, pos, doc, aux.to(self.device, non_blocking=True),
-                     final.to(self.device, non_blocking=True), lay.num_tokens, lay)
+        lay, aux, final, moved = fut.result() if fut is not None else self._load(packs)
+        if moved is None:
+            ids, mask, pos, doc = _to(lay, self.device)
+            return Batch(ids, mask, pos, doc, aux.to(self.device), final.to(self.device), lay.num_tokens, lay)
+        tensors, copied = moved
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(copied)  # the device waits for the copy, the host does not
+        for x in tensors:
+            x.record_stream(stream)  # their memory is not reused before this stream is done with them
+        ids, mask, pos, doc, aux, final = tensors
+        return Batch(ids, mask, pos, doc, aux, final, lay.num_tokens, lay)
 
-    def _load(self, packs: list[list[int]]) -> tuple[PackLayout, torch.Tensor, torch.Tensor]:
+    def _load(self, packs: list[list[int]]) -> tuple[PackLayout, torch.Tensor, torch.Tensor, tuple | None]:
         lay = layout(packs, _samples(self.dataset, packs), self.budget)
         b, t = lay.input_ids.shape
         a, h = len(self.aux_layers), self.hidden_size
@@ -145,9 +155,16 @@ class OfflineFeatures:
                                     "the store was extracted from another dataset: re-run `eyas extract`")
                 aux[r, start:start + kept] = s.aux[:kept].reshape(kept, a * h).to(self.dtype)
                 final[r, start:start + kept] = s.final[:kept].to(self.dtype)
-        if self.device.type == "cuda":
-            aux, final = aux.pin_memory(), final.pin_memory()
-        return pinned(lay, self.device), aux, final
+        if self._copy_stream is None:
+            return lay, aux, final, None
+        lay = pinned(lay, self.device)
+        aux, final = aux.pin_memory(), final.pin_memory()
+        with torch.cuda.stream(self._copy_stream):
+            tensors = [*_to(lay, self.device), aux.to(self.device, non_blocking=True),
+                       final.to(self.device, non_blocking=True)]
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
+        return lay, aux, final, (tensors, copied)
 
 
 def _key(packs: list[list[int]]) -> tuple:
