@@ -542,6 +542,10 @@ def test_fused_loss_positions_are_what_each_step_scores():
     for j in range(k):
         bi, ii = s.steps[j]
         assert torch.stack([bi, ii], 1).tolist() == step_valid(mask, doc, j).nonzero().tolist()
+    # moved to another device (one packed copy, split there), each part keeps its shape and place
+    moved = s.to(torch.device("meta"))
+    assert moved.flat.is_meta and moved.flat.shape == s.flat.shape
+    assert [(b.shape, i.shape) for b, i in moved.steps] == [(b.shape, i.shape) for b, i in s.steps]
 
     m = _small_draft()
     vocab, dv, h = 50, 20, 32

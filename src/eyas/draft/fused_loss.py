@@ -111,14 +111,16 @@ class Scored:
     steps: list[tuple[torch.Tensor, torch.Tensor]]
 
     def to(self, device: torch.device) -> "Scored":
-        """On ``device``; from the host without waiting for it (page-locked, non-blocking copies)."""
-        def move(x: torch.Tensor) -> torch.Tensor:
-            if x.device == device:
-                return x
-            if device.type == "cuda" and x.device.type == "cpu":
-                x = x.pin_memory()
-            return x.to(device, non_blocking=True)
-        return Scored(move(self.flat), [(move(b), move(i)) for b, i in self.steps])
+        """On ``device``; from the host without waiting for it: one page-locked, non-blocking copy
+        of all the indices, split again on the device."""
+        if self.flat.device == device:
+            return self
+        parts = [self.flat] + [x for pair in self.steps for x in pair]
+        packed = torch.cat(parts)
+        if device.type == "cuda" and packed.device.type == "cpu":
+            packed = packed.pin_memory()
+        moved = packed.to(device, non_blocking=True).split([x.numel() for x in parts])
+        return Scored(moved[0], list(zip(moved[1::2], moved[2::2])))
 
 
 @torch.no_grad()

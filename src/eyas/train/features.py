@@ -26,7 +26,7 @@ class Batch:
     aux: torch.Tensor           # [B,T,num_aux*H]
     final: torch.Tensor         # [B,T,H] pre-norm last-layer state
     num_tokens: int             # real (non-padding) tokens
-    layout: PackLayout | None = None  # the same [B,T] tensors on the host (the loss's positions come from them)
+    layout: PackLayout          # the same [B,T] tensors on the host (the loss's positions come from them)
 
 
 class FeatureSource(Protocol):

@@ -413,7 +413,7 @@ def train(cfg: TrainConfig) -> Path:
         # the fused loss's positions from the host's copy of the layout, before the forward is
         # queued: found on the device, they would wait for it
         scored = (fused_positions(batch.layout.loss_mask, batch.layout.doc_ids, cfg.ttt_steps)
-                  if cfg.fused_loss and batch.layout is not None else None)
+                  if cfg.fused_loss else None)
         with autocast():
             out = (fwd if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
                                            cfg.ttt_steps, attention=attention, return_normed=cfg.fused_loss)
