@@ -372,6 +372,42 @@ def test_flex_with_tiled_block_mask_matches_dense_logits():
         torch.testing.assert_close(out["flex"][0][j], out["dense"][0][j], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("passed_in", [False, True])
+def test_compiled_forward_never_builds_block_masks_inside_its_graph(passed_in):
+    """Issue 16's cause: built inside the compiled whole-forward graph, the block masks made flex
+    compute wrong attention on CUDA (benchmarks/compile_grads.md; inductor on this CPU does not
+    reproduce the numbers). The graphs `eyas train --compile` traces must hold no mask building
+    (its tables come from a sort), whether the caller passes the masks (the trainer) or not."""
+    from eyas.draft import flex
+
+    m = _gqa_draft(2)
+    b, t = 2, 256
+    doc = _random_layout(b, t, 1)
+    pos = torch.zeros(b, t, dtype=torch.long)
+    for r in range(b):
+        for d in doc[r].unique():
+            where = (doc[r] == d).nonzero().flatten()
+            pos[r, where] = torch.arange(len(where))
+    x = torch.randint(0, 50, (b, t), generator=torch.Generator().manual_seed(0))
+    aux = torch.randn(b, t, 96, generator=torch.Generator().manual_seed(1))
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend=record)
+    with torch.no_grad():
+        ref = m(aux, x, pos, doc, 3, attention="flex")
+        masks = flex.ttt_block_masks(doc, 3) if passed_in else None
+        got = compiled(aux, x, pos, doc, 3, attention="flex", block_masks=masks)
+    ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert graphs and not any("sort" in op for op in ops), sorted(op for op in ops if "sort" in op)
+    for j in range(3):
+        torch.testing.assert_close(got[j], ref[j], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex attention's backward needs CUDA")
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_flex_attention_matches_dense_gradients_on_cuda(kv_heads):

@@ -83,16 +83,24 @@ def _mask_mod(doc_ids: torch.Tensor, step: int):
     return mask_mod
 
 
+@torch.compiler.disable
 def ttt_block_masks(doc_ids: torch.Tensor, steps: int) -> list[BlockMask]:
-    """The masks of TTT steps 0..steps-1 over ``steps`` key blocks of length T (doc_ids: [B, T])."""
+    """The masks of TTT steps 0..steps-1 over ``steps`` key blocks of length T (doc_ids: [B, T]).
+
+    Never traced into a compiled graph (``torch.compiler.disable``): built inside the whole-forward
+    graph of ``eyas train --compile`` and read by flex attention in that same graph, the masks made
+    inductor compute other attention than eager on CUDA (torch 2.11: step-0 logits 2% off at
+    initialisation, non-finite gradients once attention is sharp; eager and masks built outside
+    agree to 1e-6; benchmarks/compile_grads.md). That was the NaN of issue 16. Callers that compile
+    build the masks first and pass them in (``Eagle3Draft.forward(block_masks=...)``); a call from
+    inside a graph still gets correct masks, at the cost of a graph break."""
     b, t = doc_ids.shape
     mods = [_mask_mod(doc_ids, j) for j in range(steps)]
     if t % TILE == 0:
         return _tiled_block_masks(doc_ids, steps, mods)
     make = create_block_mask
-    # compiled, as torch advises (its _compile flag is deprecated in 2.11); inside a compiled
-    # graph, the plain function, as in _kernel
-    if doc_ids.is_cuda and not torch.compiler.is_compiling():
+    # compiled, as torch advises (its _compile flag is deprecated in 2.11)
+    if doc_ids.is_cuda:
         global _compiled_mask
         if _compiled_mask is None:
             _compiled_mask = torch.compile(create_block_mask)

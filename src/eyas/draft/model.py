@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.draft import flex
-from eyas.errors import EyasError
+from eyas.errors import EyasError, NonFiniteError
 from eyas.fsio import atomic_dir
 
 CONFIG_KIND = "eyas-eagle3-draft"
@@ -363,7 +363,7 @@ class Eagle3Draft(nn.Module):
 
     def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 doc_ids: torch.Tensor, ttt_steps: int, attention: str = "auto",
-                return_normed: bool = False) -> list[torch.Tensor]:
+                return_normed: bool = False, block_masks: list[flex.BlockMask] | None = None) -> list[torch.Tensor]:
         """Training-time-test unroll over packed sequences.
 
         aux [B,T,num_aux*H_t], input_ids/position_ids/doc_ids [B,T] (doc_ids separate packed
@@ -372,6 +372,9 @@ class Eagle3Draft(nn.Module):
         ``attention``: dense, flex (block-sparse, :mod:`eyas.draft.flex`) or auto (flex on CUDA).
         ``return_normed``: per step the normed hidden lm_head would take [B,T,H] instead of the
         logits (for :func:`eyas.draft.fused_loss.fused_ttt_loss`).
+        ``block_masks``: flex's per-step masks, :func:`eyas.draft.flex.ttt_block_masks` of
+        ``doc_ids``; pass them when this forward is compiled, so that they are built outside the
+        graph (see there); built here otherwise.
         """
         attn = self.midlayer.self_attn
         scale = 1.0 / math.sqrt(attn.d)
@@ -387,7 +390,7 @@ class Eagle3Draft(nn.Module):
         values: list[torch.Tensor] = []
         outs = []
         step_in, step_out = self._regions or (self._step_in, self._step_out)
-        masks = flex.ttt_block_masks(doc_ids, ttt_steps) if use_flex else None
+        masks = (block_masks or flex.ttt_block_masks(doc_ids, ttt_steps)) if use_flex else None
         for j in range(ttt_steps):
             tokens = shift_in_doc(input_ids, doc_ids, 1 + j, fill=0)
             q, k, v, residual = step_in(tokens, hidden, position_ids + j)
@@ -461,8 +464,9 @@ class Eagle3Draft(nn.Module):
         gathered by the caller)."""
         from safetensors.torch import save_file
 
+        state = {k: v.detach().contiguous().cpu() for k, v in (state or self.state_dict()).items()}
+        check_finite_state(state, f"draft {directory}")
         with atomic_dir(Path(directory)) as tmp:
-            state = {k: v.detach().contiguous().cpu() for k, v in (state or self.state_dict()).items()}
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
         return directory
@@ -480,6 +484,7 @@ class Eagle3Draft(nn.Module):
         cfg = DraftConfig.from_dict(json.loads(cfg_path.read_text()))
         model = cls(cfg)
         state = load_file(str(w_path))
+        check_finite_state(state, f"draft checkpoint {w_path}")
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise EyasError(f"draft checkpoint {w_path}: missing tensors {missing}, unexpected "
@@ -487,6 +492,17 @@ class Eagle3Draft(nn.Module):
         if dtype is not None:
             model = model.to(dtype)
         return model.to(device)
+
+
+def check_finite_state(state: dict[str, torch.Tensor], what: str) -> None:
+    """Raise :class:`NonFiniteError` naming the first tensor of ``state`` with a NaN or inf: a draft
+    with one would serve garbage, so none is written, exported or evaluated."""
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise NonFiniteError(f"{what}: tensor {name!r} has {bad} non-finite values (NaN or inf) of "
+                                 f"{t.numel()}; refusing to use it. Retrain from the last finite "
+                                 "checkpoint (`eyas train ... --resume`, after lowering --lr)")
 
 
 def _dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

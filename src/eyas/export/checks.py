@@ -35,7 +35,7 @@ def load_checkpoint(path: str | Path) -> DraftCheckpoint:
     """Read ``config.json`` + ``model.safetensors`` of an eyas draft (``RUN_DIR/draft``)."""
     from safetensors.torch import load_file
 
-    from eyas.draft.model import DraftConfig
+    from eyas.draft.model import DraftConfig, check_finite_state
 
     path = Path(path)
     cfg_path, w_path = path / "config.json", path / "model.safetensors"
@@ -47,6 +47,7 @@ def load_checkpoint(path: str | Path) -> DraftCheckpoint:
     except json.JSONDecodeError as e:
         raise EyasError(f"checkpoint {cfg_path}: not valid JSON ({e})") from e
     tensors = load_file(str(w_path))
+    check_finite_state(tensors, f"checkpoint {w_path}")
     missing = [k for k in REQUIRED if k not in tensors]
     if missing:
         raise EyasError(f"checkpoint {w_path}: missing tensors {missing}; it is incomplete or not "

@@ -63,6 +63,9 @@ def register(app: typer.Typer) -> None:
         grad_accum: int = typer.Option(1, help="Micro-batches per optimizer step (per process)."),
         warmup: int = typer.Option(50, help="Linear warmup steps, then cosine decay."),
         clip: float = typer.Option(0.5, help="Gradient-norm clip (0 = off)."),
+        max_nonfinite_steps: int = typer.Option(3, help="A step with a non-finite loss or gradient norm is "
+                                                "skipped (not applied); this many in a row stop the run "
+                                                "with an error naming the step and its samples."),
         weight_decay: float = typer.Option(0.0, help="Weight decay (AdamW, and Muon with --optimizer muon)."),
         optimizer: str = typer.Option("adamw", help="adamw, or muon: Muon (torch.optim.Muon, RMS-matched "
                                       "to AdamW's lr) for the layer's and fc's matrices, AdamW for lm_head "
@@ -106,7 +109,7 @@ def register(app: typer.Typer) -> None:
                           online=online, layers=parse_layers(layers), ttt_steps=ttt_steps,
                           step_decay=step_decay, lr=lr, epochs=epochs, max_steps=max_steps, max_train_seconds=max_train_seconds,
                           tokens_per_batch=tokens_per_batch, batch_size=batch_size, grad_accum=grad_accum,
-                          warmup=warmup, clip=clip, weight_decay=weight_decay, optimizer=optimizer, save_every=save_every,
+                          warmup=warmup, clip=clip, max_nonfinite_steps=max_nonfinite_steps, weight_decay=weight_decay, optimizer=optimizer, save_every=save_every,
                           eval_every=eval_every, eval_batches=eval_batches, heldout_fraction=heldout,
                           resume=resume, device=device, precision=precision, seed=seed,
                           draft_overrides=_overrides(draft_config), compile=compile, compile_scope=compile_scope,

