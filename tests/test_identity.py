@@ -253,3 +253,32 @@ def test_dataset_of_an_older_identity_asks_for_prepare(tmp_path, tiny_target):
     (out / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(EyasError, match=r"older eyas.*Re-run `eyas prepare` with this target"):
         open_prepared(out, tiny_target)
+
+
+def test_gguf_conversion_takes_specials_from_metadata(tmp_path):
+    """The GGUF's own special-token ids decide bos/eos/unk/pad (transformers versions guessed
+    differently), and a conversion cached by an older eyas is redone."""
+    import gguf
+
+    from eyas.target import CONVERSION, _converted, _gguf_special_tokens
+
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_unk_token_id(999)  # not in the vocabulary: left to transformers
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = tiny.make_tokenizer(tmp_path / "tok")
+    assert _gguf_special_tokens(path, tok) == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                                               "pad_token": "<|im_end|>"}
+    out = tmp_path / "conv"
+    out.mkdir()
+    (out / ".eyas-complete").write_text("ok\n")
+    (out / ".eyas-source.json").write_text(json.dumps({"gguf": str(path), "sha256": "x"}))
+    assert not _converted(out)  # made before conversion 2: converted again
+    (out / ".eyas-source.json").write_text(json.dumps({"gguf": str(path), "conversion": CONVERSION}))
+    assert _converted(out)

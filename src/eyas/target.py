@@ -403,10 +403,28 @@ def _canonical(obj: Any) -> bytes:
 # ---------------------------------------------------------------------------------- builtins
 
 
+# Version of _gguf_to_hf's output; a cached conversion of an older one is converted again.
+# 2: special tokens (bos/eos/unk/pad) from the GGUF's metadata, not from the transformers
+# version's guess (4.57 and 5.17 made SmolLM2's eos <|im_start|>, 5.24 <|im_end|>).
+CONVERSION = 2
+_GGUF_SPECIALS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                  "unk_token": "tokenizer.ggml.unknown_token_id",
+                  "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def _converted(out: Path) -> bool:
+    if not (out / ".eyas-complete").is_file():
+        return False
+    try:
+        return json.loads((out / ".eyas-source.json").read_text()).get("conversion") == CONVERSION
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
 def _builtin_to_hf(name: str, cache: Path) -> Path:
     info = BUILTIN_TARGETS[name]
     out = cache / "targets" / name
-    if (out / ".eyas-complete").is_file():
+    if _converted(out):
         return out
     gguf = _fetch_builtin_gguf(info, cache)
     return _gguf_to_hf(gguf, out)
@@ -438,7 +456,7 @@ def _fetch_builtin_gguf(info: dict[str, Any], cache: Path) -> Path:
 
 def _gguf_to_hf(gguf: Path, out: Path) -> Path:
     """Dequantize a GGUF into a bf16 safetensors directory (once; reused afterwards)."""
-    if (out / ".eyas-complete").is_file():
+    if _converted(out):
         return out
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -449,6 +467,8 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
         raise EyasError("reading GGUF targets needs the 'gguf' package: pip install gguf") from e
     src_dir, name = str(gguf.parent), gguf.name
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    for role, token in _gguf_special_tokens(gguf, tok).items():
+        setattr(tok, role, token)
     loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.bfloat16)
     # save_pretrained refuses a model "quantized with gguf": copy into a fresh model.
     config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
@@ -462,9 +482,26 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / ".eyas-source.json").write_text(
-            json.dumps({"gguf": str(gguf), "sha256": sha256_file(gguf)}, indent=2)
+            json.dumps({"gguf": str(gguf), "sha256": sha256_file(gguf), "conversion": CONVERSION},
+                       indent=2)
         )
         (tmp / ".eyas-complete").write_text("ok\n")
+    return out
+
+
+def _gguf_special_tokens(gguf: Path, tok) -> dict[str, str]:
+    """role -> token text for the special-token ids the GGUF's metadata names (as llama.cpp uses)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    out = {}
+    for role, key in _GGUF_SPECIALS.items():
+        field = fields.get(key)
+        if field is None or not field.data:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        if 0 <= token_id < len(tok):
+            out[role] = tok.convert_ids_to_tokens(token_id)
     return out
 
 
