@@ -119,9 +119,10 @@ def target_identity(model_dir: Path) -> dict[str, Any]:
     """Fingerprints of config, weights and tokenizer, cached beside the model when writable.
 
     Each fingerprint hashes what the model *is*, not how a transformers version wrote its files:
-    the config without version stamps; every tensor's name, dtype, shape and sampled values (read
-    by offset, so a terabyte checkpoint costs milliseconds); the tokenizer's vocabulary, merges,
-    added and special tokens and chat template (see :func:`_tokenizer_fingerprint`).
+    the config without version stamps; every tensor's name, dtype, shape and sampled values (16
+    small reads per tensor by offset: ~25 ms for SmolLM2-135M's 272 tensors with the file in the
+    page cache, seconds for tens of thousands); the tokenizer's vocabulary, merges, added and
+    special tokens and chat template (see :func:`_tokenizer_fingerprint`).
     """
     model_dir = Path(model_dir)
     stamp = _dir_stamp(model_dir)
@@ -240,7 +241,7 @@ def _safetensors_entries(path: Path) -> list[tuple[str, str, list[int], bytes]]:
             header = json.loads(fh.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise EyasError(f"target weights {path}: unreadable safetensors header ({e})") from e
-        base = 8 + header_len
+        base, fd = 8 + header_len, fh.fileno()  # samples by pread: no buffer refills
         out = []
         for name, info in header.items():
             if name == "__metadata__":
@@ -254,11 +255,8 @@ def _safetensors_entries(path: Path) -> list[tuple[str, str, list[int], bytes]]:
             count = nbytes // item
             positions = sorted({(count - 1) * i // (_SAMPLES_PER_TENSOR - 1)
                                 for i in range(_SAMPLES_PER_TENSOR)}) if count else []
-            samples = bytearray()
-            for p in positions:
-                fh.seek(base + begin + p * item)
-                samples += fh.read(item)
-            out.append((name, str(info["dtype"]), shape, bytes(samples)))
+            samples = b"".join(os.pread(fd, item, base + begin + p * item) for p in positions)
+            out.append((name, str(info["dtype"]), shape, samples))
     return out
 
 
