@@ -10,11 +10,12 @@ VLLM_VERSIONS ?= 0.32.0 0.16.0
 .PHONY: setup run test test-fast vllm-envs
 setup: $(VENV)/.eyas-setup
 
-$(VENV)/.eyas-setup: pyproject.toml
+# constraints.txt pins what CI tested (scripts/freeze_constraints.py writes it; torch is not in it).
+$(VENV)/.eyas-setup: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $@
 
 run: setup

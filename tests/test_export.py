@@ -36,6 +36,7 @@ def _draft(target, out: Path, layers=(1, 3, 4), draft_vocab: int = 200, seed: in
     ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[ids] = True
+    overrides = {"target_name_or_path": str(src.path), "target_spec": src.spec, **overrides}  # as train
     cfg = DraftConfig.from_target(src.config(), list(layers), draft_vocab, src.identity, **overrides)
     draft = Eagle3Draft.from_target(cfg, src.path, ids - torch.arange(draft_vocab), t2d, seed=seed)
     return draft.save_pretrained(out)
@@ -164,3 +165,54 @@ def test_export_cli(target, tmp_path):
     res = CliRunner().invoke(app, ["export", str(tmp_path), "--out", str(tmp_path / "x"),
                                    "--target", str(target.path)])
     assert res.exit_code != 0 and "needs config.json and model.safetensors" in str(res.exception)
+
+
+def test_export_without_target_uses_the_draft_and_no_network(target, tmp_path, monkeypatch):
+    """No --target: the verifier comes from the draft's config; nothing is resolved or downloaded."""
+    import eyas.fsio
+    import eyas.target
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("export tried to download a target")
+
+    monkeypatch.setattr(eyas.fsio, "download_wheel", no_network)
+    monkeypatch.setattr(eyas.target, "download_wheel", no_network)
+    empty = tmp_path / "empty-cache"
+    empty.mkdir()
+    monkeypatch.setenv("EYAS_CACHE", str(empty))
+    ckpt = _draft(target, tmp_path / "ckpt")
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    res = CliRunner().invoke(app, ["export", str(ckpt), "--format", "vllm", "--out", str(tmp_path / "v")])
+    assert res.exit_code == 0, (res.output, res.exception)
+    cfg = json.loads((tmp_path / "v" / "config.json").read_text())
+    verifier = cfg["speculators_config"]["verifier"]
+    assert verifier == {"name_or_path": str(target.path), "architectures": ["LlamaForCausalLM"]}
+    assert not any(empty.iterdir())  # nothing was fetched or converted
+    # the same directory as an export checked against the target
+    checked = export_checkpoint(ckpt, "vllm", tmp_path / "v2", str(target.path))
+    assert json.loads((checked / "config.json").read_text()) == cfg
+    for fmt in ("vllm", "sglang"):
+        a = export_checkpoint(ckpt, fmt, tmp_path / f"{fmt}-a")
+        b = export_checkpoint(ckpt, fmt, tmp_path / f"{fmt}-b", str(target.path))
+        assert (a / "config.json").read_text() == (b / "config.json").read_text()
+        assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+
+
+def test_export_of_an_older_draft_without_target(target, tmp_path):
+    """A draft from before the target path was recorded: vllm needs --target or --verifier."""
+    ckpt = _draft(target, tmp_path / "ckpt")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for key in ("target_name_or_path", "target_spec", "target_token_ids"):
+        cfg.pop(key)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EyasError, match="--target.*--verifier"):
+        export_checkpoint(ckpt, "vllm", tmp_path / "v")
+    out = export_checkpoint(ckpt, "vllm", tmp_path / "v", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] \
+        == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    out = export_checkpoint(ckpt, "vllm", tmp_path / "v2", str(target.path))  # as before
+    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] \
+        == str(target.path)
+    export_checkpoint(ckpt, "sglang", tmp_path / "s")  # needs no verifier

@@ -19,7 +19,7 @@ def test_hf_dir_resolves_with_stable_identity(tiny_llama_dir):
     b = resolve_target(str(tiny_llama_dir))
     assert a.path == Path(tiny_llama_dir).resolve()
     assert a.identity == b.identity
-    assert set(a.identity) == {"id", "config", "weights", "tokenizer"}
+    assert set(a.identity) == {"scheme", "id", "config", "weights", "tokenizer"}
     assert a.config()["num_hidden_layers"] == 8
 
 

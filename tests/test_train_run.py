@@ -81,6 +81,9 @@ def test_online_run_writes_draft_logs_plot(tiny_target, data, tmp_path):
     assert res.exit_code == 0, res.output
     draft = Eagle3Draft.from_pretrained(run / "draft")
     assert draft.config.aux_layer_ids == [1, 4, 6] and draft.config.target["id"] == tiny_target.id
+    # where the target is, for `eyas export` without --target
+    assert draft.config.target_name_or_path == str(tiny_target.path)
+    assert draft.config.target_token_ids == {"bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 3}
     train_recs = _records(run)
     assert [r["step"] for r in train_recs] == list(range(1, 7))
     assert all(len(r["acc"]) == 3 and r["tokens_per_s"] > 0 for r in train_recs)

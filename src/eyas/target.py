@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -29,7 +30,7 @@ BUILTIN_TARGETS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
-_SAMPLE = 1 << 20  # bytes read at the head, middle and tail of each weight file
+_SAMPLE = 1 << 20  # bytes read at the head, middle and tail of each .bin weight file
 
 
 def cache_dir() -> Path:
@@ -43,7 +44,7 @@ class Target:
 
     spec: str
     path: Path
-    identity: dict[str, str] = field(default_factory=dict)
+    identity: dict[str, Any] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -94,13 +95,34 @@ def resolve_target(spec: str | os.PathLike, cache: Path | None = None) -> Target
 
 # ---------------------------------------------------------------------------------- identity
 
+# Version of the fingerprints below. Identities of different schemes never compare equal (the
+# scheme is part of the identity and of its cache file), and the checks say so by name.
+IDENTITY_SCHEME = 2
 
-def target_identity(model_dir: Path) -> dict[str, str]:
+# config.json keys that transformers versions add, rename or stamp without changing the model
+# (found by saving the same configs with transformers 4.57, 5.17 and 5.24; 4.x's
+# rope_theta + rope_scaling null is also read as 5.x's default rope_parameters).
+_CONFIG_VOLATILE = ("transformers_version", "_name_or_path", "output_router_logits")
+_CONFIG_RENAMED = {"torch_dtype": "dtype"}  # 4.x name -> 5.x name
+_SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
+                  "mask_token")
+_ADDED_FLAGS = ("special", "lstrip", "rstrip", "single_word", "normalized")
+_SAMPLES_PER_TENSOR = 16  # elements read from each tensor, at fixed fractions of its length
+# Encoded (without special tokens, as eyas does) into the tokenizer fingerprint: the ids catch a
+# normalizer or pre-tokenizer that differs while vocabulary and merges do not.
+_PROBE = ("Hello, world! The quick brown fox jumps over the lazy dog.\n\n  def f(x):\n\treturn x*2  \n"
+          "1234567890 3.14159 -42 1e-6 ÀÉÎÕÜ ß ñ ø Привет мир 你好，世界 こんにちは 안녕하세요 "
+          "مرحبا שלום नमस्ते 🙂🚀👍🏽 \u00a0\u2003\u200b\r\n   trailing   ")
+
+
+def target_identity(model_dir: Path) -> dict[str, Any]:
     """Fingerprints of config, weights and tokenizer, cached beside the model when writable.
 
-    The weights fingerprint hashes each file's name, size, safetensors header and three 1 MiB
-    samples: it changes whenever shapes, dtypes or (in practice) values change, and costs
-    milliseconds even for a terabyte checkpoint.
+    Each fingerprint hashes what the model *is*, not how a transformers version wrote its files:
+    the config without version stamps; every tensor's name, dtype, shape and sampled values (16
+    small reads per tensor by offset: ~25 ms for SmolLM2-135M's 272 tensors with the file in the
+    page cache, seconds for tens of thousands); the tokenizer's vocabulary, merges, added and
+    special tokens and chat template (see :func:`_tokenizer_fingerprint`).
     """
     model_dir = Path(model_dir)
     stamp = _dir_stamp(model_dir)
@@ -108,27 +130,71 @@ def target_identity(model_dir: Path) -> dict[str, str]:
     if cache_file.is_file():
         try:
             cached = json.loads(cache_file.read_text())
-            if cached.get("stamp") == stamp:
+            if cached.get("scheme") == IDENTITY_SCHEME and cached.get("stamp") == stamp:
                 return cached["identity"]
-        except (json.JSONDecodeError, KeyError):
+        except (json.JSONDecodeError, KeyError, AttributeError):
             pass
-    config = json.loads((model_dir / "config.json").read_text())
-    for volatile in ("transformers_version", "_name_or_path"):
-        config.pop(volatile, None)
-    identity = {
-        "config": _sha256_bytes(json.dumps(config, sort_keys=True).encode())[:16],
+    identity: dict[str, Any] = {
+        "scheme": IDENTITY_SCHEME,
+        "config": _config_fingerprint(model_dir)[:16],
         "weights": _weights_fingerprint(model_dir)[:16],
         "tokenizer": _tokenizer_fingerprint(model_dir)[:16],
     }
     identity["id"] = _sha256_bytes(json.dumps(identity, sort_keys=True).encode())[:16]
     try:
-        atomic_write_text(cache_file, json.dumps({"stamp": stamp, "identity": identity}))
+        atomic_write_text(cache_file, json.dumps({"scheme": IDENTITY_SCHEME, "stamp": stamp,
+                                                  "identity": identity}))
     except OSError:
         pass  # read-only model directory: recompute next time
     return identity
 
 
+def identity_scheme_note(found: dict[str, Any] | None, current: dict[str, Any]) -> str:
+    """A sentence for a mismatch message when ``found`` was fingerprinted by another eyas."""
+    old = (found or {}).get("scheme", 1)
+    if not found or old == current.get("scheme"):
+        return ""
+    return (f" It records a target identity of scheme {old}, made by an older eyas; this eyas "
+            f"fingerprints targets with scheme {current.get('scheme')}, so the two never match.")
+
+
+def _config_fingerprint(model_dir: Path) -> str:
+    config = json.loads((model_dir / "config.json").read_text())
+    return _sha256_bytes(_canonical(_normalize_config(config)))
+
+
+def _normalize_config(config: Any) -> Any:
+    if not isinstance(config, dict):
+        return config
+    out = {}
+    for key, value in config.items():
+        if key in _CONFIG_VOLATILE:
+            continue
+        new = _CONFIG_RENAMED.get(key)
+        if new and new not in config:
+            key = new
+        out[key] = _normalize_config(value)  # nested text_config / vision_config too
+    if "model_type" in out and "rope_parameters" not in out and "rope_theta" in out \
+            and out.get("rope_scaling") is None:
+        # 4.x's rope_theta + rope_scaling null is what 5.x writes as rope_parameters (default)
+        out.pop("rope_scaling", None)
+        out["rope_parameters"] = {"rope_theta": out.pop("rope_theta"), "rope_type": "default"}
+    rope = out.get("rope_parameters")
+    if isinstance(rope, dict) and isinstance(rope.get("rope_theta"), int):
+        out["rope_parameters"] = dict(rope, rope_theta=float(rope["rope_theta"]))
+    return out
+
+
 def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [model_dir / n for n in names]
+            if files and all(f.is_file() for f in files):
+                return files
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+            pass
     files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     if not files:
         raise EyasError(f"target {model_dir}: no *.safetensors or *.bin weight files found")
@@ -145,14 +211,62 @@ def _dir_stamp(model_dir: Path) -> str:
 
 
 def _weights_fingerprint(model_dir: Path) -> str:
+    """Every tensor's name, dtype, shape and sampled values, sorted by name.
+
+    File names, file order, sharding and safetensors metadata do not enter; a value outside the
+    sampled positions does not either (the price of reading kilobytes of a terabyte).
+    """
+    files = _weight_files(model_dir)
+    if files[0].suffix != ".safetensors":
+        return _bin_fingerprint(files)
+    entries = []
+    for f in files:
+        entries.extend(_safetensors_entries(f))
+    entries.sort(key=lambda e: e[0])
     h = hashlib.sha256()
-    for f in _weight_files(model_dir):
+    for name, dtype, shape, samples in entries:
+        h.update(_canonical([name, dtype, shape]))
+        h.update(samples)
+    return h.hexdigest()
+
+
+def _safetensors_entries(path: Path) -> list[tuple[str, str, list[int], bytes]]:
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        if not 0 < header_len <= size - 8:
+            raise EyasError(f"target weights {path}: not a safetensors file (header length "
+                            f"{header_len}); re-download or re-convert the model")
+        try:
+            header = json.loads(fh.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise EyasError(f"target weights {path}: unreadable safetensors header ({e})") from e
+        base, fd = 8 + header_len, fh.fileno()  # samples by pread: no buffer refills
+        out = []
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            shape = [int(d) for d in info["shape"]]
+            numel = math.prod(shape)
+            nbytes = end - begin
+            # bytes per element; sub-byte dtypes (packed fp4) are sampled per byte instead
+            item = nbytes // numel if numel and nbytes >= numel else 1
+            count = nbytes // item
+            positions = sorted({(count - 1) * i // (_SAMPLES_PER_TENSOR - 1)
+                                for i in range(_SAMPLES_PER_TENSOR)}) if count else []
+            samples = b"".join(os.pread(fd, item, base + begin + p * item) for p in positions)
+            out.append((name, str(info["dtype"]), shape, samples))
+    return out
+
+
+def _bin_fingerprint(files: list[Path]) -> str:
+    """Pickled checkpoints: each file's name, size and three 1 MiB samples of its bytes."""
+    h = hashlib.sha256()
+    for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
         with open(f, "rb") as fh:
-            if f.suffix == ".safetensors":
-                header_len = int.from_bytes(fh.read(8), "little")
-                h.update(fh.read(header_len))
             for offset in (0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)):
                 fh.seek(offset)
                 h.update(fh.read(_SAMPLE))
@@ -160,29 +274,155 @@ def _weights_fingerprint(model_dir: Path) -> str:
 
 
 def _tokenizer_fingerprint(model_dir: Path) -> str:
-    h = hashlib.sha256()
-    names = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-             "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json",
-             "merges.txt"]
-    found = False
-    for name in names:
-        p = model_dir / name
-        if p.is_file():
-            found = True
-            h.update(name.encode())
-            h.update(p.read_bytes())
-    if not found:
-        raise EyasError(f"target {model_dir}: no tokenizer files (tokenizer.json, ...) found")
-    return h.hexdigest()
+    """What the tokenizer does, read without transformers (whose file layout changes by version).
+
+    From tokenizer.json (or vocab.json + merges.txt): the model type, vocabulary (token -> id),
+    merges in rank order (``"a b"`` strings and ``["a", "b"]`` pairs alike), the ids of a fixed
+    probe text, and the added tokens with their ids and matching flags. From tokenizer_config.json
+    and special_tokens_map.json: the special token roles (bos, eos, pad, ...). The chat templates
+    from chat_template.jinja, chat_template.json, additional_chat_templates/ or
+    tokenizer_config.json, with surrounding whitespace stripped. A
+    sentencepiece-only directory (tokenizer.model) hashes that file's bytes instead.
+    """
+    tok_cfg = _read_json(model_dir / "tokenizer_config.json")
+    parts: dict[str, Any] = {}
+    tj = model_dir / "tokenizer.json"
+    if tj.is_file():
+        data = _read_json(tj)
+        model = data.get("model") or {}
+        parts["model"] = model.get("type")
+        parts["vocab"] = _vocab_items(model.get("vocab"))
+        parts["merges"] = [_merge_pair(m) for m in model.get("merges") or []]
+        parts["added"] = _added_tokens(data.get("added_tokens") or [])
+        parts["probe"] = _probe_ids(tj)
+    elif (model_dir / "vocab.json").is_file():
+        parts["model"] = "BPE"
+        parts["vocab"] = _vocab_items(_read_json(model_dir / "vocab.json"))
+        merges = model_dir / "merges.txt"
+        lines = merges.read_text(encoding="utf-8").splitlines() if merges.is_file() else []
+        parts["merges"] = [_merge_pair(m) for m in lines if m and not m.startswith("#version")]
+    elif (model_dir / "tokenizer.model").is_file():
+        parts["sentencepiece"] = sha256_file(model_dir / "tokenizer.model")
+    else:
+        raise EyasError(f"target {model_dir}: no tokenizer files (tokenizer.json, vocab.json, "
+                        "tokenizer.model) found")
+    decoder = tok_cfg.get("added_tokens_decoder")
+    if isinstance(decoder, dict):  # slow tokenizers keep their added tokens here only
+        have = {a[0] for a in parts.get("added", [])}
+        extra = [dict(v, id=int(k)) for k, v in decoder.items()
+                 if isinstance(v, dict) and k.isdigit() and int(k) not in have]
+        parts["added"] = sorted(parts.get("added", []) + _added_tokens(extra))
+    specials = _read_json(model_dir / "special_tokens_map.json")
+    roles = {role: _token_text(tok_cfg.get(role)) or _token_text(specials.get(role))
+             for role in _SPECIAL_ROLES}
+    parts["special"] = {role: text for role, text in roles.items() if text}
+    parts["chat_templates"] = _chat_templates(model_dir, tok_cfg)
+    return _sha256_bytes(_canonical(parts))
+
+
+def _vocab_items(vocab: Any) -> list:
+    if isinstance(vocab, dict):  # BPE / WordPiece / WordLevel: token -> id
+        return sorted(([str(t), int(i)] for t, i in vocab.items()), key=lambda e: (e[1], e[0]))
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...], the index is the id
+        return [list(v) if isinstance(v, (list, tuple)) else v for v in vocab]
+    return []
+
+
+def _merge_pair(merge: Any) -> list[str]:
+    if isinstance(merge, str):
+        a, _, b = merge.partition(" ")
+        return [a, b]
+    return [str(x) for x in merge]
+
+
+def _added_tokens(tokens: list) -> list:
+    out = []
+    for t in tokens:
+        if isinstance(t, dict) and "content" in t and "id" in t:
+            out.append([int(t["id"]), str(t["content"])] + [bool(t.get(f, False)) for f in _ADDED_FLAGS])
+    return sorted(out)
+
+
+def _probe_ids(tokenizer_json: Path) -> list[int] | str:
+    try:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(tokenizer_json)).encode(_PROBE, add_special_tokens=False).ids
+    except Exception as e:  # noqa: BLE001 - an unloadable tokenizer still gets an identity
+        return f"unloadable: {type(e).__name__}"
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_templates(model_dir: Path, tok_cfg: dict[str, Any]) -> dict[str, str]:
+    templates: dict[str, str] = {}
+    inline = tok_cfg.get("chat_template")
+    if isinstance(inline, str):
+        templates["default"] = inline
+    elif isinstance(inline, list):  # [{"name": ..., "template": ...}, ...]
+        templates.update({str(t.get("name")): t.get("template") for t in inline if isinstance(t, dict)})
+    extra = model_dir / "additional_chat_templates"
+    if extra.is_dir():
+        templates.update({p.stem: p.read_text(encoding="utf-8") for p in sorted(extra.glob("*.jinja"))})
+    from_json = _read_json(model_dir / "chat_template.json").get("chat_template")
+    if isinstance(from_json, str):
+        templates["default"] = from_json
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():  # what transformers loads first
+        templates["default"] = jinja.read_text(encoding="utf-8")
+    return {name: _normalize_template(text) for name, text in sorted(templates.items())
+            if isinstance(text, str)}
+
+
+def _normalize_template(text: str) -> str:
+    # Only the surrounding whitespace: Jinja drops a trailing newline itself, and whitespace
+    # inside a template can be output. (.jinja files are read with universal newlines.)
+    return text.strip()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EyasError(f"target file {path}: not valid JSON ({e})") from e
+    return data if isinstance(data, dict) else {}
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 # ---------------------------------------------------------------------------------- builtins
 
 
+# Version of _gguf_to_hf's output; a cached conversion of an older one is converted again.
+# 2: special tokens (bos/eos/unk/pad) from the GGUF's metadata, not from the transformers
+# version's guess (4.57 and 5.17 made SmolLM2's eos <|im_start|>, 5.24 <|im_end|>).
+CONVERSION = 2
+_GGUF_SPECIALS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                  "unk_token": "tokenizer.ggml.unknown_token_id",
+                  "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def _converted(out: Path) -> bool:
+    if not (out / ".eyas-complete").is_file():
+        return False
+    try:
+        return json.loads((out / ".eyas-source.json").read_text()).get("conversion") == CONVERSION
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
 def _builtin_to_hf(name: str, cache: Path) -> Path:
     info = BUILTIN_TARGETS[name]
     out = cache / "targets" / name
-    if (out / ".eyas-complete").is_file():
+    if _converted(out):
         return out
     gguf = _fetch_builtin_gguf(info, cache)
     return _gguf_to_hf(gguf, out)
@@ -214,7 +454,7 @@ def _fetch_builtin_gguf(info: dict[str, Any], cache: Path) -> Path:
 
 def _gguf_to_hf(gguf: Path, out: Path) -> Path:
     """Dequantize a GGUF into a bf16 safetensors directory (once; reused afterwards)."""
-    if (out / ".eyas-complete").is_file():
+    if _converted(out):
         return out
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -225,6 +465,8 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
         raise EyasError("reading GGUF targets needs the 'gguf' package: pip install gguf") from e
     src_dir, name = str(gguf.parent), gguf.name
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    for role, token in _gguf_special_tokens(gguf, tok).items():
+        setattr(tok, role, token)
     loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.bfloat16)
     # save_pretrained refuses a model "quantized with gguf": copy into a fresh model.
     config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
@@ -238,9 +480,26 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / ".eyas-source.json").write_text(
-            json.dumps({"gguf": str(gguf), "sha256": sha256_file(gguf)}, indent=2)
+            json.dumps({"gguf": str(gguf), "sha256": sha256_file(gguf), "conversion": CONVERSION},
+                       indent=2)
         )
         (tmp / ".eyas-complete").write_text("ok\n")
+    return out
+
+
+def _gguf_special_tokens(gguf: Path, tok) -> dict[str, str]:
+    """role -> token text for the special-token ids the GGUF's metadata names (as llama.cpp uses)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    out = {}
+    for role, key in _GGUF_SPECIALS.items():
+        field = fields.get(key)
+        if field is None or not field.data:
+            continue
+        token_id = int(field.parts[field.data[0]][0])
+        if 0 <= token_id < len(tok):
+            out[role] = tok.convert_ids_to_tokens(token_id)
     return out
 
 

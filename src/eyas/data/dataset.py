@@ -280,7 +280,9 @@ def open_prepared(path: str | os.PathLike, target=None) -> PreparedDataset:
         diffs = [f"target.{k}: {found.get(k)!r} in the dataset, {target.identity.get(k)!r} for "
                  f"{target.spec}" for k in IDENTITY_KEYS if found.get(k) != target.identity.get(k)]
         if diffs:
+            from eyas.target import identity_scheme_note
+
             raise EyasError(f"prepared dataset {path} was made for another target ("
-                            + "; ".join(diffs) + "). Re-run `eyas prepare` with this target "
-                            "into a new directory.")
+                            + "; ".join(diffs) + ")." + identity_scheme_note(found, target.identity)
+                            + " Re-run `eyas prepare` with this target into a new directory.")
     return PreparedDataset(path, manifest)

@@ -67,6 +67,12 @@ class DraftConfig:
     target_model_type: str = "llama"
     target_architectures: list[str] = field(default_factory=list)
     target: dict[str, str] = field(default_factory=dict)  # target identity
+    # Where the target was (its resolved local directory) and how it was named (--target) at
+    # train time: `eyas export` takes the verifier from here without resolving the target.
+    # Empty in drafts of older eyas versions.
+    target_name_or_path: str = ""
+    target_spec: str = ""
+    target_token_ids: dict[str, Any] = field(default_factory=dict)  # bos/eos/pad_token_id
     kind: str = CONFIG_KIND
 
     def __post_init__(self) -> None:
@@ -105,6 +111,8 @@ class DraftConfig:
             target_model_type=tc.get("model_type", "llama"),
             target_architectures=list(target_config.get("architectures") or []),
             target=dict(identity or {}),
+            target_token_ids={k: tc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                              if tc.get(k) is not None},
         )
         cfg.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**cfg)

@@ -91,8 +91,13 @@ def check_against_target(ckpt: DraftCheckpoint, target_config: dict[str, Any],
     if check_identity and target_identity and cfg.target:
         diff = [k for k in ("config", "weights", "tokenizer") if cfg.target.get(k) != target_identity.get(k)]
         if diff:
+            from eyas.target import identity_scheme_note
+
+            note = identity_scheme_note(cfg.target, target_identity)
             problems.append(f"target identity: the draft was trained on target {cfg.target.get('id')} "
-                            f"({', '.join(diff)} differ from {target_name}'s {target_identity.get('id')})")
+                            f"({', '.join(diff)} differ from {target_name}'s {target_identity.get('id')})"
+                            + (f" [{note.strip()} If it is the same model, pass --ignore-identity.]"
+                               if note else ""))
     if problems:
         raise EyasError(f"checkpoint {ckpt.path} does not fit {target_name}: " + "; ".join(problems)
                         + ". Export against the target the draft was trained for (--target), or "

@@ -12,11 +12,15 @@ FORMATS = ("vllm", "sglang")
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
-def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str,
+def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str | None = None,
                       dtype: str = "auto", verifier: str | None = None,
                       num_speculative_tokens: int = 3, check_identity: bool = True,
                       overwrite: bool = False) -> Path:
-    """Check the draft against the target, then write the ``fmt`` directory to ``out``."""
+    """Check the draft against ``target_spec`` when given, then write the ``fmt`` directory.
+
+    Without a target nothing is resolved (no download, no conversion): the verifier and the
+    target's token ids come from what the draft recorded about its target at train time.
+    """
     import torch
 
     from eyas.export.checks import check_against_target, load_checkpoint
@@ -30,10 +34,20 @@ def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str,
         raise EyasError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     torch_dtype = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None
     ckpt = load_checkpoint(ckpt_dir)
-    target = resolve_target(target_spec)
-    check_against_target(ckpt, target.config(), target.identity, f"target {target_spec!r}",
-                         check_identity=check_identity)
     cfg = ckpt.config
+    if target_spec is not None:
+        target = resolve_target(target_spec)
+        target_config = target.config()
+        check_against_target(ckpt, target_config, target.identity, f"target {target_spec!r}",
+                             check_identity=check_identity)
+        verifier = verifier or str(target.path)
+    else:
+        target_config = None
+        verifier = verifier or cfg.target_name_or_path
+        if fmt == "vllm" and not verifier:
+            raise EyasError(f"checkpoint {ckpt_dir}: the draft does not record where its target is "
+                            "(trained by an older eyas); pass --target (checked against the draft) "
+                            "or --verifier NAME_OR_PATH (the model vLLM should load as the verifier)")
     if cfg.draft_vocab_size == cfg.vocab_size:
         # vLLM has no d2t parameter when the vocabularies are equal: only the identity map is valid.
         if bool((ckpt.tensors["d2t"] != 0).any()):
@@ -42,8 +56,8 @@ def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str,
         ckpt.tensors.pop("d2t")
         ckpt.tensors.pop("t2d", None)
     if fmt == "sglang":
-        return export_sglang(ckpt, target.config(), out, torch_dtype, overwrite=overwrite)
-    return export_vllm(ckpt, target.config(), out, verifier or str(target.path), torch_dtype,
+        return export_sglang(ckpt, target_config, out, torch_dtype, overwrite=overwrite)
+    return export_vllm(ckpt, target_config, out, verifier, torch_dtype,
                        num_speculative_tokens, overwrite=overwrite)
 
 
@@ -54,12 +68,14 @@ def register(app: typer.Typer) -> None:
         fmt: str = typer.Option("vllm", "--format", help="vllm (speculators-style, `vllm serve DIR`) or "
                                 "sglang (LlamaForCausalLMEagle3, also loaded by vLLM)."),
         out: Path = typer.Option(..., "--out", help="Directory to write."),
-        target: str = typer.Option("smollm2-135m-instruct", "--target",
+        target: str = typer.Option(None, "--target",
                                    help="The target the draft serves: checked against the draft's "
-                                   "layer ids, hidden size and vocab."),
+                                   "layer ids, hidden size, vocab and identity. Default: none; the "
+                                   "draft's record of its target is used and nothing is resolved."),
         dtype: str = typer.Option("auto", help="auto (keep), bfloat16, float16 or float32."),
         verifier: str = typer.Option(None, help="name_or_path recorded as the verifier (vllm format; "
-                                     "default: the target's local path)."),
+                                     "default: the --target's local path, else the target path "
+                                     "recorded in the draft at train time)."),
         num_speculative_tokens: int = typer.Option(3, "--num-speculative-tokens", "-k",
                                                    help="Default k recorded in the vllm format."),
         ignore_identity: bool = typer.Option(False, help="Allow a target whose weights/tokenizer "

@@ -22,10 +22,14 @@ from eyas.export.io import dtype_name, write_model_dir
 _SKIP = ("embed_tokens.weight",)
 
 
-def llama_layer_config(ckpt: DraftCheckpoint, target_config: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """The draft's one decoder layer as a Llama config (target vocab, num_hidden_layers=1)."""
+def llama_layer_config(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None,
+                       dtype: str) -> dict[str, Any]:
+    """The draft's one decoder layer as a Llama config (target vocab, num_hidden_layers=1).
+
+    Without ``target_config`` the special token ids come from the draft's record of its target.
+    """
     cfg = ckpt.config
-    tc = target_config.get("text_config", target_config)
+    tc = target_config.get("text_config", target_config) if target_config else cfg.target_token_ids
     out = {
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
@@ -59,7 +63,7 @@ def sglang_aux_ids(aux_ids: list[int]) -> list[int]:
     return [k - 1 for k in aux_ids]
 
 
-def export_sglang(ckpt: DraftCheckpoint, target_config: dict[str, Any], out: Path,
+def export_sglang(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, out: Path,
                   dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     tensors = cast({k: v for k, v in ckpt.tensors.items() if k not in _SKIP}, dtype)
     tensors["d2t"] = tensors["d2t"].to(torch.int64)

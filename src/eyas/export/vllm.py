@@ -24,7 +24,7 @@ SPECULATORS_VERSION = "0.3.0"
 _SKIP = ("embed_tokens.weight",)
 
 
-def export_vllm(ckpt: DraftCheckpoint, target_config: dict[str, Any], out: Path, verifier: str,
+def export_vllm(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, out: Path, verifier: str,
                 dtype: torch.dtype | None = None, num_speculative_tokens: int = 3,
                 overwrite: bool = False) -> Path:
     tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in ckpt.tensors.items()

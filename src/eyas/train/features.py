@@ -177,9 +177,12 @@ def check_store_manifest(m: dict, store_path, target, dataset, aux_layers: list[
     for key, what in (("tokenizer", "tokenizer"), ("config", "target config"),
                       ("weights", "target weights"), ("id", "target")):
         if found.get(key) != target.identity.get(key):
+            from eyas.target import identity_scheme_note
+
             raise EyasError(f"store {store_path} was extracted with another {what} "
                             f"({key} {found.get(key)!r} there, {target.identity.get(key)!r} for "
-                            f"{target.spec}); re-run `eyas extract` with this target")
+                            f"{target.spec})." + identity_scheme_note(found, target.identity)
+                            + " Re-run `eyas extract` with this target")
     want_ds = dataset.manifest.get("id")
     got_ds = m.get("prepared_id")
     if want_ds and got_ds and got_ds != want_ds:

@@ -285,6 +285,7 @@ def train(cfg: TrainConfig) -> Path:
     resumed = ckpt.load(existing[-1], dist.rank) if (existing and cfg.resume) else None
 
     draft_cfg = DraftConfig.from_target(tcfg, source.aux_layers, int(d2t.numel()), target.identity,
+                                        target_name_or_path=str(target.path), target_spec=target.spec,
                                         **cfg.draft_overrides)
     if resumed:
         old = resumed["trainer"]["run"]
