@@ -209,6 +209,7 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         raise EyasError(f"--max-length {opts.max_length}: must be at least 2")
     if opts.max_samples is not None and opts.max_samples < 1:
         raise EyasError(f"--max-samples {opts.max_samples}: must be at least 1")
+    sources = [open_source(spec) for spec in opts.data]  # a damaged input fails here, before the target loads
     target = resolve_target(opts.target)
     tok = target.load_tokenizer()
     template = None
@@ -220,7 +221,6 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
     encoder = ChatEncoder(tok, template, stop_token_ids(tok, target.path), name=f"target {opts.target}")
     vocab_size = _target_vocab_size(target.config())
     out = Path(opts.out)
-    sources = [open_source(spec) for spec in opts.data]
     settings = {
         "target": target.identity,
         "data": list(opts.data),
