@@ -93,3 +93,118 @@ def test_bad_input_json_known_truncated_sharegpt_is_read_to_the_cut(tmp_path, mo
     monkeypatch.setitem(formats.KNOWN_TRUNCATED_SHA256, sha256_file(f), "sharegpt")
     info, recs = formats.open_source(str(f))
     assert len(list(recs)) == 4 and info.truncated["complete_items"] == 4
+
+
+def test_bad_input_max_length_too_short_for_any_answer(tmp_path, tiny_llama_dir):
+    """`eyas prepare --max-length 8`: every conversation dropped; exit 2 listing the reason
+    (no_trained_tokens, with an example) and saying to raise --max-length, not to check --data."""
+    f = tmp_path / "chats.jsonl"
+    f.write_text("\n".join(json.dumps(_conv(i)) for i in range(6)) + "\n")
+    args = _prepare_args(tiny_llama_dir, f, tmp_path / "out")
+    args[args.index("--max-length") + 1] = "8"
+    code, msg = eyas(*args)
+    assert code == 2
+    assert "6 x no_trained_tokens" in msg and "raise --max-length (now 8)" in msg
+    assert "see the reasons above" not in msg and "check --data" not in msg
+
+
+# ------------------------------------------------------------------------------ settings: types
+
+
+def _yaml(tmp_path: Path, text: str) -> Path:
+    f = tmp_path / "job.yaml"
+    f.write_text(f"target: {tmp_path / 'no-such-target'}\nworkdir: {tmp_path / 'work'}\n" + text)
+    return f
+
+
+def test_bad_input_config_max_steps_ten(tmp_path):
+    """YAML `train: {max_steps: "ten"}`: `eyas pipeline` exits 2 naming train.max_steps, the value and
+    "an integer" before any stage runs (was: prepare ran, then a TypeError traceback)."""
+    cfg = _yaml(tmp_path, "train:\n  max_steps: ten\n")
+    code, msg = eyas("pipeline", cfg)
+    assert code == 2
+    assert f"config {cfg}: train.max_steps = 'ten' is a string; expected an integer" in msg
+    assert not (tmp_path / "work").exists()
+
+
+def test_bad_input_config_lr_1e_4_is_a_number(tmp_path):
+    """YAML `lr: 1e-4` (YAML 1.1 reads it as the string "1e-4"): read as the number 0.0001."""
+    from eyas.config import load_config
+
+    cfg = load_config(_yaml(tmp_path, "train:\n  lr: 1e-4\n  betas: [0.9, 0.99]\n"))
+    assert cfg.section("train")["lr"] == 1e-4 and isinstance(cfg.section("train")["lr"], float)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("train:\n  lr: fast\n", "train.lr = 'fast' is a string; expected a number"),
+    ("train:\n  compile: 'yes'\n", "train.compile = 'yes' is a string; expected true or false"),
+    ("train:\n  layers: 2,3\n", "train.layers = '2,3' is a string; expected a list of integers"),
+    ("evaluate:\n  k: 2.5\n", "evaluate.k = 2.5 is a number; expected an integer"),
+    ("prepare:\n  regenerate:\n    top_p: high\n", "prepare.regenerate.top_p = 'high' is a string"),
+], ids=["lr_fast", "compile_yes_string", "layers_string", "k_2.5", "regenerate_top_p_high"])
+def test_bad_input_config_value_of_the_wrong_type(tmp_path, text, match):
+    """A YAML value of the wrong type: exit 2 naming the key, the value and the expected type,
+    before any stage runs."""
+    code, msg = eyas("pipeline", _yaml(tmp_path, text))
+    assert code == 2 and match in msg
+    assert not (tmp_path / "work").exists()
+
+
+# ----------------------------------------------------------------------------- settings: ranges
+
+
+def _train_args(tmp_path: Path, *extra: str) -> list[str]:
+    # the target does not exist: a range error must come before anything is loaded
+    return ["train", "--target", str(tmp_path / "no-such-target"), "--data", str(tmp_path / "d"),
+            "--out", str(tmp_path / "run"), "--online", *extra]
+
+
+@pytest.mark.parametrize("flag, value, match", [
+    ("--ttt-steps", "0", "--ttt-steps = 0 (training-time-test steps unrolled) must be >= 1"),
+    ("--tokens-per-batch", "1", "--tokens-per-batch = 1 (tokens per pack) must be >= 3"),
+    ("--lr", "-0.001", "--lr = -0.001 (peak learning rate) must be > 0"),
+    ("--lr", "0", "--lr = 0.0 (peak learning rate) must be > 0"),
+    ("--max-steps", "0", "--max-steps = 0 (optimizer steps) must be >= 1"),
+    ("--heldout", "1", "--heldout = 1.0 (fraction of samples held out) must be < 1"),
+    ("--grad-accum", "0", "--grad-accum = 0 (micro-batches per optimizer step) must be >= 1"),
+    ("--eval-batches", "0", "--eval-batches = 0"),
+    ("--warmup", "-1", "--warmup = -1 (warmup steps) must be >= 0"),
+], ids=["ttt_steps_0", "tokens_per_batch_1", "lr_negative", "lr_0", "max_steps_0", "heldout_1",
+        "grad_accum_0", "eval_batches_0", "warmup_negative"])
+def test_bad_input_train_flag_out_of_range(tmp_path, flag, value, match):
+    """`eyas train` with a numeric flag out of range: exit 2 naming the flag, the value and the
+    allowed range before the target loads (was: an autograd/torch traceback after it loaded, or a
+    silent run)."""
+    code, msg = eyas(*_train_args(tmp_path, flag, value))
+    assert code == 2 and match in msg and "change it" in msg
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_input_config_train_ttt_steps_0(tmp_path):
+    """YAML `train: {ttt_steps: 0}`: the same range check as the flag, before prepare runs."""
+    code, msg = eyas("pipeline", _yaml(tmp_path, "train:\n  ttt_steps: 0\n"))
+    assert code == 2 and "train.ttt_steps = 0 (training-time-test steps unrolled) must be >= 1" in msg
+    assert not (tmp_path / "work").exists()
+
+
+def test_bad_input_evaluate_max_new_tokens_0(tmp_path):
+    """`eyas evaluate --max-new-tokens 0`: exit 2 before any model loads (was: "tau n/a", exit 0)."""
+    code, msg = eyas("evaluate", "--draft", tmp_path / "draft", "--target", tmp_path / "no-target",
+                     "--max-new-tokens", "0")
+    assert code == 2 and "--max-new-tokens = 0 (tokens generated per turn) must be >= 1" in msg
+
+
+@pytest.mark.parametrize("text, match", [
+    ("evaluate:\n  max_new_tokens: 0\n", "evaluate.max_new_tokens = 0"),
+    ("export:\n  num_speculative_tokens: 0\n", "export.num_speculative_tokens = 0"),
+    ("prepare:\n  max_length: 1\n", "prepare.max_length = 1"),
+    ("prepare:\n  regenerate:\n    temperature: -1\n", "prepare.regenerate.temperature = -1"),
+    ("extract:\n  batch_tokens: 0\n", "extract.batch_tokens = 0"),
+], ids=["evaluate_max_new_tokens_0", "export_k_0", "prepare_max_length_1",
+        "regenerate_temperature_negative", "extract_batch_tokens_0"])
+def test_bad_input_config_number_out_of_range(tmp_path, text, match):
+    """A YAML number out of range in any stage: exit 2 naming it, before any stage runs."""
+    code, msg = eyas("pipeline", _yaml(tmp_path, text))
+    assert code == 2 and match in msg
+    assert not (tmp_path / "work").exists()
+

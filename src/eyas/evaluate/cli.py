@@ -10,11 +10,13 @@ from typing import Any
 
 import typer
 
+from eyas.checks import checked
 from eyas.errors import EyasError
 
 ENGINES = ("builtin", "vllm", "both")
 
 
+@checked("evaluate")
 def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = None,
                    out: Path = Path("runs/evaluate"), engine: str = "builtin",
                    k: int = 3, temperature: float = 0.0, max_prompts: int | None = None,

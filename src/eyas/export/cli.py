@@ -6,12 +6,14 @@ from pathlib import Path
 
 import typer
 
+from eyas.checks import checked
 from eyas.errors import EyasError
 
 FORMATS = ("vllm", "sglang")
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
+@checked("export")
 def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str,
                       dtype: str = "auto", verifier: str | None = None,
                       num_speculative_tokens: int = 3, check_identity: bool = True,

@@ -92,6 +92,11 @@ class TrainConfig:
     attention: str = "auto"  # dense | flex | auto (flex on CUDA): the TTT unroll's attention kernel
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        from eyas.checks import check_dataclass
+
+        check_dataclass(self, "train")  # types and ranges, before anything loads (eyas.checks.RANGES)
+
 
 # ------------------------------------------------------------------------------ distributed
 
