@@ -208,3 +208,43 @@ def test_bad_input_config_number_out_of_range(tmp_path, text, match):
     assert code == 2 and match in msg
     assert not (tmp_path / "work").exists()
 
+
+# ---------------------------------------------------------------------------- outputs vs inputs
+
+
+@pytest.fixture(scope="module")
+def export_target(tmp_path_factory):
+    import evalkit
+    from eyas.target import resolve_target
+
+    return resolve_target(evalkit.make_eval_target(tmp_path_factory.mktemp("exp-target")))
+
+
+def _run_dir_with_draft(target, run: Path) -> Path:
+    """RUN/draft (a saved draft) plus RUN/metrics.jsonl, as `eyas train` leaves them."""
+    import test_export
+
+    draft = test_export._draft(target, run / "draft")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    return draft
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["draft", "run_dir", "inside_draft", "target"])
+def test_bad_input_export_out_overlaps_an_input_with_overwrite(tmp_path, export_target, where):
+    """`eyas export DRAFT --out X --overwrite` where X is the draft, its run directory (holds it),
+    a directory inside it, or the target: exit 2 naming the overlap; every input file intact
+    (was: exit 0 with the draft or the run directory deleted)."""
+    run = tmp_path / "run"
+    draft = _run_dir_with_draft(export_target, run)
+    out = {"draft": draft, "run_dir": run, "inside_draft": draft / "vllm",
+           "target": export_target.path}[where]
+    before, tgt_before = _snapshot(run), _snapshot(export_target.path)
+    code, msg = eyas("export", draft, "--out", out, "--target", export_target.path, "--overwrite")
+    assert code == 2
+    how = {"draft": "is", "run_dir": "contains", "inside_draft": "lies inside", "target": "is"}[where]
+    assert f"--out {out} {how} the " in msg and "would overwrite that input" in msg
+    assert _snapshot(run) == before and _snapshot(export_target.path) == tgt_before
