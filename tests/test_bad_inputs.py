@@ -248,3 +248,125 @@ def test_bad_input_export_out_overlaps_an_input_with_overwrite(tmp_path, export_
     how = {"draft": "is", "run_dir": "contains", "inside_draft": "lies inside", "target": "is"}[where]
     assert f"--out {out} {how} the " in msg and "would overwrite that input" in msg
     assert _snapshot(run) == before and _snapshot(export_target.path) == tgt_before
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+@pytest.fixture(scope="module")
+def train_data(tiny_target, tmp_path_factory) -> Path:
+    import test_train_run
+
+    return test_train_run._write_data(tmp_path_factory.mktemp("prep") / "data", tiny_target)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_target, train_data, tmp_path_factory) -> Path:
+    """A 4-step run with checkpoints at steps 2 and 4 (kept), and its draft."""
+    import test_train_run
+    from eyas.train.trainer import train
+
+    run = tmp_path_factory.mktemp("run") / "run"
+    train(test_train_run._cfg(tiny_target, train_data, run, keep_checkpoints=3, eval_every=0))
+    return run
+
+
+def _copy_run(finished_run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    return run
+
+
+def _resume(tiny_target, train_data, run: Path):
+    import test_train_run
+    from eyas.train.trainer import train
+
+    return train(test_train_run._cfg(tiny_target, train_data, run, keep_checkpoints=3, eval_every=0,
+                                     resume=True))
+
+
+def _draft_weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "draft" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "trainer_state.json"])
+def test_bad_input_checkpoint_latest_file_truncated(tmp_path, tiny_target, train_data, finished_run,
+                                                    capfd, name):
+    """`eyas train --resume` when the latest checkpoint's model.safetensors or trainer_state.json is cut
+    in half: the file is named, the checkpoint moved aside, and training resumes from the newest complete
+    one to the same draft (was: a raw SafetensorError / JSONDecodeError traceback)."""
+    import torch
+
+    run = _copy_run(finished_run, tmp_path)
+    latest = run / "checkpoints" / "step-00000004"
+    f = latest / name
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    want = _draft_weights(finished_run)
+    _resume(tiny_target, train_data, run)
+    err = capfd.readouterr().err
+    assert f"checkpoint step-00000004 is unreadable ({latest / name}:" in err
+    assert "resuming from" in err and "step-00000002" in err
+    assert (run / "checkpoints" / ".broken-step-00000004" / name).is_file()
+    got = _draft_weights(run)
+    assert all(torch.equal(want[k], got[k]) for k in want)  # resumed exactly from step 2
+
+
+def test_bad_input_checkpoint_pickle_payload_in_optimizer_pt(tmp_path, tiny_target, train_data, finished_run,
+                                                             capfd):
+    """A latest checkpoint whose optimizer.pt is a pickle that would run code on load: nothing runs
+    (weights_only=True refuses it), the file is named, and --resume falls back to the earlier one
+    (was: torch.load(weights_only=False) ran it)."""
+    import torch
+
+    run = _copy_run(finished_run, tmp_path)
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    torch.save({"optimizer": Payload(), "scheduler": {}}, run / "checkpoints" / "step-00000004" / "optimizer.pt")
+    _resume(tiny_target, train_data, run)
+    assert not marker.exists()
+    err = capfd.readouterr().err
+    assert "optimizer.pt: UnpicklingError" in err and "step-00000002" in err
+
+
+def test_bad_input_checkpoint_pickle_payload_in_old_rng_file(tmp_path, finished_run):
+    """A checkpoint in the old layout (rng-0.pt, a torch.save pickle) loads with weights_only=True and
+    numpy's array types allowed; one whose rng-0.pt carries a code-running payload is refused, unrun."""
+    import torch
+
+    from eyas.train import checkpoint as ckpt
+
+    run = _copy_run(finished_run, tmp_path)
+    c = run / "checkpoints" / "step-00000004"
+    state = ckpt.load(c, 0)["rng"]
+    (c / "rng-0.json").unlink()
+    torch.save(ckpt.rng_from_json(ckpt.rng_to_json(state)), c / "rng-0.pt")  # what old eyas wrote
+    old = ckpt.load(c, 0)["rng"]
+    assert torch.equal(old["torch"], state["torch"]) and old["python"] == state["python"]
+    assert (old["numpy"][1] == state["numpy"][1]).all()
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    torch.save({"torch": Payload()}, c / "rng-0.pt")
+    with pytest.raises(ckpt.Unreadable, match="rng-0.pt: UnpicklingError"):
+        ckpt.load(c, 0)
+    assert not marker.exists()
+
+
+def test_bad_input_checkpoint_all_unreadable(tmp_path, tiny_target, train_data, finished_run):
+    """Every checkpoint unreadable: `--resume` stops with an error naming each file, before training."""
+    run = _copy_run(finished_run, tmp_path)
+    for c in (run / "checkpoints").glob("step-*"):
+        (c / "trainer_state.json").write_text("{")
+    with pytest.raises(EyasError, match=r"no checkpoint .* can be read: .*step-00000004.*step-00000002"):
+        _resume(tiny_target, train_data, run)
