@@ -232,6 +232,9 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     }
     writer = StoreWriter(out, fields, shard_tokens=batch_tokens, num_writers=writers,
                          max_pending=writers + 1)
+    for bad in writer.rewritten:
+        print(f"eyas extract: {out}: stored shard {bad} failed its checksum and is extracted again",
+              file=sys.stderr, flush=True)
     todo = [i for i in range(len(ds)) if i not in writer.done]
     total = int(ds.lengths[todo].sum()) if todo else 0
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract ({backend}, {device})",
