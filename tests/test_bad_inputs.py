@@ -425,3 +425,75 @@ def test_bad_input_store_shard_flipped_byte_rewritten_by_extract_rerun(tmp_path,
     assert f"stored shard {bad.name} (checksum" in capfd.readouterr().err
     assert 0 < s["samples"] - s["resumed_from"] < s["samples"]  # only that shard's samples redone
     assert verify_store(store) == []
+
+
+# ------------------------------------------------------------------------------ pipeline staleness
+
+
+def _pipeline(tmp_path: Path, target: Path, **changes) -> Path:
+    import yaml
+
+    import test_pipeline
+
+    path = test_pipeline._config(tmp_path, target, "online")
+    cfg = yaml.safe_load(path.read_text())
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        cfg[section][key] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_bad_input_pipeline_rerun_with_changed_train_settings(tmp_path, tiny_llama_dir):
+    """`eyas pipeline` re-run after changing train settings (ttt_steps 2 -> 3, max_steps 3 -> 6): exit 2
+    naming both fields, nothing run, and pipeline-config.json still describing the draft on disk
+    (was: "draft exists, skipping", the old draft evaluated, the record overwritten)."""
+    from eyas.config import load_config
+    from eyas.pipeline import run_pipeline
+
+    run_pipeline(load_config(_pipeline(tmp_path, tiny_llama_dir)))
+    work = tmp_path / "run"
+    record = (work / "pipeline-config.json").read_text()
+    report = (work / "eval" / "builtin" / "report.json").read_bytes()
+    code, msg = eyas("pipeline", _pipeline(tmp_path, tiny_llama_dir, train__ttt_steps=3, train__max_steps=6))
+    assert code == 2
+    assert "train.ttt_steps: 2 there, 3 now" in msg and "train.max_steps: 3 there, 6 now" in msg
+    assert "Nothing was run" in msg
+    assert (work / "pipeline-config.json").read_text() == record
+    assert json.loads(record)["sections"]["train"]["ttt_steps"] == 2
+    assert (work / "eval" / "builtin" / "report.json").read_bytes() == report
+
+
+def test_bad_input_pipeline_rerun_with_changed_evaluate_settings(tmp_path, tiny_llama_dir):
+    """`eyas pipeline` re-run after changing an evaluate setting (max_new_tokens 6 -> 4): evaluate is
+    redone (the old evaluation moved aside, not deleted), the draft kept, and the record updated."""
+    from eyas.config import load_config
+    from eyas.pipeline import run_pipeline
+
+    run_pipeline(load_config(_pipeline(tmp_path, tiny_llama_dir)))
+    work = tmp_path / "run"
+    draft = work / "train" / "draft" / "model.safetensors"
+    stamp = draft.stat().st_mtime_ns
+    run_pipeline(load_config(_pipeline(tmp_path, tiny_llama_dir, evaluate__max_new_tokens=4)))
+    assert draft.stat().st_mtime_ns == stamp
+    assert json.loads((work / "eval" / "builtin" / "report.json").read_text())["max_new_tokens"] == 4
+    assert len(list(work.glob("eval.stale-*/builtin/report.json"))) == 1
+    rec = json.loads((work / "pipeline-config.json").read_text())
+    assert rec["sections"]["evaluate"]["max_new_tokens"] == 4
+    assert {s["status"] for s in rec["stages"].values()} == {"done"}
+
+
+def test_bad_input_pipeline_record_from_an_older_eyas(tmp_path, tiny_llama_dir):
+    """A workdir whose pipeline-config.json was written by an older eyas (sections only, no stage
+    fingerprints): its sections are taken as the record, so changed train settings are refused too."""
+    from eyas.config import load_config
+    from eyas.pipeline import run_pipeline
+
+    run_pipeline(load_config(_pipeline(tmp_path, tiny_llama_dir)))
+    rec_path = tmp_path / "run" / "pipeline-config.json"
+    rec = json.loads(rec_path.read_text())
+    del rec["stages"]
+    rec_path.write_text(json.dumps(rec))
+    run_pipeline(load_config(_pipeline(tmp_path, tiny_llama_dir)))  # same settings: goes on
+    code, msg = eyas("pipeline", _pipeline(tmp_path, tiny_llama_dir, train__ttt_steps=3))
+    assert code == 2 and "train.ttt_steps: 2 there, 3 now" in msg
