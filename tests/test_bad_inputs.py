@@ -497,3 +497,20 @@ def test_bad_input_pipeline_record_from_an_older_eyas(tmp_path, tiny_llama_dir):
     run_pipeline(load_config(_pipeline(tmp_path, tiny_llama_dir)))  # same settings: goes on
     code, msg = eyas("pipeline", _pipeline(tmp_path, tiny_llama_dir, train__ttt_steps=3))
     assert code == 2 and "train.ttt_steps: 2 there, 3 now" in msg
+
+
+# ------------------------------------------------------------------------------------- prompts
+
+
+def test_bad_input_prompts_file_not_utf8(tmp_path):
+    """An evaluate prompts file with a non-UTF-8 byte: a named error giving the line and byte offset
+    (was: a UnicodeDecodeError traceback)."""
+    from eyas.evaluate.prompts import read_questions
+
+    good = json.dumps({"question_id": 1, "category": "writing", "turns": ["Hello?"]}) + "\n"
+    bad = json.dumps({"question_id": 2, "category": "writing", "turns": ["caf_"]}).encode().replace(b"_", b"\xe9")
+    f = tmp_path / "question.jsonl"
+    f.write_bytes(good.encode() + bad + b"\n")
+    at = len(good) + bad.index(b"\xe9")
+    with pytest.raises(EyasError, match=rf"prompts {f}:2: byte 0xe9 at byte {at} of the file is not valid UTF-8"):
+        read_questions(f)
