@@ -337,7 +337,7 @@ def test_bad_input_checkpoint_pickle_payload_in_optimizer_pt(tmp_path, tiny_targ
 
 
 def test_bad_input_checkpoint_pickle_payload_in_old_rng_file(tmp_path, finished_run):
-    """A checkpoint in the old layout (rng-0.pt, a torch.save pickle) loads with weights_only=True and
+    """A checkpoint in the old layout (rng-0.pt, a torch.save pickle): loads with weights_only=True and
     numpy's array types allowed; one whose rng-0.pt carries a code-running payload is refused, unrun."""
     import torch
 
