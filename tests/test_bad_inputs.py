@@ -160,15 +160,15 @@ def _train_args(tmp_path: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("flag, value, match", [
-    ("--ttt-steps", "0", "--ttt-steps = 0 (training-time-test steps unrolled) must be >= 1"),
-    ("--tokens-per-batch", "1", "--tokens-per-batch = 1 (tokens per pack) must be >= 3"),
-    ("--lr", "-0.001", "--lr = -0.001 (peak learning rate) must be > 0"),
-    ("--lr", "0", "--lr = 0.0 (peak learning rate) must be > 0"),
-    ("--max-steps", "0", "--max-steps = 0 (optimizer steps) must be >= 1"),
-    ("--heldout", "1", "--heldout = 1.0 (fraction of samples held out) must be < 1"),
-    ("--grad-accum", "0", "--grad-accum = 0 (micro-batches per optimizer step) must be >= 1"),
-    ("--eval-batches", "0", "--eval-batches = 0"),
-    ("--warmup", "-1", "--warmup = -1 (warmup steps) must be >= 0"),
+    ("--ttt-steps", "0", "--ttt-steps 0 (training-time-test steps unrolled) must be >= 1"),
+    ("--tokens-per-batch", "1", "--tokens-per-batch 1 (tokens per pack) must be >= 3"),
+    ("--lr", "-0.001", "--lr -0.001 (peak learning rate) must be > 0"),
+    ("--lr", "0", "--lr 0.0 (peak learning rate) must be > 0"),
+    ("--max-steps", "0", "--max-steps 0 (optimizer steps) must be >= 1"),
+    ("--heldout", "1", "--heldout 1.0 (fraction of samples held out) must be < 1"),
+    ("--grad-accum", "0", "--grad-accum 0 (micro-batches per optimizer step) must be >= 1"),
+    ("--eval-batches", "0", "--eval-batches 0"),
+    ("--warmup", "-1", "--warmup -1 (warmup steps) must be >= 0"),
 ], ids=["ttt_steps_0", "tokens_per_batch_1", "lr_negative", "lr_0", "max_steps_0", "heldout_1",
         "grad_accum_0", "eval_batches_0", "warmup_negative"])
 def test_bad_input_train_flag_out_of_range(tmp_path, flag, value, match):
@@ -191,7 +191,7 @@ def test_bad_input_evaluate_max_new_tokens_0(tmp_path):
     """`eyas evaluate --max-new-tokens 0`: exit 2 before any model loads (was: "tau n/a", exit 0)."""
     code, msg = eyas("evaluate", "--draft", tmp_path / "draft", "--target", tmp_path / "no-target",
                      "--max-new-tokens", "0")
-    assert code == 2 and "--max-new-tokens = 0 (tokens generated per turn) must be >= 1" in msg
+    assert code == 2 and "--max-new-tokens 0 (tokens generated per turn) must be >= 1" in msg
 
 
 @pytest.mark.parametrize("text, match", [

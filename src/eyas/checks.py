@@ -237,16 +237,16 @@ def hints(obj: Any) -> dict[str, Any]:
 
 
 def check_values(section: str, values: Mapping[str, Any], types_: Mapping[str, Any],
-                 name: Callable[[str], str]) -> dict[str, Any]:
+                 name: Callable[[str], str], sep: str = " = ") -> dict[str, Any]:
     """Type-check and range-check ``values``; returns them coerced. ``name(key)`` spells a key in
-    messages (``config X: train.lr`` or ``--lr``)."""
+    messages (``config X: train.lr`` or ``--lr``), ``sep`` goes between it and the value."""
     out = dict(values)
     for key, value in values.items():
         tp = types_.get(key, Any)
         try:
             v = coerce(value, tp)
         except _Mismatch:
-            raise EyasError(f"{name(key)} = {value!r} is {_kind(value)}; expected {describe(tp)}") from None
+            raise EyasError(f"{name(key)}{sep}{value!r} is {_kind(value)}; expected {describe(tp)}") from None
         out[key] = v
         rule = RANGES.get(section, {}).get(key)
         for x in (v if isinstance(v, tuple) else (v,)):
@@ -256,10 +256,10 @@ def check_values(section: str, values: Mapping[str, Any], types_: Mapping[str, A
             if problem:
                 what = f" ({rule.what})" if rule.what else ""
                 hint = f"; {rule.hint}" if rule.hint else ""
-                raise EyasError(f"{name(key)} = {value!r}{what} {problem}: change it{hint}")
+                raise EyasError(f"{name(key)}{sep}{value!r}{what} {problem}: change it{hint}")
     if section == "train" and "betas" in out and out["betas"] is not None:
         if not all(0 <= b < 1 for b in out["betas"]):
-            raise EyasError(f"{name('betas')} = {values['betas']!r}: each beta must be in [0, 1), e.g. (0.9, 0.95)")
+            raise EyasError(f"{name('betas')}{sep}{values['betas']!r}: each beta must be in [0, 1), e.g. (0.9, 0.95)")
     return out
 
 
@@ -276,7 +276,7 @@ def check_dataclass(obj: Any, section: str) -> None:
     types_ = hints(type(obj))
     types_ = {k: v for k, v in types_.items() if not _is_dataclass_type(v)}
     checked_ = check_values(section, {k: v for k, v in values.items() if k in types_}, types_,
-                            lambda k: f"{section}: {flag(section, k)}")
+                            lambda k: f"{section}: {flag(section, k)}", sep=" ")
     for k, v in checked_.items():
         if v is not values[k]:
             object.__setattr__(obj, k, v)
@@ -298,7 +298,7 @@ def checked(section: str) -> Callable:
             types_ = hints(fn)
             types_.pop("return", None)
             given = check_values(section, dict(bound.arguments), types_,
-                                 lambda k: f"{section}: {flag(section, k)}")
+                                 lambda k: f"{section}: {flag(section, k)}", sep=" ")
             bound.arguments.update(given)
             return fn(*bound.args, **bound.kwargs)
 
