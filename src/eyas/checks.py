@@ -205,6 +205,8 @@ def coerce(value: Any, tp: Any) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, Path):  # a path passed from Python for a path-like string field
+            return str(value)
         raise _Mismatch
     if tp is Path:
         if isinstance(value, (str, Path)):
