@@ -62,15 +62,23 @@ def test_jsonl_all_shapes_and_bad_records(tmp_path):
     assert "wizard" in msgs[4].detail
 
 
-def test_json_array_truncated_is_reported(tmp_path):
+def test_json_array_truncated_is_an_error_unless_known(tmp_path, monkeypatch):
+    """A cut-off JSON array is an error naming file and byte; only a known-truncated file (by its
+    sha256, like the built-in ShareGPT wheel's) is read up to the cut, with the tail reported."""
+    from eyas.data import formats
+    from eyas.fsio import sha256_file
+
     items = [GOOD_SHAREGPT, GOOD_PROMPT, GOOD_OPENAI]
     text = json.dumps(items + [GOOD_SHAREGPT], indent=1)
     cut = text[: text.rindex('"Hello!"')]  # fourth item cut off mid-string
     f = tmp_path / "cut.json"
     f.write_text(cut)
+    with pytest.raises(EyasError, match=rf"cut.json: not valid JSON at byte {len(cut.encode()):,}"):
+        _read(f)
+    monkeypatch.setitem(formats.KNOWN_TRUNCATED_SHA256, sha256_file(f), "test")
     info, out = _read(f)
     assert len(out) == 3 and all(not isinstance(n, Skip) for _, n in out)
-    assert info.truncated["complete_items"] == 3
+    assert info.truncated["complete_items"] == 3 and info.known_truncated
     assert "3 complete items" in info.truncated["message"]
     # a complete array is not reported
     g = tmp_path / "ok.json"

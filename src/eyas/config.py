@@ -78,6 +78,38 @@ def load_config(path: str | Path | None = None) -> PipelineConfig:
     return validate(raw, source)
 
 
+def _check_section(name: str, section: dict[str, Any], source: str) -> dict[str, Any]:
+    """Each value against its field's type and range (eyas.checks), so that a bad value stops the
+    pipeline before prepare runs; returns the section with numbers YAML read as strings converted."""
+    from eyas.checks import check_values, hints
+
+    spell = {v: k for k, v in ALIASES.get(name, {}).items()}
+    types_ = hints(stage_function(name))
+    nested = {}
+    if name == "prepare" and "regenerate" in section:
+        regen = section["regenerate"]
+        if isinstance(regen, dict):
+            from eyas.data.prepare import RegenerateOptions
+
+            params = set(inspect.signature(RegenerateOptions).parameters)
+            bad = sorted(set(regen) - params)
+            if bad:
+                raise EyasError(f"config {source}: prepare.regenerate has unknown keys {bad}; "
+                                f"allowed: {sorted(params)}")
+            nested["regenerate"] = check_values("regenerate", regen, hints(RegenerateOptions),
+                                                lambda k: f"config {source}: prepare.regenerate.{k}")
+        elif regen not in (True, False, None):
+            raise EyasError(f"config {source}: prepare.regenerate = {regen!r}: expected true, false or "
+                            "a mapping of regenerate settings")
+        else:
+            nested["regenerate"] = regen
+    plain = {k: v for k, v in section.items() if k not in nested}
+    out = check_values(name, plain, types_, lambda k: f"config {source}: {name}.{spell.get(k, k)}")
+    # keep the config's own spelling except for numbers YAML left as strings (lr: 1e-4)
+    kept = {k: out[k] if isinstance(v, str) and isinstance(out[k], (int, float)) else v for k, v in plain.items()}
+    return {**kept, **nested}
+
+
 def validate(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
     unknown = set(raw) - TOP_LEVEL
     if unknown:
@@ -100,7 +132,7 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
         if bad:
             raise EyasError(f"config {source}: section {name!r} has unknown keys {bad}; "
                             f"allowed: {sorted(allowed)}")
-        sections[name] = section
+        sections[name] = _check_section(name, section, source)
     launcher = raw.get("launcher") or {}
     bad = sorted(set(launcher) - {"nproc_per_node", "nnodes", "rdzv_endpoint", "node_rank"})
     if bad:

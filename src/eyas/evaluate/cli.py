@@ -10,11 +10,13 @@ from typing import Any
 
 import typer
 
+from eyas.checks import checked
 from eyas.errors import EyasError
 
 ENGINES = ("builtin", "vllm", "both")
 
 
+@checked("evaluate")
 def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = None,
                    out: Path = Path("runs/evaluate"), engine: str = "builtin",
                    k: int = 3, temperature: float = 0.0, max_prompts: int | None = None,
@@ -42,7 +44,11 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
     meta = {"target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
             "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
             "dtype": dtype, "seed": seed, "max_prompts": max_prompts, "max_per_category": max_per_category}
-    settings_base = {"target_id": target.id, "draft": str(Path(draft_dir).resolve()), "k": k,
+    from eyas.fsio import sha256_file
+
+    # the draft's content, not only its path: a draft retrained in place never reuses old records
+    settings_base = {"target_id": target.id, "draft": str(Path(draft_dir).resolve()),
+                     "draft_sha256": sha256_file(Path(draft_dir) / "model.safetensors"), "k": k,
                      "temperature": temperature, "max_new_tokens": max_new_tokens, "dtype": dtype,
                      "seed": seed, "prompts": str(Path(prompts).resolve())}
     reports: dict[str, Any] = {}

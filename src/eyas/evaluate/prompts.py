@@ -37,11 +37,18 @@ def read_questions(path: str | Path, max_prompts: int | None = None,
                         f"(default: {DEFAULT_PROMPTS})")
     out: list[Question] = []
     seen: set[str] = set()
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        offset = 0
+        for lineno, raw in enumerate(fh, 1):
+            where = f"prompts {path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise EyasError(f"{where}: byte 0x{raw[e.start]:02x} at byte {offset + e.start:,} of the "
+                                f"file is not valid UTF-8 ({e.reason}); save the file as UTF-8") from None
+            offset += len(raw)
             if not line.strip():
                 continue
-            where = f"prompts {path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:

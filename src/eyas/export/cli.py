@@ -6,12 +6,15 @@ from pathlib import Path
 
 import typer
 
+from eyas.checks import checked
 from eyas.errors import EyasError
+from eyas.fsio import refuse_overlap
 
 FORMATS = ("vllm", "sglang")
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
+@checked("export")
 def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str | None = None,
                       dtype: str = "auto", verifier: str | None = None,
                       num_speculative_tokens: int = 3, check_identity: bool = True,
@@ -33,10 +36,15 @@ def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str | No
     if dtype not in DTYPES:
         raise EyasError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     torch_dtype = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None
+    # --out never is, holds or lies inside an input, with or without --overwrite
     ckpt = load_checkpoint(ckpt_dir)
+    inputs = {"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier}
+    refuse_overlap(out, inputs)
     cfg = ckpt.config
     if target_spec is not None:
         target = resolve_target(target_spec)
+        inputs["the target's files"] = target.path
+        refuse_overlap(out, inputs)
         target_config = target.config()
         check_against_target(ckpt, target_config, target.identity, f"target {target_spec!r}",
                              check_identity=check_identity)
@@ -56,9 +64,9 @@ def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str | No
         ckpt.tensors.pop("d2t")
         ckpt.tensors.pop("t2d", None)
     if fmt == "sglang":
-        return export_sglang(ckpt, target_config, out, torch_dtype, overwrite=overwrite)
+        return export_sglang(ckpt, target_config, out, torch_dtype, overwrite=overwrite, inputs=inputs)
     return export_vllm(ckpt, target_config, out, verifier, torch_dtype,
-                       num_speculative_tokens, overwrite=overwrite)
+                       num_speculative_tokens, overwrite=overwrite, inputs=inputs)
 
 
 def register(app: typer.Typer) -> None:

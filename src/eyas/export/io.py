@@ -13,7 +13,8 @@ from eyas.fsio import atomic_dir
 
 
 def write_model_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                    extra_files: dict[str, str] | None = None, overwrite: bool = False) -> Path:
+                    extra_files: dict[str, str] | None = None, overwrite: bool = False,
+                    inputs: dict[str, Any] | None = None) -> Path:
     """``config.json`` + ``model.safetensors`` (+ small text files) into ``out`` in one rename."""
     from safetensors.torch import save_file
 
@@ -21,7 +22,7 @@ def write_model_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise EyasError(f"--out {out}: exists and is not empty; pass --overwrite to replace it or "
                         "choose a new directory")
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, inputs) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, text in (extra_files or {}).items():

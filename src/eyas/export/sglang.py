@@ -64,7 +64,8 @@ def sglang_aux_ids(aux_ids: list[int]) -> list[int]:
 
 
 def export_sglang(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, out: Path,
-                  dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+                  dtype: torch.dtype | None = None, overwrite: bool = False,
+                  inputs: dict | None = None) -> Path:
     tensors = cast({k: v for k, v in ckpt.tensors.items() if k not in _SKIP}, dtype)
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
@@ -87,4 +88,4 @@ def export_sglang(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, o
         "eyas": {"format": "sglang", "layer_id_convention": "vllm-input-of-layer (top level); "
                  "sglang output-of-layer (eagle_config)", "target": cfg.target},
     })
-    return write_model_dir(out, config, tensors, overwrite=overwrite)
+    return write_model_dir(out, config, tensors, overwrite=overwrite, inputs=inputs)

@@ -26,7 +26,7 @@ _SKIP = ("embed_tokens.weight",)
 
 def export_vllm(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, out: Path, verifier: str,
                 dtype: torch.dtype | None = None, num_speculative_tokens: int = 3,
-                overwrite: bool = False) -> Path:
+                overwrite: bool = False, inputs: dict | None = None) -> Path:
     tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in ckpt.tensors.items()
                if k not in _SKIP}
     tensors = cast(tensors, dtype)
@@ -57,4 +57,4 @@ def export_vllm(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, out
     }
     for option in cfg.serving_options:  # only when set: vLLM 0.16 reads none of these keys or weights
         config[option] = True
-    return write_model_dir(out, config, tensors, overwrite=overwrite)
+    return write_model_dir(out, config, tensors, overwrite=overwrite, inputs=inputs)

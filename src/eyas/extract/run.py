@@ -30,6 +30,7 @@ import torch
 import typer
 
 from eyas.device import resolve_device
+from eyas.checks import checked
 from eyas.errors import EyasError
 from eyas.extract.layers import CONVENTION, parse_layers, resolve_layers
 from eyas.extract.store import DTYPES, ShardItem, StoreWriter, check_finite, verify_store
@@ -191,6 +192,7 @@ def _load_backend(name: str) -> Callable[[ExtractJob], None]:
     return getattr(importlib.import_module(mod), fn)
 
 
+@checked("extract")
 def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int] | None = None,
                 backend: str = "hf", dtype: str = "bf16", device: str = "auto",
                 batch_tokens: int | None = None, writers: int | None = None,
@@ -230,6 +232,9 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     }
     writer = StoreWriter(out, fields, shard_tokens=batch_tokens, num_writers=writers,
                          max_pending=writers + 1)
+    for bad in writer.rewritten:
+        print(f"eyas extract: {out}: stored shard {bad} failed its checksum and is extracted again",
+              file=sys.stderr, flush=True)
     todo = [i for i in range(len(ds)) if i not in writer.done]
     total = int(ds.lengths[todo].sum()) if todo else 0
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract ({backend}, {device})",

@@ -93,6 +93,21 @@ def file_checksum(path: Path, algo: str) -> str:
     return h.hexdigest()
 
 
+def shard_problem(path: Path, record: dict[str, Any]) -> str | None:
+    """What is wrong with the shard file ``record`` describes (missing, size, checksum), or None.
+    Reads the whole file once (xxh3: GB/s)."""
+    f = Path(path) / record["file"]
+    if not f.is_file():
+        return "missing"
+    size = f.stat().st_size
+    if size != record["bytes"]:
+        return f"{size} bytes, its record says {record['bytes']}"
+    digest = file_checksum(f, record["checksum"]["algo"])
+    if digest != record["checksum"]["digest"]:
+        return f"checksum {digest}, its record says {record['checksum']['digest']}"
+    return None
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor without copying (bf16 has no numpy dtype: view as int16)."""
     t = t.view(_RAW_VIEW[t.dtype]) if t.dtype in _RAW_VIEW else t
@@ -198,6 +213,7 @@ class StoreWriter:
             fields.pop(k, None)
         self.fields = fields
         self.records: dict[int, dict[str, Any]] = {}
+        self.rewritten: list[str] = []  # committed shards found corrupt and dropped, to be redone
         self._clean_and_load()
         write_manifest(self.path, self.fields)
         self.done: set[int] = {i for r in self.records.values() for i in r["samples"]["index"]}
@@ -216,7 +232,8 @@ class StoreWriter:
         self.tokens_written = 0
 
     def _clean_and_load(self) -> None:
-        """Load committed shard records; delete temp files and shards without a record."""
+        """Load committed shard records; delete temp files and shards without a record, and re-check
+        every committed shard's checksum: a corrupt one is deleted with its record (``rewritten``)."""
         for p in self.path.iterdir():
             if p.name.startswith(".shard-") or p.name.startswith(f".{MANIFEST}.tmp"):
                 p.unlink()  # debris of a write that never finished
@@ -229,7 +246,14 @@ class StoreWriter:
             if not rec.is_file():
                 p.unlink()  # renamed but never recorded: its contents were never counted
                 continue
-            self.records[sid] = json.loads(rec.read_text())
+            record = json.loads(rec.read_text())
+            problem = shard_problem(self.path, record)
+            if problem:  # corrupt since it was written: drop it, its samples are extracted again
+                p.unlink()
+                rec.unlink()
+                self.rewritten.append(f"{p.name} ({problem}): {len(record['samples']['index'])} samples")
+                continue
+            self.records[sid] = record
         for p in self.path.glob("shard-*.json"):
             sid = int(p.stem.split("-")[1])
             if sid not in self.records:
@@ -420,6 +444,8 @@ class StoreReader:
         self.final_layer = int(manifest["final_layer"])
         self._handles: dict[int, Any] = {}
         self._mu = threading.Lock()
+        # each shard's checksum is checked the first time this reader opens it (once per process)
+        self._records = {int(r["shard"]): r for r in manifest.get("shards", [])}
 
     def __len__(self) -> int:
         return int(self.indices.shape[0])
@@ -433,6 +459,15 @@ class StoreReader:
             if not f.is_file():
                 raise EyasError(f"store {self.path}: {f.name} is missing; run `eyas extract` again "
                                 "with the same arguments to redo it, or --verify to list problems")
+            rec = self._records.get(sid)
+            problem = shard_problem(self.path, rec) if rec is not None else None
+            if problem:
+                prepared = self.manifest.get("prepared_path") or "PREPARED_DIR"
+                raise EyasError(f"store {self.path}: {f.name} is corrupt ({problem}); nothing was "
+                                f"trained on it. Re-run `eyas extract --data {prepared} --out {self.path}` "
+                                "with the --target and --layers the store was made with: it re-checks "
+                                "every stored shard and extracts the bad ones again; then resume training "
+                                f"with --resume (`eyas extract --verify {self.path}` lists every problem)")
             h = safe_open(str(f), framework="pt")
             with self._mu:
                 self._handles[sid] = h

@@ -59,7 +59,47 @@ def begin(run_dir: Path, step: int) -> Path:
 
 
 def write_rank_rng(tmp: Path, rank: int) -> None:
-    torch.save(rng_state(), tmp / f"rng-{rank}.pt")
+    (tmp / f"rng-{rank}.json").write_text(json.dumps(rng_to_json(rng_state())))
+
+
+def rng_to_json(state: dict[str, Any]) -> dict[str, Any]:
+    """The RNG states as plain JSON (no pickle): byte tensors and the MT19937 key as int lists."""
+    name, key, pos, has_gauss, cached = state["numpy"]
+    version, internal, gauss = state["python"]
+    out = {"torch": state["torch"].tolist(),
+           "numpy": [name, np.asarray(key).tolist(), int(pos), int(has_gauss), float(cached)],
+           "python": [version, list(internal), gauss]}
+    if "cuda" in state:
+        out["cuda"] = [t.tolist() for t in state["cuda"]]
+    return out
+
+
+def rng_from_json(data: dict[str, Any]) -> dict[str, Any]:
+    name, key, pos, has_gauss, cached = data["numpy"]
+    version, internal, gauss = data["python"]
+    state = {"torch": torch.tensor(data["torch"], dtype=torch.uint8),
+             "numpy": (name, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached),
+             "python": (version, tuple(internal), gauss)}
+    if "cuda" in data:
+        state["cuda"] = [torch.tensor(t, dtype=torch.uint8) for t in data["cuda"]]
+    return state
+
+
+def _numpy_globals() -> list:
+    """What an RNG file written by torch.save before rng-N.json existed needs beyond tensors: the
+    numpy array of the MT19937 key. Allowed for weights_only loading; nothing that runs code."""
+    core = getattr(np, "_core", None) or np.core
+    return [np.ndarray, np.dtype, core.multiarray._reconstruct, type(np.dtype(np.uint32))]
+
+
+def _load_rng(ckpt: Path, rank: int) -> dict[str, Any] | None:
+    js, pt = ckpt / f"rng-{rank}.json", ckpt / f"rng-{rank}.pt"
+    if js.is_file():
+        return rng_from_json(json.loads(js.read_text()))
+    if pt.is_file():  # a checkpoint from before rng-N.json
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(pt, weights_only=True)
+    return None
 
 
 def finish(run_dir: Path, tmp: Path, step: int, model_state: dict[str, torch.Tensor], optim_state: dict,
@@ -82,17 +122,64 @@ def finish(run_dir: Path, tmp: Path, step: int, model_state: dict[str, torch.Ten
     return final
 
 
+class Unreadable(Exception):
+    """A checkpoint file that cannot be read back (cut off, corrupt, or refused by weights_only)."""
+
+
 def load(ckpt: Path, rank: int) -> dict[str, Any]:
-    """Everything a rank needs to continue from ``ckpt``."""
+    """Everything a rank needs to continue from ``ckpt``. Nothing is unpickled: tensors come from
+    safetensors, the rest from JSON, and ``optimizer.pt`` (and an old ``rng-N.pt``) load with
+    ``torch.load(weights_only=True)``, which refuses any pickled callable. Raises Unreadable naming
+    the file that failed."""
     from safetensors.torch import load_file
 
-    state = json.loads((ckpt / STATE).read_text())
-    rng_file = ckpt / f"rng-{rank}.pt"
-    try:
-        opt = torch.load(ckpt / "optimizer.pt", weights_only=False, map_location="cpu")
-        return {"trainer": state, "model": load_file(str(ckpt / "model.safetensors")),
-                "optimizer": opt["optimizer"], "scheduler": opt["scheduler"],
-                "rng": torch.load(rng_file, weights_only=False) if rng_file.is_file() else None}
-    except (OSError, RuntimeError, KeyError) as e:
-        raise EyasError(f"checkpoint {ckpt} cannot be read ({e}); delete it to resume from an "
-                        "earlier one") from e
+    def read(name: str, fn):
+        try:
+            return fn(ckpt / name)
+        except Exception as e:  # noqa: BLE001 - any failure to read a file makes the checkpoint unusable
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise Unreadable(f"{ckpt / name}: {type(e).__name__}: {first}") from e
+
+    state = read(STATE, lambda p: json.loads(p.read_text()))
+    config = read("config.json", lambda p: json.loads(p.read_text()))
+    model = read("model.safetensors", lambda p: load_file(str(p)))
+    opt = read("optimizer.pt", lambda p: torch.load(p, weights_only=True, map_location="cpu"))
+    rng = read(f"rng-{rank}.json" if (ckpt / f"rng-{rank}.json").is_file() else f"rng-{rank}.pt",
+               lambda _p: _load_rng(ckpt, rank))
+    for key in ("step", "run"):
+        if key not in state:
+            raise Unreadable(f"{ckpt / STATE}: has no {key!r}")
+    if not isinstance(opt, dict) or "optimizer" not in opt or "scheduler" not in opt:
+        raise Unreadable(f"{ckpt / 'optimizer.pt'}: not an eyas optimizer file")
+    return {"trainer": state, "config": config, "model": model, "optimizer": opt["optimizer"],
+            "scheduler": opt["scheduler"], "rng": rng, "path": ckpt}
+
+
+def load_latest(run_dir: Path, rank: int, log=None) -> dict[str, Any]:
+    """The newest checkpoint of ``run_dir`` that reads back whole. Each newer one that does not is
+    named (``log``) and, on rank 0, moved aside to ``checkpoints/.broken-step-N`` so that pruning
+    never counts it; none readable is an EyasError listing why."""
+    import sys
+
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    failed = []
+    for path in reversed(checkpoint_dirs(run_dir)):
+        try:
+            got = load(path, rank)
+        except Unreadable as e:
+            failed.append(str(e))
+            aside = path.with_name(f".broken-{path.name}")
+            if rank == 0:
+                try:
+                    os.replace(path, aside)
+                except OSError:
+                    aside = path
+            log(f"warning: checkpoint {path.name} is unreadable ({e}); moved aside to {aside}, "
+                "trying the previous one")
+            continue
+        if failed:
+            log(f"resuming from {path} (the newest complete checkpoint)")
+        return got
+    raise EyasError(f"no checkpoint in {Path(run_dir) / 'checkpoints'} can be read: " + "; ".join(failed)
+                    + ". Start again with a new --out (or without --resume after deleting the run's "
+                    "checkpoints)")

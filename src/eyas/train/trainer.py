@@ -97,6 +97,11 @@ class TrainConfig:
     attention: str = "auto"  # dense | flex | auto (flex on CUDA): the TTT unroll's attention kernel
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        from eyas.checks import check_dataclass
+
+        check_dataclass(self, "train")  # types and ranges, before anything loads (eyas.checks.RANGES)
+
 
 # ------------------------------------------------------------------------------ distributed
 
@@ -282,7 +287,8 @@ def train(cfg: TrainConfig) -> Path:
     if existing and not cfg.resume:
         raise EyasError(f"run directory {run_dir} already has checkpoints (latest {existing[-1].name}); "
                         "pass --resume to continue it, or choose a new --out")
-    resumed = ckpt.load(existing[-1], dist.rank) if (existing and cfg.resume) else None
+    # the newest checkpoint that reads back whole; unreadable newer ones are named and moved aside
+    resumed = ckpt.load_latest(run_dir, dist.rank) if (existing and cfg.resume) else None
 
     draft_cfg = DraftConfig.from_target(tcfg, source.aux_layers, int(d2t.numel()), target.identity,
                                         target_name_or_path=str(target.path), target_spec=target.spec,
@@ -292,9 +298,9 @@ def train(cfg: TrainConfig) -> Path:
         diffs = [f"{k}: {old.get(k, RESUME_DEFAULTS.get(k))!r} there, {run_info[k]!r} now" for k in RESUME_KEYS
                  if old.get(k, RESUME_DEFAULTS.get(k)) != run_info[k]]
         if diffs:
-            raise EyasError(f"cannot resume {existing[-1]}: " + "; ".join(diffs) +
+            raise EyasError(f"cannot resume {resumed['path']}: " + "; ".join(diffs) +
                             ". Resume with the same settings, or start a new --out")
-        draft_cfg = DraftConfig.from_dict(json.loads((existing[-1] / "config.json").read_text()))
+        draft_cfg = DraftConfig.from_dict(resumed["config"])
         model = Eagle3Draft(draft_cfg)
         model.load_state_dict(resumed["model"])
     else:
