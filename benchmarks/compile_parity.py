@@ -162,11 +162,14 @@ def main() -> None:
 
 
 def _commit() -> str:
+    """EYAS_COMMIT first: the lent device's copy of the tree has the session's first commit in .git."""
+    if os.environ.get("EYAS_COMMIT"):
+        return os.environ["EYAS_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or os.environ.get("EYAS_COMMIT", "")
+                              cwd=Path(__file__).parent).stdout.strip()
     except OSError:
-        return os.environ.get("EYAS_COMMIT", "")
+        return ""
 
 
 def _machine() -> str:

