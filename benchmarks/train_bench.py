@@ -45,7 +45,8 @@ from eyas.data.dataset import open_prepared, write_prepared
 from eyas.draft.model import DraftConfig
 from eyas.target import resolve_target
 from eyas.train.packing import pack_indices, split_indices
-from eyas.train.trainer import TrainConfig, setup_dist, train
+from eyas.train.parallel import setup_dist
+from eyas.train.trainer import TrainConfig, train
 
 TILE = 128  # flex_attention's default BLOCK_SIZE
 

@@ -27,14 +27,18 @@ _compiled = None
 _compiled_mask = None
 
 
+def check_kind(attention: str) -> str:
+    if attention not in KINDS:
+        raise EyasError(f"--attention {attention!r}: use one of {', '.join(KINDS)}")
+    return attention
+
+
 def resolve(attention: str, device: torch.device, backward: bool = False) -> str:
     """``auto`` -> flex on CUDA (compiled), dense elsewhere (flex's eager path is slow there).
 
     ``backward``: gradients are needed; torch's flex attention has none on CPU (torch 2.13 raises
     "FlexAttention does not support backward on CPU"), so flex is refused there."""
-    if attention not in KINDS:
-        raise EyasError(f"--attention {attention!r}: use one of {', '.join(KINDS)}")
-    if attention == "auto":
+    if check_kind(attention) == "auto":
         return "flex" if device.type == "cuda" else "dense"
     if attention == "flex" and backward and device.type != "cuda":
         raise EyasError(f"--attention flex on {device.type}: torch's flex attention has no backward "

@@ -1,5 +1,6 @@
-"""Training metrics: metrics.jsonl and TensorBoard (:class:`Logger`), step timing on the device's
-timeline (:class:`StepClock`), and the loss plot."""
+"""Training metrics: each step's record read one step late (:class:`StepLog`), metrics.jsonl and
+TensorBoard (:class:`Logger`), step timing on the device's timeline (:class:`StepClock`), the loss
+plot."""
 
 from __future__ import annotations
 
@@ -36,6 +37,72 @@ class StepClock:
             end.synchronize()
             return start.elapsed_time(end) / 1000.0
         return end - start
+
+
+class StepLog:
+    """The host side of every training step, one step late.
+
+    A step's numbers stay on the device until the next step is queued: reading them waits for the
+    device, and reading them at once would leave it idle while the host prepares the next step. So
+    :meth:`push` takes a step's device tensors and writes the previous step's record: tokens seen,
+    loss, per-TTT-step accuracies, the true rate, and the guard's verdict (which may stop the run)."""
+
+    def __init__(self, logger: "Logger", guard: Any, clock: StepClock, total: int, log_every: int,
+                 global_micro: int, tokens_seen: int, start: int, t_start: float, progress: bool):
+        self.logger, self.guard, self.clock = logger, guard, clock
+        self.total, self.log_every, self.global_micro = total, log_every, global_micro
+        self.tokens_seen, self.t_start = tokens_seen, t_start
+        self.first_step_s: float | None = None  # from the run's start to its first step's numbers
+        self.pending: dict[str, Any] | None = None
+        self.t_last, self.tok_last = clock.mark(), 0
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+    def push(self, record: dict[str, Any]) -> None:
+        """This step's numbers (device tensors) in; the previous step's record out."""
+        self.flush()
+        self.pending = record
+
+    def flush(self) -> None:
+        """Write the pending step's record now (before an evaluation, a checkpoint, the end)."""
+        from eyas.train.parallel import total_norm
+
+        if self.pending is None:
+            return
+        p, self.pending = self.pending, None
+        totals, per_step, done = p["totals"].tolist(), p["per_step"].cpu(), p["step"]
+        if self.first_step_s is None:
+            self.first_step_s = time.perf_counter() - self.t_start
+        finite = bool(p["finite"])
+        self.tokens_seen += int(totals[1])
+        self.tok_last += int(totals[1])
+        cnt = per_step[2].clamp_min(1)
+        step_loss = (per_step[0] / cnt).tolist()
+        grad_norm = total_norm(p["grad_norm"])
+        self.guard.record(finite, done, {"step_loss": step_loss, "grad_norm": grad_norm,
+                                         "samples": sorted(i for pack in p["packs"] for i in pack)})
+        if done % self.log_every == 0 or done == self.total or not finite:
+            secs = self.clock.seconds(self.t_last, p["end"])  # the device's time between the two steps' ends
+            tps = self.tok_last / max(secs, 1e-9)
+            self.t_last, self.tok_last = p["end"], 0
+            rec = {"split": "train", "step": done, "loss": totals[0] / self.global_micro, "lr": p["lr"],
+                   "grad_norm": grad_norm, "tokens": self.tokens_seen, "tokens_per_s": tps, "epoch": p["epoch"],
+                   "finite": finite, "skipped_steps": self.guard.skipped,
+                   "acc": (per_step[1] / cnt).tolist(), "step_loss": step_loss}
+            self.logger.log(rec)
+            self.guard.stop_if_repeated()
+            if self.bar is not None:
+                self.bar.set_postfix(loss=f"{rec['loss']:.3f}", acc0=f"{rec['acc'][0]:.2f}", tok_s=f"{tps:,.0f}")
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.flush()
+        if self.bar is not None:
+            self.bar.close()
 
 
 class Logger:

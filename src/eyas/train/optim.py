@@ -99,12 +99,16 @@ def schedule(optim: "torch.optim.Optimizer | Optimizers", fn: Callable[[int], fl
     return torch.optim.lr_scheduler.LambdaLR(optim, fn)
 
 
+def check_kind(kind: str) -> str:
+    if kind not in OPTIMIZERS:
+        raise EyasError(f"--optimizer {kind!r}: choose one of {', '.join(OPTIMIZERS)}")
+    return kind
+
+
 def build(model: nn.Module, kind: str, lr: float, betas: tuple[float, float], weight_decay: float,
           fused: bool, sharded: bool) -> "torch.optim.Optimizer | Optimizers":
     """The run's optimizers over ``model``'s trainable parameters (after any FSDP2/DDP wrap)."""
-    if kind not in OPTIMIZERS:
-        raise EyasError(f"--optimizer {kind!r}: choose one of {', '.join(OPTIMIZERS)}")
-    if kind == "adamw":
+    if check_kind(kind) == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused)
     if not hasattr(torch.optim, "Muon"):

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from eyas.errors import EyasError
+
 _WINDOW = 512  # samples packed together: large enough to fill packs, small enough to stay shuffled
 
 
@@ -94,3 +96,40 @@ def layout(packs: list[list[int]], samples: dict[int, tuple[np.ndarray, np.ndarr
         spans.append(row)
     return PackLayout(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(pos),
                       torch.from_numpy(doc), spans)
+
+
+class EpochPlan:
+    """Packs per epoch, and the mapping optimizer step -> (epoch, step within epoch)."""
+
+    def __init__(self, train_idx: np.ndarray, lengths: np.ndarray, budget: int, batch: int,
+                 global_micro: int, seed: int):
+        self.train_idx, self.lengths, self.budget = train_idx, lengths, budget
+        self.batch, self.global_micro, self.seed = batch, global_micro, seed
+        self._packs: dict[int, list[list[int]]] = {}  # at most two epochs' packs
+        self._counts: dict[int, int] = {}
+
+    def packs(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._packs:
+            if len(self._packs) >= 2:  # keep this and the neighbouring epoch (read-ahead crosses it)
+                self._packs.pop(max(self._packs, key=lambda e: abs(e - epoch)))
+            self._packs[epoch] = pack_indices(self.train_idx, self.lengths, self.budget,
+                                              seed=self.seed * 100003 + epoch)
+            self._counts[epoch] = len(self._packs[epoch])
+        return self._packs[epoch]
+
+    def steps_in(self, epoch: int) -> int:
+        if epoch not in self._counts:
+            self._counts[epoch] = len(pack_indices(self.train_idx, self.lengths, self.budget,
+                                                   seed=self.seed * 100003 + epoch))
+        return self._counts[epoch] // (self.batch * self.global_micro)
+
+    def locate(self, step: int) -> tuple[int, int]:
+        epoch = 0
+        while step >= self.steps_in(epoch):
+            if self.steps_in(epoch) == 0:
+                raise EyasError("the training split is smaller than one global batch "
+                                f"({self.batch * self.global_micro} packs of {self.budget} tokens); "
+                                "lower --tokens-per-batch/--grad-accum or add data")
+            step -= self.steps_in(epoch)
+            epoch += 1
+        return epoch, step

@@ -24,6 +24,8 @@ numerics of the norms and the reduction.
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +34,46 @@ from torch import nn
 from eyas.errors import EyasError
 
 MODES = ("ddp", "fsdp2")
+
+
+@dataclass
+class Dist:
+    """This process's place among torchrun's (one process: rank 0 of 1)."""
+
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def on(self) -> bool:
+        return self.world > 1
+
+    def all_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.on:
+            torch.distributed.all_reduce(t)
+        return t
+
+    def barrier(self) -> None:
+        if self.on:
+            torch.distributed.barrier()
+
+
+def setup_dist(device_arg: str) -> tuple[Dist, torch.device]:
+    """The process group (under torchrun) and this rank's device from ``--device``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_arg == "auto":
+        device_arg = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_arg.startswith("cuda") and not torch.cuda.is_available():
+        raise EyasError(f"--device {device_arg}: CUDA is not available here; use --device cpu")
+    device = torch.device(f"cuda:{local}" if device_arg == "cuda" else device_arg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(rank, world, local), device
 
 
 def check_mode(parallel: str) -> str:
