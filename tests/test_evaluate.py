@@ -243,3 +243,86 @@ def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
     # other settings in the same --out are refused, not mixed
     res = CliRunner().invoke(app, args[:-4] + ["--max-new-tokens", "10"])
     assert res.exit_code != 0 and "other settings" in str(res.exception)
+
+
+@pytest.mark.parametrize("device,message", [("gpu", "choose auto"), ("cuda:x", "choose auto"),
+                                            ("CPU", "choose auto")])
+def test_evaluate_bad_device_is_refused_before_any_model_loads(tmp_path, device, message):
+    from eyas.evaluate.cli import evaluate_draft
+
+    # neither the target nor the draft exists: a load would fail with another message
+    with pytest.raises(EyasError, match=rf"--device {device!r}: {message}"):
+        evaluate_draft("no-such-target", tmp_path / "no-draft", out=tmp_path / "e", device=device)
+    with pytest.raises(EyasError, match="--dtype 'fp8'"):
+        evaluate_draft("no-such-target", tmp_path / "no-draft", out=tmp_path / "e", dtype="fp8")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_evaluate_cuda_without_a_gpu_is_refused_by_the_cli(tmp_path):
+    from eyas.evaluate.cli import register
+
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    res = CliRunner().invoke(app, ["evaluate", "--target", "no-such-target", "--draft", str(tmp_path),
+                                   "--device", "cuda"])
+    assert res.exit_code != 0 and "CUDA is not available" in str(res.exception)
+
+
+def test_evaluate_device_cpu_equals_the_default_on_the_cpu(setup, tmp_path):
+    """--device cpu gives today's CPU evaluation: float32, the same tokens and acceptance as the
+    default (auto, which is cpu here) and as the loop run directly, and records whose settings are
+    the ones an eyas without --device wrote (so such an evaluation still resumes)."""
+    from eyas.evaluate.cli import evaluate_draft
+
+    target, model, draft, draft_dir = setup
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 2)
+    kw = dict(prompts=qfile, k=3, max_new_tokens=16, progress=False)
+    cpu = evaluate_draft(str(target.path), draft_dir, out=tmp_path / "cpu", device="cpu", **kw)["builtin"]
+    default = evaluate_draft(str(target.path), draft_dir, out=tmp_path / "default", **kw)["builtin"]
+    assert cpu["device"] == "cpu" and cpu["dtype"] == "float32"
+    strip = [{k: r[k] for k in ("output_ids", "rounds", "accepted_per_pos", "matches_plain")}
+             for r in cpu["per_prompt"]]
+    assert strip == [{k: r[k] for k in ("output_ids", "rounds", "accepted_per_pos", "matches_plain")}
+                     for r in default["per_prompt"]]
+    assert cpu["overall"]["tau"] == default["overall"]["tau"]
+    header = json.loads((tmp_path / "cpu" / "builtin" / "records.jsonl").read_text().splitlines()[0])
+    assert set(header["settings"]) == {"target_id", "draft", "draft_sha256", "k", "temperature",
+                                       "max_new_tokens", "dtype", "seed", "prompts", "engine"}
+    assert header["settings"]["dtype"] == "float32"
+    # the loop itself, on the float32 model of the fixture: the same tokens
+    first = cpu["per_prompt"][0]
+    tok = target.load_tokenizer()
+    from eyas.data.chat import stop_token_ids
+    from eyas.evaluate.prompts import read_questions
+
+    q = read_questions(qfile, None, None)[0]
+    prompt = render_turn(tok, q, 0, [])
+    res = speculative_generate(TargetRunner(model, list(draft.config.aux_layer_ids)), DraftRunner(draft),
+                               prompt, 16, set(stop_token_ids(tok, target.path)), 3)
+    assert res.tokens == first["output_ids"] and res.accepted_per_pos == first["accepted_per_pos"]
+
+
+def test_vllm_draft_must_be_an_export_of_the_draft(setup, tmp_path):
+    """An exported directory handed to the vllm engine (the pipeline's export stage) is checked
+    against the draft before vLLM is looked for; another draft's export is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from eyas.evaluate.cli import check_export_of, evaluate_draft
+    from eyas.export.cli import export_checkpoint
+
+    target, draft_dir = setup[0], setup[3]
+    exported = export_checkpoint(draft_dir, "vllm", tmp_path / "exp", None)
+    check_export_of(exported, draft_dir)  # its own export passes
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text((draft_dir / "config.json").read_text())
+    state = load_file(str(draft_dir / "model.safetensors"))
+    state["fc.weight"] = state["fc.weight"] * 1.5
+    save_file(state, str(other / "model.safetensors"))
+    with pytest.raises(EyasError, match="exported from another draft"):
+        check_export_of(exported, other)
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 1)
+    with pytest.raises(EyasError, match="exported from another draft"):
+        evaluate_draft(str(target.path), other, prompts=qfile, out=tmp_path / "e", engine="vllm",
+                       vllm_draft=exported, progress=False)

@@ -72,3 +72,38 @@ def test_pipeline_cli_refuses_bad_config(tmp_path):
                          capture_output=True, text=True)
     assert res.returncode == 2
     assert "ttt_step" in res.stderr
+
+
+def test_pipeline_passes_the_device_and_the_export_to_evaluate(tmp_path, tiny_llama_dir):
+    """No device in the evaluate section: the train section's (cpu here) reaches evaluate and is
+    recorded; the same device written into the evaluate section is the same setting (nothing redone).
+    The export stage's output is an export of the trained draft, as the vllm engine checks."""
+    from eyas.evaluate.cli import check_export_of
+
+    cfg_path = _config(tmp_path, tiny_llama_dir, "online")
+    cfg = yaml.safe_load(cfg_path.read_text())
+    assert cfg["train"]["device"] == "cpu" and "device" not in cfg["evaluate"]
+    run_pipeline(load_config(cfg_path))
+    run = tmp_path / "run"
+    rec = json.loads((run / "pipeline-config.json").read_text())
+    assert rec["stages"]["evaluate"]["settings"]["device"] == "cpu"
+    assert rec["sections"]["evaluate"]["device"] == "cpu"
+    report = json.loads((run / "eval" / "builtin" / "report.json").read_text())
+    assert report["device"] == "cpu" and report["dtype"] == "float32"
+    check_export_of(run / "export-vllm", run / "train" / "draft")
+
+    records = (run / "eval" / "builtin" / "records.jsonl").read_text()
+    cfg["evaluate"]["device"] = "cpu"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    run_pipeline(load_config(cfg_path))
+    assert json.loads((run / "pipeline-config.json").read_text())["stages"]["evaluate"]["fingerprint"] \
+        == rec["stages"]["evaluate"]["fingerprint"]
+    assert (run / "eval" / "builtin" / "records.jsonl").read_text() == records
+    assert not list(run.glob("eval.stale-*"))
+
+    cfg["evaluate"]["device"] = "gpu"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    from eyas.errors import EyasError
+
+    with pytest.raises(EyasError, match="evaluate.device 'gpu': choose auto"):
+        load_config(cfg_path)  # before any stage runs

@@ -112,3 +112,33 @@ def test_one_interpreter_search_for_every_stage(tmp_path, monkeypatch):
         find_vllm_python(str(tmp_path / "missing"))
     monkeypatch.setenv("EYAS_VLLM_PYTHON", str(venv))
     assert find_vllm_python(None) == (str(py), "$EYAS_VLLM_PYTHON") and for_evaluate(None) == py
+
+
+def test_wrapper_interpreter_of_vllm_setup_reaches_vllm_children(tmp_path, monkeypatch):
+    """benchmarks/gpu/vllm_setup.sh's /tmp/vllm-python (python3 + a --target site dir first on
+    PYTHONPATH): eyas takes it from $EYAS_VLLM_PYTHON, and the site dir still reaches the vLLM
+    child although eyas replaces the child's PYTHONPATH with its worker package."""
+    import subprocess
+
+    from eyas.extract.vllm_backend import _engine_env, find_vllm_python
+
+    site = tmp_path / "vllm-site"
+    (site / "vllm-0.26.0.dist-info").mkdir(parents=True)
+    (site / "vllm-0.26.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.26.0\n")
+    wrapper = tmp_path / "vllm-python"
+    setup = (ROOT / "benchmarks" / "gpu" / "vllm_setup.sh").read_text()
+    assert "PYTHONPATH=\"%s${PYTHONPATH:+:$PYTHONPATH}\" exec %s" in setup  # the same wrapper as below
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}" exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("EYAS_VLLM_PYTHON", str(wrapper))
+    python, why = find_vllm_python()
+    assert python == str(wrapper) and why == "$EYAS_VLLM_PYTHON"
+    assert probe_vllm(python).version == "0.26.0"
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    env = _engine_env(pkg, {}, backend="vllm")
+    assert env["PYTHONPATH"] == str(pkg)
+    code = "import importlib.metadata as m, sys; print(m.version('vllm')); print(sys.path)"
+    res = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, check=True)
+    version, path = res.stdout.splitlines()
+    assert version == "0.26.0" and str(site) in path and str(pkg) in path

@@ -32,7 +32,7 @@ WIRED: dict[str, set[str]] = {
     "extract": {"target", "data", "out", "progress"},
     "train": {"target", "data", "store", "out", "online", "progress"},
     "export": {"ckpt_dir", "target_spec", "out", "overwrite"},
-    "evaluate": {"target_spec", "draft_dir", "out", "progress"},
+    "evaluate": {"target_spec", "draft_dir", "out", "progress", "vllm_draft"},
 }
 # Config spellings of parameters whose Python names differ (the CLI's flag names).
 ALIASES: dict[str, dict[str, str]] = {"export": {"format": "fmt"}}
@@ -105,6 +105,12 @@ def _check_section(name: str, section: dict[str, Any], source: str) -> dict[str,
             nested["regenerate"] = regen
     plain = {k: v for k, v in section.items() if k not in nested}
     out = check_values(name, plain, types_, lambda k: f"config {source}: {name}.{spell.get(k, k)}")
+    if name in ("extract", "evaluate") and "device" in plain:
+        from eyas.device import DEVICE_FORM
+
+        if not DEVICE_FORM.fullmatch(str(plain["device"])):  # the form only: the GPU is looked for at run time
+            raise EyasError(f"config {source}: {name}.device {plain['device']!r}: choose auto, cpu, cuda "
+                            "or cuda:N")
     # keep the config's own spelling except for numbers YAML left as strings (lr: 1e-4)
     kept = {k: out[k] if isinstance(v, str) and isinstance(out[k], (int, float)) else v for k, v in plain.items()}
     return {**kept, **nested}

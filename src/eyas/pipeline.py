@@ -43,6 +43,16 @@ def _file_sha(spec: Any) -> str | None:
     return sha256_file(p) if p.is_file() else None
 
 
+def evaluate_settings(cfg: PipelineConfig) -> dict[str, Any]:
+    """The evaluate section, with its device: the section's own ``device``, else the train
+    section's (one machine runs both), else none (evaluate's default, auto)."""
+    ev = cfg.section("evaluate")
+    train_device = cfg.section("train").get("device")
+    if "device" not in ev and train_device is not None:
+        ev["device"] = train_device
+    return ev
+
+
 def stage_records(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
     """Per stage: its settings (config section plus what it depends on) and a fingerprint that also
     covers the stage it reads from, so a change upstream makes everything after it stale."""
@@ -60,7 +70,7 @@ def stage_records(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
         upstream["train"] = "extract"
     settings["train"] = {"features": cfg.features, "launcher": cfg.launcher, **cfg.section("train")}
     settings["export"] = cfg.section("export")
-    ev = cfg.section("evaluate")
+    ev = evaluate_settings(cfg)
     settings["evaluate"] = ev
     inputs["evaluate"] = {"prompts_sha256": _file_sha(ev["prompts"]) if ev.get("prompts") else None}
     out: dict[str, dict[str, Any]] = {}
@@ -240,9 +250,14 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     console.rule("evaluate")
     from eyas.evaluate.cli import evaluate_draft
 
-    ev = cfg.section("evaluate")
+    ev = evaluate_settings(cfg)
     if "prompts" in ev:
         ev["prompts"] = Path(ev["prompts"])
+    # The vllm engine serves the export stage's output (an export of this very draft, checked)
+    # instead of exporting the draft a second time; only a vllm-format export at the draft's own
+    # dtype is that.
+    if fmt == "vllm" and exp.get("dtype", "auto") == "auto":
+        ev["vllm_draft"] = exported
     begin("evaluate")
     report = evaluate_draft(cfg.target, draft, out=work / "eval", **ev)
     done("evaluate")

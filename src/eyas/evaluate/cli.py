@@ -14,17 +14,25 @@ from eyas.checks import checked
 from eyas.errors import EyasError
 
 ENGINES = ("builtin", "vllm", "both")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @checked("evaluate")
 def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = None,
                    out: Path = Path("runs/evaluate"), engine: str = "builtin",
                    k: int = 3, temperature: float = 0.0, max_prompts: int | None = None,
-                   max_new_tokens: int = 256, dtype: str = "float32", vllm: str | None = None,
+                   max_new_tokens: int = 256, dtype: str = "auto", vllm: str | None = None,
                    seed: int = 0, compare_plain: bool = True, progress: bool = True,
-                   max_per_category: int | None = None) -> dict[str, Any]:
+                   max_per_category: int | None = None, device: str = "auto",
+                   vllm_draft: Path | None = None) -> dict[str, Any]:
     """Evaluate; writes OUT/<engine>/report.json + plots (and OUT/comparison.json for both).
-    Returns {engine: report} (plus "comparison")."""
+    Returns {engine: report} (plus "comparison").
+
+    ``device`` (auto: cuda when there is a GPU, else cpu) is where the builtin engine runs the HF
+    target and the draft; vLLM runs where its build runs. ``dtype`` auto is bfloat16 on CUDA and
+    float32 on the CPU, for both engines. ``vllm_draft``: an already exported vLLM-format directory
+    of ``draft_dir`` (the pipeline's export stage), checked to be an export of that draft; without
+    it the vllm engine exports one into OUT/vllm/draft-vllm."""
     from eyas.data.chat import stop_token_ids
     from eyas.evaluate.prompts import DEFAULT_PROMPTS, read_questions
     from eyas.export.checks import check_against_target, load_checkpoint
@@ -34,16 +42,26 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
         raise EyasError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
     if k < 1:
         raise EyasError(f"-k {k}: need at least one draft token per step")
+    if dtype not in DTYPES:
+        raise EyasError(f"--dtype {dtype!r}: choose {', '.join(DTYPES)}")
+    from eyas.device import resolve_device
+
+    device = resolve_device(device)  # a bad spelling or a missing GPU stops here, before any model
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
     prompts = Path(prompts) if prompts else DEFAULT_PROMPTS
     target = resolve_target(target_spec)
     ckpt = load_checkpoint(draft_dir)
     check_against_target(ckpt, target.config(), target.identity, f"target {target_spec!r}")
+    if vllm_draft is not None and engine != "builtin":
+        check_export_of(Path(vllm_draft), Path(draft_dir))
     questions = read_questions(prompts, max_prompts, max_per_category)
     tokenizer = target.load_tokenizer()
     stop_ids = set(stop_token_ids(tokenizer, target.path))
     meta = {"target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
             "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
-            "dtype": dtype, "seed": seed, "max_prompts": max_prompts, "max_per_category": max_per_category}
+            "dtype": dtype, "device": device, "seed": seed, "max_prompts": max_prompts,
+            "max_per_category": max_per_category}
     from eyas.fsio import sha256_file
 
     # the draft's content, not only its path: a draft retrained in place never reuses old records
@@ -51,6 +69,8 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
                      "draft_sha256": sha256_file(Path(draft_dir) / "model.safetensors"), "k": k,
                      "temperature": temperature, "max_new_tokens": max_new_tokens, "dtype": dtype,
                      "seed": seed, "prompts": str(Path(prompts).resolve())}
+    if device != "cpu":  # only off the CPU, so records written before --device existed still resume
+        settings_base["device"] = device.split(":")[0]
     reports: dict[str, Any] = {}
     engines = ["builtin", "vllm"] if engine == "both" else [engine]
     for name in engines:
@@ -60,10 +80,11 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
         if name == "builtin":
             records, extra = _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k,
                                           temperature, max_new_tokens, dtype, seed, compare_plain,
-                                          sub, settings, progress)
+                                          sub, settings, progress, device)
         else:
             records, extra = _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
-                                       max_new_tokens, dtype, seed, vllm, sub, settings, progress)
+                                       max_new_tokens, dtype, seed, vllm, sub, settings, progress,
+                                       vllm_draft)
         from eyas.evaluate.report import build_report, write_report
 
         report = build_report(records, k, {"engine": name, **meta, **extra})
@@ -75,7 +96,7 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
 
 
 def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
-                 dtype, seed, compare_plain, sub, settings, progress):
+                 dtype, seed, compare_plain, sub, settings, progress, device="cpu"):
     import torch
 
     from eyas.draft.model import Eagle3Draft
@@ -83,26 +104,32 @@ def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperatu
     from eyas.evaluate.speculative import BuiltinEngine
 
     torch_dtype = getattr(torch, dtype)
-    model = target.load_model(dtype=torch_dtype)
-    draft = Eagle3Draft.from_pretrained(draft_dir, dtype=torch_dtype)
+    model = target.load_model(dtype=torch_dtype, device=device)
+    draft = Eagle3Draft.from_pretrained(draft_dir, device=device, dtype=torch_dtype)
     eng = BuiltinEngine(model, draft, k, temperature, seed, compare_plain)
     try:
         records = run_questions(eng, questions, tokenizer, max_new_tokens, stop_ids,
                                 sub / "records.jsonl", settings, progress)
     finally:
         eng.close()
-    return records, {"torch_threads": torch.get_num_threads()}
+    extra = {"torch_threads": torch.get_num_threads()}
+    if device.startswith("cuda"):
+        extra["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return records, extra
 
 
 def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
-              dtype, seed, vllm, sub, settings, progress):
+              dtype, seed, vllm, sub, settings, progress, vllm_draft=None):
     from eyas.evaluate.runner import run_questions
     from eyas.evaluate.vllm_metrics import VllmEngine, VllmSpecEngine, find_vllm_python
     from eyas.export.cli import export_checkpoint
 
     python = find_vllm_python(vllm)
-    exported = export_checkpoint(Path(draft_dir), "vllm", sub / "draft-vllm", str(target.path),
-                                 num_speculative_tokens=k, overwrite=True)
+    if vllm_draft is not None:  # checked up front, in evaluate_draft
+        exported = Path(vllm_draft)
+    else:
+        exported = export_checkpoint(Path(draft_dir), "vllm", sub / "draft-vllm", str(target.path),
+                                     num_speculative_tokens=k, overwrite=True)
     with VllmEngine(python, target.path, exported, k=k, dtype=dtype, seed=seed,
                     log_path=sub / "vllm.log") as eng:
         records = run_questions(VllmSpecEngine(eng, k, temperature, seed), questions, tokenizer,
@@ -110,6 +137,25 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
         info = dict(eng.info)
     return records, {"vllm_version": info.get("vllm"), "vllm_python": str(python),
                      "exported_draft": str(exported)}
+
+
+def check_export_of(exported: Path, draft_dir: Path) -> None:
+    """Refuse ``exported`` unless it is a vLLM-format export of exactly ``draft_dir``'s weights."""
+    from eyas.fsio import sha256_file
+
+    cfg_path = exported / "config.json"
+    try:
+        info = json.loads(cfg_path.read_text()).get("eyas", {})
+    except (OSError, json.JSONDecodeError) as e:
+        raise EyasError(f"vLLM draft {exported}: no readable config.json ({e}); pass the directory "
+                        "`eyas export --format vllm` wrote") from e
+    if info.get("format") != "vllm":
+        raise EyasError(f"vLLM draft {exported}: not an eyas vllm-format export")
+    want = sha256_file(draft_dir / "model.safetensors")
+    if info.get("source_sha256") != want:
+        raise EyasError(f"vLLM draft {exported}: exported from another draft than {draft_dir} (or by an "
+                        "older eyas that did not record it); export it again, or leave it out and "
+                        "`eyas evaluate` exports one")
 
 
 def _compare(builtin: dict, vllm: dict, out: Path) -> dict[str, Any]:
@@ -149,7 +195,10 @@ def register(app: typer.Typer) -> None:
         max_prompts: int = typer.Option(None, help="Use only the first N questions."),
         max_per_category: int = typer.Option(None, help="Use only the first N questions of each category."),
         max_new_tokens: int = typer.Option(256, help="Tokens generated per turn at most."),
-        dtype: str = typer.Option("float32", help="Target/draft dtype for both engines (float32, bfloat16)."),
+        dtype: str = typer.Option("auto", help="Target/draft dtype for both engines: auto (bfloat16 on "
+                                  "CUDA, float32 on the CPU), float32, bfloat16 or float16."),
+        device: str = typer.Option("auto", help="builtin: where the HF target and the draft run: auto "
+                                   "(cuda when there is a GPU, else cpu), cuda, cuda:N or cpu."),
         vllm: str = typer.Option(None, "--vllm", help="vLLM env: version (.venvs/vllm-VERSION), venv dir or "
                                  "python path (default: $EYAS_VLLM_PYTHON, this Python if it has vLLM, "
                                  "else the newest .venvs/vllm-*)."),
@@ -157,11 +206,9 @@ def register(app: typer.Typer) -> None:
         no_plain: bool = typer.Option(False, "--no-plain", help="builtin: skip the plain-decoding baseline (no speedup)."),
     ) -> None:
         """Measure a draft: tau (tokens per target forward), acceptance per draft position, speed."""
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise EyasError(f"--dtype {dtype!r}: choose float32, bfloat16 or float16")
         reports = evaluate_draft(target, draft, prompts, out, engine, k, temperature, max_prompts,
                                  max_new_tokens, dtype, vllm, seed, not no_plain,
-                                 max_per_category=max_per_category)
+                                 max_per_category=max_per_category, device=device)
         for name in ("builtin", "vllm"):
             if name in reports:
                 o = reports[name]["overall"]

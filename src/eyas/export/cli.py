@@ -65,8 +65,11 @@ def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str | No
         ckpt.tensors.pop("t2d", None)
     if fmt == "sglang":
         return export_sglang(ckpt, target_config, out, torch_dtype, overwrite=overwrite, inputs=inputs)
+    from eyas.fsio import sha256_file
+
     return export_vllm(ckpt, target_config, out, verifier, torch_dtype,
-                       num_speculative_tokens, overwrite=overwrite, inputs=inputs)
+                       num_speculative_tokens, overwrite=overwrite, inputs=inputs,
+                       source_sha256=sha256_file(Path(ckpt_dir) / "model.safetensors"))
 
 
 def register(app: typer.Typer) -> None:

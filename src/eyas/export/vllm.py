@@ -26,7 +26,8 @@ _SKIP = ("embed_tokens.weight",)
 
 def export_vllm(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, out: Path, verifier: str,
                 dtype: torch.dtype | None = None, num_speculative_tokens: int = 3,
-                overwrite: bool = False, inputs: dict | None = None) -> Path:
+                overwrite: bool = False, inputs: dict | None = None,
+                source_sha256: str | None = None) -> Path:
     tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in ckpt.tensors.items()
                if k not in _SKIP}
     tensors = cast(tensors, dtype)
@@ -55,6 +56,8 @@ def export_vllm(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, out
         },
         "eyas": {"format": "vllm", "layer_id_convention": "vllm-input-of-layer", "target": cfg.target},
     }
+    if source_sha256:  # which draft this is an export of (`eyas evaluate` checks it before reuse)
+        config["eyas"]["source_sha256"] = source_sha256
     for option in cfg.serving_options:  # only when set: vLLM 0.16 reads none of these keys or weights
         config[option] = True
     return write_model_dir(out, config, tensors, overwrite=overwrite, inputs=inputs)
