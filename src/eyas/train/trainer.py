@@ -308,7 +308,7 @@ def train(cfg: TrainConfig) -> Path:
     model.to(device)
     head = TargetHead.from_target(target.path, d2t, float(text_cfg.get("rms_norm_eps", 1e-6))).to(device)
     # wrap first: FSDP2 turns the parameters into shards, and the optimizer must hold those
-    net = parallel.wrap(model, cfg.parallel, dist.world, device)
+    net = parallel.wrap(model, cfg.parallel, dist.world, device, fused_loss=cfg.fused_loss)
     sharded = parallel.is_fsdp(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = optim_mod.build(model, cfg.optimizer, cfg.lr, cfg.betas, cfg.weight_decay,
@@ -337,9 +337,6 @@ def train(cfg: TrainConfig) -> Path:
     ce = torch.compile(soft_cross_entropy, dynamic=True) if cfg.compile else soft_cross_entropy
     matmul_dtype = _autocast_dtype(device, cfg.precision)  # also the fused loss's lm_head dtype
     autocast = _autocast(device, matmul_dtype)
-    if cfg.fused_loss and sharded:
-        raise EyasError("--fused-loss reads lm_head's whole weight, which --parallel fsdp2 shards; use "
-                        "--parallel ddp (or a single process), or drop --fused-loss")
     logger = Logger(run_dir, start, is_main)
 
     def micro_packs(step: int, a: int) -> tuple[int, list[list[int]]]:
