@@ -5,7 +5,7 @@ through FSDP2 with lm_head its own never-forwarded unit (parallel.wrap(..., fuse
 the fused loss gets the sharded DTensor. Every rank also computes, in-process and unsharded, every
 rank's single-process fused loss: the sharded value and stats must equal its own rank's, and every
 gradient (each rank's shard, gathered) the mean over ranks of the single-process gradients.
-argv: draft vocab size, chunk."""
+argv: draft vocab size, chunk, and "compiled" for the chunk functions through torch.compile."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from eyas.draft.fused_loss import fused_ttt_loss
 from eyas.draft.loss import TargetHead
@@ -23,6 +24,7 @@ from eyas.train import parallel
 
 def main() -> None:
     dv, chunk = int(sys.argv[1]), int(sys.argv[2])
+    compiled = sys.argv[3:] == ["compiled"]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -49,7 +51,8 @@ def main() -> None:
 
     def loss_of(m, bt):
         normed = m(bt["aux"], bt["x"], bt["pos"], bt["doc"], k, return_normed=True)
-        return fused_ttt_loss(normed, m.lm_head.weight, head, bt["final"], bt["mask"], bt["doc"], 0.8, chunk=chunk)
+        return fused_ttt_loss(normed, m.lm_head.weight, head, bt["final"], bt["mask"], bt["doc"], 0.8, chunk=chunk,
+                              compiled=compiled and isinstance(m.lm_head.weight, DTensor))
 
     ref = copy.deepcopy(model)
     ref_loss, ref_grads = [], {}
@@ -63,7 +66,6 @@ def main() -> None:
                 ref_grads[n] = ref_grads.get(n, 0) + p.grad / world
 
     parallel.wrap(model, "fsdp2", world, torch.device("cpu"), fused_loss=True)
-    from torch.distributed.tensor import DTensor
     assert isinstance(model.lm_head.weight, DTensor)
     for it in range(2):  # twice: lm_head is never unsharded, and FSDP2's state resets between steps
         model.zero_grad()
