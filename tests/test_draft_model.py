@@ -561,6 +561,29 @@ def test_fused_loss_equals_unfused_value_stats_and_gradients(chunk, compiled):
         torch.testing.assert_close(got_g[n], ref_g[n], rtol=1e-5, atol=1e-6, msg=n)  # CE in fp32 (both)
 
 
+@pytest.mark.parametrize("world,draft_vocab,chunk,compiled", [(2, 21, 5, False), (2, 21, 4096, False),
+                                                              (3, 4, 3, False), (2, 21, 5, True)])
+def test_sharded_fused_loss_equals_single_process(world, draft_vocab, chunk, compiled):
+    """The fused loss with lm_head sharded over the vocab by FSDP2 (eyas.draft.sharded_loss), on
+    gloo ranks with a micro-batch each (one too short for the last TTT step): each rank's loss and
+    stats are its single-process fused loss's, every gradient (lm_head's shards included) the mean
+    over ranks of the single-process gradients, twice in a row and under no_grad. Uneven shards
+    (21 rows: 11 + 10) and an empty one (4 rows over 3 ranks: 2 + 2 + 0); chunks of 5 and whole;
+    the chunk functions compiled (``--compile``) against the eager single-process loss.
+    The checks run in tests/sharded_loss_worker.py."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).parent / "sharded_loss_worker.py"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(world), str(worker), str(draft_vocab), str(chunk)] + (["compiled"] if compiled else []),
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert all(f"rank {r} ok:" in res.stdout for r in range(world)), res.stdout
+
+
 def test_fused_loss_positions_are_what_each_step_scores():
     """positions(): the target rows are the positions whose next token is in the loss mask, and
     step j's indices are step_valid's (the trainer finds them on the host, before the forward);

@@ -387,6 +387,49 @@ def test_fused_loss_trains_like_the_unfused_loss_single_and_ddp(tiny_target, dat
             torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-4, msg=f"{n}: {k}")
 
 
+def test_fsdp2_fused_loss_matches_single_process(tiny_target, data, tmp_path):
+    """--fused-loss --parallel fsdp2: lm_head stays sharded (each rank scores its vocab rows for
+    every rank's positions, eyas.draft.sharded_loss), and 2 gloo ranks give the single-process
+    fused loss's losses, gradient norms, held-out numbers, checkpoint and trained weights (the same
+    global batch: grad-accum 2 in one process). Adam moves lm_head by far more than the tolerance,
+    so a wrong or missing shard gradient fails. It resumes in one process like any FSDP2 run."""
+    steps = ["--max-steps", "4", "--eval-batches", "3", "--heldout", "0.15", "--fused-loss", "--loss-chunk", "7"]
+    single = tmp_path / "single"
+    subprocess.run(_cli(*_train_args(tiny_target, data, single, *steps, "--save-every", "0",
+                                     "--grad-accum", "2")), env=ENV, check=True, capture_output=True)
+    fsdp = tmp_path / "fsdp"
+    res = subprocess.run(_torchrun(*_train_args(tiny_target, data, fsdp, *steps, "--save-every", "2",
+                                                "--parallel", "fsdp2")), env=ENV, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((fsdp / "summary.json").read_text())["parallel"] == "fsdp2"
+    l1, l2 = [r["loss"] for r in _records(single)], [r["loss"] for r in _records(fsdp)]
+    assert len(l1) == len(l2) == 4
+    assert l1 == pytest.approx(l2, rel=1e-5)
+    g1, g2 = [r["grad_norm"] for r in _records(single)], [r["grad_norm"] for r in _records(fsdp)]
+    assert g1 == pytest.approx(g2, rel=1e-4)
+    a1, a2 = [r["acc"] for r in _records(single)], [r["acc"] for r in _records(fsdp)]
+    assert a1 == a2
+    h1, h2 = _records(single, "heldout")[-1], _records(fsdp, "heldout")[-1]
+    assert h1["positions"] == h2["positions"] and h1["loss"] == pytest.approx(h2["loss"], rel=1e-5)
+    a = load_file(str(single / "draft" / "model.safetensors"))
+    b = load_file(str(fsdp / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
+    # the checkpoint is full (lm_head whole, its AdamW state too) and resumes in one process
+    w = load_file(str(checkpoint_dirs(fsdp)[0] / "model.safetensors"))
+    assert w["lm_head.weight"].shape == a["lm_head.weight"].shape
+    for later in checkpoint_dirs(fsdp)[1:]:
+        shutil.rmtree(later)
+    shutil.rmtree(fsdp / "draft")
+    subprocess.run(_cli(*_train_args(tiny_target, data, fsdp, *steps, "--save-every", "2",
+                                     "--grad-accum", "2", "--resume")), env=ENV, check=True, capture_output=True)
+    assert [r["loss"] for r in _records(fsdp)] == pytest.approx(l1, rel=1e-5)
+    c = load_file(str(fsdp / "draft" / "model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(c[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
 def test_log_every_keeps_every_nth_record_and_its_numbers(tiny_target, data, tmp_path):
     """--log-every 3 writes steps 3, 6 and the last, each with the numbers the per-step run logged
     at that step (a step's numbers are read from the device one step late; none may be lost or

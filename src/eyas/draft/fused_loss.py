@@ -174,6 +174,12 @@ def target_rows(head: TargetHead, final: torch.Tensor, flat: torch.Tensor, chunk
     return (tz, lse, top), row_of
 
 
+def _is_sharded(weight: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor)
+
+
 def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, head: TargetHead,
                    final: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
                    step_decay: float, chunk: int = 4096, dtype: torch.dtype | None = None,
@@ -183,9 +189,16 @@ def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, hea
     ``dtype``: the lm_head matmuls' dtype (bf16 under bf16 autocast; default: the hidden's).
     ``compiled``: each chunk's elementwise work through torch.compile (``eyas train --compile``).
     ``scored``: :func:`positions` of this batch, when already known (from its host tensors);
-    otherwise found here from ``loss_mask`` and ``doc_ids``."""
-    terms = chunk_fn(compiled)
+    otherwise found here from ``loss_mask`` and ``doc_ids``. ``lm_head_weight`` a DTensor sharded
+    over the vocab (``eyas train --fused-loss --parallel fsdp2``): :mod:`eyas.draft.sharded_loss`,
+    collective, the same value and gradients with each rank holding only its rows of lm_head."""
     scored = (scored or positions(loss_mask, doc_ids, len(normed))).to(final.device)
+    if _is_sharded(lm_head_weight):  # FSDP2's lm_head, rows sharded over the ranks (collective)
+        from eyas.draft.sharded_loss import sharded_ttt_loss
+
+        return sharded_ttt_loss(normed, lm_head_weight, head, final, loss_mask, scored, step_decay, chunk,
+                                dtype, compiled)
+    terms = chunk_fn(compiled)
     target, row_of = target_rows(head, final, scored.flat, chunk, compiled)
     t = loss_mask.shape[1]
 

@@ -33,13 +33,18 @@ class TargetHead(nn.Module):
         return cls(head["norm"], head["lm_head"], d2t, eps)
 
     @torch.no_grad()
-    def logits(self, final: torch.Tensor) -> torch.Tensor:
-        """Target logits over the draft vocab for final states [.., H], in the head's dtype (what
-        its matmul gives: converting them to fp32 adds no information)."""
+    def normed(self, final: torch.Tensor) -> torch.Tensor:
+        """The target's final norm of final states [.., H], in the head's dtype: what its lm_head takes."""
         dtype = self.norm_weight.dtype
         x = final.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = self.norm_weight * x.to(dtype)  # as the target's RMSNorm does
+        return self.norm_weight * x.to(dtype)  # as the target's RMSNorm does
+
+    @torch.no_grad()
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """Target logits over the draft vocab for final states [.., H], in the head's dtype (what
+        its matmul gives: converting them to fp32 adds no information)."""
+        x = self.normed(final)
         return F.linear(x, self.weight.to(x.dtype))
 
     @torch.no_grad()

@@ -16,6 +16,12 @@ is sharded too (FSDP2 shards per parameter; a frozen one gets no gradient and, n
 optimizer's list, no optimizer state). ``d2t``/``t2d`` are buffers: FSDP2 leaves buffers whole on
 every rank.
 
+With ``--fused-loss`` lm_head is a unit of its own, and the draft's forward returns the normed
+hidden without calling it (``return_normed``): it is never all-gathered, and its weight stays the
+sharded DTensor, which :mod:`eyas.draft.sharded_loss` scores shard by shard and whose gradient it
+computes whole (the data-parallel mean: FSDP2 never unshards the unit, so it reduces nothing for
+it). No rank ever holds lm_head whole, nor its gradient.
+
 Precision: no ``MixedPrecisionPolicy``. bf16 autocast stays as in single-process and DDP runs
 (fp32 master weights, fp32 gradient reduction), so the three modes compute the same numbers and a
 checkpoint moves between them; a bf16 param_dtype would halve all-gather bytes but change the
@@ -82,9 +88,11 @@ def check_mode(parallel: str) -> str:
     return parallel
 
 
-def wrap(model: nn.Module, parallel: str, world: int, device: torch.device) -> nn.Module:
+def wrap(model: nn.Module, parallel: str, world: int, device: torch.device, fused_loss: bool = False) -> nn.Module:
     """The module to train through: ``model`` itself (one process or FSDP2, which shards in
-    place) or a DDP wrapper. Build the optimizer from ``model.parameters()`` AFTER this call."""
+    place) or a DDP wrapper. Build the optimizer from ``model.parameters()`` AFTER this call.
+    ``fused_loss`` under FSDP2: lm_head is its own unit, outside the root's all-gather (the module
+    docstring)."""
     if world <= 1:
         return model
     if check_mode(parallel) == "ddp":
@@ -97,6 +105,8 @@ def wrap(model: nn.Module, parallel: str, world: int, device: torch.device) -> n
 
     mesh = init_device_mesh(device.type, (world,))
     fully_shard(model.fc, mesh=mesh)
+    if fused_loss:
+        fully_shard(model.lm_head, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 

@@ -226,11 +226,8 @@ class Trainer:
         self.model = model.to(device)
         self.head = TargetHead.from_target(target.path, d2t, float(text_cfg.get("rms_norm_eps", 1e-6))).to(device)
         # wrap first: FSDP2 turns the parameters into shards, and the optimizer must hold those
-        self.net = parallel.wrap(model, cfg.parallel, dist.world, device)
+        self.net = parallel.wrap(model, cfg.parallel, dist.world, device, fused_loss=cfg.fused_loss)
         self.sharded = parallel.is_fsdp(model)
-        if cfg.fused_loss and self.sharded:
-            raise EyasError("--fused-loss reads lm_head's whole weight, which --parallel fsdp2 shards; use "
-                            "--parallel ddp (or a single process), or drop --fused-loss")
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optim = optim_mod.build(model, cfg.optimizer, cfg.lr, cfg.betas, cfg.weight_decay,
                                      fused=device.type == "cuda", sharded=self.sharded)
