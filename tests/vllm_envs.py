@@ -1,18 +1,58 @@
-"""The vLLM environments tests run against (.venvs/vllm-VERSION, made by scripts/setup_vllm_env.sh)."""
+"""The vLLM environments tests run against (.venvs/vllm-VERSION, made by scripts/setup_vllm_env.sh).
+
+Two environment variables, both read by scripts/compat_matrix.py:
+
+- ``EYAS_VLLM_VENVS``: the directory holding the ``vllm-VERSION`` envs (default: the repo's
+  ``.venvs/``; scripts/setup_vllm_env.sh reads the same variable).
+- ``EYAS_VLLM_VERSIONS``: a comma-separated list of versions. Set, every version-dependent test
+  runs for exactly those versions (its default list is replaced) and a test written for one
+  other version skips; unset, each test runs for the versions CI tests (0.16.0 and 0.32.0).
+"""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+CI_VERSIONS = ["0.16.0", "0.32.0"]
+
+
+def venvs_dir() -> Path:
+    return Path(os.environ.get("EYAS_VLLM_VENVS") or ROOT / ".venvs")
+
+
+def selected() -> list[str] | None:
+    text = os.environ.get("EYAS_VLLM_VERSIONS", "").strip()
+    return [v.strip() for v in text.split(",") if v.strip()] or None
+
+
+def versions(default: list[str] = CI_VERSIONS) -> list[str]:
+    """The versions a parametrized test runs for: ``$EYAS_VLLM_VERSIONS`` if set, else ``default``."""
+    return selected() or list(default)
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
+def expected_backend(version: str) -> str:
+    """What `--backend auto` should take (README, "Extraction with vLLM"): hooks before 0.18."""
+    return "vllm-hooks" if version_key(version)[:2] < (0, 18) else "vllm"
 
 
 def vllm_python(version: str) -> str:
-    """That environment's python, or skip the test when it is absent or was never finished."""
-    py = ROOT / ".venvs" / f"vllm-{version}" / "bin" / "python"
-    if not (py.is_file() and (py.parent.parent / ".eyas-ready").is_file()):
-        pytest.skip(f"no ready vLLM env at {py.parent.parent}: run scripts/setup_vllm_env.sh {version} "
+    """That environment's python, or skip the test when it is absent or was never finished, or
+    when ``$EYAS_VLLM_VERSIONS`` selects other versions."""
+    sel = selected()
+    if sel is not None and version not in sel:
+        pytest.skip(f"EYAS_VLLM_VERSIONS={','.join(sel)} leaves out vLLM {version}")
+    env = venvs_dir() / f"vllm-{version}"
+    py = env / "bin" / "python"
+    if not (py.is_file() and (env / ".eyas-ready").is_file()):
+        pytest.skip(f"no ready vLLM env at {env}: run scripts/setup_vllm_env.sh {version} "
                     f"to test vLLM {version}")
     return str(py)
