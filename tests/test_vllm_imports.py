@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_envs import version_key, versions, vllm_python
+
 SRC = Path(__file__).resolve().parents[1] / "src" / "eyas"
 WORKER = SRC / "extract" / "vllm_worker"
 
@@ -98,16 +100,14 @@ def test_worker_package_needs_nothing_of_eyas():
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("version", ["0.16.0", "0.32.0"])
+@pytest.mark.parametrize("version", versions())
 def test_worker_package_imports_in_the_vllm_env(version, tmp_path):
     """Copied as eyas_vllm_worker, the package imports in the bare vLLM env (connector: >= 0.18)."""
     import shutil
 
-    py = Path(__file__).resolve().parents[1] / ".venvs" / f"vllm-{version}" / "bin" / "python"
-    if not py.is_file():
-        pytest.skip(f"{py} is absent: run scripts/setup_vllm_env.sh {version}")
+    py = vllm_python(version)
     shutil.copytree(WORKER, tmp_path / "eyas_vllm_worker")
-    mods = ["chunks", "hooks", "engine"] + (["connector"] if version >= "0.18" else [])
+    mods = ["chunks", "hooks", "engine"] + (["connector"] if version_key(version) >= (0, 18) else [])
     code = "; ".join(f"import eyas_vllm_worker.{m}" for m in mods) + "; print('ok')"
     res = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
