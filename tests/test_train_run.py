@@ -203,6 +203,18 @@ def test_torchrun_two_processes_match_single_process(tiny_target, data, tmp_path
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
 
 
+def _resume_first_checkpoint_in_one_process(tiny_target, data, run: Path, steps, losses) -> dict:
+    """Drop all but the first checkpoint of a 2-rank run, resume it in ONE process (grad-accum 2: the
+    same global batch), check the losses; returns the draft's weights."""
+    for later in checkpoint_dirs(run)[1:]:
+        shutil.rmtree(later)
+    shutil.rmtree(run / "draft")
+    subprocess.run(_cli(*_train_args(tiny_target, data, run, *steps, "--save-every", "2",
+                                     "--grad-accum", "2", "--resume")), env=ENV, check=True, capture_output=True)
+    assert [r["loss"] for r in _records(run)] == pytest.approx(losses, rel=1e-5)
+    return load_file(str(run / "draft" / "model.safetensors"))
+
+
 def test_fsdp2_two_processes_match_single_process(tiny_target, data, tmp_path):
     """FSDP2 (fully_shard on gloo) with the same global batch gives the single process's losses and
     weights; its checkpoint is the same full format (it resumes in one process, equal to uninterrupted)."""
@@ -243,13 +255,7 @@ def test_fsdp2_two_processes_match_single_process(tiny_target, data, tmp_path):
     shapes = sorted(tuple(s["exp_avg"].shape) for s in opt["state"].values())
     assert tuple(w["lm_head.weight"].shape) in shapes and tuple(w["embed_tokens.weight"].shape) not in shapes
     # resume the fsdp2 step-2 checkpoint in ONE process (grad-accum 2: the same global batch)
-    for later in checkpoint_dirs(fsdp)[1:]:
-        shutil.rmtree(later)
-    shutil.rmtree(fsdp / "draft")
-    subprocess.run(_cli(*_train_args(tiny_target, data, fsdp, *steps, "--save-every", "2",
-                                     "--grad-accum", "2", "--resume")), env=ENV, check=True, capture_output=True)
-    assert [r["loss"] for r in _records(fsdp)] == pytest.approx(l1, rel=1e-5)
-    c = load_file(str(fsdp / "draft" / "model.safetensors"))
+    c = _resume_first_checkpoint_in_one_process(tiny_target, data, fsdp, steps, l1)
     for k in a:
         torch.testing.assert_close(a[k], c[k], atol=1e-5, rtol=1e-4)
 
@@ -419,13 +425,7 @@ def test_fsdp2_fused_loss_matches_single_process(tiny_target, data, tmp_path):
     # the checkpoint is full (lm_head whole, its AdamW state too) and resumes in one process
     w = load_file(str(checkpoint_dirs(fsdp)[0] / "model.safetensors"))
     assert w["lm_head.weight"].shape == a["lm_head.weight"].shape
-    for later in checkpoint_dirs(fsdp)[1:]:
-        shutil.rmtree(later)
-    shutil.rmtree(fsdp / "draft")
-    subprocess.run(_cli(*_train_args(tiny_target, data, fsdp, *steps, "--save-every", "2",
-                                     "--grad-accum", "2", "--resume")), env=ENV, check=True, capture_output=True)
-    assert [r["loss"] for r in _records(fsdp)] == pytest.approx(l1, rel=1e-5)
-    c = load_file(str(fsdp / "draft" / "model.safetensors"))
+    c = _resume_first_checkpoint_in_one_process(tiny_target, data, fsdp, steps, l1)
     for k in a:
         torch.testing.assert_close(c[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
 
