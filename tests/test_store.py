@@ -236,3 +236,57 @@ def test_sigkill_at_any_moment_then_resume_gives_the_same_store(tmp_path, tiny_t
             assert torch.equal(states[i][2], ids)
         assert verify_store(st) == []
         assert not [p for p in st.iterdir() if p.name.startswith(".shard")]
+
+
+def _copy_store(src: Path, dst: Path, dtype: str, edit=None) -> Path:
+    """Rewrite ``src``'s samples into a new store of ``dtype``; ``edit(index, states)`` may change them."""
+    r = open_store(src)
+    m = r.manifest
+    fields = {k: m[k] for k in ("target", "aux_layers", "final_layer", "convention", "hidden_size",
+                                "num_samples")}
+    w = StoreWriter(dst, {**fields, "dtype": dtype}, shard_tokens=300, num_writers=1)
+    for s in r.iter_shard_order():
+        states = torch.cat([s.aux, s.final[:, None]], dim=1).float()
+        if edit:
+            edit(s.index, states)
+        w.add(s.index, s.input_ids, s.loss_mask, states[:, :-1], states[:, -1])
+    w.close()
+    return dst
+
+
+def test_against_compares_states_token_by_token(tmp_path, data, tiny_target):
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    ref = tmp_path / "ref"
+    run_extract(str(tiny_target.path), data, ref, LAYERS, dtype="fp32", batch_tokens=200, progress=False)
+    same = _copy_store(ref, tmp_path / "bf16", "bf16")  # bf16 rounding: cosine ~ 1 - 1e-5
+    res = CliRunner().invoke(app, ["extract", "--verify", str(same), "--against", str(ref)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    assert rep["ok"] and rep["samples"] == 40 and rep["tokens"] == open_store(ref).manifest["tokens"]
+    assert len(rep["slots"]) == 4 and all(0.999 < s["min_cosine"] <= 1.0 + 1e-6 for s in rep["slots"])
+
+    r = open_store(ref)
+    victim = int(r.indices[np.argmax(r.lengths > 4)])
+
+    def flip(index, states):  # one token of the first aux layer pointed the other way
+        if index == victim:
+            states[3, 0] = -states[3, 0]
+
+    bad = _copy_store(ref, tmp_path / "bad", "fp32", flip)
+    res = CliRunner().invoke(app, ["extract", "--verify", str(bad), "--against", str(ref)])
+    assert res.exit_code == 1
+    rep = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not rep["ok"] and rep["rows_below"] == 1 and rep["worst_rows"][0]["sample"] == victim
+    first = rep["slots"][0]
+    assert (first["worst_sample"], first["worst_token"], first["tokens_below"]) == (victim, 3, 1)
+    assert first["min_cosine"] == pytest.approx(-1.0, abs=1e-5)
+    assert all(s["tokens_below"] == 0 for s in rep["slots"][1:])
+
+    other = tmp_path / "other"
+    run_extract(str(tiny_target.path), _prepared(tmp_path / "p2", tiny_target, 40, seed=5), other, LAYERS,
+                dtype="fp32", batch_tokens=200, progress=False)
+    res = CliRunner().invoke(app, ["extract", "--verify", str(other), "--against", str(ref)])
+    assert res.exit_code != 0 and "tokens or loss mask differ" in str(res.exception or res.output)

@@ -166,8 +166,14 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     target, draft_dir, _, _ = setup
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 3)
     reps = evaluate_draft(str(target.path), draft_dir, qfile, tmp_path / "eval", engine="both", k=K,
-                          max_new_tokens=32, vllm="0.32.0", progress=False)
+                          max_new_tokens=32, vllm="0.32.0", progress=False, speed_concurrency=[1, 2])
     b, v, c = reps["builtin"], reps["vllm"], reps["comparison"]
+    sp = v["serving_speed"]  # the same first turns served with and without the draft
+    assert [r["concurrency"] for r in sp["draft"]] == [r["concurrency"] for r in sp["plain"]] == [1, 2]
+    for d, p in zip(sp["draft"], sp["plain"]):
+        assert d["requests"] == p["requests"] == 3 and d["seconds"] > 0 and p["seconds"] > 0
+        assert d["tokens"] == p["tokens"] > 0  # greedy: the draft changes the speed, not the tokens
+    assert set(sp["speedup"]) == {"1", "2"}
     assert v["vllm_version"] == "0.32.0" and len(v["per_prompt"]) == 6
     assert c["identical_outputs"] == 6  # greedy: the two engines emit the same tokens
     assert v["overall"]["rounds"] > 0 and v["overall"]["accepted_tokens"] > 0

@@ -24,7 +24,8 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
                    max_new_tokens: int = 256, dtype: str = "auto", vllm: str | None = None,
                    seed: int = 0, compare_plain: bool = True, progress: bool = True,
                    max_per_category: int | None = None, device: str = "auto",
-                   vllm_draft: Path | None = None) -> dict[str, Any]:
+                   vllm_draft: Path | None = None,
+                   speed_concurrency: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:
     """Evaluate; writes OUT/<engine>/report.json + plots (and OUT/comparison.json for both).
     Returns {engine: report} (plus "comparison").
 
@@ -32,7 +33,9 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
     target and the draft; vLLM runs where its build runs. ``dtype`` auto is bfloat16 on CUDA and
     float32 on the CPU, for both engines. ``vllm_draft``: an already exported vLLM-format directory
     of ``draft_dir`` (the pipeline's export stage), checked to be an export of that draft; without
-    it the vllm engine exports one into OUT/vllm/draft-vllm."""
+    it the vllm engine exports one into OUT/vllm/draft-vllm. ``speed_concurrency`` (vllm engine):
+    also time vLLM serving the first turns with and without the draft at each of these numbers of
+    concurrent requests (report's ``serving_speed``)."""
     from eyas.data.chat import stop_token_ids
     from eyas.evaluate.prompts import DEFAULT_PROMPTS, read_questions
     from eyas.export.checks import check_against_target, load_checkpoint
@@ -44,6 +47,11 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
         raise EyasError(f"-k {k}: need at least one draft token per step")
     if dtype not in DTYPES:
         raise EyasError(f"--dtype {dtype!r}: choose {', '.join(DTYPES)}")
+    speed_concurrency = [int(c) for c in speed_concurrency or ()]
+    if any(c < 1 for c in speed_concurrency):
+        raise EyasError(f"--speed-concurrency {speed_concurrency}: each must be at least 1 request")
+    if speed_concurrency and engine == "builtin":
+        raise EyasError("--speed-concurrency times vLLM serving: use it with --engine vllm or both")
     from eyas.device import resolve_device
 
     device = resolve_device(device)  # a bad spelling or a missing GPU stops here, before any model
@@ -84,7 +92,7 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
         else:
             records, extra = _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
                                        max_new_tokens, dtype, seed, vllm, sub, settings, progress,
-                                       vllm_draft)
+                                       vllm_draft, speed_concurrency)
         from eyas.evaluate.report import build_report, write_report
 
         report = build_report(records, k, {"engine": name, **meta, **extra})
@@ -118,8 +126,11 @@ def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperatu
     return records, extra
 
 
+SPEED_PROMPTS = 32  # first turns timed per concurrency (more when a concurrency is higher)
+
+
 def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
-              dtype, seed, vllm, sub, settings, progress, vllm_draft=None):
+              dtype, seed, vllm, sub, settings, progress, vllm_draft=None, speed_concurrency=()):
     from eyas.evaluate.runner import run_questions
     from eyas.evaluate.vllm_metrics import VllmEngine, VllmSpecEngine, find_vllm_python
     from eyas.export.cli import export_checkpoint
@@ -135,8 +146,24 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
         records = run_questions(VllmSpecEngine(eng, k, temperature, seed), questions, tokenizer,
                                 max_new_tokens, stop_ids, sub / "records.jsonl", settings, progress)
         info = dict(eng.info)
+        speed = None
+        if speed_concurrency:
+            from eyas.evaluate.prompts import render_turn
+
+            n = min(len(questions), max(SPEED_PROMPTS, *speed_concurrency))
+            prompts = [render_turn(tokenizer, q, 0, []) for q in questions[:n]]
+            speed = {"prompts": n, "max_new_tokens": max_new_tokens, "what": "first turns, greedy, "
+                     "wall clock, each wave of `concurrency` requests submitted together",
+                     "draft": [eng.speed(prompts, max_new_tokens, stop_ids, c) for c in speed_concurrency]}
+    if speed:  # the same prompts without the draft, once the draft's engine has freed the GPU
+        with VllmEngine(python, target.path, None, k=k, dtype=dtype, seed=seed,
+                        log_path=sub / "vllm-plain.log") as plain:
+            speed["plain"] = [plain.speed(prompts, max_new_tokens, stop_ids, c) for c in speed_concurrency]
+        speed["speedup"] = {str(d["concurrency"]): d["tokens_per_s"] / p["tokens_per_s"]
+                            for d, p in zip(speed["draft"], speed["plain"])
+                            if d["tokens_per_s"] and p["tokens_per_s"]}
     return records, {"vllm_version": info.get("vllm"), "vllm_python": str(python),
-                     "exported_draft": str(exported)}
+                     "exported_draft": str(exported), "serving_speed": speed}
 
 
 def check_export_of(exported: Path, draft_dir: Path) -> None:
@@ -179,6 +206,13 @@ def _compare(builtin: dict, vllm: dict, out: Path) -> dict[str, Any]:
     return comp
 
 
+def _ints(text: str | None, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()] if text else []
+    except ValueError as e:
+        raise EyasError(f"{flag} {text!r}: expected comma-separated integers, e.g. 1,32") from e
+
+
 def register(app: typer.Typer) -> None:
     from eyas.evaluate.prompts import DEFAULT_PROMPTS
 
@@ -204,11 +238,15 @@ def register(app: typer.Typer) -> None:
                                  "else the newest .venvs/vllm-*)."),
         seed: int = typer.Option(0, help="Sampling seed."),
         no_plain: bool = typer.Option(False, "--no-plain", help="builtin: skip the plain-decoding baseline (no speedup)."),
+        speed_concurrency: str = typer.Option(None, "--speed-concurrency", help="vllm: also time serving "
+                                              "with and without the draft at these numbers of concurrent "
+                                              "requests, e.g. 1,32."),
     ) -> None:
         """Measure a draft: tau (tokens per target forward), acceptance per draft position, speed."""
         reports = evaluate_draft(target, draft, prompts, out, engine, k, temperature, max_prompts,
                                  max_new_tokens, dtype, vllm, seed, not no_plain,
-                                 max_per_category=max_per_category, device=device)
+                                 max_per_category=max_per_category, device=device,
+                                 speed_concurrency=_ints(speed_concurrency, "--speed-concurrency"))
         for name in ("builtin", "vllm"):
             if name in reports:
                 o = reports[name]["overall"]
@@ -220,6 +258,10 @@ def register(app: typer.Typer) -> None:
                 if o.get("speedup"):
                     line += f"  speedup {o['speedup']:.2f}x"
                 typer.echo(line)
+        speed = reports.get("vllm", {}).get("serving_speed")
+        for d, p in zip(*(speed[x] for x in ("draft", "plain"))) if speed else ():
+            typer.echo(f"vllm serving, {d['concurrency']} concurrent: {d['tokens_per_s']:.0f} tok/s with the "
+                       f"draft, {p['tokens_per_s']:.0f} without ({d['tokens_per_s'] / p['tokens_per_s']:.2f}x)")
         if "comparison" in reports:
             c = reports["comparison"]
             if c["tau_relative_difference"] is not None:

@@ -66,9 +66,17 @@ class VllmEngine:
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
                  temperature: float = 0.0, seed: int | None = None) -> dict[str, Any]:
+        return self._ask({"prompt_token_ids": prompt, "max_tokens": max_new_tokens,
+                          "temperature": temperature, "stop_token_ids": sorted(stop_ids), "seed": seed})
+
+    def speed(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
+              concurrency: int) -> dict[str, Any]:
+        """Greedy wall-clock tokens/s over ``prompts`` with ``concurrency`` requests in flight."""
+        return self._ask({"op": "speed", "prompts": prompts, "max_tokens": max_new_tokens,
+                          "stop_token_ids": sorted(stop_ids), "concurrency": concurrency})
+
+    def _ask(self, req: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        req = {"prompt_token_ids": prompt, "max_tokens": max_new_tokens, "temperature": temperature,
-               "stop_token_ids": sorted(stop_ids), "seed": seed}
         try:
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()

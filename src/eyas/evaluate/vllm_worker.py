@@ -67,6 +67,24 @@ def ignored_head_options(draft_dir):
     return [k for k in used if k not in src]
 
 
+def speed(llm, SamplingParams, req):
+    """Wall-clock tokens/s of greedy generation over ``prompts``, ``concurrency`` requests at a time
+    (each wave submitted together, the next once it is done), after one untimed warm-up request."""
+    params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0,
+                            stop_token_ids=req.get("stop_token_ids") or None, detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    c = int(req["concurrency"])
+    tokens = 0
+    t = time.perf_counter()
+    for i in range(0, len(prompts), c):
+        outs = llm.generate(prompts[i:i + c], params, use_tqdm=False)
+        tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+    secs = time.perf_counter() - t
+    return {"concurrency": c, "requests": len(prompts), "tokens": tokens, "seconds": secs,
+            "tokens_per_s": tokens / secs if secs > 0 else None}
+
+
 def main():
     opts = json.loads(sys.argv[1])
     import vllm
@@ -82,8 +100,12 @@ def main():
 
     # Prompts arrive as token ids and outputs leave as ids: no tokenizer needed, so a tokenizer
     # saved by a newer transformers cannot break an older vLLM.
+    import torch
+
+    # CUDA graphs on the GPU (what serving uses, so the speed figures mean something); eager on
+    # the CPU build, which is only ever a correctness check
     kwargs = dict(model=opts["target"], dtype=opts.get("dtype", "auto"), skip_tokenizer_init=True,
-                  enforce_eager=True,
+                  enforce_eager=not torch.cuda.is_available(),
                   disable_log_stats=False, seed=opts.get("seed", 0),
                   enable_prefix_caching=False)
     if opts.get("max_model_len"):
@@ -98,6 +120,9 @@ def main():
         req = json.loads(line)
         if req.get("op") == "quit":
             break
+        if req.get("op") == "speed":
+            reply(speed(llm, SamplingParams, req))
+            continue
         params = SamplingParams(max_tokens=req["max_tokens"], temperature=req.get("temperature", 0.0),
                                 seed=req.get("seed"), stop_token_ids=req.get("stop_token_ids") or None,
                                 detokenize=False)

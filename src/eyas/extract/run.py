@@ -283,6 +283,11 @@ def register(app: typer.Typer) -> None:
         writers: int = typer.Option(0, help="Shard writer threads; 0 = auto."),
         model_dtype: str = typer.Option(None, help="Compute dtype; default bf16 on CUDA, fp32 on CPU."),
         verify: Path = typer.Option(None, "--verify", help="Only re-check an existing store and exit."),
+        against: Path = typer.Option(None, "--against", help="With --verify: also compare its states "
+                                     "with this reference store of the same data (e.g. made with "
+                                     "--backend hf), token by token; prints a JSON report on stdout."),
+        min_cosine: float = typer.Option(0.99, "--min-cosine", help="With --against: the cosine every "
+                                         "token of every slot must reach."),
         vllm_python: str = typer.Option(None, "--vllm-python", help="Python of the environment that "
                                         "runs vLLM (default: this one, $EYAS_VLLM_PYTHON, or .venvs/vllm-*)."),
         tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM tensor parallelism."),
@@ -300,6 +305,23 @@ def register(app: typer.Typer) -> None:
             if problems:
                 raise typer.Exit(1)
             console.print(f"store {verify}: all shards, checksums and shapes OK")
+            if against is not None:
+                import json
+
+                from eyas.device import resolve_device
+                from eyas.extract.compare import compare_stores
+
+                rep = compare_stores(verify, against, min_cosine, device=resolve_device("auto"))
+                for sl in rep["slots"]:
+                    console.print(f"  {sl['slot']}: min cosine {sl['min_cosine']:.5f} (sample "
+                                  f"{sl['worst_sample']}, token {sl['worst_token']}), mean "
+                                  f"{sl['mean_cosine']:.6f}, {sl['tokens_below']} tokens below {min_cosine}")
+                verdict = "every token" if rep["ok"] else f"{rep['rows_below']} samples have tokens"
+                console.print(f"against {against}: {rep['samples']} samples, {rep['tokens']:,} tokens; "
+                              f"{verdict} {'at or above' if rep['ok'] else 'below'} cosine {min_cosine}")
+                typer.echo(json.dumps(rep))
+                if not rep["ok"]:
+                    raise typer.Exit(1)
             return
         if data is None or out is None:
             raise EyasError("eyas extract needs --data PREPARED_DIR and --out STORE (or --verify STORE)")

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# The GPU job of issue 17 on the lent H200, with eyas's own commands, one STEP per call:
+#
+#   bash benchmarks/gpu/gpu_job.sh STEP       (EYAS_COMMIT=<hash> in the environment)
+#
+# Every call first sources setup.sh (eyas, the target) and vllm_setup.sh (CUDA vLLM; the check runs
+# once every part is there), so the calls that carry .carry/c* and .carry/v* parts do the job's
+# steps as they go. Steps, in the order the session ran them:
+#   park     carry only
+#   base     eyas extract --backend hf of the 4.5M-token ShareGPT set (carried prepared in c0) into
+#            /dev/shm; eyas train with configs/smollm2-h200.yaml's training settings on it;
+#            eyas export --format vllm (no --target: the draft names its verifier)
+#   builtin  eyas evaluate --engine builtin --device cuda, the full MT-bench (80 x 2 turns, 256 tokens,
+#            k=5), for at most BUDGET_S seconds a call: records resume, so it runs on in later calls
+#   parity   eyas extract --backend auto (vLLM) of the same set, then
+#            eyas extract --verify VLLM_STORE --against HF_STORE (per-token cosine, every row)
+#   both     eyas evaluate --engine both (builtin records resume) --speed-concurrency 1,32
+#   regen    eyas prepare --regenerate of all of ShareGPT with vLLM, for at most BUDGET_S seconds
+#            (answers resume); its answers come back xz-compressed in parts of at most 15 MB
+# What comes back in $OUT: log.txt (this call), steps.tsv (every step so far: name, rc, seconds),
+# results.tgz (the small results so far: summaries, reports, plots, parity JSON).
+set -uo pipefail
+STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|both|regen}
+cd "$(dirname "$0")/../.."
+REPO=$PWD
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+source benchmarks/gpu/setup.sh
+cd "$REPO"
+source benchmarks/gpu/vllm_setup.sh
+cd "$REPO"
+J=/root/job SHM=/dev/shm/eyas PREP=/root/park/prep6000
+mkdir -p "$J" "$SHM"
+K=5 TOKENS=256 LAYERS=2,15,27
+echo "gpu_job: step $STEP at eyas ${EYAS_COMMIT:-?}; $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader)"
+
+step() {  # step NAME CMD...: run, time, record
+  local name=$1 t0 rc
+  shift
+  t0=$(date +%s.%N)
+  echo "== $name: $*"
+  "$@"
+  rc=$?
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}")" "$*" >> "$J/steps.tsv"
+  echo "== $name: exit $rc after $(tail -1 "$J/steps.tsv" | cut -f3) s"
+  return $rc
+}
+
+# the builtin and both steps share one --out and these settings, so both resumes builtin's records
+EVAL=(eyas evaluate --device cuda --draft "$J/run/draft" -k $K --max-new-tokens $TOKENS --no-plain --out "$J/eval")
+
+case $STEP in
+  park) ;;
+  base)
+    step extract-hf eyas extract --backend hf --device cuda --data "$PREP" --out "$SHM/hf" --layers $LAYERS &&
+    step train eyas train --data "$PREP" --store "$SHM/hf" --out "$J/run" --tokens-per-batch 2048 \
+      --batch-size 16 --warmup 100 --device cuda --precision bf16 --compile --epochs 3 --save-every 500 \
+      --ttt-steps 7 --lr 3e-4 --fused-loss --loss-chunk 16384 &&
+    step export eyas export "$J/run/draft" --format vllm --out "$J/export" -k $K
+    ;;
+  builtin)
+    step builtin timeout -s INT "${BUDGET_S:-60}" "${EVAL[@]}" --engine builtin
+    ;;
+  parity)
+    step extract-vllm eyas extract --backend auto --data "$PREP" --out "$SHM/vllm" --layers $LAYERS &&
+    step parity bash -c "eyas extract --verify '$SHM/vllm' --against '$SHM/hf' > '$J/parity.json'"
+    ;;
+  both)
+    step both "${EVAL[@]}" --engine both --speed-concurrency 1,32
+    ;;
+  regen)
+    step regen timeout -s INT "${BUDGET_S:-500}" eyas prepare --data sharegpt --regenerate --gen-backend vllm \
+      --temperature 0 --max-new-tokens 1024 --gen-batch-size 4096 --max-length 2048 --draft-vocab-size 32000 \
+      --out "$J/regen"
+    if [ -s "$J/regen/regenerated.jsonl" ]; then
+      echo "regen: $(wc -l < "$J/regen/regenerated.jsonl") answers so far"
+      python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.compress(open(sys.argv[1], 'rb').read(), preset=6))" \
+        "$J/regen/regenerated.jsonl" | split -b 15M -d -a 1 - "$OUT/regenerated.jsonl.xz.part"
+    fi
+    ;;
+  *) echo "unknown step $STEP"; exit 2 ;;
+esac
+rc=$?
+cp "$J/steps.tsv" "$OUT/" 2>/dev/null
+( cd "$J" && tar -czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='records.jsonl' \
+    --exclude='regenerated*.jsonl' --exclude='shard-*' --exclude='checkpoints' --exclude='draft-vllm' \
+    steps.tsv parity.json run/summary.json run/metrics.jsonl run/*.png run/draft/*.json export/*.json \
+    eval regen/*.json regen/regenerate-vllm.log 2>/dev/null )
+[ -f "$J/eval/builtin/records.jsonl" ] && echo "builtin records: $(( $(wc -l < "$J/eval/builtin/records.jsonl") - 1 )) turns"
+exit $rc
