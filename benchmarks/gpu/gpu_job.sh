@@ -67,7 +67,7 @@ case $STEP in
     step parity bash -c "eyas extract --verify '$SHM/vllm' --against '$SHM/hf' > '$J/parity.json'"
     ;;
   both)
-    step both "${EVAL[@]}" --engine both --speed-concurrency 1,32
+    step both "${EVAL[@]}" --engine both --speed-concurrency 1,32 ${EVAL_ARGS:-}
     ;;
   regen)
     step regen timeout -s INT "${BUDGET_S:-500}" eyas prepare --data sharegpt --regenerate --gen-backend vllm \
@@ -75,7 +75,7 @@ case $STEP in
       --out "$J/regen"
     if [ -s "$J/regen/regenerated.jsonl" ]; then
       echo "regen: $(wc -l < "$J/regen/regenerated.jsonl") answers so far"
-      python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.compress(open(sys.argv[1], 'rb').read(), preset=6))" \
+      python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.compress(open(sys.argv[1], 'rb').read(), preset=2))" \
         "$J/regen/regenerated.jsonl" | split -b 15M -d -a 1 - "$OUT/regenerated.jsonl.xz.part"
     fi
     ;;

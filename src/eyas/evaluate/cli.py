@@ -148,10 +148,12 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
         info = dict(eng.info)
         speed = None
         if speed_concurrency:
-            from eyas.evaluate.prompts import render_turn
+            from eyas.evaluate.prompts import read_questions, render_turn
 
-            n = min(len(questions), max(SPEED_PROMPTS, *speed_concurrency))
-            prompts = [render_turn(tokenizer, q, 0, []) for q in questions[:n]]
+            # from the whole prompt file, so --max-prompts limits the acceptance run, not this
+            pool = read_questions(Path(settings["prompts"]), None, None)
+            n = min(len(pool), max(SPEED_PROMPTS, *speed_concurrency))
+            prompts = [render_turn(tokenizer, q, 0, []) for q in pool[:n]]
             speed = {"prompts": n, "max_new_tokens": max_new_tokens, "what": "first turns, greedy, "
                      "wall clock, each wave of `concurrency` requests submitted together",
                      "draft": [eng.speed(prompts, max_new_tokens, stop_ids, c) for c in speed_concurrency]}
