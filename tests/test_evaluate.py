@@ -215,6 +215,9 @@ def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
     assert res.exit_code == 0, res.output
     assert "builtin: tau" in res.output
     rep = json.loads((out / "builtin" / "report.json").read_text())
+    # the report carries what training predicted for this k (evalkit's draft trains TTT >= 3)
+    pred = json.loads((draft_dir / "prediction.json").read_text())["predicted_tau"]["3"]
+    assert rep["predicted_tau"] == pytest.approx(pred) and f"predicted by training: {pred:.3f}" in res.output
     assert (out / "builtin" / "acceptance_per_position.png").stat().st_size > 1000
     assert (out / "builtin" / "tau_per_category.png").stat().st_size > 1000
     pp = rep["per_prompt"]

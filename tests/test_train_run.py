@@ -90,6 +90,14 @@ def test_online_run_writes_draft_logs_plot(tiny_target, data, tmp_path):
     held = _records(run, "heldout")
     assert [r["step"] for r in held] == [3, 6] and all(len(r["acc"]) == 3 for r in held)
     assert held[-1]["positions"][0] > 0
+    # the tau it predicts, from the last held-out agreement, is in the draft and on the console
+    from eyas.train.predict import predicted_tau
+
+    pred = json.loads((run / "draft" / "prediction.json").read_text())
+    assert pred["heldout_step"] == 6 and pred["acc"] == held[-1]["acc"]
+    assert list(pred["predicted_tau"].values()) == pytest.approx(predicted_tau(held[-1]["acc"]))
+    assert held[-1]["predicted_tau"] == pytest.approx(predicted_tau(held[-1]["acc"]))
+    assert f"k=3 {pred['predicted_tau']['3']:.2f}" in res.output
     assert train_recs[-1]["loss"] < train_recs[0]["loss"]  # it learns something
     assert (run / "loss.png").stat().st_size > 1000
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -486,3 +494,12 @@ def test_offline_batches_copied_on_a_side_stream_equal_the_host_ones(tiny_target
         ref = cpu.batch(b)
         for k, v in g.items():
             assert torch.equal(v.cpu(), getattr(ref, k)), k
+
+
+def test_predicted_tau_is_the_chain_of_heldout_agreements():
+    from eyas.train.predict import predicted_tau
+
+    assert predicted_tau([0.5, 0.5, 0.0, 0.9]) == pytest.approx([1.5, 1.75, 1.75, 1.75])
+    assert predicted_tau([1.0, 1.0]) == [2.0, 3.0]
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        predicted_tau([1.2])

@@ -66,7 +66,8 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
     questions = read_questions(prompts, max_prompts, max_per_category)
     tokenizer = target.load_tokenizer()
     stop_ids = set(stop_token_ids(tokenizer, target.path))
-    meta = {"target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
+    meta = {"predicted_tau": _predicted_tau(Path(draft_dir), k),
+            "target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
             "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
             "dtype": dtype, "device": device, "seed": seed, "max_prompts": max_prompts,
             "max_per_category": max_per_category}
@@ -168,6 +169,16 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
                      "exported_draft": str(exported), "serving_speed": speed}
 
 
+def _predicted_tau(draft_dir: Path, k: int) -> float | None:
+    """The tau `eyas train` predicted for ``k`` draft tokens (None: not recorded, or k > TTT steps)."""
+    from eyas.train.predict import PREDICTION_FILE
+
+    try:
+        return json.loads((draft_dir / PREDICTION_FILE).read_text())["predicted_tau"].get(str(k))
+    except (OSError, ValueError, KeyError, AttributeError):
+        return None
+
+
 def check_export_of(exported: Path, draft_dir: Path) -> None:
     """Refuse ``exported`` unless it is a vLLM-format export of exactly ``draft_dir``'s weights."""
     from eyas.fsio import sha256_file
@@ -255,6 +266,8 @@ def register(app: typer.Typer) -> None:
                 rates = ", ".join(f"{r:.2f}" for r in o["acceptance_rate_per_pos"] if r is not None)
                 tau = "n/a (no draft rounds)" if o["tau"] is None else f"{o['tau']:.3f}"
                 line = f"{name}: tau {tau}  acceptance/pos [{rates}]"
+                if reports[name].get("predicted_tau") is not None:
+                    line += f"  (predicted by training: {reports[name]['predicted_tau']:.3f})"
                 if o.get("tokens_per_s"):
                     line += f"  {o['tokens_per_s']:.1f} tok/s"
                 if o.get("speedup"):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
 
 from eyas.errors import EyasError
+from eyas.train.predict import PREDICTION_FILE
 
 
 def _overrides(text: str | None) -> dict:
@@ -116,4 +118,10 @@ def register(app: typer.Typer) -> None:
                           compile_mode=compile_mode, fused_loss=fused_loss, loss_chunk=loss_chunk,
                           log_every=log_every, parallel=parallel, attention=attention)
         draft = run(cfg)
-        Console(stderr=True).print(f"draft -> {draft}")
+        console = Console(stderr=True)
+        console.print(f"draft -> {draft}")
+        pred = Path(draft) / PREDICTION_FILE
+        if pred.is_file():
+            taus = json.loads(pred.read_text())["predicted_tau"]
+            console.print("predicted tau (held-out agreement, chain): "
+                          + ", ".join(f"k={k} {t:.2f}" for k, t in taus.items()))

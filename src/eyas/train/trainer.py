@@ -27,12 +27,14 @@ from eyas.draft.fused_loss import positions as fused_positions
 from eyas.draft.loss import TargetHead, soft_cross_entropy, ttt_loss
 from eyas.draft.model import DraftConfig, Eagle3Draft, check_finite_state
 from eyas.errors import EyasError
+from eyas.fsio import atomic_write_text
 from eyas.train import checkpoint as ckpt
 from eyas.train.guard import NonFiniteGuard
 from eyas.train.metrics import Logger, StepClock, StepLog, plot_losses
 from eyas.train import optim as optim_mod
 from eyas.train import parallel
 from eyas.train.packing import EpochPlan, pack_indices, split_indices
+from eyas.train.predict import PREDICTION_FILE, predicted_tau
 
 # Fields that must match between a run and its resume (they fix the data order and the objective).
 RESUME_KEYS = ("target_id", "dataset_id", "tokens_per_batch", "batch_size", "global_micro", "seed",
@@ -396,6 +398,7 @@ class Trainer:
         cnt = acc[2].clamp_min(1)
         rec = {"split": "heldout", "step": step, "acc": (acc[1] / cnt).tolist(),
                "loss": (acc[0] / cnt).tolist(), "positions": acc[2].tolist()}
+        rec["predicted_tau"] = predicted_tau(rec["acc"])  # for k = 1 .. ttt_steps
         self.logger.log(rec)
         return rec
 
@@ -424,6 +427,11 @@ class Trainer:
         if self.is_main:
             check_finite_state(final_state, f"the draft of {self.run_dir}")
             self.model.save_pretrained(out, state=final_state)
+            if last_eval is not None:  # what the draft should deliver, before anyone serves it
+                atomic_write_text(out / PREDICTION_FILE, json.dumps(
+                    {"heldout_step": last_eval["step"], "acc": last_eval["acc"],
+                     "predicted_tau": {str(k + 1): t for k, t in enumerate(last_eval["predicted_tau"])},
+                     "method": "1 + sum_i prod_{j<=i} acc_j (eyas.train.predict)"}, indent=2))
             plot_losses(self.run_dir)
             mode = ("fsdp2" if self.sharded else "ddp") if self.dist.on else "single"
             summary = {"steps": finished, "planned_steps": self.total, "stopped_by_time": stopped_by_time,
