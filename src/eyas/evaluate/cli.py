@@ -86,6 +86,8 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
         sub = Path(out) / name
         sub.mkdir(parents=True, exist_ok=True)
         settings = {**settings_base, "engine": name}
+        if name == "builtin" and not compare_plain:  # records without the baseline are not mixed
+            settings["plain_baseline"] = False     # with those that have it (older ones do)
         if name == "builtin":
             records, extra = _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k,
                                           temperature, max_new_tokens, dtype, seed, compare_plain,
