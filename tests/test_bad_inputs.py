@@ -415,7 +415,7 @@ def test_bad_input_store_shard_flipped_byte_rewritten_by_extract_rerun(tmp_path,
     """`eyas extract` re-run over a complete store with a flipped byte in one shard: the shard is
     re-checked, named and extracted again, and the store verifies clean (was: "already there")."""
     from eyas.extract.run import run_extract
-    from eyas.extract.store import verify_store
+    from eyas.features.verify import verify_store
 
     bad = sorted(store.glob("shard-*.safetensors"))[1]
     _flip_a_byte(bad)

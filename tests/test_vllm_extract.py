@@ -65,7 +65,7 @@ def make_data(out: Path, target_dir: Path, lengths=LENGTHS, seed: int = 0) -> Pa
 
 
 def compare_stores(vllm_store: Path, hf_store: Path) -> float:
-    from eyas.extract.store import open_store
+    from eyas.features.reader import open_store
 
     a, b = open_store(vllm_store), open_store(hf_store)
     assert len(a) == len(b)
@@ -101,7 +101,7 @@ def targets(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd, record_property):
     from eyas.extract.run import run_extract
-    from eyas.extract.store import open_store
+    from eyas.features.reader import open_store
 
     py = vllm_python(version)
     tdir, data, hf_store = targets[arch]
@@ -184,7 +184,7 @@ def test_resume_after_kill(version, targets, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # eyas and its engine, as a crash or OOM kill would
     proc.wait()
     proc.stderr.close()
-    from eyas.extract.store import open_store
+    from eyas.features.reader import open_store
 
     with pytest.raises(EyasError):
         open_store(store)  # incomplete: refused until finished
