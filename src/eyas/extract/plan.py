@@ -191,6 +191,10 @@ def count_active_params(model_dir: Path, config: dict[str, Any]) -> tuple[int | 
     return int(total), note
 
 
+def _millions(n: float) -> str:
+    return f"{n / 1e6:,.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
+
+
 def _packed_bits(config: dict[str, Any]) -> int:
     q = config.get("quantization_config") or {}
     for group in (q.get("config_groups") or {}).values():
@@ -211,7 +215,7 @@ def rate_estimate(target_dir: Path, config: dict[str, Any], device: str, backend
     n = gpus if kind == "cuda" and backend != "hf" else 1
     rate = ref * REFERENCE_PARAMS / params * n
     how = (f"scaled from {what} ({ref:,.0f} tokens/s, {REFERENCE_SOURCE}) by parameters per token "
-           f"({REFERENCE_PARAMS / 1e6:,.0f}M there, {params / 1e6:,.0f}M here"
+           f"({_millions(REFERENCE_PARAMS)} there, {_millions(params)} here"
            + (f"; {note}" if note else "") + ")"
            + (f" x {n} GPUs, assuming linear scaling" if n > 1 else "")
            + "; the disk, vLLM's own speed and attention over long samples are not modelled")

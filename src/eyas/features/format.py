@@ -142,8 +142,9 @@ class Layout:
         scale = None
         if self.quantized:
             scale = {"format": "float8_e4m3fn", "dtype": "float32", "tensor": "hidden_scale",
-                     "groups": self.scale_groups, "per": "token, state and group of "
-                     f"{self.hidden // self.scale_groups} channels", "rule": f"amax / {FP8_MAX:g}"}
+                     "groups": self.scale_groups, "per": "token and state" if self.scale_groups == 1
+                     else f"token, state and group of {self.hidden // self.scale_groups} channels",
+                     "rule": f"amax / {FP8_MAX:g}"}
         return {"dtype": self.dtype, "scale": scale,
                 "format_version": FP8_FORMAT_VERSION if self.quantized else FORMAT_VERSION}
 

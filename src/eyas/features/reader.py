@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
-from eyas.features.format import KIND, dequantize, layout_of, shard_file
-from eyas.features.verify import shard_problem
+from eyas.features.format import KIND, dequantize, layout_of, read_header, shard_file
+from eyas.features.verify import scale_problem, shard_problem
 from eyas.features.writer import tables
 from eyas.manifest import MANIFEST, read_manifest
 
@@ -79,6 +79,12 @@ class StoreReader:
                                 "with the same arguments to redo it, or --verify to list problems")
             rec = self._records.get(sid)
             problem = shard_problem(self.path, rec) if rec is not None else None
+            if not problem and self.layout.quantized:
+                # scales are 1/H of the data: checking them costs nothing and stops a shard whose
+                # scales are wrong however consistent its checksums are
+                start, header = read_header(f)
+                problem = scale_problem(f, header, start) if "hidden_scale" in header else \
+                    "no hidden_scale tensor in an fp8 store"
             if problem:
                 prepared = self.manifest.get("prepared_path") or "PREPARED_DIR"
                 raise EyasError(f"store {self.path}: {f.name} is corrupt ({problem}); nothing was "

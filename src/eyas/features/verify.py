@@ -66,7 +66,7 @@ def scale_problem(f: Path, header: dict[str, Any], data_start: int) -> str | Non
     n, s, g = spec["shape"]
     tok, slot, _ = np.unravel_index(int(np.argmax(bad)), (n, s, g))
     return (f"tensor hidden_scale: {int(bad.sum())} scale(s) non-finite or negative (first at token "
-            f"{tok}, slot {slot}: {scale[int(np.argmax(bad))]!r}); every value of such a group decodes wrong")
+            f"{tok}, slot {slot}: {float(scale[int(np.argmax(bad))])}); every value of such a group decodes wrong")
 
 
 def verify_store(path: str | os.PathLike, progress: bool = False) -> list[str]:
