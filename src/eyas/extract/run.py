@@ -17,6 +17,7 @@ redoes exactly the unfinished batches and ends with the same store as an uninter
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import queue
 import sys
@@ -393,7 +394,9 @@ def register(app: typer.Typer) -> None:
                 console.print(f"[red]problem:[/red] {p}")
             if problems:
                 raise typer.Exit(1)
-            console.print(f"store {verify}: all shards, checksums and shapes OK")
+            fp8 = json.loads((Path(verify) / "manifest.json").read_text()).get("dtype") == FP8
+            console.print(f"store {verify}: all shards, checksums and shapes OK"
+                          + ("; every fp8 scale finite and >= 0" if fp8 else ""))
             return
         if data is None or out is None:
             raise EyasError("eyas extract needs --data PREPARED_DIR and --out STORE (or --verify STORE)")
