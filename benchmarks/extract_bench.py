@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from eyas.data.dataset import open_prepared, write_prepared
-from eyas.extract.hf import HiddenStateCapture
-from eyas.extract.layers import resolve_layers
+from eyas.features.capture import HiddenStateCapture
+from eyas.features.layers import resolve_layers
 from eyas.extract.run import plan_batches, resolve_device, run_extract
-from eyas.extract.store import open_store, verify_store
+from eyas.features.reader import open_store
+from eyas.features.verify import verify_store
 from eyas.target import resolve_target
 
 

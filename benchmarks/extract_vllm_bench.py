@@ -29,7 +29,8 @@ import numpy as np
 
 from eyas.data.dataset import open_prepared, write_prepared
 from eyas.extract.run import run_extract
-from eyas.extract.store import open_store, verify_store
+from eyas.features.reader import open_store
+from eyas.features.verify import verify_store
 from eyas.extract.vllm_backend import engine_timings
 from eyas.target import resolve_target
 

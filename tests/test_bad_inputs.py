@@ -415,7 +415,7 @@ def test_bad_input_store_shard_flipped_byte_rewritten_by_extract_rerun(tmp_path,
     """`eyas extract` re-run over a complete store with a flipped byte in one shard: the shard is
     re-checked, named and extracted again, and the store verifies clean (was: "already there")."""
     from eyas.extract.run import run_extract
-    from eyas.extract.store import verify_store
+    from eyas.features.verify import verify_store
 
     bad = sorted(store.glob("shard-*.safetensors"))[1]
     _flip_a_byte(bad)
@@ -425,6 +425,132 @@ def test_bad_input_store_shard_flipped_byte_rewritten_by_extract_rerun(tmp_path,
     assert f"stored shard {bad.name} (checksum" in capfd.readouterr().err
     assert 0 < s["samples"] - s["resumed_from"] < s["samples"]  # only that shard's samples redone
     assert verify_store(store) == []
+
+
+@pytest.fixture
+def fp8_store(tmp_path, tiny_target, train_data) -> Path:
+    from eyas.extract.run import run_extract
+
+    st = tmp_path / "fp8-store"
+    run_extract(str(tiny_target.path), train_data, st, [1, 4, 6], dtype="fp8", device="cpu",
+                batch_tokens=400, progress=False)
+    return st
+
+
+def _scale_span(shard: Path) -> tuple[int, int]:
+    """File offsets [a, b) of a shard's hidden_scale tensor."""
+    from eyas.features.format import read_header
+
+    start, header = read_header(shard)
+    a, b = header["hidden_scale"]["data_offsets"]
+    return start + a, start + b
+
+
+def test_bad_input_fp8_store_scale_flipped_byte(tmp_path, tiny_target, train_data, fp8_store):
+    """An fp8 store with one flipped byte in a shard's scales: `--verify` names the shard and the
+    hidden_scale tensor (exit 1); training stops at the shard's first read, naming it."""
+    import test_train_run
+    from eyas.features.verify import verify_store
+    from eyas.train.trainer import train
+
+    bad = sorted(fp8_store.glob("shard-*.safetensors"))[1]
+    a, b = _scale_span(bad)
+    with open(bad, "r+b") as fh:
+        fh.seek((a + b) // 2)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    problems = verify_store(fp8_store)
+    assert len(problems) == 1 and problems[0].startswith(f"{bad.name}: checksum")
+    assert problems[0].endswith("(corrupted in tensor hidden_scale)")
+    code, out = eyas("extract", "--verify", fp8_store)
+    assert code == 1 and "hidden_scale" in out
+    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", online=False, store=str(fp8_store),
+                              layers=None, max_steps=6, eval_every=0)
+    with pytest.raises(EyasError, match=f"{bad.name} is corrupt"):
+        train(cfg)
+
+
+def test_bad_input_fp8_store_nan_scale_with_consistent_checksums(tmp_path, tiny_target, train_data, fp8_store):
+    """An fp8 store whose scale is NaN but whose checksums were written to match (a writer bug, or a
+    store edited by hand): `--verify` names the shard, the token and the slot; training refuses the
+    shard before using it."""
+    import numpy as np
+
+    import test_train_run
+    from eyas.features.format import file_checksum, hasher_for
+    from eyas.features.verify import verify_store
+    from eyas.manifest import read_manifest, write_manifest
+    from eyas.train.trainer import train
+
+    bad = sorted(fp8_store.glob("shard-*.safetensors"))[0]
+    a, b = _scale_span(bad)
+    with open(bad, "r+b") as fh:  # token 2, slot 1 of a [N, 4, 1] scale tensor
+        fh.seek(a + (2 * 4 + 1) * 4)
+        fh.write(np.float32("nan").tobytes())
+    rec_path = bad.with_suffix(".json")
+    rec = json.loads(rec_path.read_text())
+    algo = rec["checksum"]["algo"]
+    rec["checksum"]["digest"] = file_checksum(bad, algo)
+    h = hasher_for(algo)
+    h.update(bad.read_bytes()[a:b])
+    rec["tensor_checksums"]["hidden_scale"] = h.hexdigest()
+    rec_path.write_text(json.dumps(rec))
+    m = read_manifest(fp8_store)
+    for sh in m["shards"]:
+        if sh["file"] == bad.name:
+            sh["checksum"], sh["tensor_checksums"] = rec["checksum"], rec["tensor_checksums"]
+    write_manifest(fp8_store, m)
+    problems = verify_store(fp8_store)
+    assert problems == [f"{bad.name}: tensor hidden_scale: 1 scale(s) non-finite or negative (first at "
+                        "token 2, slot 1: nan); every value of such a group decodes wrong"]
+    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", online=False, store=str(fp8_store),
+                              layers=None, max_steps=6, eval_every=0)
+    with pytest.raises(EyasError, match=f"{bad.name} is corrupt \\(tensor hidden_scale: 1 scale"):
+        train(cfg)
+
+
+@pytest.mark.parametrize("first, again, match", [
+    (["--dtype", "bf16"], ["--dtype", "fp8"], "dtype: 'bf16' in the store, 'fp8' now"),
+    (["--dtype", "fp8"], ["--dtype", "fp8", "--fp8-group-size", "16"], "scale: .*'groups': 1.* in the store"),
+], ids=["bf16_store_resumed_as_fp8", "fp8_store_resumed_with_other_scales"])
+def test_bad_input_store_resumed_with_another_dtype(tmp_path, tiny_target, train_data, first, again, match):
+    """`eyas extract` into an existing store with another --dtype or fp8 scale layout: exit 2 naming
+    the field, its value in the store and now; the store is untouched."""
+    st = tmp_path / "st"
+    args = ["extract", "--target", tiny_target.path, "--data", train_data, "--out", st, "--layers", "1,4,6",
+            "--device", "cpu"]
+    code, out = eyas(*args, *first)
+    assert code == 0, out
+    before = {p.name: p.read_bytes() for p in st.iterdir() if p.is_file() and p.name != ".lock"}
+    code, msg = eyas(*args, *again)
+    assert code == 2 and "was made with other settings" in msg
+    assert __import__("re").search(match, msg), msg
+    assert before == {p.name: p.read_bytes() for p in st.iterdir() if p.is_file() and p.name != ".lock"}
+
+
+def test_bad_input_extract_out_on_a_filesystem_too_small(tmp_path, tiny_target, train_data, monkeypatch):
+    """`eyas extract` whose store needs more than the free space at --out ($EYAS_FREE_BYTES stands in
+    for the filesystem): exit 2 before any work, naming the bytes to write and the bytes free, and
+    what to do (another --out, fewer samples, --dtype fp8); nothing is written."""
+    from eyas.extract.run import run_extract
+
+    st = tmp_path / "st"
+    args = ["extract", "--target", tiny_target.path, "--data", train_data, "--out", st, "--layers", "1,4,6",
+            "--device", "cpu"]
+    plan = run_extract(str(tiny_target.path), train_data, st, [1, 4, 6], device="cpu", plan_only=True)["plan"]
+    need = plan["bytes_todo"]
+    monkeypatch.setenv("EYAS_FREE_BYTES", str(need - 1))
+    code, msg = eyas(*args)
+    assert code == 2
+    from eyas.extract.plan import gb
+
+    assert f"this extraction writes {gb(need)}" in msg and f"only {gb(need - 1)} are free" in msg
+    assert "--dtype fp8" in msg and "an --out on a larger filesystem" in msg
+    assert not st.exists()
+    monkeypatch.setenv("EYAS_FREE_BYTES", str(need))
+    code, out = eyas(*args)
+    assert code == 0, out
 
 
 # ------------------------------------------------------------------------------ pipeline staleness

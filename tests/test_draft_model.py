@@ -113,7 +113,7 @@ def test_shift_in_doc():
 
 def test_target_distribution_matches_full_model_forward(tiny_target):
     """softmax over the draft vocab of lm_head(norm(h_N)) from captured states == the model's own logits."""
-    from eyas.extract.hf import HiddenStateCapture
+    from eyas.features.capture import HiddenStateCapture
 
     model = tiny_target.load_model(dtype=torch.float32)
     vocab = model.config.vocab_size
@@ -210,7 +210,7 @@ def test_loss_matches_reference_and_honours_mask():
 
 
 def test_gradients_flow_only_into_the_draft(tiny_target):
-    from eyas.extract.hf import HiddenStateCapture
+    from eyas.features.capture import HiddenStateCapture
 
     model = tiny_target.load_model(dtype=torch.float32)
     vocab = model.config.vocab_size

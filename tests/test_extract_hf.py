@@ -7,7 +7,7 @@ import torch
 
 import tiny
 from eyas.errors import EyasError
-from eyas.extract.hf import HiddenStateCapture, find_decoder
+from eyas.features.capture import HiddenStateCapture, find_decoder
 
 ARCHS = ["llama", "qwen2", "qwen3", "gemma3", "mistral", "deepseek_v3", "deepseek_v2"]
 N_LAYERS = 6

@@ -68,7 +68,7 @@ def test_store_to_speculators_layout_and_values(tiny_store):
 
     import to_speculators
     from eyas.data.dataset import open_prepared
-    from eyas.extract.store import open_store
+    from eyas.features.reader import open_store
 
     tmp, prep, store = tiny_store
     out = tmp / "spec_data"
@@ -121,7 +121,7 @@ def test_speculators_reads_converted_data(tiny_store):
     to_speculators.convert(store, None, out, threads=2, progress=False)
     res = _spec_run(SPEC_READ, tmp, str(out)).split()
     assert res[0] == "OK" and int(res[1]) == 12
-    from eyas.extract.store import open_store
+    from eyas.features.reader import open_store
 
     reader = open_store(store)
     last = reader[int(sorted(reader.indices)[-1])].final.float().abs().sum()
@@ -191,7 +191,7 @@ def test_speculators_checkpoint_runs_in_eyas_step_loop(tiny_store, tiny_llama_di
     case = tmp / ("ref_" + "".join("1" if flags.get(k) else "0" for k in ("nbr", "nbf", "nout", "fcn")))
     case.mkdir()
     from eyas.data.dataset import open_prepared
-    from eyas.extract.store import open_store
+    from eyas.features.reader import open_store
 
     d2t, t2d = open_prepared(prep).draft_vocab()
     np.save(case / "d2t.npy", d2t.numpy())

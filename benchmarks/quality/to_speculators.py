@@ -62,7 +62,7 @@ def convert(store: str | os.PathLike, prepared: str | os.PathLike | None, out: s
 
     from eyas.data.dataset import open_prepared
     from eyas.errors import EyasError
-    from eyas.extract.store import open_store
+    from eyas.features.reader import open_store
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):

@@ -29,7 +29,7 @@ STAGES: dict[str, str] = {
 }
 WIRED: dict[str, set[str]] = {
     "prepare": {"target", "out", "progress"},
-    "extract": {"target", "data", "out", "progress"},
+    "extract": {"target", "data", "out", "progress", "plan_only"},
     "train": {"target", "data", "store", "out", "online", "progress"},
     "export": {"ckpt_dir", "target_spec", "out", "overwrite"},
     "evaluate": {"target_spec", "draft_dir", "out", "progress", "vllm_draft"},

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.evaluate.rejection import probs_at, verify_greedy, verify_sampling
-from eyas.extract.hf import HiddenStateCapture
+from eyas.features.capture import HiddenStateCapture
 
 
 @dataclass

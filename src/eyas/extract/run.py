@@ -17,6 +17,7 @@ redoes exactly the unfinished batches and ends with the same store as an uninter
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import queue
 import sys
@@ -32,8 +33,11 @@ import typer
 from eyas.device import resolve_device
 from eyas.checks import checked
 from eyas.errors import EyasError
-from eyas.extract.layers import CONVENTION, parse_layers, resolve_layers
-from eyas.extract.store import DTYPES, ShardItem, StoreWriter, check_finite, verify_store
+from eyas.extract.plan import ExtractPlan, free_space, plan_meta_bytes, rate_estimate, shard_tokens
+from eyas.features.format import FLOAT_DTYPES, FP8, STORE_DTYPES, Layout, quantize
+from eyas.features.layers import CONVENTION, parse_layers, resolve_layers
+from eyas.features.verify import verify_store
+from eyas.features.writer import ShardItem, StoreWriter, check_finite
 
 # name -> "module:function"; the vLLM backends add their entries here.
 BACKENDS: dict[str, str] = {"hf": "eyas.extract.run:fill_hf",
@@ -66,7 +70,7 @@ class ExtractJob:
     writer: StoreWriter
     aux_layers: list[int]
     final_layer: int
-    dtype: str                       # store dtype name: bf16 / fp16 / fp32
+    dtype: str                       # store dtype name: bf16 / fp16 / fp32 / fp8 (writer.layout says how)
     device: str
     batch_tokens: int
     progress: Callable[[int], None] = lambda n: None
@@ -97,14 +101,17 @@ def plan_batches(lengths: np.ndarray, batch_tokens: int) -> list[list[int]]:
 
 
 class _HostBuffers:
-    """A pool of reusable host buffers (pinned on CUDA) of ``numel`` elements each."""
+    """A pool of reusable host buffers (pinned on CUDA): states of ``numel`` elements, token ids,
+    a finiteness flag, and (fp8) ``scale_numel`` fp32 scales."""
 
-    def __init__(self, count: int, numel: int, ids_numel: int, dtype: torch.dtype, pin: bool):
+    def __init__(self, count: int, numel: int, ids_numel: int, dtype: torch.dtype, pin: bool,
+                 scale_numel: int = 0):
         self.free: queue.Queue = queue.Queue()
         for _ in range(count):
             self.free.put((torch.empty(numel, dtype=dtype, pin_memory=pin),
                            torch.empty(ids_numel, dtype=torch.int64, pin_memory=pin),
-                           torch.empty((), dtype=torch.bool, pin_memory=pin)))
+                           torch.empty((), dtype=torch.bool, pin_memory=pin),
+                           torch.empty(scale_numel, dtype=torch.float32, pin_memory=pin)))
 
     def get(self):
         return self.free.get()
@@ -115,15 +122,16 @@ class _HostBuffers:
 
 def fill_hf(job: ExtractJob) -> None:
     """The HF backend: transformers + forward hooks, any device."""
-    from eyas.extract.hf import HiddenStateCapture
+    from eyas.features.capture import HiddenStateCapture
 
     device = job.device
     on_cuda = device.startswith("cuda")
     model_dtype = job.options.get("model_dtype") or ("bf16" if on_cuda else "fp32")
-    model = job.target.load_model(dtype=DTYPES[model_dtype], device=device)
+    model = job.target.load_model(dtype=FLOAT_DTYPES[model_dtype], device=device)
     cap = HiddenStateCapture(model, job.aux_layers)
-    store_dtype = DTYPES[job.dtype]
-    slots, hidden = cap.num_slots, cap.hidden_size
+    layout: Layout = job.writer.layout
+    store_dtype = layout.state_dtype
+    slots, hidden, groups = cap.num_slots, cap.hidden_size, layout.scale_groups
     lengths = job.dataset.lengths
     todo = set(job.todo)
     work = []  # (shard id, sample indices) in plan order
@@ -135,38 +143,55 @@ def fill_hf(job: ExtractJob) -> None:
         return
     cap_tokens = max(job.batch_tokens, int(lengths.max()))
     nbuf = int(job.options.get("host_buffers") or (job.options.get("writers", 4) + 3))
-    pool = _HostBuffers(nbuf, cap_tokens * slots * hidden, cap_tokens, store_dtype, pin=on_cuda)
+    pool = _HostBuffers(nbuf, cap_tokens * slots * hidden, cap_tokens, store_dtype, pin=on_cuda,
+                        scale_numel=cap_tokens * slots * groups)
     copy_stream = torch.cuda.Stream(device=device) if on_cuda else None
     writer = job.writer
     job.stats["t_first_batch"] = time.perf_counter()  # throughput counts from here to the last shard
     for sid, idx in work:
         rows = [job.dataset[i] for i in idx]
         B, T = len(rows), max(len(r.input_ids) for r in rows)
-        host, ids_host, flag_host = buf = pool.get()
+        host, ids_host, flag_host, scale_host = buf = pool.get()
         ids_np = ids_host[: B * T].view(B, T).numpy()
         ids_np.fill(0)  # right padding: causal attention never reads these positions
         for b, r in enumerate(rows):
             ids_np[b, : len(r.input_ids)] = r.input_ids
         hv = host[: B * T * slots * hidden].view(B, T, slots, hidden)
+        sv = scale_host[: B * T * slots * groups].view(B, T, slots, groups) if layout.quantized else None
         if on_cuda:
             ids = ids_host[: B * T].view(B, T).to(device, non_blocking=True)
-            states = cap.capture_into(ids, out=torch.empty((B, T, slots, hidden), dtype=store_dtype,
-                                                           device=device))
-            # one reduction instead of a full-size isfinite mask; non-finite -> checked per sample
-            finite = torch.isfinite(states.sum(dtype=torch.float32))
+            states = cap.capture_into(ids, out=None if layout.quantized else torch.empty(
+                (B, T, slots, hidden), dtype=store_dtype, device=device))
+            if layout.quantized:  # on the device: half the bytes cross to the host
+                states, scale = quantize(states, groups)
+                # a NaN/Inf state makes its scale non-finite: checking the scales is enough
+                finite = torch.isfinite(scale.sum())
+            else:
+                scale = None
+                # one reduction instead of a full-size isfinite mask; non-finite -> checked per sample
+                finite = torch.isfinite(states.sum(dtype=torch.float32))
             copy_stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(copy_stream):
                 hv.copy_(states, non_blocking=True)
+                if scale is not None:
+                    sv.copy_(scale, non_blocking=True)
                 flag_host.copy_(finite, non_blocking=True)  # pinned: a pageable target would block
                 finite_host = flag_host
                 event = torch.cuda.Event()
                 event.record(copy_stream)
-            states.record_stream(copy_stream)
-            finite.record_stream(copy_stream)
+            for t in (states, finite) if scale is None else (states, finite, scale):
+                t.record_stream(copy_stream)
+        elif layout.quantized:
+            states = cap.capture_into(torch.from_numpy(ids_np.copy()))
+            q, scale = quantize(states, groups)
+            hv.copy_(q)
+            sv.copy_(scale)
+            event, finite_host = None, None
         else:
             cap.capture_into(torch.from_numpy(ids_np.copy()), out=hv)  # hooks write into the host buffer
             event, finite_host = None, None
-        items = [ShardItem(r.index, r.input_ids, r.loss_mask, hv[b, : len(r.input_ids)])
+        items = [ShardItem(r.index, r.input_ids, r.loss_mask, hv[b, : len(r.input_ids)],
+                           None if sv is None else sv[b, : len(r.input_ids)])
                  for b, r in enumerate(rows)]
 
         def before(event=event, finite_host=finite_host, items=items) -> None:
@@ -174,7 +199,7 @@ def fill_hf(job: ExtractJob) -> None:
                 event.synchronize()
             if finite_host is None or not bool(finite_host):
                 for it in items:
-                    check_finite(it.states, it.index)
+                    check_finite(it.states if it.scale is None else it.scale, it.index)
 
         writer.submit_shard(items, shard_id=sid, before=before, after=lambda buf=buf: pool.put(buf))
     writer.wait()
@@ -192,23 +217,77 @@ def _load_backend(name: str) -> Callable[[ExtractJob], None]:
     return getattr(importlib.import_module(mod), fn)
 
 
+def _check_dtypes(dtype: str, model_dtype: str | None, fp8_group_size: int | None) -> None:
+    if dtype not in STORE_DTYPES:
+        raise EyasError(f"--dtype {dtype!r}: use one of {', '.join(STORE_DTYPES)}")
+    if model_dtype is not None and model_dtype not in FLOAT_DTYPES:
+        raise EyasError(f"--model-dtype {model_dtype!r}: use one of {sorted(FLOAT_DTYPES)}")
+    if fp8_group_size is not None and dtype != FP8:
+        raise EyasError(f"--fp8-group-size {fp8_group_size}: only for --dtype fp8 (this run stores "
+                        f"{dtype}); drop it or pass --dtype fp8")
+
+
+def _scale_groups(dtype: str, hidden: int, fp8_group_size: int | None) -> int | None:
+    """fp8: scales per token and state (``hidden / fp8_group_size``; 1 without a group size)."""
+    if dtype != FP8:
+        return None
+    if fp8_group_size is None:
+        return 1
+    if hidden % fp8_group_size:
+        raise EyasError(f"--fp8-group-size {fp8_group_size}: must divide the target's hidden size "
+                        f"{hidden}; leave it out for one scale per token and state")
+    return hidden // fp8_group_size
+
+
+def _stored_samples(out: Path) -> set[int]:
+    """Samples an earlier run committed to ``out`` (its shard records whose files exist)."""
+    from eyas.features.reader import committed_records
+
+    if not Path(out).is_dir():
+        return set()
+    return {i for r in committed_records(Path(out)).values() for i in r["samples"]["index"]}
+
+
+def make_plan(tgt, ds, out: Path, fields: dict[str, Any], batch_tokens: int, device: str, backend: str,
+              gpus: int, done: set[int]) -> ExtractPlan:
+    """The disk and time plan of filling ``out`` (see :mod:`eyas.extract.plan`)."""
+    from eyas.features.writer import store_fields
+
+    _, layout = store_fields(fields, str(out))
+    lengths = ds.lengths
+    todo = set(range(len(ds))) - done
+    per_shard = shard_tokens(lengths, plan_batches(lengths, batch_tokens), todo)
+    free, where = free_space(out)
+    rate, note = rate_estimate(tgt.path, tgt.config(), device, backend, gpus)
+    return ExtractPlan(out=Path(out), layout=layout, samples=len(ds), samples_todo=len(todo),
+                       tokens=int(lengths.sum()), tokens_todo=int(sum(per_shard)),
+                       shards_todo=len(per_shard),
+                       shard_bytes_todo=int(sum(layout.shard_bytes(n) for n in per_shard)),
+                       meta_bytes=plan_meta_bytes(len(per_shard), len(todo)),
+                       free_bytes=free, free_where=where, tokens_per_s=rate, rate_note=note)
+
+
 @checked("extract")
 def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int] | None = None,
                 backend: str = "hf", dtype: str = "bf16", device: str = "auto",
                 batch_tokens: int | None = None, writers: int | None = None,
                 model_dtype: str | None = None, progress: bool = True,
                 vllm_python: str | None = None, tensor_parallel_size: int = 1,
-                data_parallel_size: int = 1) -> dict[str, Any]:
-    """Fill (or finish) the store at ``out``; returns the summary (tokens, bytes, tokens/s)."""
+                data_parallel_size: int = 1, fp8_group_size: int | None = None,
+                plan_only: bool = False) -> dict[str, Any]:
+    """Fill (or finish) the store at ``out``; returns the summary (tokens, bytes, tokens/s).
+
+    Before any work it plans the bytes to write and the time (printed when ``progress``) and
+    refuses when the filesystem of ``out`` has less free space. ``plan_only``: return the plan
+    (``{"plan": ...}``), write nothing.
+    """
     from tqdm import tqdm
 
     from eyas.data.dataset import open_prepared
+    from eyas.features.writer import check_resumable
     from eyas.target import resolve_target
 
-    if dtype not in DTYPES:
-        raise EyasError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
-    if model_dtype is not None and model_dtype not in DTYPES:
-        raise EyasError(f"--model-dtype {model_dtype!r}: use one of {sorted(DTYPES)}")
+    _check_dtypes(dtype, model_dtype, fp8_group_size)
     requested = backend
     backend, why = resolve_auto_backend(backend, vllm_python)
     if why and progress:
@@ -224,12 +303,22 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     batch_tokens = int(batch_tokens or (65536 if on_cuda else 4096))
     # On CUDA the disk side is the bottleneck (4.6 kB/token): 16 writers beat 8 on the H200 host.
     writers = int(writers or (min(16, os.cpu_count() or 16) if on_cuda else 2))
+    hidden = int(text_cfg["hidden_size"])
     fields = {
         "target": tgt.identity, "aux_layers": aux, "final_layer": final_id,
-        "convention": CONVENTION, "dtype": dtype, "hidden_size": int(text_cfg["hidden_size"]),
+        "convention": CONVENTION, "dtype": dtype, "hidden_size": hidden,
+        "scale_groups": _scale_groups(dtype, hidden, fp8_group_size),
         "prepared_id": ds.manifest.get("id"), "prepared_path": str(Path(data).resolve()),
         "num_samples": len(ds), "backend": backend, "plan": {"batch_tokens": batch_tokens},
     }
+    check_resumable(out, fields)  # other settings are refused before the plan, as by the writer
+    plan = make_plan(tgt, ds, Path(out), fields, batch_tokens, device, backend,
+                     tensor_parallel_size * data_parallel_size, _stored_samples(Path(out)))
+    if plan_only:
+        return {"plan": plan.as_dict(), "lines": plan.lines()}
+    if progress:
+        print("eyas extract " + "\n".join(plan.lines()), file=sys.stderr, flush=True)
+    plan.check_space()
     writer = StoreWriter(out, fields, shard_tokens=batch_tokens, num_writers=writers,
                          max_pending=writers + 1)
     for bad in writer.rewritten:
@@ -264,7 +353,8 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     return {"tokens": tokens, "bytes": writer.bytes_written,
             "bytes_per_token": writer.bytes_written / tokens if tokens else 0.0,
             "seconds": elapsed, "tokens_per_s": tokens / elapsed if tokens and elapsed else 0.0,
-            "store_tokens": manifest["tokens"], "samples": len(ds), "resumed_from": len(ds) - len(todo)}
+            "store_tokens": manifest["tokens"], "samples": len(ds), "resumed_from": len(ds) - len(todo),
+            "planned_shard_bytes": plan.shard_bytes_todo}
 
 
 def register(app: typer.Typer) -> None:
@@ -277,7 +367,10 @@ def register(app: typer.Typer) -> None:
                                    "default 2,N/2,N-3. The final state (id N) is always stored."),
         backend: str = typer.Option("hf", help=f"Extraction backend: {', '.join(BACKENDS)}, or auto "
                                     "(by the installed vLLM version; hf without vLLM)."),
-        dtype: str = typer.Option("bf16", help="Stored dtype: bf16, fp16 or fp32."),
+        dtype: str = typer.Option("bf16", help="Stored dtype: bf16, fp16, fp32, or fp8 (e4m3 with an "
+                                  "fp32 scale per token and state: about half the bytes of bf16)."),
+        fp8_group_size: int = typer.Option(0, "--fp8-group-size", help="fp8 only: channels that share "
+                                           "one scale (must divide H); 0 = one scale per token and state."),
         device: str = typer.Option("auto", help="cuda, cuda:N, cpu, or auto."),
         batch_tokens: int = typer.Option(0, help="Padded tokens per batch (= per shard); 0 = auto."),
         writers: int = typer.Option(0, help="Shard writer threads; 0 = auto."),
@@ -288,6 +381,8 @@ def register(app: typer.Typer) -> None:
                                      "--backend hf), token by token; prints a JSON report on stdout."),
         min_cosine: float = typer.Option(0.99, "--min-cosine", help="With --against: the cosine every "
                                          "token of every slot must reach."),
+        plan: bool = typer.Option(False, "--plan", help="Print the bytes this run would write, the free "
+                                  "space at --out and a time estimate, then exit without writing."),
         vllm_python: str = typer.Option(None, "--vllm-python", help="Python of the environment that "
                                         "runs vLLM (default: this one, $EYAS_VLLM_PYTHON, or .venvs/vllm-*)."),
         tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM tensor parallelism."),
@@ -304,12 +399,12 @@ def register(app: typer.Typer) -> None:
                 console.print(f"[red]problem:[/red] {p}")
             if problems:
                 raise typer.Exit(1)
-            console.print(f"store {verify}: all shards, checksums and shapes OK")
+            fp8 = json.loads((Path(verify) / "manifest.json").read_text()).get("dtype") == FP8
+            console.print(f"store {verify}: all shards, checksums and shapes OK"
+                          + ("; every fp8 scale finite and >= 0" if fp8 else ""))
             if against is not None:
-                import json
-
                 from eyas.device import resolve_device
-                from eyas.extract.compare import compare_stores
+                from eyas.features.compare import compare_stores
 
                 rep = compare_stores(verify, against, min_cosine, device=resolve_device("auto"))
                 for sl in rep["slots"]:
@@ -329,7 +424,11 @@ def register(app: typer.Typer) -> None:
                         device=device, batch_tokens=batch_tokens or None, writers=writers or None,
                         model_dtype=model_dtype, vllm_python=vllm_python,
                         tensor_parallel_size=tensor_parallel_size,
-                        data_parallel_size=data_parallel_size)
+                        data_parallel_size=data_parallel_size, fp8_group_size=fp8_group_size or None,
+                        plan_only=plan, progress=not plan)
+        if plan:
+            print("\n".join(s["lines"]))  # stdout: the answer to --plan, for scripts too
+            return
         console.print(f"stored {s['samples']} samples ({s['resumed_from']} were already there): "
                       f"{s['tokens']:,} tokens this run, {s['bytes'] / 1e9:.3f} GB, "
                       f"{s['bytes_per_token']:.0f} B/token, {s['seconds']:.1f} s, "

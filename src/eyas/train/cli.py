@@ -104,7 +104,7 @@ def register(app: typer.Typer) -> None:
         """Train an EAGLE-3 draft with training-time test (offline from a store, or --online)."""
         from rich.console import Console
 
-        from eyas.extract.layers import parse_layers
+        from eyas.features.layers import parse_layers
         from eyas.train.trainer import TrainConfig, train as run
 
         cfg = TrainConfig(target=target, data=str(data), out=str(out), store=str(store) if store else None,

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
+from eyas.features.format import dequantize
 from eyas.train.packing import PackLayout, layout
 
 
@@ -71,7 +72,7 @@ class OnlineFeatures:
 
     def __init__(self, target, dataset, aux_layers: list[int] | None, device: torch.device,
                  dtype: torch.dtype, budget: int):
-        from eyas.extract.hf import HiddenStateCapture
+        from eyas.features.capture import HiddenStateCapture
 
         self.dataset, self.device, self.budget = dataset, device, budget
         self.model = target.load_model(dtype=dtype, device=str(device))
@@ -99,7 +100,7 @@ class OfflineFeatures:
 
     def __init__(self, store_path, target, dataset, aux_layers: list[int] | None,
                  device: torch.device, dtype: torch.dtype, budget: int):
-        from eyas.extract.store import open_store
+        from eyas.features.reader import open_store
 
         self.reader = open_store(store_path)
         m = self.reader.manifest
@@ -144,27 +145,40 @@ class OfflineFeatures:
         lay = layout(packs, _samples(self.dataset, packs), self.budget)
         b, t = lay.input_ids.shape
         a, h = len(self.aux_layers), self.hidden_size
-        aux = torch.zeros((b, t, a * h), dtype=self.dtype)
-        final = torch.zeros((b, t, h), dtype=self.dtype)
+        store = self.reader.layout
+        # the batch is assembled as stored: an fp8 store's values and scales are decoded only after
+        # the copy to the device (half the bytes cross, and the host does no per-element work)
+        hidden = torch.zeros((b, t, a + 1, h), dtype=store.state_dtype if store.quantized else self.dtype)
+        scale = torch.zeros((b, t, a + 1, store.scale_groups), dtype=torch.float32) if store.quantized else None
         for r, row in enumerate(lay.spans):
             for i, start, length, kept in row:
-                s = self.reader[i]
+                s = self.reader.raw(i)
                 if s.input_ids.shape[0] != length or not torch.equal(
                         s.input_ids[:kept].long(), lay.input_ids[r, start:start + kept]):
                     raise EyasError(f"store sample {i}: its tokens differ from the prepared dataset's; "
                                     "the store was extracted from another dataset: re-run `eyas extract`")
-                aux[r, start:start + kept] = s.aux[:kept].reshape(kept, a * h).to(self.dtype)
-                final[r, start:start + kept] = s.final[:kept].to(self.dtype)
+                hidden[r, start:start + kept] = s.hidden[:kept]
+                if scale is not None:
+                    scale[r, start:start + kept] = s.scale[:kept]
         if self._copy_stream is None:
+            aux, final = self._split(hidden, scale)
             return lay, aux, final, None
         lay = pinned(lay, self.device)
-        aux, final = aux.pin_memory(), final.pin_memory()
+        hidden = hidden.pin_memory()
+        scale = scale.pin_memory() if scale is not None else None
         with torch.cuda.stream(self._copy_stream):
-            tensors = [*_to(lay, self.device), aux.to(self.device, non_blocking=True),
-                       final.to(self.device, non_blocking=True)]
+            aux, final = self._split(hidden.to(self.device, non_blocking=True),
+                                     None if scale is None else scale.to(self.device, non_blocking=True))
+            tensors = [*_to(lay, self.device), aux, final]
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)
         return lay, aux, final, (tensors, copied)
+
+    def _split(self, hidden: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B,T,A+1,H] (fp8 decoded with its scales, in fp32, then cast) -> aux [B,T,A*H], final [B,T,H]."""
+        if scale is not None:
+            hidden = dequantize(hidden, scale, self.dtype)
+        return hidden[:, :, :-1].flatten(2), hidden[:, :, -1].contiguous()
 
 
 def _key(packs: list[list[int]]) -> tuple:
@@ -192,7 +206,7 @@ def check_store_manifest(m: dict, store_path, target, dataset, aux_layers: list[
         raise EyasError(f"store {store_path} holds layers {m.get('aux_layers')}, but layers "
                         f"{sorted(aux_layers)} were asked for; drop --layers or re-extract with them")
     conv = m.get("convention")
-    from eyas.extract.layers import CONVENTION
+    from eyas.features.layers import CONVENTION
 
     if conv and conv != CONVENTION:
         raise EyasError(f"store {store_path} uses layer convention {conv!r}, eyas trains on "

@@ -1,4 +1,4 @@
-"""The layer-id convention, shared by every backend (DESIGN.md section 2).
+"""The layer-id convention, shared by every backend and stage (DESIGN.md section 2).
 
 id k (0 <= k < N) is the residual stream *entering* decoder layer k (HF ``hidden_states[k]``;
 id 0 is the embeddings). id N is the output of the last layer *before* the final norm.

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.errors import EyasError
-from eyas.extract.store import open_store
+from eyas.features.reader import open_store
 
 
 def compare_stores(store: Path, reference: Path, min_cosine: float = 0.99, device: str = "cpu",

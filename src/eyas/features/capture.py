@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from eyas.errors import EyasError
-from eyas.extract.layers import resolve_layers
+from eyas.features.layers import resolve_layers
 
 
 def find_decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
