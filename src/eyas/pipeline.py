@@ -82,7 +82,7 @@ def stage_records(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
 
 
 def _outputs(work: Path, stage: str, cfg: PipelineConfig) -> Path:
-    fmt = cfg.section("export").get("fmt", "vllm")
+    fmt = cfg.section("export").get("format", "vllm")
     return work / {"prepare": "prepared", "extract": "store", "train": "train",
                    "export": f"export-{fmt}", "evaluate": "eval"}[stage]
 
@@ -163,7 +163,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     extract or train settings differ from the recorded ones is refused naming the fields, before
     anything runs; changed export or evaluate settings redo those stages."""
     from eyas.data.prepare import PrepareOptions, RegenerateOptions, prepare
-    from eyas.export.cli import export_checkpoint
+    from eyas.export.run import export_checkpoint
     from eyas.target import resolve_target
 
     work = cfg.workdir
@@ -239,7 +239,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     t = time.perf_counter()
     console.rule("export")
     exp = cfg.section("export")
-    fmt = exp.pop("fmt", "vllm")
+    fmt = exp.pop("format", "vllm")
     exported = work / f"export-{fmt}"
     begin("export")
     export_checkpoint(draft, fmt, exported, cfg.target, overwrite=True, **exp)
@@ -248,7 +248,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
 
     t = time.perf_counter()
     console.rule("evaluate")
-    from eyas.evaluate.cli import evaluate_draft
+    from eyas.evaluate.run import evaluate_draft
 
     ev = evaluate_settings(cfg)
     if "prompts" in ev:

@@ -173,7 +173,7 @@ def _pick_engine(opts) -> str:
         return opts.backend
     if opts.backend != "auto":
         raise EyasError(f"--gen-backend {opts.backend!r}: expected hf, vllm or auto")
-    from eyas.extract.vllm_backend import find_vllm_python
+    from eyas.vllm.find import find_vllm_python
 
     try:
         find_vllm_python(opts.vllm_python)

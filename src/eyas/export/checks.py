@@ -35,7 +35,8 @@ def load_checkpoint(path: str | Path) -> DraftCheckpoint:
     """Read ``config.json`` + ``model.safetensors`` of an eyas draft (``RUN_DIR/draft``)."""
     from safetensors.torch import load_file
 
-    from eyas.draft.model import DraftConfig, check_finite_state
+    from eyas.draft.io import check_finite_state
+    from eyas.draft.model import DraftConfig
 
     path = Path(path)
     cfg_path, w_path = path / "config.json", path / "model.safetensors"

@@ -27,13 +27,11 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import typer
-
 from eyas.device import resolve_device
-from eyas.checks import checked
 from eyas.errors import EyasError
-from eyas.extract.layers import CONVENTION, parse_layers, resolve_layers
-from eyas.extract.store import DTYPES, ShardItem, StoreWriter, check_finite, verify_store
+from eyas.extract.config import ExtractConfig
+from eyas.extract.layers import CONVENTION, resolve_layers
+from eyas.extract.store import DTYPES, ShardItem, StoreWriter, check_finite
 
 # name -> "module:function"; the vLLM backends add their entries here.
 BACKENDS: dict[str, str] = {"hf": "eyas.extract.run:fill_hf",
@@ -192,19 +190,21 @@ def _load_backend(name: str) -> Callable[[ExtractJob], None]:
     return getattr(importlib.import_module(mod), fn)
 
 
-@checked("extract")
 def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int] | None = None,
-                backend: str = "hf", dtype: str = "bf16", device: str = "auto",
-                batch_tokens: int | None = None, writers: int | None = None,
-                model_dtype: str | None = None, progress: bool = True,
-                vllm_python: str | None = None, tensor_parallel_size: int = 1,
-                data_parallel_size: int = 1) -> dict[str, Any]:
+                **settings: Any) -> dict[str, Any]:
+    """:func:`extract` with the settings as keywords (the fields of :class:`ExtractConfig`)."""
+    return extract(ExtractConfig(target=target, data=Path(data), out=Path(out), layers=layers, **settings))
+
+
+def extract(cfg: ExtractConfig) -> dict[str, Any]:
     """Fill (or finish) the store at ``out``; returns the summary (tokens, bytes, tokens/s)."""
     from tqdm import tqdm
 
     from eyas.data.dataset import open_prepared
     from eyas.target import resolve_target
 
+    target, data, out, layers, backend, dtype = cfg.target, cfg.data, cfg.out, cfg.layers, cfg.backend, cfg.dtype
+    model_dtype, progress, vllm_python = cfg.model_dtype, cfg.progress, cfg.vllm_python
     if dtype not in DTYPES:
         raise EyasError(f"--dtype {dtype!r}: use one of {sorted(DTYPES)}")
     if model_dtype is not None and model_dtype not in DTYPES:
@@ -216,14 +216,14 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     fill = _load_backend(backend)
     tgt = resolve_target(target)
     ds = open_prepared(data, tgt)
-    cfg = tgt.config()
-    text_cfg = cfg.get("text_config", cfg)
+    tcfg = tgt.config()
+    text_cfg = tcfg.get("text_config", tcfg)
     aux, final_id = resolve_layers(int(text_cfg["num_hidden_layers"]), layers)
-    device = resolve_device(device)
+    device = resolve_device(cfg.device)
     on_cuda = device.startswith("cuda")
-    batch_tokens = int(batch_tokens or (65536 if on_cuda else 4096))
+    batch_tokens = int(cfg.batch_tokens or (65536 if on_cuda else 4096))
     # On CUDA the disk side is the bottleneck (4.6 kB/token): 16 writers beat 8 on the H200 host.
-    writers = int(writers or (min(16, os.cpu_count() or 16) if on_cuda else 2))
+    writers = int(cfg.writers or (min(16, os.cpu_count() or 16) if on_cuda else 2))
     fields = {
         "target": tgt.identity, "aux_layers": aux, "final_layer": final_id,
         "convention": CONVENTION, "dtype": dtype, "hidden_size": int(text_cfg["hidden_size"]),
@@ -245,8 +245,8 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
                      final_layer=final_id, dtype=dtype, device=device, batch_tokens=batch_tokens,
                      options={"writers": writers, "model_dtype": model_dtype,
                               "vllm_python": vllm_python, "vllm_requested": requested,
-                              "tensor_parallel_size": tensor_parallel_size,
-                              "data_parallel_size": data_parallel_size})
+                              "tensor_parallel_size": cfg.tensor_parallel_size,
+                              "data_parallel_size": cfg.data_parallel_size})
     try:
         fill(job)
         manifest = writer.close()
@@ -265,50 +265,3 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
             "bytes_per_token": writer.bytes_written / tokens if tokens else 0.0,
             "seconds": elapsed, "tokens_per_s": tokens / elapsed if tokens and elapsed else 0.0,
             "store_tokens": manifest["tokens"], "samples": len(ds), "resumed_from": len(ds) - len(todo)}
-
-
-def register(app: typer.Typer) -> None:
-    @app.command()
-    def extract(
-        target: str = typer.Option("smollm2-135m-instruct", help="HF dir, .gguf file or built-in name."),
-        data: Path = typer.Option(None, help="Prepared dataset directory (from `eyas prepare`)."),
-        out: Path = typer.Option(None, help="Store directory to create or resume."),
-        layers: str = typer.Option(None, help="Aux layer ids (vLLM convention), e.g. 2,15,27; "
-                                   "default 2,N/2,N-3. The final state (id N) is always stored."),
-        backend: str = typer.Option("hf", help=f"Extraction backend: {', '.join(BACKENDS)}, or auto "
-                                    "(by the installed vLLM version; hf without vLLM)."),
-        dtype: str = typer.Option("bf16", help="Stored dtype: bf16, fp16 or fp32."),
-        device: str = typer.Option("auto", help="cuda, cuda:N, cpu, or auto."),
-        batch_tokens: int = typer.Option(0, help="Padded tokens per batch (= per shard); 0 = auto."),
-        writers: int = typer.Option(0, help="Shard writer threads; 0 = auto."),
-        model_dtype: str = typer.Option(None, help="Compute dtype; default bf16 on CUDA, fp32 on CPU."),
-        verify: Path = typer.Option(None, "--verify", help="Only re-check an existing store and exit."),
-        vllm_python: str = typer.Option(None, "--vllm-python", help="Python of the environment that "
-                                        "runs vLLM (default: this one, $EYAS_VLLM_PYTHON, or .venvs/vllm-*)."),
-        tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM tensor parallelism."),
-        data_parallel_size: int = typer.Option(1, "--data-parallel-size", help="Number of vLLM engines, "
-                                               "each over its own shard of the data."),
-    ) -> None:
-        """Run the target over a prepared dataset and store aux + final hidden states."""
-        from rich.console import Console
-
-        console = Console(stderr=True)
-        if verify is not None:
-            problems = verify_store(verify, progress=True)
-            for p in problems:
-                console.print(f"[red]problem:[/red] {p}")
-            if problems:
-                raise typer.Exit(1)
-            console.print(f"store {verify}: all shards, checksums and shapes OK")
-            return
-        if data is None or out is None:
-            raise EyasError("eyas extract needs --data PREPARED_DIR and --out STORE (or --verify STORE)")
-        s = run_extract(target, data, out, parse_layers(layers), backend=backend, dtype=dtype,
-                        device=device, batch_tokens=batch_tokens or None, writers=writers or None,
-                        model_dtype=model_dtype, vllm_python=vllm_python,
-                        tensor_parallel_size=tensor_parallel_size,
-                        data_parallel_size=data_parallel_size)
-        console.print(f"stored {s['samples']} samples ({s['resumed_from']} were already there): "
-                      f"{s['tokens']:,} tokens this run, {s['bytes'] / 1e9:.3f} GB, "
-                      f"{s['bytes_per_token']:.0f} B/token, {s['seconds']:.1f} s, "
-                      f"{s['tokens_per_s']:,.0f} tokens/s -> {out}")

@@ -15,7 +15,7 @@ import json
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,99 +25,32 @@ from eyas.draft import flex
 from eyas.draft.fused_loss import fused_ttt_loss
 from eyas.draft.fused_loss import positions as fused_positions
 from eyas.draft.loss import TargetHead, soft_cross_entropy, ttt_loss
-from eyas.draft.model import DraftConfig, Eagle3Draft, check_finite_state
+from eyas.draft import io as draft_io
+from eyas.draft.io import check_finite_state
+from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.train import checkpoint as ckpt
 from eyas.train.guard import NonFiniteGuard
 from eyas.train.metrics import Logger, StepClock, StepLog, plot_losses
 from eyas.train import optim as optim_mod
 from eyas.train import parallel
+from eyas.train.config import TrainConfig
 from eyas.train.packing import EpochPlan, pack_indices, split_indices
 
 # Fields that must match between a run and its resume (they fix the data order and the objective).
+# Checkpoint keys (on disk), not setting names: "heldout_fraction" is the --heldout of the run.
 RESUME_KEYS = ("target_id", "dataset_id", "tokens_per_batch", "batch_size", "global_micro", "seed",
                "ttt_steps", "heldout_fraction", "aux_layers", "optimizer")
 RESUME_DEFAULTS = {"optimizer": "adamw"}  # what checkpoints written before the key existed used
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
-
-
-@dataclass
-class TrainConfig:
-    target: str
-    data: str
-    out: str
-    store: str | None = None
-    online: bool = False
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    epochs: int = 1
-    max_steps: int | None = None
-    # Stop (and write the draft) once this much training time has passed after the first optimizer
-    # step, so set-up and compilation are not counted; the LR schedule stays the one planned for
-    # max_steps. For equal wall-clock budgets. A resumed run counts afresh.
-    max_train_seconds: float | None = None
-    tokens_per_batch: int = 2048
-    batch_size: int = 1  # packs per micro-batch
-    grad_accum: int = 1
-    warmup: int = 50
-    clip: float = 0.5
-    # optimizer steps skipped in a row for a non-finite loss or gradient norm before the run stops
-    # with an error (eyas.train.guard)
-    max_nonfinite_steps: int = 3
-    save_every: int = 500
-    keep_checkpoints: int = 2
-    eval_every: int = 200
-    eval_batches: int = 8
-    heldout_fraction: float = 0.02
-    log_every: int = 1
-    resume: bool = False
-    device: str = "auto"
-    precision: str = "auto"  # bf16 autocast on GPU, fp32 on CPU
-    seed: int = 0
-    layers: list[int] | None = None
-    draft_overrides: dict[str, Any] = field(default_factory=dict)
-    compile: bool = False
-    # what --compile compiles: "model" (the whole TTT forward in one graph: the fastest steps measured)
-    # or "regions" (the TTT step's two dense regions, one graph each for every step: a much shorter
-    # cold compile, slower steps; benchmarks/train_bench.md)
-    compile_scope: str = "model"
-    # torch.compile's mode for --compile-scope model: "default", "reduce-overhead" (CUDA graphs: the
-    # host launches a step's kernels as one graph) or "max-autotune-no-cudagraphs"
-    compile_mode: str = "default"
-    # lm_head + target distribution + CE chunked over the counted positions (eyas.draft.fused_loss):
-    # no [tokens, draft_vocab] tensors kept; the same loss and gradients
-    fused_loss: bool = False
-    loss_chunk: int = 4096  # rows per chunk of the fused loss: fp32 [chunk, draft_vocab] temporaries
-    optimizer: str = "adamw"  # adamw | muon (Muon for the hidden matrices, AdamW for lm_head and norms)
-    parallel: str = "ddp"  # ddp | fsdp2; used only when torchrun starts more than one process
-    attention: str = "auto"  # dense | flex | auto (flex on CUDA): the TTT unroll's attention kernel
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        from eyas.checks import check_dataclass
-
-        check_dataclass(self, "train")  # types and ranges, before anything loads (eyas.checks.RANGES)
-        parallel.check_mode(self.parallel)
-        optim_mod.check_kind(self.optimizer)
-        flex.check_kind(self.attention)
-        _autocast_dtype(torch.device("cpu"), self.precision)  # the name only
-        if self.compile_scope not in ("regions", "model"):
-            raise EyasError(f"--compile-scope {self.compile_scope!r}: use 'model' or 'regions'")
-        if self.compile_mode not in COMPILE_MODES:
-            raise EyasError(f"--compile-mode {self.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
 
 
 # ------------------------------------------------------------------------------ training
 
 
-def _autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+def autocast_dtype(device: torch.device | str, precision: str) -> torch.dtype | None:
     """bf16 for bf16 autocast, None for plain fp32."""
     if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
+        precision = "bf16" if torch.device(device).type == "cuda" else "fp32"
     if precision == "bf16":
         return torch.bfloat16
     if precision == "fp32":
@@ -158,9 +91,15 @@ class Trainer:
         from eyas.data.dataset import open_prepared
         from eyas.target import resolve_target
 
-        self.cfg, self.t_start = cfg, time.perf_counter()
+        self.t_start = time.perf_counter()
         self.dist, self.device = parallel.setup_dist(cfg.device)
         dist, device = self.dist, self.device
+        # unset --compile / --fused-loss: the measured fast, correct configuration on CUDA
+        # (benchmarks/numerics/README.md), today's eager loss on the CPU
+        on_cuda = device.type == "cuda"
+        cfg = replace(cfg, compile=on_cuda if cfg.compile is None else cfg.compile,
+                      fused_loss=on_cuda if cfg.fused_loss is None else cfg.fused_loss)
+        self.cfg = cfg
         if device.type == "cuda" or cfg.compile:
             # inductor's and Triton's caches (flex attention is compiled on every CUDA run) under eyas's
             # cache: a second run of the same shapes reuses the first one's kernels and graphs
@@ -184,7 +123,7 @@ class Trainer:
 
         # the data: pack order is a pure function of seed and epoch, so a step fixes the position
         self.global_micro = dist.world * cfg.grad_accum
-        train_idx, held_idx = split_indices(len(dataset), cfg.heldout_fraction)
+        train_idx, held_idx = split_indices(len(dataset), cfg.heldout)
         self.plan = EpochPlan(train_idx, dataset.lengths, cfg.tokens_per_batch, cfg.batch_size,
                               self.global_micro, cfg.seed)
         epoch_steps = [self.plan.steps_in(e) for e in range(cfg.epochs)]
@@ -198,7 +137,7 @@ class Trainer:
         self.run_info = {"target_id": target.id, "dataset_id": dataset.manifest.get("id"),
                          "tokens_per_batch": cfg.tokens_per_batch, "batch_size": cfg.batch_size,
                          "global_micro": self.global_micro, "seed": cfg.seed, "ttt_steps": cfg.ttt_steps,
-                         "heldout_fraction": cfg.heldout_fraction, "aux_layers": list(self.source.aux_layers),
+                         "heldout_fraction": cfg.heldout, "aux_layers": list(self.source.aux_layers),
                          "optimizer": cfg.optimizer}
         too_long = int((dataset.lengths > cfg.tokens_per_batch).sum())
         if too_long and self.is_main:
@@ -215,12 +154,12 @@ class Trainer:
         resumed = ckpt.load_latest(self.run_dir, dist.rank) if (existing and cfg.resume) else None
         self.draft_cfg = DraftConfig.from_target(tcfg, self.source.aux_layers, int(d2t.numel()), target.identity,
                                                  target_name_or_path=str(target.path), target_spec=target.spec,
-                                                 **cfg.draft_overrides)
+                                                 **cfg.draft_config)
         if resumed:
             self._check_resume(resumed)
             self.draft_cfg = DraftConfig.from_dict(resumed["config"])
             model = Eagle3Draft(self.draft_cfg)
-            model.load_state_dict(resumed["model"])
+            draft_io.load_state(model, resumed["model"], f"checkpoint {resumed['path']}", target.path)
         else:
             model = Eagle3Draft.from_target(self.draft_cfg, target.path, d2t, t2d, seed=cfg.seed)
         self.model = model.to(device)
@@ -255,7 +194,7 @@ class Trainer:
         # the loss's [tokens, draft_vocab] fp32 passes are most of a step's memory traffic; compiled, one
         # fused reduction (dynamic: each TTT step scores a different number of positions)
         self.ce = torch.compile(soft_cross_entropy, dynamic=True) if cfg.compile else soft_cross_entropy
-        self.matmul_dtype = _autocast_dtype(device, cfg.precision)  # also the fused loss's lm_head dtype
+        self.matmul_dtype = autocast_dtype(device, cfg.precision)  # also the fused loss's lm_head dtype
         self.autocast = _autocast(device, self.matmul_dtype)
         self.logger = Logger(self.run_dir, self.start, self.is_main)
         self.log = StepLog(self.logger, self.guard, StepClock(device), self.total, cfg.log_every, self.global_micro,
