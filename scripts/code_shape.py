@@ -1,5 +1,9 @@
 """How the codebase reads (issue 18's measures): the largest module under src/, the longest
-functions, and the imports that cross stages (a module of one eyas sub-package importing another's).
+functions, and the imports that cross stages.
+
+A stage is a pipeline command's package (data, extract, train, export, evaluate); an import from
+one stage's module of another stage's module crosses stages. The libraries the stages share (draft,
+vllm, features, and the top-level modules) are counted apart: importing those is their purpose.
 
     python scripts/code_shape.py [SRC_DIR]     # default: src/eyas of this checkout
 """
@@ -14,10 +18,12 @@ from pathlib import Path
 
 def main(root: Path) -> None:
     files = sorted(root.rglob("*.py"))
-    stages = {p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    packages = {p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    stages = {"data", "extract", "train", "export", "evaluate"} & packages
     sizes = sorted(((len(f.read_text().splitlines()), f) for f in files), reverse=True)
     funcs: list[tuple[int, str]] = []
     cross: Counter[tuple[str, str]] = Counter()
+    shared: Counter[tuple[str, str]] = Counter()
     private: list[str] = []
     inner = 0
     for f in files:
@@ -35,10 +41,10 @@ def main(root: Path) -> None:
                 mods = [(a.name, []) for a in node.names]
             for mod, names in mods:
                 parts = mod.split(".")
-                if parts[0] != "eyas" or len(parts) < 2 or parts[1] not in stages or stage is None:
+                if parts[0] != "eyas" or len(parts) < 2 or parts[1] not in packages or stage is None:
                     continue
                 if parts[1] != stage:
-                    cross[(stage, parts[1])] += 1
+                    (cross if parts[1] in stages and stage in stages else shared)[(stage, parts[1])] += 1
                     private += [f"{rel}: {mod}.{n}" for n in names if n.startswith("_")]
     funcs.sort(reverse=True)
     print(f"modules: {len(files)}, lines: {sum(s for s, _ in sizes)}")
@@ -46,7 +52,9 @@ def main(root: Path) -> None:
     print("longest functions:", ", ".join(f"{name} ({n})" for n, name in funcs[:3]))
     print(f"imports that cross stages: {sum(cross.values())} "
           f"({', '.join(f'{a}->{b} {n}' for (a, b), n in sorted(cross.items()))})")
-    print(f"private names imported across stages: {len(private)}" + (f" ({'; '.join(private)})" if private else ""))
+    print(f"imports of a shared library package: {sum(shared.values())} "
+          f"({', '.join(f'{a}->{b} {n}' for (a, b), n in sorted(shared.items()))})")
+    print(f"private names imported across packages: {len(private)}" + (f" ({'; '.join(private)})" if private else ""))
     print(f"imports inside function bodies: {inner}")
 
 

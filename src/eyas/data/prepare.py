@@ -160,19 +160,10 @@ def _check_out_dir(out: Path, settings: dict[str, Any]) -> str:
 def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
     """Run the prepare stage; returns the manifest (which holds the summary counts)."""
     from eyas.data.chat import ChatEncoder, stop_token_ids
-    from eyas.data.dataset import (
-        read_shard_metadata,
-        shard_name,
-        write_shard,
-    )
     from eyas.manifest import write_manifest
     from eyas.target import resolve_target
 
-    t_start = time.time()
-    if opts.max_length < 2:
-        raise EyasError(f"--max-length {opts.max_length}: must be at least 2")
-    if opts.max_samples is not None and opts.max_samples < 1:
-        raise EyasError(f"--max-samples {opts.max_samples}: must be at least 1")
+    t_start = time.time()  # the settings' ranges were checked when opts was made (PrepareOptions)
     sources = [open_source(spec) for spec in opts.data]  # a damaged input fails here, before the target loads
     target = resolve_target(opts.target)
     tok = target.load_tokenizer()
@@ -224,6 +215,22 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
                                            max_length=opts.max_length, progress=opts.progress)
         items = iter(all_items)
 
+    n_shards = _encode_shards(items, out, encoder, opts)
+    for info, _ in sources:
+        if info.truncated and opts.strict and not info.known_truncated:
+            raise EyasError(f"--strict: {info.truncated['message']}")
+    manifest = _finalize(out, target, encoder, settings, n_shards, vocab_size, sources,
+                         regen_info, opts, time.time() - t_start)
+    return manifest
+
+
+def _encode_shards(items: Iterator, out: Path, encoder, opts: PrepareOptions) -> int:
+    """Chunk k of ``items`` -> shard k (skipped when an earlier run wrote it), encoded by worker
+    processes or, on <= 2 cores, a thread pair; returns the number of shards."""
+    from tqdm import tqdm
+
+    from eyas.data.dataset import read_shard_metadata, shard_name, write_shard
+
     cores = os.cpu_count() or 1
     # auto: on <= 2 cores one process with a render thread + Rust encode threads measured
     # fastest (fewer CPU seconds than 2 spawned processes); beyond that, one process per core.
@@ -244,8 +251,6 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         global _ENCODER
         _ENCODER = encoder
         pool, depth = ThreadPoolExecutor(2), 2
-
-    from tqdm import tqdm
 
     bar = tqdm(total=opts.max_samples, unit="conv", desc="prepare", disable=not opts.progress,
                dynamic_ncols=True)
@@ -294,12 +299,7 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
             fut.cancel()
         pool.shutdown(wait=True, cancel_futures=True)
 
-    for info, _ in sources:
-        if info.truncated and opts.strict and not info.known_truncated:
-            raise EyasError(f"--strict: {info.truncated['message']}")
-    manifest = _finalize(out, target, encoder, settings, n_shards, vocab_size, sources,
-                         regen_info, opts, time.time() - t_start)
-    return manifest
+    return n_shards
 
 
 def _raise_first_skip(items: list[tuple[str, str, Any]]) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,9 +52,9 @@ class DraftConfig:
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
     # The residual around attention starts from the *normed* fused hidden (vLLM's and speculators'
-    # default; EAGLE-3's original head used the raw one). New drafts set it (from_target); False
-    # here only reads old checkpoints right. The raw fc output carries the target's outliers.
-    norm_before_residual: bool = False
+    # default; EAGLE-3's original head used the raw one): the raw fc output carries the target's
+    # outliers. A config.json without the key predates it and means False (from_dict).
+    norm_before_residual: bool = True
     # RMSNorm on each aux layer's state before fc (vLLM's `fc_norm`): the target's layers differ in
     # scale by an order of magnitude (SmolLM2: RMS ~3, ~6, ~23 at layers 2, 15, 27), which an
     # un-normalised fc sees as one dominant input. Served by vLLM 0.32.0, not by 0.16.0.
@@ -109,7 +108,6 @@ class DraftConfig:
             aux_layer_ids=list(aux_layer_ids), target_hidden_size=h,
             rms_norm_eps=tc.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
             max_position_embeddings=tc.get("max_position_embeddings", 4096),
-            norm_before_residual=True,
             target_num_layers=tc.get("num_hidden_layers", 0),
             target_model_type=tc.get("model_type", "llama"),
             target_architectures=list(target_config.get("architectures") or []),
@@ -129,7 +127,8 @@ class DraftConfig:
             raise EyasError(f"draft config has kind {data.get('kind')!r}, expected {CONFIG_KIND!r}: "
                             "pass a directory written by `eyas train` (RUN_DIR/draft)")
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{"norm_before_residual": False,  # written before the option existed: the raw residual
+                      **{k: v for k, v in data.items() if k in known}})
 
     @property
     def num_aux(self) -> int:

@@ -32,7 +32,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     it the vllm engine exports one into OUT/vllm/draft-vllm."""
     from eyas.data.chat import stop_token_ids
     from eyas.evaluate.prompts import read_questions
-    from eyas.export.checks import check_against_target, load_checkpoint
+    from eyas.draft.checks import check_against_target, load_checkpoint
     from eyas.target import resolve_target
 
     target_spec, draft_dir, prompts, out, engine = cfg.target, cfg.draft, cfg.prompts, cfg.out, cfg.engine

@@ -27,7 +27,7 @@ def export(cfg: ExportConfig) -> Path:
     """
     import torch
 
-    from eyas.export.checks import check_against_target, load_checkpoint
+    from eyas.draft.checks import check_against_target, load_checkpoint
     from eyas.export.sglang import export_sglang
     from eyas.export.vllm import export_vllm
     from eyas.target import resolve_target

@@ -93,36 +93,44 @@ class Trainer:
 
         self.t_start = time.perf_counter()
         self.dist, self.device = parallel.setup_dist(cfg.device)
-        dist, device = self.dist, self.device
         # unset --compile / --fused-loss: the measured fast, correct configuration on CUDA
         # (benchmarks/numerics/README.md), today's eager loss on the CPU
-        on_cuda = device.type == "cuda"
-        cfg = replace(cfg, compile=on_cuda if cfg.compile is None else cfg.compile,
-                      fused_loss=on_cuda if cfg.fused_loss is None else cfg.fused_loss)
-        self.cfg = cfg
-        if device.type == "cuda" or cfg.compile:
+        on_cuda = self.device.type == "cuda"
+        self.cfg = cfg = replace(cfg, compile=on_cuda if cfg.compile is None else cfg.compile,
+                                 fused_loss=on_cuda if cfg.fused_loss is None else cfg.fused_loss)
+        if on_cuda or cfg.compile:
             # inductor's and Triton's caches (flex attention is compiled on every CUDA run) under eyas's
             # cache: a second run of the same shapes reuses the first one's kernels and graphs
             from eyas.target import cache_dir
 
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "compile" / f"torch-{torch.__version__}"))
-        self.attention = flex.resolve(cfg.attention, device, backward=True)
-        self.run_dir, self.is_main = Path(cfg.out), dist.rank == 0
+        if on_cuda:
+            torch.backends.cuda.matmul.allow_tf32 = True
+        self.attention = flex.resolve(cfg.attention, self.device, backward=True)
+        self.run_dir, self.is_main = Path(cfg.out), self.dist.rank == 0
         if self.attention == "flex" and cfg.tokens_per_batch % flex.TILE and self.is_main:
             warnings.warn(f"--tokens-per-batch {cfg.tokens_per_batch} is not a multiple of {flex.TILE}: flex's "
                           "block masks are then built by a compiled create_block_mask, which took 4 minutes on a "
                           f"cold cache (benchmarks/compile_time.md); use a multiple of {flex.TILE}", stacklevel=1)
-        if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
         target = resolve_target(cfg.target)
         dataset = open_prepared(cfg.data, target=target)
-        d2t, t2d = dataset.draft_vocab()
-        self.source = build_source(cfg, target, dataset, device)
-        tcfg = target.config()
-        text_cfg = tcfg.get("text_config", tcfg)
+        self.source = build_source(cfg, target, dataset, self.device)
+        self._plan_data(target, dataset)
+        resumed = self._build_model(target, dataset)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+        self._build_step()
+        self.logger = Logger(self.run_dir, self.start, self.is_main)
+        self.log = StepLog(self.logger, self.guard, StepClock(self.device), self.total, cfg.log_every,
+                           self.global_micro, int(resumed["trainer"].get("tokens_seen", 0)) if resumed else 0,
+                           self.start, self.t_start, self.is_main and cfg.progress)
 
-        # the data: pack order is a pure function of seed and epoch, so a step fixes the position
-        self.global_micro = dist.world * cfg.grad_accum
+    def _plan_data(self, target, dataset) -> None:
+        """The epoch plan (pack order is a pure function of seed and epoch, so a step fixes the data
+        position), the held-out packs, the planned steps and what a resume must match."""
+        cfg = self.cfg
+        self.global_micro = self.dist.world * cfg.grad_accum
         train_idx, held_idx = split_indices(len(dataset), cfg.heldout)
         self.plan = EpochPlan(train_idx, dataset.lengths, cfg.tokens_per_batch, cfg.batch_size,
                               self.global_micro, cfg.seed)
@@ -146,7 +154,12 @@ class Trainer:
                           "not trained on); use --tokens-per-batch >= the dataset's max_length "
                           f"({dataset.manifest.get('max_length')}) to keep them whole", stacklevel=1)
 
-        # the model, fresh or from the newest checkpoint that reads back whole
+    def _build_model(self, target, dataset) -> dict[str, Any] | None:
+        """The draft (fresh, or from the newest checkpoint that reads back whole), the target's head,
+        the parallel wrapper, optimizer, schedule and guard; returns the checkpoint resumed, if any."""
+        cfg, dist, device = self.cfg, self.dist, self.device
+        d2t, t2d = dataset.draft_vocab()
+        tcfg = target.config()
         existing = ckpt.checkpoint_dirs(self.run_dir)
         if existing and not cfg.resume:
             raise EyasError(f"run directory {self.run_dir} already has checkpoints (latest {existing[-1].name}); "
@@ -163,7 +176,8 @@ class Trainer:
         else:
             model = Eagle3Draft.from_target(self.draft_cfg, target.path, d2t, t2d, seed=cfg.seed)
         self.model = model.to(device)
-        self.head = TargetHead.from_target(target.path, d2t, float(text_cfg.get("rms_norm_eps", 1e-6))).to(device)
+        eps = float(tcfg.get("text_config", tcfg).get("rms_norm_eps", 1e-6))
+        self.head = TargetHead.from_target(target.path, d2t, eps).to(device)
         # wrap first: FSDP2 turns the parameters into shards, and the optimizer must hold those
         self.net = parallel.wrap(model, cfg.parallel, dist.world, device, fused_loss=cfg.fused_loss)
         self.sharded = parallel.is_fsdp(model)
@@ -181,25 +195,21 @@ class Trainer:
                 ckpt.set_rng_state(resumed["rng"])
         else:
             torch.manual_seed(cfg.seed + dist.rank)
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+        return resumed
 
-        # what runs a batch: compiled or eager forward, the loss, autocast
+    def _build_step(self) -> None:
+        """What runs a batch: the compiled or eager forward, the loss, autocast."""
+        cfg = self.cfg
         if cfg.compile and cfg.compile_scope == "regions":
-            model.compile_regions()  # per TTT step, not the whole unroll: compile time independent of the steps
+            self.model.compile_regions()  # per TTT step, not the whole unroll: compile time independent of the steps
         self.fwd = self.net
         if cfg.compile and cfg.compile_scope == "model":
             self.fwd = torch.compile(self.net, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
         # the loss's [tokens, draft_vocab] fp32 passes are most of a step's memory traffic; compiled, one
         # fused reduction (dynamic: each TTT step scores a different number of positions)
         self.ce = torch.compile(soft_cross_entropy, dynamic=True) if cfg.compile else soft_cross_entropy
-        self.matmul_dtype = autocast_dtype(device, cfg.precision)  # also the fused loss's lm_head dtype
-        self.autocast = _autocast(device, self.matmul_dtype)
-        self.logger = Logger(self.run_dir, self.start, self.is_main)
-        self.log = StepLog(self.logger, self.guard, StepClock(device), self.total, cfg.log_every, self.global_micro,
-                           int(resumed["trainer"].get("tokens_seen", 0)) if resumed else 0, self.start,
-                           self.t_start, self.is_main and cfg.progress)
+        self.matmul_dtype = autocast_dtype(self.device, cfg.precision)  # also the fused loss's lm_head dtype
+        self.autocast = _autocast(self.device, self.matmul_dtype)
 
     def _check_resume(self, resumed: dict[str, Any]) -> None:
         old = resumed["trainer"]["run"]
