@@ -45,7 +45,7 @@ def train_cmd(a, name: str, ttt: int, fused: bool, compiled: bool, scope: str) -
            "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--warmup", str(a.warmup), "--device", "cuda",
            "--precision", "bf16", "--eval-every", "0", "--save-every", str(10 * a.steps), "--seed", "0"]
     if compiled:
-        cmd += ["--compile", "--compile-scope", scope]
+        cmd += ["--compile", "--compile-scope", scope] + (["--experimental"] if scope == "regions" else [])
     if fused:
         cmd += ["--fused-loss", "--loss-chunk", "16384"]
     return cmd

@@ -223,10 +223,11 @@ def main() -> None:
                                   online=mode == "online", store=str(store) if mode == "offline" else None,
                                   ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
                                   batch_size=bs, max_steps=args.warmup_steps + args.steps, warmup=5,
-                                  save_every=0, eval_every=0, eval_batches=1, heldout_fraction=0.01,
+                                  save_every=0, eval_every=0, eval_batches=1, heldout=0.01,
                                   device=args.device, progress=False, compile=comp, compile_scope=args.compile_scope,
                                   compile_mode=args.compile_mode, fused_loss=args.fused_loss, loss_chunk=args.loss_chunk,
-                                  attention=args.attention, parallel=args.parallel)
+                                  attention=args.attention, parallel=args.parallel,
+                                  experimental=True)  # a benchmark measures the experimental settings too
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()

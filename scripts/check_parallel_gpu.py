@@ -23,7 +23,7 @@ data = _write_data(w / "data", t, n=200)
 def spec(name, **kw):
     base = dict(target=str(t.path), data=str(data), out=str(w / name), online=True, layers=[1, 4, 6], ttt_steps=3,
                 tokens_per_batch=256, max_steps=6, warmup=2, lr=2e-3, save_every=3, eval_every=0, eval_batches=3,
-                heldout_fraction=0.15, progress=False, device="cuda", precision="fp32")
+                heldout=0.15, progress=False, device="cuda", precision="fp32")
     base.update(kw)
     p = w / f"{name}.json"; p.write_text(json.dumps(asdict(TrainConfig(**base)))); return p
 env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1", "TORCH_LOGS": "recompiles"}

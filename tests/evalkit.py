@@ -74,8 +74,9 @@ def train_draft(target, work: Path, steps: int = 150, n: int = 96, draft_vocab: 
     data = write_prepared(work / "data", ids, masks, [f"self:{i}" for i in range(n)], target, d2t, t2d)
     cfg = TrainConfig(target=str(target.path), data=str(data), out=str(work / "run"), online=True,
                       layers=AUX, ttt_steps=3, tokens_per_batch=512, max_steps=steps, warmup=10,
-                      lr=3e-3, save_every=10_000, eval_every=0, eval_batches=1, heldout_fraction=0.05,
-                      progress=False, seed=seed, epochs=100, draft_overrides=draft_overrides)
+                      lr=3e-3, save_every=10_000, eval_every=0, eval_batches=1, heldout=0.05,
+                      progress=False, seed=seed, epochs=100, draft_config=draft_overrides,
+                      experimental=bool(draft_overrides))  # the head options are experimental
     return Path(train(cfg))
 
 

@@ -36,7 +36,7 @@ def _small_draft(seed: int = 0, **options) -> Eagle3Draft:
     return m
 
 
-DRAFT_OPTIONS = [{}, {"fc_norm": True}, {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}]
+DRAFT_OPTIONS = [{"norm_before_residual": False}, {"fc_norm": True}, {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}]
 
 
 @pytest.mark.parametrize("options", DRAFT_OPTIONS, ids=["plain", "fc_norm", "speculators_defaults"])
@@ -147,9 +147,9 @@ def test_from_target_reads_embeddings_and_lm_head_rows(tiny_target, tmp_path):
     torch.testing.assert_close(draft.embed_tokens.weight.data, emb.float())
     torch.testing.assert_close(draft.lm_head.weight.data, lm[torch.arange(64) + d2t].float())
     assert not draft.embed_tokens.weight.requires_grad
-    # save / load round trip keeps every tensor and the config
+    # save / load round trip keeps every tensor and the config (the frozen embedding: from the target)
     draft.save_pretrained(tmp_path / "d")
-    again = Eagle3Draft.from_pretrained(tmp_path / "d")
+    again = Eagle3Draft.from_pretrained(tmp_path / "d", target_dir=tiny_target.path)
     for k, v in draft.state_dict().items():
         assert torch.equal(v, again.state_dict()[k]), k
     assert again.config == cfg
@@ -162,7 +162,7 @@ def test_from_target_reads_embeddings_and_lm_head_rows(tiny_target, tmp_path):
     bad["kind"] = "other"
     (tmp_path / "d" / "config.json").write_text(json.dumps(bad))
     with pytest.raises(EyasError, match="kind"):
-        Eagle3Draft.from_pretrained(tmp_path / "d")
+        Eagle3Draft.from_pretrained(tmp_path / "d", target_dir=tiny_target.path)
 
 
 def test_config_overrides_and_wrong_hidden(tiny_target):

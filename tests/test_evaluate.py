@@ -253,7 +253,7 @@ def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
 @pytest.mark.parametrize("device,message", [("gpu", "choose auto"), ("cuda:x", "choose auto"),
                                             ("CPU", "choose auto")])
 def test_evaluate_bad_device_is_refused_before_any_model_loads(tmp_path, device, message):
-    from eyas.evaluate.cli import evaluate_draft
+    from eyas.evaluate.run import evaluate_draft
 
     # neither the target nor the draft exists: a load would fail with another message
     with pytest.raises(EyasError, match=rf"--device {device!r}: {message}"):
@@ -278,7 +278,7 @@ def test_evaluate_device_cpu_equals_the_default_on_the_cpu(setup, tmp_path):
     """--device cpu gives today's CPU evaluation: float32, the same tokens and acceptance as the
     default (auto, which is cpu here) and as the loop run directly, and records whose settings are
     the ones an eyas without --device wrote (so such an evaluation still resumes)."""
-    from eyas.evaluate.cli import evaluate_draft
+    from eyas.evaluate.run import evaluate_draft
 
     target, model, draft, draft_dir = setup
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 2)
@@ -313,8 +313,8 @@ def test_vllm_draft_must_be_an_export_of_the_draft(setup, tmp_path):
     against the draft before vLLM is looked for; another draft's export is refused."""
     from safetensors.torch import load_file, save_file
 
-    from eyas.evaluate.cli import check_export_of, evaluate_draft
-    from eyas.export.cli import export_checkpoint
+    from eyas.evaluate.run import check_export_of, evaluate_draft
+    from eyas.export.run import export_checkpoint
 
     target, draft_dir = setup[0], setup[3]
     exported = export_checkpoint(draft_dir, "vllm", tmp_path / "exp", None)

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 import evalkit
 import tiny
 from eyas.errors import EyasError
-from eyas.export.cli import export_checkpoint, register
+from eyas.export.cli import register
+from eyas.export.run import export_checkpoint
 
 
 @pytest.fixture(scope="module")

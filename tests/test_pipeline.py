@@ -78,7 +78,7 @@ def test_pipeline_passes_the_device_and_the_export_to_evaluate(tmp_path, tiny_ll
     """No device in the evaluate section: the train section's (cpu here) reaches evaluate and is
     recorded; the same device written into the evaluate section is the same setting (nothing redone).
     The export stage's output is an export of the trained draft, as the vllm engine checks."""
-    from eyas.evaluate.cli import check_export_of
+    from eyas.evaluate.run import check_export_of
 
     cfg_path = _config(tmp_path, tiny_llama_dir, "online")
     cfg = yaml.safe_load(cfg_path.read_text())

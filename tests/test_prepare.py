@@ -216,7 +216,9 @@ def test_cli_prints_summary(tmp_path, tiny_target):
     def _root() -> None:
         pass
 
-    prep.register(app)
+    from eyas.data.cli import register
+
+    register(app)
     res = CliRunner().invoke(app, ["prepare", "--target", str(tiny_target.path), "--data", str(data),
                                    "--out", str(tmp_path / "o"), "--draft-vocab-size", "50",
                                    "--workers", "1", "--quiet"])

@@ -53,7 +53,7 @@ def data(tiny_target, tmp_path_factory) -> Path:
 def _cfg(tiny_target, data, out, **kw) -> TrainConfig:
     base = dict(target=str(tiny_target.path), data=str(data), out=str(out), online=True, layers=[1, 4, 6],
                 ttt_steps=3, tokens_per_batch=128, max_steps=4, warmup=1, lr=1e-3, save_every=2,
-                eval_every=2, eval_batches=2, heldout_fraction=0.1, progress=False)
+                eval_every=2, eval_batches=2, heldout=0.1, progress=False)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -261,7 +261,9 @@ def test_fsdp2_two_processes_match_single_process(tiny_target, data, tmp_path):
     n_train = len(opt["param_groups"][0]["params"])
     assert sorted(opt["state"]) == list(range(n_train)) and "embed_tokens.weight" not in str(opt)
     shapes = sorted(tuple(s["exp_avg"].shape) for s in opt["state"].values())
-    assert tuple(w["lm_head.weight"].shape) in shapes and tuple(w["embed_tokens.weight"].shape) not in shapes
+    embed_shape = (tiny_target.config()["vocab_size"], tiny_target.config()["hidden_size"])
+    assert "embed_tokens.weight" not in w  # the frozen target embedding is not saved
+    assert tuple(w["lm_head.weight"].shape) in shapes and embed_shape not in shapes
     # resume the fsdp2 step-2 checkpoint in ONE process (grad-accum 2: the same global batch)
     c = _resume_first_checkpoint_in_one_process(tiny_target, data, fsdp, steps, l1)
     for k in a:
@@ -290,6 +292,50 @@ def test_fsdp2_resumes_a_single_process_checkpoint(tiny_target, data, tmp_path):
         torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
 
 
+def test_drafts_and_checkpoints_leave_out_the_target_embedding_and_older_ones_still_load(tiny_target, data,
+                                                                                         tmp_path):
+    """Neither RUN/draft nor a checkpoint holds the frozen target embedding (it is read back from the
+    target); a draft and a checkpoint written by an older eyas, which hold it, load and resume to the
+    same weights."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from eyas.draft.model import Eagle3Draft
+
+    run = tmp_path / "new"
+    train(_cfg(tiny_target, data, run, eval_every=0))
+    with safe_open(str(tiny_target.path / "model.safetensors"), "pt") as fh:
+        embed = fh.get_tensor("model.embed_tokens.weight").float()
+    for ck in [run / "draft", *checkpoint_dirs(run)]:
+        assert "embed_tokens.weight" not in load_file(str(ck / "model.safetensors")), ck
+    assert torch.equal(Eagle3Draft.from_pretrained(run / "draft").embed_tokens.weight, embed)
+
+    # an older eyas's run: the embedding in every file, and a draft that records no target path
+    old = tmp_path / "old"
+    shutil.copytree(run, old)
+    for ck in [old / "draft", *checkpoint_dirs(old)]:
+        w = load_file(str(ck / "model.safetensors"))
+        save_file({**w, "embed_tokens.weight": embed}, str(ck / "model.safetensors"))
+    cfg = json.loads((old / "draft" / "config.json").read_text())
+    (old / "draft" / "config.json").write_text(json.dumps({**cfg, "target_name_or_path": ""}))
+    loaded = Eagle3Draft.from_pretrained(old / "draft")  # no target needed: the file has it
+    assert torch.equal(loaded.embed_tokens.weight, embed)
+    # a new draft without a recorded target cannot find its embedding: said so, naming what to pass
+    (run / "draft" / "config.json").write_text(json.dumps({**cfg, "target_name_or_path": ""}))
+    with pytest.raises(EyasError, match="holds no embedding.*pass the target"):
+        Eagle3Draft.from_pretrained(run / "draft")
+    assert torch.equal(Eagle3Draft.from_pretrained(run / "draft", target_dir=tiny_target.path).embed_tokens.weight,
+                       embed)
+    # both resume their step-2 checkpoint to the same weights
+    for r in (run, old):
+        shutil.rmtree(r / "draft")
+        for ck in checkpoint_dirs(r)[1:]:
+            shutil.rmtree(ck)
+        train(_cfg(tiny_target, data, r, eval_every=0, resume=True))
+    a, b = load_file(str(run / "draft" / "model.safetensors")), load_file(str(old / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_flex_attention_cannot_train_on_cpu(tiny_target, data, tmp_path):
     """torch has no flex-attention backward on CPU: refused up front, before anything is written."""
     with pytest.raises(EyasError, match="--attention flex on cpu.*no backward"):
@@ -306,7 +352,8 @@ def test_compiled_training_matches_eager(tiny_target, data, tmp_path, scope, fus
     refused before any work."""
     kw = dict(device="cpu", precision="fp32", max_steps=3, save_every=0, eval_every=0)
     eager = train(_cfg(tiny_target, data, tmp_path / "eager", **kw))
-    comp = train(_cfg(tiny_target, data, tmp_path / scope, compile=True, compile_scope=scope, fused_loss=fused, **kw))
+    comp = train(_cfg(tiny_target, data, tmp_path / scope, compile=True, compile_scope=scope, fused_loss=fused,
+                      experimental=scope == "regions", **kw))
     assert [r["loss"] for r in _records(comp.parent)] == pytest.approx(
         [r["loss"] for r in _records(eager.parent)], rel=1e-4)
     assert _records(comp.parent, "heldout")[-1]["acc"] == pytest.approx(
@@ -322,7 +369,7 @@ def test_muon_optimizer_resumes_exactly_and_differs_from_adamw(tiny_target, data
     from eyas.train.optim import muon_split
 
     full = tmp_path / "muon"
-    train(_cfg(tiny_target, data, full, optimizer="muon", eval_every=0))
+    train(_cfg(tiny_target, data, full, optimizer="muon", experimental=True, eval_every=0))
     opt = torch.load(checkpoint_dirs(full)[-1] / "optimizer.pt", weights_only=False)
     muon_state, adamw_state = opt["optimizer"]["optimizers"]
     assert len(muon_state["state"]) > 0 and len(adamw_state["state"]) > 0
@@ -335,7 +382,7 @@ def test_muon_optimizer_resumes_exactly_and_differs_from_adamw(tiny_target, data
     for ck in checkpoint_dirs(part):
         if int(ck.name.split("-")[1]) > 2:
             shutil.rmtree(ck)
-    train(_cfg(tiny_target, data, part, optimizer="muon", eval_every=0, resume=True))
+    train(_cfg(tiny_target, data, part, optimizer="muon", experimental=True, eval_every=0, resume=True))
     a = load_file(str(full / "draft" / "model.safetensors"))
     b = load_file(str(part / "draft" / "model.safetensors"))
     for k in a:

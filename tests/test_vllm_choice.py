@@ -10,7 +10,8 @@ import pytest
 
 from eyas.errors import EyasError
 from eyas.extract.backends import choose_vllm_backend
-from eyas.extract.vllm_backend import _shards, probe_vllm, resolve_backend
+from eyas.extract.vllm_backend import _shards, resolve_backend
+from eyas.vllm.find import probe_vllm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,7 +95,7 @@ def test_one_interpreter_search_for_every_stage(tmp_path, monkeypatch):
     """extract/prepare (--vllm-python) and evaluate (--vllm) resolve a version, a venv dir or a
     python path the same way, default to the same search, and name what was not found."""
     from eyas.evaluate.vllm_metrics import find_vllm_python as for_evaluate
-    from eyas.extract.vllm_backend import find_vllm_python
+    from eyas.vllm.find import find_vllm_python
 
     venv = tmp_path / ".venvs" / "vllm-0.99.0"
     py = venv / "bin" / "python"
@@ -120,7 +121,8 @@ def test_wrapper_interpreter_of_vllm_setup_reaches_vllm_children(tmp_path, monke
     child although eyas replaces the child's PYTHONPATH with its worker package."""
     import subprocess
 
-    from eyas.extract.vllm_backend import _engine_env, find_vllm_python
+    from eyas.vllm.find import find_vllm_python
+    from eyas.vllm.process import engine_env
 
     site = tmp_path / "vllm-site"
     (site / "vllm-0.26.0.dist-info").mkdir(parents=True)
@@ -136,7 +138,7 @@ def test_wrapper_interpreter_of_vllm_setup_reaches_vllm_children(tmp_path, monke
     assert probe_vllm(python).version == "0.26.0"
     pkg = tmp_path / "pkg"
     pkg.mkdir()
-    env = _engine_env(pkg, {}, backend="vllm")
+    env = engine_env(pkg, {}, multiprocessing=True)
     assert env["PYTHONPATH"] == str(pkg)
     code = "import importlib.metadata as m, sys; print(m.version('vllm')); print(sys.path)"
     res = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True, check=True)

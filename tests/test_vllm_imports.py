@@ -18,7 +18,7 @@ import pytest
 from vllm_envs import version_key, versions, vllm_python
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "eyas"
-WORKER = SRC / "extract" / "vllm_worker"
+WORKER = SRC / "vllm" / "worker"
 
 # module -> names that may be imported from it (None: `import module` itself)
 ALLOWED_VLLM: dict[str, set[str | None]] = {

@@ -17,7 +17,7 @@ import evalkit
 from vllm_envs import CANNOT_SPECULATE, VLLM_BUGS, VLLM_NEEDS, versions, vllm_python, vllm_reason
 from eyas.evaluate.speculative import DraftRunner, TargetRunner, plain_generate, speculative_generate
 from eyas.evaluate.vllm_metrics import VllmEngine, spec_record
-from eyas.export.cli import export_checkpoint
+from eyas.export.run import export_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 K = 3
@@ -161,7 +161,7 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     """`eyas evaluate --engine both`: builtin and vLLM reports over MT-bench-style multi-turn
     prompts, and their greedy tau within 10% (recorded in comparison.json)."""
     vllm_python("0.32.0")
-    from eyas.evaluate.cli import evaluate_draft
+    from eyas.evaluate.run import evaluate_draft
 
     target, draft_dir, _, _ = setup
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 3)

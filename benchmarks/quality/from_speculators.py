@@ -68,6 +68,7 @@ def draft_config_from_speculators(spec_cfg: dict[str, Any], target_dir: Path) ->
         target_num_layers=int(ttc.get("num_hidden_layers", 0)),
         target_model_type=ttc.get("model_type", "llama"),
         target_architectures=list(target_cfg.get("architectures") or []), target=identity,
+        target_name_or_path=str(Path(target_dir).resolve()),  # where the frozen embedding is read from
     )
 
 

@@ -23,8 +23,8 @@ def _root() -> None:
 
 # Each stage module exposes register(app); listed here in pipeline order.
 STAGE_MODULES = [
-    "eyas.data.prepare",
-    "eyas.extract.run",
+    "eyas.data.cli",
+    "eyas.extract.cli",
     "eyas.train.cli",
     "eyas.export.cli",
     "eyas.evaluate.cli",

@@ -1,41 +1,41 @@
 """Pipeline configuration: one YAML file, one section per stage.
 
-Each section's keys are exactly the keyword arguments of that stage's Python function, so the
-CLI, the config file and the API can never drift apart: :func:`validate` checks every key
-against the function's signature and names the unknown ones.
+Each section's keys are exactly the fields of that stage's settings dataclass, the same fields that
+make the stage's CLI (:mod:`eyas.settings`), so the CLI, the config file and the API can never
+drift apart: :func:`validate` checks every key against the dataclass and names the unknown ones.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from eyas.errors import EyasError
 
-# section -> "module:function". Arguments the pipeline wires itself (paths between stages,
-# the target) are listed in WIRED and must not appear in a config.
+# section -> "module:Dataclass". Fields the pipeline wires itself (paths between stages, the
+# target) are listed in WIRED and must not appear in a config.
 STAGES: dict[str, str] = {
-    "prepare": "eyas.data.prepare:PrepareOptions",
-    "extract": "eyas.extract.run:run_extract",
-    "train": "eyas.train.trainer:TrainConfig",
-    "export": "eyas.export.cli:export_checkpoint",
-    "evaluate": "eyas.evaluate.cli:evaluate_draft",
+    "prepare": "eyas.data.config:PrepareOptions",
+    "extract": "eyas.extract.config:ExtractConfig",
+    "train": "eyas.train.config:TrainConfig",
+    "export": "eyas.export.config:ExportConfig",
+    "evaluate": "eyas.evaluate.config:EvaluateConfig",
 }
 WIRED: dict[str, set[str]] = {
     "prepare": {"target", "out", "progress"},
     "extract": {"target", "data", "out", "progress", "plan_only"},
-    "train": {"target", "data", "store", "out", "online", "progress"},
-    "export": {"ckpt_dir", "target_spec", "out", "overwrite"},
-    "evaluate": {"target_spec", "draft_dir", "out", "progress", "vllm_draft"},
+    "train": {"target", "data", "store", "out", "online", "progress", "resume"},
+    "export": {"ckpt", "target", "out", "overwrite"},
+    "evaluate": {"target", "draft", "out", "progress", "vllm_draft"},
 }
-# Config spellings of parameters whose Python names differ (the CLI's flag names).
-ALIASES: dict[str, dict[str, str]] = {"export": {"format": "fmt"}}
+# Keys an older eyas spelled otherwise: named in the error, so an old config is fixed in one edit.
+RENAMED: dict[str, dict[str, str]] = {"train": {"heldout_fraction": "heldout", "draft_overrides": "draft_config"},
+                                      "export": {"fmt": "format"}}
 TOP_LEVEL = {"target", "workdir", "features", "launcher", *STAGES}
 
 
@@ -52,7 +52,8 @@ class PipelineConfig:
         return dict(self.sections.get(name) or {})
 
 
-def stage_function(section: str) -> Callable[..., Any]:
+def stage_settings(section: str) -> type:
+    """The settings dataclass of ``section``."""
     module, name = STAGES[section].split(":")
     return getattr(importlib.import_module(module), name)
 
@@ -81,31 +82,29 @@ def load_config(path: str | Path | None = None) -> PipelineConfig:
 def _check_section(name: str, section: dict[str, Any], source: str) -> dict[str, Any]:
     """Each value against its field's type and range (eyas.checks), so that a bad value stops the
     pipeline before prepare runs; returns the section with numbers YAML read as strings converted."""
-    from eyas.checks import check_values, hints
+    from eyas.checks import check_values, hints, ranges_of
+    from eyas.settings import nested_class
 
-    spell = {v: k for k, v in ALIASES.get(name, {}).items()}
-    types_ = hints(stage_function(name))
+    cls = stage_settings(name)
+    types_ = hints(cls)
     nested = {}
-    if name == "prepare" and "regenerate" in section:
-        regen = section["regenerate"]
-        if isinstance(regen, dict):
-            from eyas.data.prepare import RegenerateOptions
-
-            params = set(inspect.signature(RegenerateOptions).parameters)
-            bad = sorted(set(regen) - params)
+    for key in [k for k in section if nested_class(types_.get(k)) is not None]:
+        inner, value = nested_class(types_[key]), section[key]
+        if isinstance(value, dict):
+            params = {f.name for f in fields(inner)}
+            bad = sorted(set(value) - params)
             if bad:
-                raise EyasError(f"config {source}: prepare.regenerate has unknown keys {bad}; "
-                                f"allowed: {sorted(params)}")
-            nested["regenerate"] = check_values("regenerate", regen, hints(RegenerateOptions),
-                                                lambda k: f"config {source}: prepare.regenerate.{k}")
-        elif regen not in (True, False, None):
-            raise EyasError(f"config {source}: prepare.regenerate = {regen!r}: expected true, false or "
-                            "a mapping of regenerate settings")
+                raise EyasError(f"config {source}: {name}.{key} has unknown keys {bad}; allowed: {sorted(params)}")
+            nested[key] = check_values(value, hints(inner), ranges_of(inner),
+                                       lambda k, key=key: f"config {source}: {name}.{key}.{k}")
+        elif value not in (True, False, None):
+            raise EyasError(f"config {source}: {name}.{key} = {value!r}: expected true, false or a mapping "
+                            f"of {key} settings")
         else:
-            nested["regenerate"] = regen
+            nested[key] = value
     plain = {k: v for k, v in section.items() if k not in nested}
-    out = check_values(name, plain, types_, lambda k: f"config {source}: {name}.{spell.get(k, k)}")
-    if name in ("extract", "evaluate") and "device" in plain:
+    out = check_values(plain, types_, ranges_of(cls), lambda k: f"config {source}: {name}.{k}")
+    if "device" in plain and name in ("extract", "evaluate"):
         from eyas.device import DEVICE_FORM
 
         if not DEVICE_FORM.fullmatch(str(plain["device"])):  # the form only: the GPU is looked for at run time
@@ -131,9 +130,11 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
         section = raw.get(name) or {}
         if not isinstance(section, dict):
             raise EyasError(f"config {source}: section {name!r} must be a mapping")
-        section = {ALIASES.get(name, {}).get(k, k): v for k, v in section.items()}
-        params = inspect.signature(stage_function(name)).parameters
-        allowed = set(params) - WIRED[name]
+        renamed = {k: new for k, new in RENAMED.get(name, {}).items() if k in section}
+        if renamed:
+            raise EyasError(f"config {source}: section {name!r}: " + "; ".join(
+                f"{old} is now called {new}" for old, new in renamed.items()) + "; rename the key")
+        allowed = {f.name for f in fields(stage_settings(name))} - WIRED[name]
         bad = sorted(set(section) - allowed)
         if bad:
             raise EyasError(f"config {source}: section {name!r} has unknown keys {bad}; "

@@ -6,7 +6,8 @@ import platform
 import sys
 from typing import Any
 
-from eyas.extract.backends import backend_statuses, installed_vllm_version
+from eyas.extract.backends import backend_statuses
+from eyas.vllm.find import installed_vllm_version
 
 
 def collect() -> dict[str, Any]:

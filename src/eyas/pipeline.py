@@ -7,6 +7,7 @@ order; re-running after a crash continues where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -82,7 +83,7 @@ def stage_records(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
 
 
 def _outputs(work: Path, stage: str, cfg: PipelineConfig) -> Path:
-    fmt = cfg.section("export").get("fmt", "vllm")
+    fmt = cfg.section("export").get("format", "vllm")
     return work / {"prepare": "prepared", "extract": "store", "train": "train",
                    "export": f"export-{fmt}", "evaluate": "eval"}[stage]
 
@@ -155,116 +156,132 @@ def _write_record(cfg: PipelineConfig, stages: dict[str, dict[str, Any]]) -> Non
          "sections": sections, "stages": stages}, indent=2, default=str))
 
 
+class _Records:
+    """pipeline-config.json as the run goes: a stage is recorded when it starts (its outputs then hold
+    its work) and marked done when it ends."""
+
+    def __init__(self, cfg: PipelineConfig, records: dict[str, dict[str, Any]], redo: list[str]):
+        self.cfg, self.records = cfg, records
+        old = _recorded(cfg.workdir) or {}
+        self.old = old
+        self.stages: dict[str, dict[str, Any]] = {}
+        for stage, rec in records.items():  # keep the records of outputs that stay on disk
+            if stage in old and _outputs(cfg.workdir, stage, cfg).exists() and stage not in redo:
+                self.stages[stage] = {**rec, "status": old[stage].get("status", "done")}
+        _write_record(cfg, self.stages)
+
+    @contextlib.contextmanager
+    def stage(self, name: str, timings: dict[str, float]):
+        t = time.perf_counter()
+        self.stages[name] = {**self.records[name], "status": "running"}
+        _write_record(self.cfg, self.stages)
+        yield
+        self.stages[name]["status"] = "done"
+        _write_record(self.cfg, self.stages)
+        timings[name] = time.perf_counter() - t
+
+    def done(self, name: str) -> bool:
+        return self.stages.get(name, {}).get("status") == "done"
+
+
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     """Run every stage of ``cfg``; returns the evaluation report (a dict).
 
     Each stage's settings and fingerprint are recorded in ``workdir/pipeline-config.json`` when it
-    starts (its outputs then hold its work) and marked done when it ends. A re-run whose prepare,
-    extract or train settings differ from the recorded ones is refused naming the fields, before
-    anything runs; changed export or evaluate settings redo those stages."""
-    from eyas.data.prepare import PrepareOptions, RegenerateOptions, prepare
-    from eyas.export.cli import export_checkpoint
+    starts and marked done when it ends. A re-run whose prepare, extract or train settings differ
+    from the recorded ones is refused naming the fields, before anything runs; changed export or
+    evaluate settings redo those stages. Each stage consumes the one before: train the prepared data
+    (or extract's store), export train's draft, evaluate that export (vllm engine) and draft."""
     from eyas.target import resolve_target
 
     work = cfg.workdir
     records = stage_records(cfg)
     redo = check_stale(cfg, records)  # before anything is written or run
     work.mkdir(parents=True, exist_ok=True)
-    stages: dict[str, dict[str, Any]] = {}
-    old = _recorded(work) or {}
-    for stage, rec in records.items():  # keep the records of outputs that stay on disk
-        if stage in old and _outputs(work, stage, cfg).exists() and stage not in redo:
-            stages[stage] = {**rec, "status": old[stage].get("status", "done")}
-
-    def begin(stage: str) -> None:
-        stages[stage] = {**records[stage], "status": "running"}
-        _write_record(cfg, stages)
-
-    def done(stage: str) -> None:
-        stages[stage]["status"] = "done"
-        _write_record(cfg, stages)
-
-    _write_record(cfg, stages)
+    rec = _Records(cfg, records, redo)
     if "evaluate" in redo:
-        aside = work / f"eval.stale-{(old.get('evaluate') or {}).get('fingerprint', 'unrecorded')}"
+        aside = work / f"eval.stale-{(rec.old.get('evaluate') or {}).get('fingerprint', 'unrecorded')}"
         os.replace(work / "eval", aside)
         console.print(f"evaluate: settings or draft changed; the earlier evaluation moved to {aside}")
     timings: dict[str, float] = {}
     resolve_target(cfg.target)  # converts a built-in target once, up front
     console.rule(f"eyas pipeline: target {cfg.target} -> {work}")
+    prepared = work / "prepared"
+    with rec.stage("prepare", timings):
+        _prepare(cfg, prepared)
+    store = None
+    if cfg.features == "offline":
+        from eyas.extract.run import run_extract
 
-    t = time.perf_counter()
+        store = work / "store"
+        console.rule("extract")
+        with rec.stage("extract", timings):
+            run_extract(cfg.target, prepared, store, **cfg.section("extract"))
+    console.rule("train")
+    run_dir = work / "train"
+    draft = run_dir / "draft"
+    if (draft / "model.safetensors").is_file() and (draft / "config.json").is_file() and rec.done("train"):
+        console.print(f"train: {draft} exists, made with these settings; skipping (delete {run_dir} "
+                      "to train again)")
+        timings["train"] = 0.0
+    else:
+        with rec.stage("train", timings):
+            _train(cfg, prepared, store, run_dir)
+    console.rule("export")
+    with rec.stage("export", timings):
+        exported, vllm_ready = _export(cfg, draft)
+    console.rule("evaluate")
+    with rec.stage("evaluate", timings):
+        report = _evaluate(cfg, draft, exported if vllm_ready else None)
+    (work / "pipeline-timings.json").write_text(json.dumps(timings, indent=2))
+    console.print(f"pipeline done in {sum(timings.values()):.0f} s: "
+                  + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
+    _print_report(report, work)
+    return report
+
+
+def _prepare(cfg: PipelineConfig, prepared: Path) -> None:
+    from eyas.data.prepare import PrepareOptions, RegenerateOptions, prepare
+
     prep = cfg.section("prepare")
     regen = prep.pop("regenerate", None)
     if regen is True:
         regen = {}
-    prepared = work / "prepared"
     if isinstance(prep.get("data"), str):
         prep["data"] = [prep["data"]]
     if prep.get("chat_template"):
         prep["chat_template"] = Path(prep["chat_template"])
     opts = PrepareOptions(out=prepared, target=cfg.target,
                           regenerate=RegenerateOptions(**regen) if isinstance(regen, dict) else None, **prep)
-    begin("prepare")
     prepare(opts, log=lambda msg: console.print(f"[dim]prepare[/dim] {msg}"))
-    done("prepare")
-    timings["prepare"] = time.perf_counter() - t
 
-    store = None
-    if cfg.features == "offline":
-        from eyas.extract.run import run_extract
 
-        t = time.perf_counter()
-        store = work / "store"
-        console.rule("extract")
-        begin("extract")
-        run_extract(cfg.target, prepared, store, **cfg.section("extract"))
-        done("extract")
-        timings["extract"] = time.perf_counter() - t
+def _export(cfg: PipelineConfig, draft: Path) -> tuple[Path, bool]:
+    """The export stage; returns its directory and whether the vllm engine can serve it as it is
+    (a vllm-format export at the draft's own dtype)."""
+    from eyas.export.run import export_checkpoint
 
-    t = time.perf_counter()
-    console.rule("train")
-    run_dir = work / "train"
-    draft = run_dir / "draft"
-    if ((draft / "model.safetensors").is_file() and (draft / "config.json").is_file()
-            and stages.get("train", {}).get("status") == "done"):
-        console.print(f"train: {draft} exists, made with these settings; skipping (delete {run_dir} "
-                      "to train again)")
-    else:
-        begin("train")
-        _train(cfg, prepared, store, run_dir)
-        done("train")
-    timings["train"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    console.rule("export")
     exp = cfg.section("export")
-    fmt = exp.pop("fmt", "vllm")
-    exported = work / f"export-{fmt}"
-    begin("export")
+    fmt = exp.pop("format", "vllm")
+    exported = cfg.workdir / f"export-{fmt}"
     export_checkpoint(draft, fmt, exported, cfg.target, overwrite=True, **exp)
-    done("export")
-    timings["export"] = time.perf_counter() - t
+    return exported, fmt == "vllm" and exp.get("dtype", "auto") == "auto"
 
-    t = time.perf_counter()
-    console.rule("evaluate")
-    from eyas.evaluate.cli import evaluate_draft
+
+def _evaluate(cfg: PipelineConfig, draft: Path, vllm_draft: Path | None) -> dict[str, Any]:
+    """The evaluate stage. The vllm engine serves the export stage's output (checked to be an export
+    of this very draft) instead of exporting the draft a second time."""
+    from eyas.evaluate.run import evaluate_draft
 
     ev = evaluate_settings(cfg)
     if "prompts" in ev:
         ev["prompts"] = Path(ev["prompts"])
-    # The vllm engine serves the export stage's output (an export of this very draft, checked)
-    # instead of exporting the draft a second time; only a vllm-format export at the draft's own
-    # dtype is that.
-    if fmt == "vllm" and exp.get("dtype", "auto") == "auto":
-        ev["vllm_draft"] = exported
-    begin("evaluate")
-    report = evaluate_draft(cfg.target, draft, out=work / "eval", **ev)
-    done("evaluate")
-    timings["evaluate"] = time.perf_counter() - t
-    (work / "pipeline-timings.json").write_text(json.dumps(timings, indent=2))
-    console.print(f"pipeline done in {sum(timings.values()):.0f} s: "
-                  + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
+    if vllm_draft is not None:
+        ev["vllm_draft"] = vllm_draft
+    return evaluate_draft(cfg.target, draft, out=cfg.workdir / "eval", **ev)
+
+
+def _print_report(report: dict[str, Any], work: Path) -> None:
     for engine, rep in report.items():
         overall = rep.get("overall") if isinstance(rep, dict) else None
         if not overall:
@@ -274,7 +291,6 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
                       f"acceptance per draft position [{rates}], speedup "
                       f"{overall.get('speedup') or float('nan'):.2f}x -> {work / 'eval' / engine}/"
                       "report.json, acceptance_per_position.png, tau_per_category.png")
-    return report
 
 
 def _train(cfg: PipelineConfig, prepared: Path, store: Path | None, run_dir: Path) -> None:

@@ -13,63 +13,17 @@ import json
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
+from eyas.data.config import PrepareOptions, RegenerateOptions  # noqa: F401 (the API's settings)
 from eyas.data.formats import SKIP_REASONS, Skip, SourceInfo, normalize, open_source
 from eyas.errors import EyasError
 
 STATE_FILE = ".prepare-state.json"
 MAX_EXAMPLES = 3  # skip examples (location + detail) kept per reason
-
-
-@dataclass
-class RegenerateOptions:
-    temperature: float = 0.7
-    top_p: float = 0.9
-    max_new_tokens: int = 512
-    seed: int = 0
-    batch_size: int = 32
-    device: str = "auto"
-    drop_length_limited: bool = False
-    backend: str = "auto"              # hf | vllm | auto (vLLM where eyas finds it)
-    vllm_python: str | None = None
-    dtype: str = "auto"                # auto: HF bf16 on CUDA, fp32 on CPU; vLLM the model's dtype
-    max_turns: int = 0                 # answer at most N assistant turns per conversation (0: all)
-
-    def __post_init__(self) -> None:
-        from eyas.checks import check_dataclass
-
-        check_dataclass(self, "regenerate")
-
-    def settings(self) -> dict[str, Any]:
-        """What determines the answers (batch size and device do not, by intent)."""
-        return {"temperature": self.temperature, "top_p": self.top_p,
-                "max_new_tokens": self.max_new_tokens, "seed": self.seed}
-
-
-@dataclass
-class PrepareOptions:
-    out: Path
-    target: str = "smollm2-135m-instruct"
-    data: list[str] = field(default_factory=lambda: ["sharegpt"])
-    max_samples: int | None = None
-    max_length: int = 2048
-    draft_vocab_size: int = 32000
-    chat_template: Path | None = None
-    strict: bool = False
-    workers: int = 0          # 0: auto (1 on <= 2 cores, else one per core)
-    chunk_size: int = 512
-    regenerate: RegenerateOptions | None = None
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        from eyas.checks import check_dataclass
-
-        check_dataclass(self, "prepare")
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -206,19 +160,10 @@ def _check_out_dir(out: Path, settings: dict[str, Any]) -> str:
 def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
     """Run the prepare stage; returns the manifest (which holds the summary counts)."""
     from eyas.data.chat import ChatEncoder, stop_token_ids
-    from eyas.data.dataset import (
-        read_shard_metadata,
-        shard_name,
-        write_shard,
-    )
     from eyas.manifest import write_manifest
     from eyas.target import resolve_target
 
-    t_start = time.time()
-    if opts.max_length < 2:
-        raise EyasError(f"--max-length {opts.max_length}: must be at least 2")
-    if opts.max_samples is not None and opts.max_samples < 1:
-        raise EyasError(f"--max-samples {opts.max_samples}: must be at least 1")
+    t_start = time.time()  # the settings' ranges were checked when opts was made (PrepareOptions)
     sources = [open_source(spec) for spec in opts.data]  # a damaged input fails here, before the target loads
     target = resolve_target(opts.target)
     tok = target.load_tokenizer()
@@ -270,6 +215,22 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
                                            max_length=opts.max_length, progress=opts.progress)
         items = iter(all_items)
 
+    n_shards = _encode_shards(items, out, encoder, opts)
+    for info, _ in sources:
+        if info.truncated and opts.strict and not info.known_truncated:
+            raise EyasError(f"--strict: {info.truncated['message']}")
+    manifest = _finalize(out, target, encoder, settings, n_shards, vocab_size, sources,
+                         regen_info, opts, time.time() - t_start)
+    return manifest
+
+
+def _encode_shards(items: Iterator, out: Path, encoder, opts: PrepareOptions) -> int:
+    """Chunk k of ``items`` -> shard k (skipped when an earlier run wrote it), encoded by worker
+    processes or, on <= 2 cores, a thread pair; returns the number of shards."""
+    from tqdm import tqdm
+
+    from eyas.data.dataset import read_shard_metadata, shard_name, write_shard
+
     cores = os.cpu_count() or 1
     # auto: on <= 2 cores one process with a render thread + Rust encode threads measured
     # fastest (fewer CPU seconds than 2 spawned processes); beyond that, one process per core.
@@ -290,8 +251,6 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         global _ENCODER
         _ENCODER = encoder
         pool, depth = ThreadPoolExecutor(2), 2
-
-    from tqdm import tqdm
 
     bar = tqdm(total=opts.max_samples, unit="conv", desc="prepare", disable=not opts.progress,
                dynamic_ncols=True)
@@ -340,12 +299,7 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
             fut.cancel()
         pool.shutdown(wait=True, cancel_futures=True)
 
-    for info, _ in sources:
-        if info.truncated and opts.strict and not info.known_truncated:
-            raise EyasError(f"--strict: {info.truncated['message']}")
-    manifest = _finalize(out, target, encoder, settings, n_shards, vocab_size, sources,
-                         regen_info, opts, time.time() - t_start)
-    return manifest
+    return n_shards
 
 
 def _raise_first_skip(items: list[tuple[str, str, Any]]) -> None:
@@ -466,69 +420,3 @@ def summary_lines(manifest: dict[str, Any]) -> list[str]:
             lines.append(f"  {r['turns_beyond_max_turns']:,} later assistant turns cut by --max-turns "
                          f"{r['max_turns']}")
     return lines
-
-
-# ------------------------------------------------------------------------------------- CLI
-
-
-def register(app) -> None:
-    import typer
-
-    @app.command("prepare")
-    def prepare_cmd(
-        out: Path = typer.Option(..., "--out", help="Output dataset directory (resumable)."),
-        target: str = typer.Option("smollm2-135m-instruct", "--target",
-                                   help="HF model dir, .gguf file or built-in target name."),
-        data: list[str] = typer.Option(["sharegpt"], "--data",
-                                       help="Built-in name (sharegpt), .json/.jsonl/.parquet file, "
-                                            "or saved HF dataset dir; repeatable."),
-        max_samples: int | None = typer.Option(None, "--max-samples",
-                                               help="Take only the first N conversations."),
-        max_length: int = typer.Option(2048, "--max-length", help="Truncate samples to N tokens."),
-        draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size",
-                                             help="Draft vocab size (capped at the target's)."),
-        chat_template: Path | None = typer.Option(None, "--chat-template",
-                                                  help="Jinja chat template file to use instead "
-                                                       "of the tokenizer's."),
-        strict: bool = typer.Option(False, "--strict", help="Turn skipped conversations into errors."),
-        workers: int = typer.Option(0, "--workers", help="Tokenizer processes (0: auto, 1 on <= 2 cores)."),
-        regenerate_: bool = typer.Option(False, "--regenerate",
-                                         help="Replace assistant turns with the target's own answers."),
-        temperature: float = typer.Option(0.7, "--temperature", help="--regenerate sampling temperature (0: greedy)."),
-        top_p: float = typer.Option(0.9, "--top-p", help="--regenerate nucleus sampling."),
-        max_new_tokens: int = typer.Option(512, "--max-new-tokens", help="--regenerate answer length limit."),
-        seed: int = typer.Option(0, "--seed", help="--regenerate sampling seed."),
-        gen_batch_size: int = typer.Option(32, "--gen-batch-size",
-                                           help="--regenerate prompts per batch (vLLM: 256+ is faster)."),
-        gen_backend: str = typer.Option("auto", "--gen-backend",
-                                        help="--regenerate engine: hf, vllm, or auto (vLLM where found)."),
-        gen_dtype: str = typer.Option("auto", "--gen-dtype",
-                                      help="--regenerate weights dtype: auto, bf16, fp16, fp32."),
-        max_turns: int = typer.Option(0, "--max-turns",
-                                      help="--regenerate at most N assistant turns per conversation "
-                                           "(the rest of it is cut; 0: all)."),
-        vllm_python: str | None = typer.Option(None, "--vllm-python",
-                                               help="--regenerate: Python of an environment with vLLM."),
-        device: str = typer.Option("auto", "--device", help="--regenerate device (auto: cuda if available)."),
-        drop_length_limited: bool = typer.Option(False, "--drop-length-limited",
-                                                 help="--regenerate: drop conversations whose answer "
-                                                      "hit --max-new-tokens."),
-        quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
-    ) -> None:
-        """Render conversations with the target's chat template, mask assistant tokens, build the draft vocab."""
-        from rich.console import Console
-
-        regen = RegenerateOptions(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                                  seed=seed, batch_size=gen_batch_size, device=device,
-                                  drop_length_limited=drop_length_limited, backend=gen_backend,
-                                  vllm_python=vllm_python, dtype=gen_dtype,
-                                  max_turns=max_turns) if regenerate_ else None
-        console = Console(stderr=True)
-        opts = PrepareOptions(out=out, target=target, data=data, max_samples=max_samples,
-                              max_length=max_length, draft_vocab_size=draft_vocab_size,
-                              chat_template=chat_template, strict=strict, workers=workers,
-                              regenerate=regen, progress=not quiet)
-        manifest = prepare(opts, log=lambda s: console.print(s, soft_wrap=True, markup=False))
-        for line in summary_lines(manifest):
-            console.print(line, soft_wrap=True, markup=False, highlight=False)
-        console.print(f"[green]prepared dataset:[/green] {out} ({manifest['seconds']} s)")

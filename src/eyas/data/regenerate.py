@@ -134,6 +134,19 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
         if gen is not None:
             getattr(gen, "close", lambda: None)()
 
+    new_items, counts = _apply_answers(items, convs, turns, answers, opts, Path(out))
+    info = {"settings": opts.settings(), "engine": engine, "device": device, "batch_size": opts.batch_size,
+            "drop_length_limited": opts.drop_length_limited, "max_turns": opts.max_turns, "cache": CACHE,
+            "seeding": gen.seeding if gen is not None else None,  # None: every answer was cached
+            "conversations_file": CONVERSATIONS, **counts}
+    return new_items, info
+
+
+def _apply_answers(items: list[tuple[str, str, Any]], convs: dict[int, Any], turns: dict[int, list[int]],
+                   answers: dict[int, list[dict[str, Any]]], opts, out: Path
+                   ) -> tuple[list[tuple[str, str, Any]], dict[str, int]]:
+    """``items`` with each conversation cut after its last regenerated answer (or dropped, counted
+    by why), written as chat messages to ``out/CONVERSATIONS``; returns them and the counts."""
     new_items = list(items)
     counts = {"answers": 0, "length_limited": 0, "empty": 0, "turns_beyond_max_length": 0,
               "turns_beyond_max_turns": 0, "conversations": len(convs)}
@@ -157,14 +170,10 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
             new_items[i] = (sid, loc, _with_answers(msgs[: last + 1], turns[i], got))
     from eyas.fsio import atomic_write_text
 
-    atomic_write_text(Path(out) / CONVERSATIONS, "".join(
+    atomic_write_text(out / CONVERSATIONS, "".join(
         json.dumps({"id": sid, "messages": msgs}, ensure_ascii=False) + "\n"
         for sid, _, msgs in new_items if not isinstance(msgs, Skip)))
-    info = {"settings": opts.settings(), "engine": engine, "device": device, "batch_size": opts.batch_size,
-            "drop_length_limited": opts.drop_length_limited, "max_turns": opts.max_turns, "cache": CACHE,
-            "seeding": gen.seeding if gen is not None else None,  # None: every answer was cached
-            "conversations_file": CONVERSATIONS, **counts}
-    return new_items, info
+    return new_items, counts
 
 
 def _pick_engine(opts) -> str:
@@ -173,7 +182,7 @@ def _pick_engine(opts) -> str:
         return opts.backend
     if opts.backend != "auto":
         raise EyasError(f"--gen-backend {opts.backend!r}: expected hf, vllm or auto")
-    from eyas.extract.vllm_backend import find_vllm_python
+    from eyas.vllm.find import find_vllm_python
 
     try:
         find_vllm_python(opts.vllm_python)

@@ -8,16 +8,19 @@ i and the embedding of token x[i+1] and predicts x[i+2]. Training-time-test (TTT
 position i takes the draft's own hidden from step j-1 and token x[i+1+j], RoPE position i+j,
 predicts x[i+2+j], and attends to the step-0 keys of positions <= i (same document) plus the
 keys of steps 1..j of its own chain: exactly what :meth:`Eagle3Draft.step` with a
-:class:`DraftKVCache` sees at inference.
+:class:`DraftKVCache` sees at inference. Both run the one decoder layer through
+:meth:`Eagle3Draft.layer`; they differ only in what the queries attend to.
+
+Reading order: :class:`DraftConfig`, the layer's parts (:class:`Attention`, :class:`MLP`,
+:class:`MidLayer`), :class:`Eagle3Draft` (``layer``, then ``step`` for inference and ``forward`` for
+the TTT unroll). Saving and loading a draft: :mod:`eyas.draft.io`.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,8 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.draft import flex
-from eyas.errors import EyasError, NonFiniteError
-from eyas.fsio import atomic_dir
+from eyas.errors import EyasError
 
 CONFIG_KIND = "eyas-eagle3-draft"
 
@@ -50,9 +52,9 @@ class DraftConfig:
     max_position_embeddings: int = 4096
     hidden_act: str = "silu"
     # The residual around attention starts from the *normed* fused hidden (vLLM's and speculators'
-    # default; EAGLE-3's original head used the raw one). New drafts set it (from_target); False
-    # here only reads old checkpoints right. The raw fc output carries the target's outliers.
-    norm_before_residual: bool = False
+    # default; EAGLE-3's original head used the raw one): the raw fc output carries the target's
+    # outliers. A config.json without the key predates it and means False (from_dict).
+    norm_before_residual: bool = True
     # RMSNorm on each aux layer's state before fc (vLLM's `fc_norm`): the target's layers differ in
     # scale by an order of magnitude (SmolLM2: RMS ~3, ~6, ~23 at layers 2, 15, 27), which an
     # un-normalised fc sees as one dominant input. Served by vLLM 0.32.0, not by 0.16.0.
@@ -106,7 +108,6 @@ class DraftConfig:
             aux_layer_ids=list(aux_layer_ids), target_hidden_size=h,
             rms_norm_eps=tc.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
             max_position_embeddings=tc.get("max_position_embeddings", 4096),
-            norm_before_residual=True,
             target_num_layers=tc.get("num_hidden_layers", 0),
             target_model_type=tc.get("model_type", "llama"),
             target_architectures=list(target_config.get("architectures") or []),
@@ -126,7 +127,8 @@ class DraftConfig:
             raise EyasError(f"draft config has kind {data.get('kind')!r}, expected {CONFIG_KIND!r}: "
                             "pass a directory written by `eyas train` (RUN_DIR/draft)")
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{"norm_before_residual": False,  # written before the option existed: the raw residual
+                      **{k: v for k, v in data.items() if k in known}})
 
     @property
     def num_aux(self) -> int:
@@ -189,6 +191,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """The layer's attention as three pieces, ``qkv`` -> (the caller's attention) -> ``out``: the TTT
+    unroll and ``step`` attend to different keys (a block-sparse TTT pattern or a KV cache), so the
+    attention itself is theirs. These are methods, not ``forward``, and they are called
+    ``ttt_steps`` times per forward: under FSDP2 this module is therefore no unit of its own (a unit
+    re-gathers its parameters on every call of its *forward* and would never unshard for these);
+    the root unit gathers them once per forward (:mod:`eyas.train.parallel`)."""
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
@@ -199,6 +208,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * d, h, bias=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """RoPE'd queries [B, heads, T, d] and keys, and values [B, kv_heads, T, d]."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.nh, self.d).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2)
@@ -228,7 +238,12 @@ class MLP(nn.Module):
 
 
 class MidLayer(nn.Module):
-    """The draft's one decoder layer; attention input is concat(norm(embed), norm(hidden))."""
+    """The draft's one decoder layer; attention input is concat(norm(embed), norm(hidden)).
+
+    Like :class:`Attention` it is used through methods, ``pre`` (norms, residual) and ``post``
+    (residual, MLP), around the caller's attention, ``ttt_steps`` times per forward; so it is no
+    FSDP2 unit (one per call would multiply the all-gathers and reduce-scatters by ``ttt_steps``,
+    and methods other than ``forward`` would run on shards): the root unit holds it."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -296,7 +311,7 @@ class Eagle3Draft(nn.Module):
         self.rotary = Rotary(cfg)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self._regions: tuple | None = None  # compiled (_step_in, _step_out), see compile_regions
+        self._regions: tuple | None = None  # compiled (_layer_in, _layer_out), see compile_regions
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -344,6 +359,29 @@ class Eagle3Draft(nn.Module):
         normed, hidden = self._outputs(out)
         return self.lm_head(normed), hidden
 
+    def layer(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              attend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layer once, as vLLM's EAGLE-3 head runs it: embed ``tokens`` and norm them and
+        ``hidden``, project to q/k/v at RoPE ``positions``, ``attend(q, k, v)`` -> o (the caller's
+        choice of keys), output projection, residual, MLP. Returns (the normed hidden lm_head takes,
+        the hidden the next step feeds on). ``step`` and the TTT unroll both run this."""
+        layer_in, layer_out = self._regions or (self._layer_in, self._layer_out)
+        q, k, v, residual = layer_in(tokens, hidden, positions)
+        return layer_out(attend(q, k, v), residual)
+
+    def _layer_in(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """Up to attention: (q, k, v, residual). One compiled region with --compile-scope regions."""
+        layer = self.midlayer
+        x, residual = layer.pre(self.embed_tokens(tokens).to(hidden.dtype), hidden)
+        cos, sin = self.rotary(positions)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        return q, k, v, residual
+
+    def _layer_out(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """After attention: (normed hidden for lm_head, hidden for the next step). The other region."""
+        layer = self.midlayer
+        return self._outputs(layer.post(layer.self_attn.out(o), residual))
+
     def step(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
              cache: DraftKVCache, from_target: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One incremental draft forward over T new tokens, appending their keys to ``cache``.
@@ -355,17 +393,17 @@ class Eagle3Draft(nn.Module):
             hidden = self.features_to_hidden(features)
         else:
             hidden = self.combine(features) if from_target else features
-        layer = self.midlayer
-        x, residual = layer.pre(self.embed_tokens(input_ids).to(hidden.dtype), hidden)
-        cos, sin = self.rotary(position_ids)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
-        past = len(cache)
-        k_all, v_all = cache.append(k, v)
-        t, total = q.shape[2], k_all.shape[2]
-        mask = torch.arange(total, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
-        attn = layer.self_attn
-        o = F.scaled_dot_product_attention(q, attn.expand_kv(k_all), attn.expand_kv(v_all), attn_mask=mask)
-        return self.head(layer.post(attn.out(o), residual))
+        attn = self.midlayer.self_attn
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            past = len(cache)
+            k_all, v_all = cache.append(k, v)
+            t, total = q.shape[2], k_all.shape[2]
+            mask = torch.arange(total, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
+            return F.scaled_dot_product_attention(q, attn.expand_kv(k_all), attn.expand_kv(v_all), attn_mask=mask)
+
+        normed, hidden = self.layer(input_ids, hidden, position_ids, attend)
+        return self.lm_head(normed), hidden
 
     # ------------------------------------------------------------------ training (TTT)
 
@@ -397,33 +435,20 @@ class Eagle3Draft(nn.Module):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         outs = []
-        step_in, step_out = self._regions or (self._step_in, self._step_out)
         masks = (block_masks or flex.ttt_block_masks(doc_ids, ttt_steps)) if use_flex else None
         for j in range(ttt_steps):
+
+            def attend(q, k, v, j=j):  # step j: the step-0 keys of its document, then its own chain's
+                keys.append(k if use_flex else attn.expand_kv(k))
+                values.append(v if use_flex else attn.expand_kv(v))
+                if use_flex:
+                    return flex.ttt_attention(q, keys, values, masks[j], ttt_steps, scale)
+                return _dense_ttt_attention(q, keys, values, mask0, scale)
+
             tokens = shift_in_doc(input_ids, doc_ids, 1 + j, fill=0)
-            q, k, v, residual = step_in(tokens, hidden, position_ids + j)
-            keys.append(k if use_flex else attn.expand_kv(k))
-            values.append(v if use_flex else attn.expand_kv(v))
-            if use_flex:
-                o = flex.ttt_attention(q, keys, values, masks[j], ttt_steps, scale)
-            else:
-                o = _dense_ttt_attention(q, keys, values, mask0, scale)
-            normed, hidden = step_out(o, residual)
+            normed, hidden = self.layer(tokens, hidden, position_ids + j, attend)
             outs.append(normed if return_normed else self.lm_head(normed))
         return outs
-
-    def _step_in(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
-        """One TTT step up to attention: (q, k, v, residual) from the step's input tokens and hidden."""
-        layer = self.midlayer
-        x, residual = layer.pre(self.embed_tokens(tokens).to(hidden.dtype), hidden)
-        cos, sin = self.rotary(positions)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
-        return q, k, v, residual
-
-    def _step_out(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One TTT step after attention: (normed hidden for lm_head, hidden for the next step)."""
-        layer = self.midlayer
-        return self._outputs(layer.post(layer.self_attn.out(o), residual))
 
     def compile_regions(self, backend="inductor") -> None:
         """torch.compile the TTT step's two dense regions (``eyas train --compile --compile-scope regions``).
@@ -434,83 +459,33 @@ class Eagle3Draft(nn.Module):
         longer (not timed to the end). The steps are slower than the whole-unroll graph's, as the glue
         between the regions runs eagerly (benchmarks/train_bench.md). Flex attention is compiled on its own
         (:mod:`eyas.draft.flex`)."""
-        self._regions = (torch.compile(self._step_in, backend=backend),
-                         torch.compile(self._step_out, backend=backend))
+        self._regions = (torch.compile(self._layer_in, backend=backend),
+                         torch.compile(self._layer_out, backend=backend))
 
-    # ------------------------------------------------------------------ persistence
+    # ------------------------------------------------------------------ on disk (eyas.draft.io)
 
     @classmethod
     def from_target(cls, cfg: DraftConfig, target_dir: str | os.PathLike, d2t: torch.Tensor,
                     t2d: torch.Tensor, seed: int = 0) -> "Eagle3Draft":
-        """A fresh draft: random layer, the target's frozen embeddings, lm_head = target rows of the draft vocab."""
-        from eyas.draft.target_weights import read_target_head
+        """:func:`eyas.draft.io.new_draft`: a fresh draft with the target's embedding and lm_head rows."""
+        from eyas.draft.io import new_draft
 
-        if d2t.numel() != cfg.draft_vocab_size or t2d.numel() != cfg.vocab_size:
-            raise EyasError(f"draft vocab: d2t has {d2t.numel()} entries and t2d {t2d.numel()}, the "
-                            f"config expects {cfg.draft_vocab_size} and {cfg.vocab_size}")
-        head = read_target_head(target_dir)
-        if head["embed"].shape[1] != cfg.hidden_size:
-            raise EyasError(f"draft hidden_size {cfg.hidden_size} differs from the target's embedding "
-                            f"width {head['embed'].shape[1]}; EAGLE-3 shares the target's embeddings, "
-                            "so keep hidden_size at the target's")
-        torch.manual_seed(seed)
-        model = cls(cfg)
-        ids = torch.arange(cfg.draft_vocab_size) + d2t.long()
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(head["embed"].float())
-            model.lm_head.weight.copy_(head["lm_head"][ids].float())
-            model.d2t.copy_(d2t.long())
-            model.t2d.copy_(t2d.bool())
-        return model
+        return new_draft(cfg, target_dir, d2t, t2d, seed)
 
+    def save_pretrained(self, directory: str | os.PathLike, state: dict[str, torch.Tensor] | None = None):
+        """:func:`eyas.draft.io.save_draft` (the frozen embedding is not written)."""
+        from eyas.draft.io import save_draft
 
-    def save_pretrained(self, directory: str | os.PathLike,
-                        state: dict[str, torch.Tensor] | None = None) -> Path:
-        """config.json + model.safetensors, written to a temp dir and renamed into place.
-
-        ``state``: a full state dict to write instead of ``self.state_dict()`` (a sharded model's,
-        gathered by the caller)."""
-        from safetensors.torch import save_file
-
-        state = {k: v.detach().contiguous().cpu() for k, v in (state or self.state_dict()).items()}
-        check_finite_state(state, f"draft {directory}")
-        with atomic_dir(Path(directory)) as tmp:
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            (tmp / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2))
-        return directory
+        return save_draft(self, directory, state)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | None = None) -> "Eagle3Draft":
-        from safetensors.torch import load_file
+                        dtype: torch.dtype | None = None,
+                        target_dir: str | os.PathLike | None = None) -> "Eagle3Draft":
+        """:func:`eyas.draft.io.load_draft` (the embedding from ``target_dir`` or the recorded target)."""
+        from eyas.draft.io import load_draft
 
-        directory = Path(directory)
-        cfg_path, w_path = directory / "config.json", directory / "model.safetensors"
-        if not cfg_path.is_file() or not w_path.is_file():
-            raise EyasError(f"draft checkpoint {directory}: needs config.json and model.safetensors "
-                            "(the RUN_DIR/draft directory written by `eyas train`)")
-        cfg = DraftConfig.from_dict(json.loads(cfg_path.read_text()))
-        model = cls(cfg)
-        state = load_file(str(w_path))
-        check_finite_state(state, f"draft checkpoint {w_path}")
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise EyasError(f"draft checkpoint {w_path}: missing tensors {missing}, unexpected "
-                            f"{unexpected}; it was written by another version or is damaged")
-        if dtype is not None:
-            model = model.to(dtype)
-        return model.to(device)
-
-
-def check_finite_state(state: dict[str, torch.Tensor], what: str) -> None:
-    """Raise :class:`NonFiniteError` naming the first tensor of ``state`` with a NaN or inf: a draft
-    with one would serve garbage, so none is written, exported or evaluated."""
-    for name, t in state.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
-            raise NonFiniteError(f"{what}: tensor {name!r} has {bad} non-finite values (NaN or inf) of "
-                                 f"{t.numel()}; refusing to use it. Retrain from the last finite "
-                                 "checkpoint (`eyas train ... --resume`, after lowering --lr)")
+        return load_draft(directory, device, dtype, target_dir)
 
 
 def _dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],

@@ -1,287 +1,42 @@
-"""`eyas evaluate`: acceptance length, per-position acceptance and speedup of a draft, with the
-built-in speculative loop, with vLLM's own metrics, or both (then compared)."""
+"""The `eyas evaluate` command, generated from :class:`eyas.evaluate.config.EvaluateConfig`."""
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-from typing import Any
-
 import typer
 
-from eyas.checks import checked
-from eyas.errors import EyasError
-
-ENGINES = ("builtin", "vllm", "both")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from eyas.evaluate.config import EvaluateConfig
+from eyas.settings import command
 
 
-@checked("evaluate")
-def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = None,
-                   out: Path = Path("runs/evaluate"), engine: str = "builtin",
-                   k: int = 3, temperature: float = 0.0, max_prompts: int | None = None,
-                   max_new_tokens: int = 256, dtype: str = "auto", vllm: str | None = None,
-                   seed: int = 0, compare_plain: bool = True, progress: bool = True,
-                   max_per_category: int | None = None, device: str = "auto",
-                   vllm_draft: Path | None = None,
-                   speed_concurrency: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:
-    """Evaluate; writes OUT/<engine>/report.json + plots (and OUT/comparison.json for both).
-    Returns {engine: report} (plus "comparison").
+def _run(cfg: EvaluateConfig) -> None:
+    """Measure a draft: tau (tokens per target forward), acceptance per draft position, speed."""
+    from eyas.evaluate.run import evaluate
 
-    ``device`` (auto: cuda when there is a GPU, else cpu) is where the builtin engine runs the HF
-    target and the draft; vLLM runs where its build runs. ``dtype`` auto is bfloat16 on CUDA and
-    float32 on the CPU, for both engines. ``vllm_draft``: an already exported vLLM-format directory
-    of ``draft_dir`` (the pipeline's export stage), checked to be an export of that draft; without
-    it the vllm engine exports one into OUT/vllm/draft-vllm. ``speed_concurrency`` (vllm engine):
-    also time vLLM serving the first turns with and without the draft at each of these numbers of
-    concurrent requests (report's ``serving_speed``)."""
-    from eyas.data.chat import stop_token_ids
-    from eyas.evaluate.prompts import DEFAULT_PROMPTS, read_questions
-    from eyas.export.checks import check_against_target, load_checkpoint
-    from eyas.target import resolve_target
-
-    if engine not in ENGINES:
-        raise EyasError(f"--engine {engine!r}: choose one of {', '.join(ENGINES)}")
-    if k < 1:
-        raise EyasError(f"-k {k}: need at least one draft token per step")
-    if dtype not in DTYPES:
-        raise EyasError(f"--dtype {dtype!r}: choose {', '.join(DTYPES)}")
-    speed_concurrency = [int(c) for c in speed_concurrency or ()]
-    if any(c < 1 for c in speed_concurrency):
-        raise EyasError(f"--speed-concurrency {speed_concurrency}: each must be at least 1 request")
-    if speed_concurrency and engine == "builtin":
-        raise EyasError("--speed-concurrency times vLLM serving: use it with --engine vllm or both")
-    from eyas.device import resolve_device
-
-    device = resolve_device(device)  # a bad spelling or a missing GPU stops here, before any model
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    prompts = Path(prompts) if prompts else DEFAULT_PROMPTS
-    target = resolve_target(target_spec)
-    ckpt = load_checkpoint(draft_dir)
-    check_against_target(ckpt, target.config(), target.identity, f"target {target_spec!r}")
-    if vllm_draft is not None and engine != "builtin":
-        check_export_of(Path(vllm_draft), Path(draft_dir))
-    questions = read_questions(prompts, max_prompts, max_per_category)
-    tokenizer = target.load_tokenizer()
-    stop_ids = set(stop_token_ids(tokenizer, target.path))
-    meta = {"predicted_tau": _predicted_tau(Path(draft_dir), k),
-            "target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
-            "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
-            "dtype": dtype, "device": device, "seed": seed, "max_prompts": max_prompts,
-            "max_per_category": max_per_category}
-    from eyas.fsio import sha256_file
-
-    # the draft's content, not only its path: a draft retrained in place never reuses old records
-    settings_base = {"target_id": target.id, "draft": str(Path(draft_dir).resolve()),
-                     "draft_sha256": sha256_file(Path(draft_dir) / "model.safetensors"), "k": k,
-                     "temperature": temperature, "max_new_tokens": max_new_tokens, "dtype": dtype,
-                     "seed": seed, "prompts": str(Path(prompts).resolve())}
-    if device != "cpu":  # only off the CPU, so records written before --device existed still resume
-        settings_base["device"] = device.split(":")[0]
-    reports: dict[str, Any] = {}
-    engines = ["builtin", "vllm"] if engine == "both" else [engine]
-    for name in engines:
-        sub = Path(out) / name
-        sub.mkdir(parents=True, exist_ok=True)
-        settings = {**settings_base, "engine": name}
-        if name == "builtin" and not compare_plain:  # records without the baseline are not mixed
-            settings["plain_baseline"] = False     # with those that have it (older ones do)
-        if name == "builtin":
-            records, extra = _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k,
-                                          temperature, max_new_tokens, dtype, seed, compare_plain,
-                                          sub, settings, progress, device)
-        else:
-            records, extra = _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
-                                       max_new_tokens, dtype, seed, vllm, sub, settings, progress,
-                                       vllm_draft, speed_concurrency)
-        from eyas.evaluate.report import build_report, write_report
-
-        report = build_report(records, k, {"engine": name, **meta, **extra})
-        write_report(sub, report)
-        reports[name] = report
-    if len(reports) == 2:
-        reports["comparison"] = _compare(reports["builtin"], reports["vllm"], Path(out))
-    return reports
-
-
-def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
-                 dtype, seed, compare_plain, sub, settings, progress, device="cpu"):
-    import torch
-
-    from eyas.draft.model import Eagle3Draft
-    from eyas.evaluate.runner import run_questions
-    from eyas.evaluate.speculative import BuiltinEngine
-
-    torch_dtype = getattr(torch, dtype)
-    model = target.load_model(dtype=torch_dtype, device=device)
-    draft = Eagle3Draft.from_pretrained(draft_dir, device=device, dtype=torch_dtype)
-    eng = BuiltinEngine(model, draft, k, temperature, seed, compare_plain)
-    try:
-        records = run_questions(eng, questions, tokenizer, max_new_tokens, stop_ids,
-                                sub / "records.jsonl", settings, progress)
-    finally:
-        eng.close()
-    extra = {"torch_threads": torch.get_num_threads()}
-    if device.startswith("cuda"):
-        extra["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return records, extra
-
-
-SPEED_PROMPTS = 32  # first turns timed per concurrency (more when a concurrency is higher)
-
-
-def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
-              dtype, seed, vllm, sub, settings, progress, vllm_draft=None, speed_concurrency=()):
-    from eyas.evaluate.runner import run_questions
-    from eyas.evaluate.vllm_metrics import VllmEngine, VllmSpecEngine, find_vllm_python
-    from eyas.export.cli import export_checkpoint
-
-    python = find_vllm_python(vllm)
-    if vllm_draft is not None:  # checked up front, in evaluate_draft
-        exported = Path(vllm_draft)
-    else:
-        exported = export_checkpoint(Path(draft_dir), "vllm", sub / "draft-vllm", str(target.path),
-                                     num_speculative_tokens=k, overwrite=True)
-    with VllmEngine(python, target.path, exported, k=k, dtype=dtype, seed=seed,
-                    log_path=sub / "vllm.log") as eng:
-        records = run_questions(VllmSpecEngine(eng, k, temperature, seed), questions, tokenizer,
-                                max_new_tokens, stop_ids, sub / "records.jsonl", settings, progress)
-        info = dict(eng.info)
-        speed = None
-        if speed_concurrency:
-            from eyas.evaluate.prompts import read_questions, render_turn
-
-            # from the whole prompt file, so --max-prompts limits the acceptance run, not this
-            pool = read_questions(Path(settings["prompts"]), None, None)
-            n = min(len(pool), max(SPEED_PROMPTS, *speed_concurrency))
-            prompts = [render_turn(tokenizer, q, 0, []) for q in pool[:n]]
-            speed = {"prompts": n, "max_new_tokens": max_new_tokens, "what": "first turns, greedy, "
-                     "wall clock, each wave of `concurrency` requests submitted together",
-                     "draft": [eng.speed(prompts, max_new_tokens, stop_ids, c) for c in speed_concurrency]}
-    if speed:  # the same prompts without the draft, once the draft's engine has freed the GPU
-        with VllmEngine(python, target.path, None, k=k, dtype=dtype, seed=seed,
-                        log_path=sub / "vllm-plain.log") as plain:
-            speed["plain"] = [plain.speed(prompts, max_new_tokens, stop_ids, c) for c in speed_concurrency]
-        speed["speedup"] = {str(d["concurrency"]): d["tokens_per_s"] / p["tokens_per_s"]
-                            for d, p in zip(speed["draft"], speed["plain"])
-                            if d["tokens_per_s"] and p["tokens_per_s"]}
-    return records, {"vllm_version": info.get("vllm"), "vllm_python": str(python),
-                     "exported_draft": str(exported), "serving_speed": speed}
-
-
-def _predicted_tau(draft_dir: Path, k: int) -> float | None:
-    """The tau `eyas train` predicted for ``k`` draft tokens (None: not recorded, or k > TTT steps)."""
-    from eyas.train.predict import PREDICTION_FILE
-
-    try:
-        return json.loads((draft_dir / PREDICTION_FILE).read_text())["predicted_tau"].get(str(k))
-    except (OSError, ValueError, KeyError, AttributeError):
-        return None
-
-
-def check_export_of(exported: Path, draft_dir: Path) -> None:
-    """Refuse ``exported`` unless it is a vLLM-format export of exactly ``draft_dir``'s weights."""
-    from eyas.fsio import sha256_file
-
-    cfg_path = exported / "config.json"
-    try:
-        info = json.loads(cfg_path.read_text()).get("eyas", {})
-    except (OSError, json.JSONDecodeError) as e:
-        raise EyasError(f"vLLM draft {exported}: no readable config.json ({e}); pass the directory "
-                        "`eyas export --format vllm` wrote") from e
-    if info.get("format") != "vllm":
-        raise EyasError(f"vLLM draft {exported}: not an eyas vllm-format export")
-    want = sha256_file(draft_dir / "model.safetensors")
-    if info.get("source_sha256") != want:
-        raise EyasError(f"vLLM draft {exported}: exported from another draft than {draft_dir} (or by an "
-                        "older eyas that did not record it); export it again, or leave it out and "
-                        "`eyas evaluate` exports one")
-
-
-def _compare(builtin: dict, vllm: dict, out: Path) -> dict[str, Any]:
-    from eyas.evaluate.report import plot_report
-
-    tb, tv = builtin["overall"]["tau"], vllm["overall"]["tau"]
-    same = [a["output_ids"] == b["output_ids"] for a, b in zip(builtin["per_prompt"], vllm["per_prompt"])]
-    comp = {"tau_builtin": tb, "tau_vllm": tv,
-            "tau_relative_difference": (abs(tb - tv) / tv) if (tb and tv) else None,
-            "acceptance_rate_per_pos_builtin": builtin["overall"]["acceptance_rate_per_pos"],
-            "acceptance_rate_per_pos_vllm": vllm["overall"]["acceptance_rate_per_pos"],
-            "identical_outputs": sum(same), "prompts": len(same),
-            "per_category_tau": {c: {"builtin": builtin["per_category"][c]["tau"],
-                                     "vllm": vllm["per_category"].get(c, {}).get("tau")}
-                                 for c in builtin["per_category"]}}
-    path = Path(out) / "comparison.json"
-    tmp = path.with_name(f".comparison.json.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(comp, indent=2) + "\n")
-    os.replace(tmp, path)
-    plot_report(builtin, Path(out), others={"vllm": vllm})
-    return comp
-
-
-def _ints(text: str | None, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()] if text else []
-    except ValueError as e:
-        raise EyasError(f"{flag} {text!r}: expected comma-separated integers, e.g. 1,32") from e
+    reports = evaluate(cfg)
+    for name in ("builtin", "vllm"):
+        if name in reports:
+            o = reports[name]["overall"]
+            rates = ", ".join(f"{r:.2f}" for r in o["acceptance_rate_per_pos"] if r is not None)
+            tau = "n/a (no draft rounds)" if o["tau"] is None else f"{o['tau']:.3f}"
+            line = f"{name}: tau {tau}  acceptance/pos [{rates}]"
+            if reports[name].get("predicted_tau") is not None:
+                line += f"  (predicted by training: {reports[name]['predicted_tau']:.3f})"
+            if o.get("tokens_per_s"):
+                line += f"  {o['tokens_per_s']:.1f} tok/s"
+            if o.get("speedup"):
+                line += f"  speedup {o['speedup']:.2f}x"
+            typer.echo(line)
+    speed = reports.get("vllm", {}).get("serving_speed")
+    for d, p in zip(*(speed[x] for x in ("draft", "plain"))) if speed else ():
+        typer.echo(f"vllm serving, {d['concurrency']} concurrent: {d['tokens_per_s']:.0f} tok/s with the "
+                   f"draft, {p['tokens_per_s']:.0f} without ({d['tokens_per_s'] / p['tokens_per_s']:.2f}x)")
+    if "comparison" in reports:
+        c = reports["comparison"]
+        if c["tau_relative_difference"] is not None:
+            typer.echo(f"tau builtin vs vllm: relative difference {c['tau_relative_difference']:.3f}, "
+                       f"identical outputs {c['identical_outputs']}/{c['prompts']}")
+    typer.echo(f"reports in {cfg.out}")
 
 
 def register(app: typer.Typer) -> None:
-    from eyas.evaluate.prompts import DEFAULT_PROMPTS
-
-    @app.command()
-    def evaluate(
-        draft: Path = typer.Option(..., help="Draft checkpoint directory (RUN_DIR/draft from `eyas train`)."),
-        target: str = typer.Option("smollm2-135m-instruct", help="HF dir, .gguf file or built-in name."),
-        prompts: Path = typer.Option(DEFAULT_PROMPTS, help="MT-bench style question.jsonl."),
-        engine: str = typer.Option("builtin", help="builtin (HF target + draft here), vllm (vLLM's "
-                                   "own metrics), or both (and compare)."),
-        out: Path = typer.Option(Path("runs/evaluate"), help="Output directory (reports, plots, resumable records)."),
-        k: int = typer.Option(3, "-k", "--num-speculative-tokens", help="Draft tokens per step."),
-        temperature: float = typer.Option(0.0, help="0 = greedy; > 0 samples with rejection sampling."),
-        max_prompts: int = typer.Option(None, help="Use only the first N questions."),
-        max_per_category: int = typer.Option(None, help="Use only the first N questions of each category."),
-        max_new_tokens: int = typer.Option(256, help="Tokens generated per turn at most."),
-        dtype: str = typer.Option("auto", help="Target/draft dtype for both engines: auto (bfloat16 on "
-                                  "CUDA, float32 on the CPU), float32, bfloat16 or float16."),
-        device: str = typer.Option("auto", help="builtin: where the HF target and the draft run: auto "
-                                   "(cuda when there is a GPU, else cpu), cuda, cuda:N or cpu."),
-        vllm: str = typer.Option(None, "--vllm", help="vLLM env: version (.venvs/vllm-VERSION), venv dir or "
-                                 "python path (default: $EYAS_VLLM_PYTHON, this Python if it has vLLM, "
-                                 "else the newest .venvs/vllm-*)."),
-        seed: int = typer.Option(0, help="Sampling seed."),
-        no_plain: bool = typer.Option(False, "--no-plain", help="builtin: skip the plain-decoding baseline (no speedup)."),
-        speed_concurrency: str = typer.Option(None, "--speed-concurrency", help="vllm: also time serving "
-                                              "with and without the draft at these numbers of concurrent "
-                                              "requests, e.g. 1,32."),
-    ) -> None:
-        """Measure a draft: tau (tokens per target forward), acceptance per draft position, speed."""
-        reports = evaluate_draft(target, draft, prompts, out, engine, k, temperature, max_prompts,
-                                 max_new_tokens, dtype, vllm, seed, not no_plain,
-                                 max_per_category=max_per_category, device=device,
-                                 speed_concurrency=_ints(speed_concurrency, "--speed-concurrency"))
-        for name in ("builtin", "vllm"):
-            if name in reports:
-                o = reports[name]["overall"]
-                rates = ", ".join(f"{r:.2f}" for r in o["acceptance_rate_per_pos"] if r is not None)
-                tau = "n/a (no draft rounds)" if o["tau"] is None else f"{o['tau']:.3f}"
-                line = f"{name}: tau {tau}  acceptance/pos [{rates}]"
-                if reports[name].get("predicted_tau") is not None:
-                    line += f"  (predicted by training: {reports[name]['predicted_tau']:.3f})"
-                if o.get("tokens_per_s"):
-                    line += f"  {o['tokens_per_s']:.1f} tok/s"
-                if o.get("speedup"):
-                    line += f"  speedup {o['speedup']:.2f}x"
-                typer.echo(line)
-        speed = reports.get("vllm", {}).get("serving_speed")
-        for d, p in zip(*(speed[x] for x in ("draft", "plain"))) if speed else ():
-            typer.echo(f"vllm serving, {d['concurrency']} concurrent: {d['tokens_per_s']:.0f} tok/s with the "
-                       f"draft, {p['tokens_per_s']:.0f} without ({d['tokens_per_s'] / p['tokens_per_s']:.2f}x)")
-        if "comparison" in reports:
-            c = reports["comparison"]
-            if c["tau_relative_difference"] is not None:
-                typer.echo(f"tau builtin vs vllm: relative difference {c['tau_relative_difference']:.3f}, "
-                           f"identical outputs {c['identical_outputs']}/{c['prompts']}")
-        typer.echo(f"reports in {out}")
+    command(app, "evaluate", EvaluateConfig, _run)

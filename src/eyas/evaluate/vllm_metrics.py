@@ -1,29 +1,27 @@
 """The `vllm` engine: generation in a vLLM environment, tau and per-position acceptance read from
 vLLM's own spec-decode counters (``llm.get_metrics()``).
 
-vLLM lives in another interpreter (``.venvs/vllm-X``); ``vllm_worker.py`` runs there as a child
-process and answers one JSON line per request, so counters can be attributed to each prompt.
+vLLM lives in another interpreter (``.venvs/vllm-X``); the worker package's ``serve`` module runs
+there as a child process (:mod:`eyas.vllm.process`) and answers one request at a time, so counters
+can be attributed to each prompt.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-from collections import deque
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
-
-WORKER = Path(__file__).with_name("vllm_worker.py")
-PREFIX = "EYAS-JSON "
+from eyas.vllm.process import WorkerProcess
 
 
 def find_vllm_python(spec: str | None = None) -> Path:
     """``--vllm``: a python, a venv dir or a version; unset, the same search as extraction's
     (``$EYAS_VLLM_PYTHON``, this Python, the newest ``.venvs/vllm-*``)."""
-    from eyas.extract.vllm_backend import find_vllm_python as find
+    from eyas.vllm.find import find_vllm_python as find
 
     return Path(find(spec, flag="--vllm")[0])
 
@@ -34,67 +32,39 @@ class VllmEngine:
     def __init__(self, python: Path, target_dir: Path, draft_dir: Path | None, k: int = 3,
                  dtype: str = "float32", max_model_len: int | None = None, seed: int = 0,
                  log_path: Path | None = None, kv_cache_gib: int = 2):
-        self.opts = {"target": str(target_dir), "draft": str(draft_dir) if draft_dir else None,
+        self.opts = {"target": str(Path(target_dir).resolve()),
+                     "draft": str(Path(draft_dir).resolve()) if draft_dir else None,
                      "k": k, "dtype": dtype, "max_model_len": max_model_len, "seed": seed}
-        env = dict(os.environ)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        env.pop("PYTHONPATH", None)  # the child must see its own env's packages only
-        self.log_path = log_path
-        self._log = open(log_path, "a") if log_path else None
-        self._tail: deque[str] = deque(maxlen=40)
-        self.proc = subprocess.Popen([str(python), str(WORKER), json.dumps(self.opts)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=env, bufsize=1)
-        self.info = self._read()
-        if "error" in self.info:
+        self._work = Path(tempfile.mkdtemp(prefix="eyas-vllm-serve-"))  # the job and its worker package
+        self.log_path = Path(log_path) if log_path else self._work / "vllm.log"
+        self.proc = WorkerProcess(python, "serve", self.opts, self._work, self.log_path,
+                                  env={} if "VLLM_CPU_KVCACHE_SPACE" in os.environ
+                                  else {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)},
+                                  describe=f"vLLM worker ({self.opts['target']}, draft {self.opts['draft']})")
+        try:
+            self.info = self.proc.read()
+        except EyasError:
             self.close()
-            raise EyasError(self.info["error"])
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(PREFIX):
-                return json.loads(line[len(PREFIX):])
-            self._tail.append(line.rstrip())
-            if self._log:
-                self._log.write(line)
-        code = self.proc.wait()
-        tail = "\n".join(self._tail)
-        raise EyasError(f"vLLM worker ({self.opts['target']}, draft {self.opts['draft']}) exited with "
-                        f"code {code}; last output:\n{tail}"
-                        + (f"\n(full log: {self.log_path})" if self.log_path else ""))
+            raise
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
                  temperature: float = 0.0, seed: int | None = None) -> dict[str, Any]:
-        return self._ask({"prompt_token_ids": prompt, "max_tokens": max_new_tokens,
-                          "temperature": temperature, "stop_token_ids": sorted(stop_ids), "seed": seed})
+        return self.proc.request({"prompt_token_ids": prompt, "max_tokens": max_new_tokens,
+                                  "temperature": temperature, "stop_token_ids": sorted(stop_ids), "seed": seed})
 
     def speed(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
               concurrency: int) -> dict[str, Any]:
         """Greedy wall-clock tokens/s over ``prompts`` with ``concurrency`` requests in flight."""
-        return self._ask({"op": "speed", "prompts": prompts, "max_tokens": max_new_tokens,
-                          "stop_token_ids": sorted(stop_ids), "concurrency": concurrency})
-
-    def _ask(self, req: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(json.dumps(req) + "\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            pass  # _read reports the exit and the log tail
-        return self._read()
+        return self.proc.request({"op": "speed", "prompts": prompts, "max_tokens": max_new_tokens,
+                                  "stop_token_ids": sorted(stop_ids), "concurrency": concurrency})
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        if self._log:
-            self._log.close()
+        self.proc.close()
+        # the work dir goes, unless it holds the log of a worker that failed (named in the error)
+        if self.log_path.parent != self._work or self.proc.poll() == 0:
+            shutil.rmtree(self._work, ignore_errors=True)
+        else:
+            shutil.rmtree(self._work / "pkg", ignore_errors=True)
 
     def __enter__(self) -> "VllmEngine":
         return self

@@ -32,3 +32,12 @@ def write_model_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.
 
 def dtype_name(tensors: dict[str, torch.Tensor]) -> str:
     return str(tensors["fc.weight"].dtype).replace("torch.", "")
+
+
+def cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Cast floating tensors to ``dtype`` (integer/bool buffers such as d2t/t2d keep theirs)."""
+    out = {}
+    for k, v in tensors.items():
+        v = v.detach().cpu()
+        out[k] = v.to(dtype).contiguous() if dtype is not None and v.is_floating_point() else v.contiguous()
+    return out

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from eyas.errors import EyasError
-from eyas.export.checks import DraftCheckpoint, cast
-from eyas.export.io import dtype_name, write_model_dir
+from eyas.draft.checks import DraftCheckpoint
+from eyas.export.io import cast, dtype_name, write_model_dir
 
 # Draft tensors that are not the target's (the embedding is shared with the target by both engines).
 _SKIP = ("embed_tokens.weight",)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from eyas.export.checks import DraftCheckpoint, cast
-from eyas.export.io import dtype_name, write_model_dir
+from eyas.draft.checks import DraftCheckpoint
+from eyas.export.io import cast, dtype_name, write_model_dir
 from eyas.export.sglang import llama_layer_config
 
 SPECULATORS_VERSION = "0.3.0"

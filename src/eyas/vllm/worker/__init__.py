@@ -1,4 +1,5 @@
-"""Engine-side code of eyas's vLLM backends: runs inside the vLLM Python environment.
+"""Engine-side code of eyas's vLLM jobs (extract: ``engine``, regenerate: ``generate``, evaluate:
+``serve``): runs inside the vLLM Python environment, started by :mod:`eyas.vllm.process`.
 
 This package must import only the standard library, torch, numpy, safetensors and vLLM's
 public surface (``vllm.LLM``, ``vllm.SamplingParams``, the KV-connector base classes), and only

@@ -1,27 +1,24 @@
 """Generation engine: ``python -m eyas_vllm_worker.generate JOB.json`` inside the vLLM environment.
 
 Serves `eyas prepare --regenerate`: one engine for the whole run (loading it is the slow part),
-fed one batch of prompts per request. Protocol, one JSON object per line: eyas writes
-``{"prompts": [[ids]], "max_tokens", "temperature", "top_p", "seeds", "stop_token_ids"}`` to
-stdin; the engine answers ``{"outputs": [{"token_ids": [...], "finish_reason": ...}]}`` on the
-stdout it had at start. vLLM's own prints go to stderr (the log), so they cannot corrupt the
-protocol. Only public entry points: ``LLM``, ``SamplingParams``.
+fed one batch of prompts per request (``protocol.py``): eyas sends
+``{"prompts": [[ids]], "max_tokens", "temperature", "top_p", "seeds", "stop_token_ids"}``; the
+engine answers ``{"outputs": [{"token_ids": [...], "finish_reason": ...}]}``. Only public entry
+points: ``LLM``, ``SamplingParams``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 from .engine import compat_model_dir
+from .protocol import Channel, read_job
 
 
 def main(job_path: str) -> None:
-    reply = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # everything else printed to fd 1 lands in the log
-    job = json.loads(Path(job_path).read_text())
+    channel = Channel()
+    job = read_job(job_path)
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=compat_model_dir(job["model"], Path(job["work_dir"])), dtype=job["dtype"],
@@ -36,11 +33,8 @@ def main(job_path: str) -> None:
     # vLLM's CPU runner breaks on per-request seeds (its CPU generators have no offset to
     # rewind): there, sampling follows the engine seed alone
     per_request_seed = torch.cuda.is_available()
-    reply.write(json.dumps({"ready": True, "per_request_seed": per_request_seed}) + "\n")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        req = json.loads(line)
+    channel.reply({"ready": True, "per_request_seed": per_request_seed})
+    for req in channel.requests():
         greedy = req["temperature"] <= 0
         # a seed per prompt (eyas derives it from conversation and turn), not per batch
         params = [SamplingParams(max_tokens=req["max_tokens"], temperature=0.0 if greedy else req["temperature"],
@@ -49,9 +43,9 @@ def main(job_path: str) -> None:
                                  stop_token_ids=req["stop_token_ids"], detokenize=False)
                   for k in range(len(req["prompts"]))]
         outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], params, use_tqdm=False)
-        reply.write(json.dumps({"outputs": [
+        channel.reply({"outputs": [
             {"token_ids": list(o.outputs[0].token_ids), "finish_reason": o.outputs[0].finish_reason}
-            for o in outs]}) + "\n")
+            for o in outs]})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Loading an eyas draft checkpoint for export, and checking it against the target it will serve.
+"""A trained draft as its tensors (for export and evaluation), and its check against the target it will serve.
 
 A draft is only usable with the target whose layers, width and vocabulary it was trained on:
 vLLM would otherwise fail with a shape error at best, or serve garbage drafts at worst.
@@ -35,7 +35,8 @@ def load_checkpoint(path: str | Path) -> DraftCheckpoint:
     """Read ``config.json`` + ``model.safetensors`` of an eyas draft (``RUN_DIR/draft``)."""
     from safetensors.torch import load_file
 
-    from eyas.draft.model import DraftConfig, check_finite_state
+    from eyas.draft.io import check_finite_state
+    from eyas.draft.model import DraftConfig
 
     path = Path(path)
     cfg_path, w_path = path / "config.json", path / "model.safetensors"
@@ -102,12 +103,3 @@ def check_against_target(ckpt: DraftCheckpoint, target_config: dict[str, Any],
         raise EyasError(f"checkpoint {ckpt.path} does not fit {target_name}: " + "; ".join(problems)
                         + ". Export against the target the draft was trained for (--target), or "
                         "retrain the draft for this one.")
-
-
-def cast(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Cast floating tensors to ``dtype`` (integer/bool buffers such as d2t/t2d keep theirs)."""
-    out = {}
-    for k, v in tensors.items():
-        v = v.detach().cpu()
-        out[k] = v.to(dtype).contiguous() if dtype is not None and v.is_floating_point() else v.contiguous()
-    return out

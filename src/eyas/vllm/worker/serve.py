@@ -1,24 +1,20 @@
-"""Runs inside a vLLM environment (``.venvs/vllm-X/bin/python``): serves generate requests over
-stdin/stdout as JSON lines and reports vLLM's own spec-decode counters per request.
+"""Serving engine: ``python -m eyas_vllm_worker.serve JOB.json`` inside the vLLM environment.
 
-Standalone on purpose (stdlib + vllm only): the vLLM env does not have eyas installed.
-Protocol: argv[1] is a JSON object of engine options; each stdin line is a request
-``{"prompt_token_ids", "max_tokens", "temperature", "seed"}`` or ``{"op": "quit"}``; each reply is
-one stdout line starting with ``EYAS-JSON `` (vLLM's own logs go elsewhere on stdout/stderr).
+Serves `eyas evaluate --engine vllm`: a vLLM ``LLM`` (with the EAGLE-3 draft when the job names one)
+answers generate requests (``protocol.py``) ``{"prompt_token_ids", "max_tokens", "temperature",
+"seed", "stop_token_ids"}`` with the output ids and vLLM's own spec-decode counters of that request.
 """
+
+from __future__ import annotations
 
 import json
 import sys
 import time
 
-PREFIX = "EYAS-JSON "
+from .protocol import Channel, read_job
+
 SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
         "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
-
-
-def reply(obj):
-    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
-    sys.stdout.flush()
 
 
 def spec_counters(llm):
@@ -85,15 +81,16 @@ def speed(llm, SamplingParams, req):
             "tokens_per_s": tokens / secs if secs > 0 else None}
 
 
-def main():
-    opts = json.loads(sys.argv[1])
+def main(job_path: str) -> None:
+    channel = Channel()
+    opts = read_job(job_path)
     import vllm
     from vllm import LLM, SamplingParams
 
     if opts.get("draft"):
         ignored = ignored_head_options(opts["draft"])
         if ignored:
-            reply({"error": f"draft {opts['draft']} uses {', '.join(ignored)}, which vLLM {vllm.__version__}'s "
+            channel.reply({"error": f"draft {opts['draft']} uses {', '.join(ignored)}, which vLLM {vllm.__version__}'s "
                             "EAGLE-3 head does not read (it would serve a different draft); use a newer "
                             "vLLM (0.32.0 reads them) or train the draft without them"})
             return
@@ -115,13 +112,10 @@ def main():
                                         "num_speculative_tokens": opts["k"]}
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
-    reply({"ready": True, "vllm": vllm.__version__, "load_seconds": time.perf_counter() - t0})
-    for line in sys.stdin:
-        req = json.loads(line)
-        if req.get("op") == "quit":
-            break
+    channel.reply({"ready": True, "vllm": vllm.__version__, "load_seconds": time.perf_counter() - t0})
+    for req in channel.requests():
         if req.get("op") == "speed":
-            reply(speed(llm, SamplingParams, req))
+            channel.reply(speed(llm, SamplingParams, req))
             continue
         params = SamplingParams(max_tokens=req["max_tokens"], temperature=req.get("temperature", 0.0),
                                 seed=req.get("seed"), stop_token_ids=req.get("stop_token_ids") or None,
@@ -130,9 +124,9 @@ def main():
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": req["prompt_token_ids"]}], params, use_tqdm=False)
         secs = time.perf_counter() - t
-        reply({"token_ids": list(outs[0].outputs[0].token_ids), "seconds": secs,
+        channel.reply({"token_ids": list(outs[0].outputs[0].token_ids), "seconds": secs,
                "spec": delta(spec_counters(llm), before)})
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])

@@ -1,0 +1,67 @@
+"""The settings of `eyas evaluate` (the CLI's options and the pipeline's ``evaluate`` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from eyas.checks import at_least
+from eyas.evaluate.prompts import DEFAULT_PROMPTS
+from eyas.settings import setting
+
+ENGINES = ("builtin", "vllm", "both")
+
+
+def _ints(text: str | list[int] | None) -> list[int]:
+    from eyas.errors import EyasError
+
+    if text is None or isinstance(text, list):
+        return list(text or [])
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise EyasError(f"--speed-concurrency {text!r}: expected comma-separated integers, e.g. 1,32") from e
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class EvaluateConfig:
+    target: str = setting("smollm2-135m-instruct", "HF dir, .gguf file or built-in name.")
+    draft: Path = setting(help="Draft checkpoint directory (RUN_DIR/draft from `eyas train`).")
+    prompts: Path = setting(DEFAULT_PROMPTS, "MT-bench style question.jsonl.")
+    out: Path = setting(Path("runs/evaluate"), "Output directory (reports, plots, resumable records).")
+    engine: str = setting("builtin", "builtin (HF target + draft here), vllm (vLLM's own metrics), or both "
+                                     "(and compare).")
+    k: int = setting(3, "Draft tokens per step.", "-k", "--num-speculative-tokens",
+                     check=at_least(1, "draft tokens per step"))
+    temperature: float = setting(0.0, "0 = greedy; > 0 samples with rejection sampling.",
+                                 check=at_least(0, "sampling temperature", "0 is greedy"))
+    max_prompts: int | None = setting(None, "Use only the first N questions.",
+                                      check=at_least(1, "questions used", "leave it out to use all"))
+    max_per_category: int | None = setting(None, "Use only the first N questions of each category.",
+                                           check=at_least(1, "questions per category", "leave it out to use all"))
+    max_new_tokens: int = setting(256, "Tokens generated per turn at most.",
+                                  check=at_least(1, "tokens generated per turn", "e.g. 256"))
+    dtype: str = setting("auto", "Target/draft dtype for both engines: auto (bfloat16 on CUDA, float32 on "
+                                 "the CPU), float32, bfloat16 or float16.")
+    device: str = setting("auto", "builtin: where the HF target and the draft run: auto (cuda when there is "
+                                  "a GPU, else cpu), cuda, cuda:N or cpu.")
+    vllm: str | None = setting(None, "vLLM env: version (.venvs/vllm-VERSION), venv dir or python path "
+                                     "(default: $EYAS_VLLM_PYTHON, this Python if it has vLLM, else the "
+                                     "newest .venvs/vllm-*).", "--vllm")
+    vllm_draft: Path | None = setting(
+        None, "vllm engine: an `eyas export --format vllm` directory of --draft to serve (checked to be an "
+              "export of exactly that draft; the pipeline passes its export stage's). Default: export one "
+              "into OUT/vllm/draft-vllm.")
+    seed: int = setting(0, "Sampling seed.", check=at_least(0))
+    compare_plain: bool = setting(True, "builtin: also decode without the draft, for the speedup "
+                                        "(--no-plain skips that baseline).", "--plain/--no-plain")
+    speed_concurrency: list[int] = setting(
+        [], "vllm: also time serving with and without the draft at these numbers of concurrent requests, "
+            "e.g. 1,32.", "--speed-concurrency", parse=_ints, cli_type=str)
+    progress: bool = setting(True, "Show the progress bar.", "--progress/--quiet")
+
+    def __post_init__(self) -> None:
+        from eyas.checks import check_dataclass
+
+        check_dataclass(self, "evaluate")

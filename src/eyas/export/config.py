@@ -1,0 +1,38 @@
+"""The settings of `eyas export` (the CLI's options and the pipeline's ``export`` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from eyas.checks import at_least
+from eyas.settings import setting
+
+FORMATS = ("vllm", "sglang")
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    ckpt: Path = setting(help="Draft checkpoint directory (RUN_DIR/draft from `eyas train`).")
+    out: Path = setting(help="Directory to write.")
+    target: str | None = setting(
+        None, "The target the draft serves: checked against the draft's layer ids, hidden size, vocab and "
+              "identity. Default: none; the draft's record of its target is used and nothing is resolved.")
+    format: str = setting("vllm", "vllm (speculators-style, `vllm serve DIR`) or sglang "
+                                  "(LlamaForCausalLMEagle3, also loaded by vLLM).", "--format")
+    dtype: str = setting("auto", "auto (keep), bfloat16, float16 or float32.")
+    verifier: str | None = setting(None, "name_or_path recorded as the verifier (vllm format; default: the "
+                                         "--target's local path, else the target path recorded in the draft "
+                                         "at train time).")
+    num_speculative_tokens: int = setting(3, "Default k recorded in the vllm format.",
+                                          "-k", "--num-speculative-tokens",
+                                          check=at_least(1, "draft tokens per step recorded"))
+    check_identity: bool = setting(True, "Refuse a target whose weights/tokenizer fingerprint differs from "
+                                         "the one the draft was trained on (--ignore-identity allows it).",
+                                   "--check-identity/--ignore-identity")
+    overwrite: bool = setting(False, "Replace --out if it exists.")
+
+    def __post_init__(self) -> None:
+        from eyas.checks import check_dataclass
+
+        check_dataclass(self, "export")

@@ -1,0 +1,74 @@
+"""`eyas export`: a trained draft -> the directory vLLM (speculators format) or SGLang loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from typing import Any
+
+from eyas.errors import EyasError
+from eyas.export.config import FORMATS, ExportConfig
+from eyas.fsio import refuse_overlap
+
+DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str | None = None,
+                      **settings: Any) -> Path:
+    """:func:`export` with the settings as keywords (the fields of :class:`ExportConfig`)."""
+    return export(ExportConfig(ckpt=Path(ckpt_dir), format=fmt, out=Path(out), target=target_spec, **settings))
+
+
+def export(cfg: ExportConfig) -> Path:
+    """Check the draft against ``target_spec`` when given, then write the ``fmt`` directory.
+
+    Without a target nothing is resolved (no download, no conversion): the verifier and the
+    target's token ids come from what the draft recorded about its target at train time.
+    """
+    import torch
+
+    from eyas.draft.checks import check_against_target, load_checkpoint
+    from eyas.export.sglang import export_sglang
+    from eyas.export.vllm import export_vllm
+    from eyas.target import resolve_target
+
+    ckpt_dir, fmt, out, target_spec, dtype, verifier = cfg.ckpt, cfg.format, cfg.out, cfg.target, cfg.dtype, cfg.verifier
+    if fmt not in FORMATS:
+        raise EyasError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise EyasError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    torch_dtype = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None
+    # --out never is, holds or lies inside an input, with or without --overwrite
+    ckpt = load_checkpoint(ckpt_dir)
+    inputs = {"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier}
+    refuse_overlap(out, inputs)
+    dcfg = ckpt.config
+    if target_spec is not None:
+        target = resolve_target(target_spec)
+        inputs["the target's files"] = target.path
+        refuse_overlap(out, inputs)
+        target_config = target.config()
+        check_against_target(ckpt, target_config, target.identity, f"target {target_spec!r}",
+                             check_identity=cfg.check_identity)
+        verifier = verifier or str(target.path)
+    else:
+        target_config = None
+        verifier = verifier or dcfg.target_name_or_path
+        if fmt == "vllm" and not verifier:
+            raise EyasError(f"checkpoint {ckpt_dir}: the draft does not record where its target is "
+                            "(trained by an older eyas); pass --target (checked against the draft) "
+                            "or --verifier NAME_OR_PATH (the model vLLM should load as the verifier)")
+    if dcfg.draft_vocab_size == dcfg.vocab_size:
+        # vLLM has no d2t parameter when the vocabularies are equal: only the identity map is valid.
+        if bool((ckpt.tensors["d2t"] != 0).any()):
+            raise EyasError(f"checkpoint {ckpt_dir}: draft_vocab_size equals the target vocab but d2t "
+                            "is not the identity; vLLM cannot load such a mapping")
+        ckpt.tensors.pop("d2t")
+        ckpt.tensors.pop("t2d", None)
+    if fmt == "sglang":
+        return export_sglang(ckpt, target_config, out, torch_dtype, overwrite=cfg.overwrite, inputs=inputs)
+    from eyas.fsio import sha256_file
+
+    return export_vllm(ckpt, target_config, out, verifier, torch_dtype,
+                       cfg.num_speculative_tokens, overwrite=cfg.overwrite, inputs=inputs,
+                       source_sha256=sha256_file(Path(ckpt_dir) / "model.safetensors"))

@@ -1,0 +1,187 @@
+"""The settings of `eyas train`: every flag of the command and every key of the pipeline's ``train``
+section is one field here (:mod:`eyas.settings`), with its one default, help and range."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from eyas.checks import Range, at_least, fraction, positive
+from eyas.errors import EyasError
+from eyas.settings import setting
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+# Settings that measured no gain (benchmarks/): usable only with --experimental, so that the
+# default path is the one that is measured and tested. value -> where it was measured.
+EXPERIMENTAL = {
+    ("compile_scope", "regions"): "steps 1.7x slower than scope model (94.8k vs 164.2k tokens/s, H200; "
+                                  "benchmarks/train_bench.md)",
+    ("compile_mode", "reduce-overhead"): "+0.3% / -6% tokens/s at 16 packs (benchmarks/train_bench.md)",
+    ("compile_mode", "max-autotune-no-cudagraphs"): "never measured faster",
+    ("optimizer", "muon"): "not better than AdamW at equal steps on the CPU proxy "
+                           "(benchmarks/draft_options_cpu.md)",
+}
+EXPERIMENTAL_HEAD = {"fc_norm", "norm_before_fc", "norm_output"}  # --draft-config keys (same measurement)
+
+
+def parse_draft_config(text: str | None) -> dict[str, Any]:
+    """--draft-config 'intermediate_size=2048,fc_norm=true' -> dict of ints/floats/bools."""
+    out: dict[str, Any] = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise EyasError(f"--draft-config {text!r}: expected key=value pairs separated by commas")
+        k, v = (x.strip() for x in part.split("=", 1))
+        if v.lower() in ("true", "false"):
+            out[k] = v.lower() == "true"
+            continue
+        try:
+            out[k] = int(v)
+        except ValueError:
+            try:
+                out[k] = float(v)
+            except ValueError:
+                out[k] = v
+    return out
+
+
+def _layers(text: str | None) -> list[int] | None:
+    from eyas.features.layers import parse_layers
+
+    return parse_layers(text)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    target: str = setting("smollm2-135m-instruct", "HF dir, .gguf file or built-in name.")
+    data: str = setting(help="Prepared dataset directory (from `eyas prepare`).")
+    out: str = setting(help="Run directory: checkpoints/, draft/, metrics.jsonl, loss.png.")
+    store: str | None = setting(None, "Extraction store (offline features, from `eyas extract`).")
+    online: bool = setting(False, "Run the target in this job (no store).", "--online")
+    layers: list[int] | None = setting(
+        None, "Aux layer ids (default 2,N/2,N-3 online; offline: the store's, checked if given).",
+        parse=_layers, cli_type=str)
+    ttt_steps: int = setting(7, "Training-time-test steps unrolled per position.",
+                             check=at_least(1, "training-time-test steps unrolled",
+                                            "use 1 for plain next-token training"))
+    step_decay: float = setting(0.8, "Loss weight of TTT step j is step_decay**j.",
+                                check=positive("loss weight ratio between TTT steps", "e.g. 0.8"))
+    lr: float = setting(1e-4, "Peak learning rate.", check=positive("peak learning rate", "e.g. 1e-4"))
+    min_lr_ratio: float = setting(0.1, "Final learning rate of the cosine decay, as a fraction of the peak.",
+                                  check=fraction("final LR as a fraction of the peak"))
+    weight_decay: float = setting(0.0, "Weight decay (AdamW, and Muon with --optimizer muon).",
+                                  check=at_least(0))
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas.",
+                                         check=Range(lo=0, hi=1, hi_open=True, what="AdamW beta",
+                                                     hint="e.g. 0.9 0.95"))
+    epochs: int = setting(1, "Passes over the training split (ignored with --max-steps).", check=at_least(1))
+    max_steps: int | None = setting(None, "Optimizer steps to run (overrides --epochs).",
+                                    check=at_least(1, "optimizer steps", "leave it out to run --epochs"))
+    # set-up and compilation are not counted; a resumed run counts afresh
+    max_train_seconds: float | None = setting(
+        None, "Stop once this many seconds of training have passed after the first step (set-up and "
+              "compilation not counted) and write the draft; the LR schedule is still the one of "
+              "--max-steps/--epochs.", check=positive("training time budget"))
+    # a pack of fewer than 3 tokens has no position with both an input and a next-token target
+    # left after the shift, and the first backward fails
+    tokens_per_batch: int = setting(2048, "Tokens per pack (documents packed, no cross-attention).",
+                                    check=at_least(3, "tokens per pack",
+                                                   "use at least the dataset's max_length, e.g. 2048"))
+    batch_size: int = setting(1, "Packs per micro-batch.", check=at_least(1, "packs per micro-batch"))
+    grad_accum: int = setting(1, "Micro-batches per optimizer step (per process).",
+                              check=at_least(1, "micro-batches per optimizer step"))
+    warmup: int = setting(50, "Linear warmup steps, then cosine decay.", check=at_least(0, "warmup steps"))
+    clip: float = setting(0.5, "Gradient-norm clip (0 = off).",
+                          check=at_least(0, "gradient-norm clip", "0 turns clipping off"))
+    max_nonfinite_steps: int = setting(
+        3, "A step with a non-finite loss or gradient norm is skipped (not applied); this many in a row "
+           "stop the run with an error naming the step and its samples.")
+    save_every: int = setting(500, "Checkpoint every N optimizer steps (atomic).",
+                              check=at_least(0, "steps between checkpoints", "0 saves only at the end"))
+    keep_checkpoints: int = setting(2, "Checkpoints kept (the newest; 0 keeps all).",
+                                    check=at_least(0, "checkpoints kept", "0 keeps all"))
+    eval_every: int = setting(200, "Held-out acceptance proxy every N steps (0 = only at the end).",
+                              check=at_least(0, "steps between held-out evaluations",
+                                             "0 evaluates only at the end"))
+    eval_batches: int = setting(8, "Held-out micro-batches per evaluation.",
+                                check=at_least(1, "held-out micro-batches per evaluation"))
+    heldout: float = setting(0.02, "Fraction of samples held out (by index hash).",
+                             check=fraction("fraction of samples held out", hi_open=True))
+    log_every: int = setting(1, "Write a training record (metrics.jsonl, TensorBoard) every N steps.",
+                             check=at_least(1, "steps between training records"))
+    resume: bool = setting(False, "Continue from the latest checkpoint in --out.", "--resume")
+    device: str = setting("auto", "cuda, cpu or auto (torchrun: one GPU per process).")
+    precision: str = setting("auto", "bf16 (autocast), fp32, or auto (bf16 on GPU).")
+    seed: int = setting(0, "Seed for init and data order.", check=at_least(0))
+    draft_config: dict[str, Any] = setting(
+        {}, "Draft overrides, e.g. 'intermediate_size=2048,rope_theta=1e6'.", "--draft-config",
+        parse=parse_draft_config, cli_type=str)
+    # None: on where it is measured fast and correct (CUDA, benchmarks/numerics/README.md), off on
+    # the CPU, where inductor's compile costs more than it saves on a short job
+    compile: bool | None = setting(
+        None, "torch.compile the draft's TTT forward and the loss (default: on CUDA, off on the CPU).",
+        "--compile/--no-compile")
+    compile_scope: str = setting(
+        "model", "With --compile: model (the whole TTT forward in one graph) or, with --experimental, "
+                 "regions (each TTT step's two dense regions: 30 s cold on an H200, 1.7x slower steps).")
+    compile_mode: str = setting(
+        "default", "With --compile: torch.compile's mode: default or, with --experimental, "
+                   "reduce-overhead (CUDA graphs) or max-autotune-no-cudagraphs.")
+    fused_loss: bool | None = setting(
+        None, "lm_head, the target distribution and the cross entropy chunked over the positions the "
+              "loss counts: no [tokens, vocab] tensors kept, same loss and gradients (default: on CUDA, "
+              "off on the CPU).", "--fused-loss/--no-fused-loss")
+    loss_chunk: int = setting(4096, "With --fused-loss: rows per chunk (each chunk's fp32 temporaries are "
+                                    "[rows, draft vocab]).", check=at_least(1, "rows per chunk of the fused loss"))
+    optimizer: str = setting("adamw", "adamw, or with --experimental muon: Muon (torch.optim.Muon, "
+                                      "RMS-matched to AdamW's lr) for the layer's and fc's matrices, AdamW "
+                                      "for lm_head and norms.")
+    parallel: str = setting("ddp", "ddp or fsdp2 (sharded params, grads and optimizer state); only used "
+                                   "when torchrun starts more than one process.")
+    attention: str = setting("auto", "TTT attention kernel: dense, flex (block-sparse flex_attention, "
+                                     "compiled; CUDA only for training) or auto (flex on CUDA, dense elsewhere).")
+    experimental: bool = setting(
+        False, "Allow the settings that measured no gain: --compile-scope regions, --compile-mode "
+               "reduce-overhead / max-autotune-no-cudagraphs, --optimizer muon, --draft-config "
+               "fc_norm / norm_before_fc / norm_output.", "--experimental")
+    progress: bool = setting(True, "Show the progress bar.", "--progress/--quiet")
+
+    def __post_init__(self) -> None:
+        from eyas.checks import check_dataclass
+        from eyas.draft import flex
+        from eyas.train import optim, parallel
+        from eyas.train.trainer import autocast_dtype
+
+        check_dataclass(self, "train")  # types and ranges, before anything loads
+        parallel.check_mode(self.parallel)
+        optim.check_kind(self.optimizer)
+        flex.check_kind(self.attention)
+        autocast_dtype("cpu", self.precision)  # the name only
+        if self.compile_scope not in ("regions", "model"):
+            raise EyasError(f"--compile-scope {self.compile_scope!r}: use 'model' or 'regions'")
+        if self.compile_mode not in COMPILE_MODES:
+            raise EyasError(f"--compile-mode {self.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
+        _check_draft_config(self.draft_config)
+        if not self.experimental:
+            for (key, value), why in EXPERIMENTAL.items():
+                if getattr(self, key) == value:
+                    raise EyasError(f"--{key.replace('_', '-')} {value}: measured no gain ({why}); pass "
+                                    "--experimental (train.experimental: true) to use it anyway")
+            heads = sorted(k for k in EXPERIMENTAL_HEAD if self.draft_config.get(k))
+            if heads:
+                raise EyasError(f"--draft-config {', '.join(f'{k}=true' for k in heads)}: measured no gain on "
+                                "the CPU proxy (benchmarks/draft_options_cpu.md); pass --experimental "
+                                "(train.experimental: true) to use it anyway")
+
+
+def _check_draft_config(overrides: dict[str, Any]) -> None:
+    from dataclasses import fields
+
+    from eyas.draft.model import DraftConfig
+
+    allowed = {f.name for f in fields(DraftConfig)} - {"kind", "target", "vocab_size", "draft_vocab_size",
+                                                       "aux_layer_ids", "target_hidden_size"}
+    bad = sorted(set(overrides) - allowed)
+    if bad:
+        raise EyasError(f"--draft-config: unknown or fixed fields {bad}; settable: {sorted(allowed)}")

@@ -1,0 +1,147 @@
+"""The one child-process protocol between eyas and vLLM.
+
+A vLLM job is a module of the worker package (``eyas/vllm/worker``) run as
+``python -m eyas_vllm_worker.<module> JOB.json`` in the vLLM interpreter:
+
+- the package is copied into the job's work directory and is the child's only PYTHONPATH, so the
+  vLLM environment needs nothing of eyas's own dependencies;
+- the job's settings are one JSON file (``JOB.json``);
+- on Linux the child is killed when eyas dies (a killed run leaves no engine writing);
+- vLLM's own output goes to the job's log file;
+- an interactive job answers requests: eyas writes one JSON object per line to its stdin, the
+  worker answers one line ``EYAS-JSON {...}`` per request on stdout (``worker/protocol.py``), and
+  ``{"op": "quit"}`` or the end of stdin ends it. A non-interactive job (extraction) only runs
+  and exits; what it made lies in files.
+
+A child that dies is reported with its exit code, the error lines of its log and the log's path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from eyas.errors import EyasError
+
+WORKER_SRC = Path(__file__).with_name("worker")
+PKG = "eyas_vllm_worker"  # the package's name inside the vLLM interpreter
+PREFIX = "EYAS-JSON "      # marks a reply line on the worker's stdout
+
+
+def die_with_parent() -> None:
+    """Linux: the engine gets SIGKILL when eyas dies, so a killed run leaves no engine writing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
+def install_worker(root: Path) -> Path:
+    """Copy the worker package to ``root/eyas_vllm_worker`` (fresh); returns ``root`` (the PYTHONPATH)."""
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(WORKER_SRC, root / PKG, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def engine_env(pkg_root: Path, extra: dict[str, str] | None = None,
+               multiprocessing: bool | None = None) -> dict[str, str]:
+    """The child's environment: eyas's own, with only the worker package on PYTHONPATH.
+
+    ``multiprocessing``: vLLM's V1 engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING``); None
+    leaves vLLM's default. The hooks backend runs without it (faster start); the connector needs it,
+    because its files are written in engine steps after the requests have returned."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(pkg_root)  # only the engine package: nothing of eyas's own env leaks in
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is larger than needed
+    if multiprocessing is not None:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    env.update(extra or {})
+    return env
+
+
+class WorkerProcess:
+    """One worker-package module running in the vLLM interpreter ``python`` (see the module doc)."""
+
+    def __init__(self, python: str | Path, module: str, job: dict[str, Any], work: Path, log_path: Path, *,
+                 interactive: bool = True, multiprocessing: bool | None = None,
+                 env: dict[str, str] | None = None, cwd: Path | None = None, describe: str = "vLLM worker"):
+        self.work, self.log_path, self.describe = Path(work), Path(log_path), describe
+        self.work.mkdir(parents=True, exist_ok=True)
+        pkg_root = install_worker(self.work / "pkg")
+        job_path = self.work / "job.json"
+        job_path.write_text(json.dumps(job, indent=1))
+        self._log = open(self.log_path, "w")
+        pipe = subprocess.PIPE if interactive else None
+        self.proc = subprocess.Popen(
+            [str(python), "-m", f"{PKG}.{module}", str(job_path)],
+            stdin=pipe if interactive else subprocess.DEVNULL, stdout=pipe if interactive else self._log,
+            stderr=self._log, text=True, bufsize=1, cwd=cwd,
+            env=engine_env(pkg_root, env, multiprocessing), preexec_fn=die_with_parent)
+
+    # ------------------------------------------------------------------ interactive jobs
+
+    def read(self) -> dict[str, Any]:
+        """The worker's next reply; EyasError (exit code, the log's errors, its path) if it died first.
+        A reply ``{"error": ...}`` is the worker refusing the job: raised as it stands."""
+        assert self.proc.stdout is not None, "read() of a non-interactive worker"
+        for line in self.proc.stdout:
+            if line.startswith(PREFIX):
+                reply = json.loads(line[len(PREFIX):])
+                if "error" in reply:
+                    raise EyasError(reply["error"])
+                return reply
+            self._log.write(line)  # printed before the worker took stdout over: it is log, not reply
+        code = self.proc.wait()
+        raise EyasError(f"{self.describe} exited with code {code}; its log is {self.log_path}:\n{self.failure()}")
+
+    def request(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Send one request, return its reply."""
+        assert self.proc.stdin is not None, "request() of a non-interactive worker"
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: read() reports the exit and the log
+        return self.read()
+
+    def close(self, timeout: float = 60) -> None:
+        """Ask an interactive worker to quit (stop it if it does not), close the log."""
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=timeout)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.stop()
+
+    # ------------------------------------------------------------------ every job
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self) -> None:
+        """Terminate the worker if it still runs (kill after 30 s), close the log."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+
+    def failure(self) -> str:
+        """The telling lines of the log: its last error lines, else its tail."""
+        self._log.flush()
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        errs = [ln for ln in lines if "Error" in ln or "error:" in ln][-6:]
+        return "\n".join(errs or lines[-15:])

@@ -1,0 +1,104 @@
+"""One declaration per setting: each stage's CLI and its YAML section come from one dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from eyas.config import RENAMED, STAGES, WIRED, stage_settings, validate
+from eyas.errors import EyasError
+from eyas.settings import command, flag, nested_class
+from eyas.train.config import TrainConfig
+
+COMMANDS = {"prepare": "prepare", "extract": "extract", "train": "train", "export": "export", "evaluate": "evaluate"}
+
+
+def _help(stage: str) -> str:
+    from eyas.cli import app
+
+    res = CliRunner().invoke(app, [stage, "--help"], env={"COLUMNS": "250"}, terminal_width=250)
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def _fields(cls: type) -> list[tuple[type, dataclasses.Field]]:
+    """(class, field) of ``cls`` and of the dataclasses its fields hold (prepare's regenerate)."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        out.append((cls, f))
+        inner = nested_class(hints[f.name])
+        if inner is not None:
+            out += [(inner, g) for g in dataclasses.fields(inner)]
+    return out
+
+
+@pytest.mark.parametrize("stage", list(COMMANDS))
+def test_every_setting_is_an_option_with_help(stage):
+    """`eyas <stage> --help` lists every field of the stage's dataclass under its flag, with the
+    field's own help text."""
+    text = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", _help(stage)))
+    for cls, f in _fields(stage_settings(stage)):
+        if not f.metadata.get("cli", True):
+            continue
+        assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help text"
+        spelled = f.name if (stage, f.name) == ("export", "ckpt") else flag(cls, f.name)  # the one argument
+        assert re.search(rf"(^|\s){re.escape(spelled)}(\s|,|$)", text), f"{spelled} missing from {stage} --help"
+        assert " ".join(f.metadata["help"].split()[:4]) in text, f"{cls.__name__}.{f.name}'s help"
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_yaml_section_takes_exactly_the_dataclass_fields(stage):
+    cls = stage_settings(stage)
+    names = {f.name for f in dataclasses.fields(cls)}
+    assert WIRED[stage] <= names
+    for key in names - WIRED[stage]:  # every field is a key: an unknown one would be refused
+        try:
+            validate({"target": "x", stage: {key: None}}, "t.yaml")
+        except EyasError as e:
+            assert "unknown keys" not in str(e), (stage, key, e)
+    with pytest.raises(EyasError, match=r"unknown keys \['no_such_setting'\]"):
+        validate({"target": "x", stage: {"no_such_setting": 1}}, "t.yaml")
+
+
+@pytest.mark.parametrize("stage, old", [(s, o) for s, m in RENAMED.items() for o in m])
+def test_an_old_key_is_named_with_its_new_name(stage, old):
+    with pytest.raises(EyasError, match=rf"{old} is now called {RENAMED[stage][old]}"):
+        validate({"target": "x", stage: {old: 1}}, "t.yaml")
+
+
+def _parse(*args: str) -> TrainConfig:
+    got = []
+    app = typer.Typer()
+    command(app, "train", TrainConfig, got.append)
+    app.command("noop")(lambda: None)
+    res = CliRunner().invoke(app, ["train", *args])
+    assert res.exit_code == 0, (res.output, res.exception)
+    return got[0]
+
+
+def test_cli_defaults_are_the_dataclass_defaults_and_flags_keep_their_names():
+    assert _parse("--data", "d", "--out", "o") == TrainConfig(data="d", out="o")
+    cfg = _parse("--data", "d", "--out", "o", "--heldout", "0.1", "--draft-config", "intermediate_size=80",
+                 "--layers", "1,4,6", "--betas", "0.8", "0.9", "--keep-checkpoints", "5", "--min-lr-ratio", "0.2",
+                 "--no-compile", "--fused-loss", "--online", "--quiet", "--ttt-steps", "3")
+    assert (cfg.heldout, cfg.draft_config, cfg.layers, cfg.betas, cfg.keep_checkpoints, cfg.min_lr_ratio) == \
+        (0.1, {"intermediate_size": 80}, [1, 4, 6], (0.8, 0.9), 5, 0.2)
+    assert (cfg.compile, cfg.fused_loss, cfg.online, cfg.progress, cfg.ttt_steps) == (False, True, True, False, 3)
+    # unset: decided by the device (on for CUDA, off on the CPU); the CPU job is unchanged
+    assert TrainConfig(data="d", out="o").compile is None and TrainConfig(data="d", out="o").fused_loss is None
+
+
+@pytest.mark.parametrize("kw, flagname", [({"optimizer": "muon"}, "--optimizer muon"),
+                                          ({"compile_scope": "regions"}, "--compile-scope regions"),
+                                          ({"compile_mode": "reduce-overhead"}, "--compile-mode reduce-overhead"),
+                                          ({"draft_config": {"fc_norm": True}}, "--draft-config fc_norm=true")])
+def test_settings_that_measured_no_gain_need_experimental(kw, flagname):
+    with pytest.raises(EyasError, match=rf"{re.escape(flagname)}.*measured no gain.*--experimental"):
+        TrainConfig(data="d", out="o", **kw)
+    TrainConfig(data="d", out="o", experimental=True, **kw)  # allowed with the switch
