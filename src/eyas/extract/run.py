@@ -41,19 +41,20 @@ BACKENDS: dict[str, str] = {"hf": "eyas.extract.run:fill_hf",
                             "vllm-hooks": "eyas.extract.vllm_backend:fill_vllm_hooks"}
 
 
-def resolve_auto_backend(backend: str, vllm_python: str | None) -> tuple[str, str]:
-    """``auto`` -> a concrete backend by the installed vLLM version (hf when there is none)."""
+def resolve_auto_backend(backend: str, vllm_python: str | None) -> tuple[str, str, str | None]:
+    """``auto`` -> a concrete backend by the installed vLLM version (hf when there is none);
+    returns (backend, why, the vLLM version it runs with or None)."""
     if backend not in ("auto", "vllm", "vllm-hooks"):
-        return backend, ""
+        return backend, "", None
     from eyas.extract.vllm_backend import resolve_backend
 
     try:
-        chosen, _, why = resolve_backend(backend, vllm_python)
+        chosen, inst, why = resolve_backend(backend, vllm_python)
     except EyasError as e:
         if backend == "auto" and "no vLLM found" in str(e):
-            return "hf", "auto: hf, because no vLLM was found (" + str(e) + ")"
+            return "hf", "auto: hf, because no vLLM was found (" + str(e) + ")", None
         raise
-    return chosen, why
+    return chosen, why, inst.version
 
 
 @dataclass
@@ -198,8 +199,11 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
                 batch_tokens: int | None = None, writers: int | None = None,
                 model_dtype: str | None = None, progress: bool = True,
                 vllm_python: str | None = None, tensor_parallel_size: int = 1,
-                data_parallel_size: int = 1) -> dict[str, Any]:
-    """Fill (or finish) the store at ``out``; returns the summary (tokens, bytes, tokens/s)."""
+                data_parallel_size: int = 1, self_check: int = 8) -> dict[str, Any]:
+    """Fill (or finish) the store at ``out``; returns the summary (tokens, bytes, tokens/s).
+
+    ``self_check``: on a vLLM backend with an untested vLLM version, first compare that many
+    samples' states with hf's and stop on a mismatch (eyas.extract.selfcheck); 0 skips it."""
     from tqdm import tqdm
 
     from eyas.data.dataset import open_prepared
@@ -210,7 +214,7 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     if model_dtype is not None and model_dtype not in DTYPES:
         raise EyasError(f"--model-dtype {model_dtype!r}: use one of {sorted(DTYPES)}")
     requested = backend
-    backend, why = resolve_auto_backend(backend, vllm_python)
+    backend, why, vllm_version = resolve_auto_backend(backend, vllm_python)
     if why and progress:
         print(f"eyas extract: backend {why}", file=sys.stderr, flush=True)
     fill = _load_backend(backend)
@@ -236,6 +240,20 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
         print(f"eyas extract: {out}: stored shard {bad} failed its checksum and is extracted again",
               file=sys.stderr, flush=True)
     todo = [i for i in range(len(ds)) if i not in writer.done]
+    checked_first = None
+    if self_check and todo and vllm_version is not None:
+        from eyas.extract.backends import vllm_tested
+        from eyas.extract.selfcheck import self_check as run_self_check
+
+        status = vllm_tested(vllm_version)
+        if not status.tested:
+            try:
+                checked_first = run_self_check(target, tgt, ds, todo, self_check, backend, Path(out), aux,
+                                               device, model_dtype, vllm_python, tensor_parallel_size,
+                                               status.note)
+            except BaseException:
+                writer.abort()
+                raise
     total = int(ds.lengths[todo].sum()) if todo else 0
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract ({backend}, {device})",
                disable=not progress, smoothing=0.1)
@@ -264,7 +282,8 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
     return {"tokens": tokens, "bytes": writer.bytes_written,
             "bytes_per_token": writer.bytes_written / tokens if tokens else 0.0,
             "seconds": elapsed, "tokens_per_s": tokens / elapsed if tokens and elapsed else 0.0,
-            "store_tokens": manifest["tokens"], "samples": len(ds), "resumed_from": len(ds) - len(todo)}
+            "store_tokens": manifest["tokens"], "samples": len(ds), "resumed_from": len(ds) - len(todo),
+            "self_check": checked_first}
 
 
 def register(app: typer.Typer) -> None:
@@ -293,6 +312,9 @@ def register(app: typer.Typer) -> None:
         tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM tensor parallelism."),
         data_parallel_size: int = typer.Option(1, "--data-parallel-size", help="Number of vLLM engines, "
                                                "each over its own shard of the data."),
+        self_check: int = typer.Option(8, "--self-check", help="With a vLLM backend on a vLLM version "
+                                       "eyas has not tested: first extract this many samples with it and "
+                                       "with hf and stop if their states differ; 0 skips the check."),
     ) -> None:
         """Run the target over a prepared dataset and store aux + final hidden states."""
         from rich.console import Console
@@ -329,7 +351,7 @@ def register(app: typer.Typer) -> None:
                         device=device, batch_tokens=batch_tokens or None, writers=writers or None,
                         model_dtype=model_dtype, vllm_python=vllm_python,
                         tensor_parallel_size=tensor_parallel_size,
-                        data_parallel_size=data_parallel_size)
+                        data_parallel_size=data_parallel_size, self_check=self_check)
         console.print(f"stored {s['samples']} samples ({s['resumed_from']} were already there): "
                       f"{s['tokens']:,} tokens this run, {s['bytes'] / 1e9:.3f} GB, "
                       f"{s['bytes_per_token']:.0f} B/token, {s['seconds']:.1f} s, "

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
-from eyas.extract.backends import choose_vllm_backend
+from eyas.extract.backends import choose_vllm_backend, is_cpu_build
 from eyas.extract.vllm_worker.chunks import list_chunks, read_chunk
 
 WORKER_SRC = Path(__file__).with_name("vllm_worker")
@@ -111,7 +111,8 @@ def resolve_backend(requested: str, vllm_python: str | None = None) -> tuple[str
     """``auto``/``vllm``/``vllm-hooks`` -> (backend, install, message saying what and why)."""
     python, why_python = find_vllm_python(vllm_python)
     inst = probe_vllm(python)
-    backend, why = choose_vllm_backend(requested, inst.version, where=python)
+    cpu = inst.version is not None and is_cpu_build(inst.version, inst.dist)
+    backend, why = choose_vllm_backend(requested, inst.version, where=python, cpu_build=cpu)
     return backend, inst, f"{backend}: {why} (interpreter chosen by {why_python})"
 
 
@@ -209,11 +210,19 @@ def _engine_env(pkg_root: Path, extra: dict[str, str], backend: str) -> dict[str
 # ----------------------------------------------------------------------- collecting
 
 
+def _engine_aux(job) -> list[int]:
+    """The aux ids the engine is asked for. Fault injection for the self-check's test:
+    ``$EYAS_FAULT_VLLM_AUX_SHIFT=K`` asks for layers K further on and stores them under the
+    requested ids, i.e. a backend with a layer off-by-K."""
+    shift = int(os.environ.get("EYAS_FAULT_VLLM_AUX_SHIFT") or 0)
+    return [min(a + shift, job.final_layer - 1) for a in job.aux_layers]
+
+
 def _collect(job, chunk_dir: Path, final_id: int) -> int:
     """Move every finished chunk in ``chunk_dir`` into the store; returns samples added."""
     added = 0
     ds, writer = job.dataset, job.writer
-    want = [*job.aux_layers, final_id]
+    want = [*_engine_aux(job), final_id]
     for path in list_chunks(chunk_dir):
         meta, samples = read_chunk(path)
         if meta.get("aux") is not None and [*meta["aux"], meta["final"]] != want:
@@ -271,7 +280,7 @@ def fill_vllm_any(job, backend: str) -> None:
             spec = {
                 "backend": backend, "model": str(job.target.path),
                 "dtype": VLLM_DTYPES.get(model_dtype, "auto") if model_dtype else "auto",
-                "aux": list(job.aux_layers), "final": final_id,
+                "aux": _engine_aux(job), "final": final_id,
                 "prompts": str(edir / "prompts.npz"), "out_dir": str(chunk_dir),
                 "work_dir": str(edir), "tag": f"{rank}-{int(time.time())}",
                 "max_model_len": max_len, "tensor_parallel_size": tp,
