@@ -208,7 +208,8 @@ def test_self_check_on_an_untested_version_passes_a_correct_backend(version, tar
     py = vllm_python(version)
     monkeypatch.setenv("EYAS_TESTED_VLLM", "0.12.0")  # every version newer: untested
     tdir, data, hf_store = targets["llama"]
-    out = tmp_path / "store"
+    monkeypatch.chdir(tmp_path)
+    out = Path("store")  # relative: the engines run in their own cwd and must still find their files
     s = run_extract(tdir, data, out, backend="auto", dtype="fp32", model_dtype="fp32", vllm_python=py,
                     self_check=4, progress=True)
     err = capfd.readouterr().err

@@ -38,7 +38,7 @@ class VllmGenerator:
             raise EyasError(f"{python} (chosen by {why}) has no vLLM; pass --vllm-python or use "
                             "--gen-backend hf")
         self.describe = f"vLLM {inst.version} ({python}, chosen by {why})"
-        self.work = Path(work)
+        self.work = Path(work).resolve()  # the engine runs in it: a relative path would not reach it
         shutil.rmtree(self.work, ignore_errors=True)
         shutil.copytree(WORKER_SRC, self.work / "pkg" / PKG, ignore=shutil.ignore_patterns("__pycache__"))
         job = {"model": str(target_path), "work_dir": str(self.work), "max_model_len": int(max_model_len),

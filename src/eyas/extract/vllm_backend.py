@@ -253,7 +253,8 @@ def fill_vllm_any(job, backend: str) -> None:
     if resolved != backend:
         raise EyasError(f"backend {backend} was asked for but {message}")
     print(f"eyas extract: {message}", file=sys.stderr, flush=True)
-    work = Path(job.writer.path) / ".vllm-work"
+    # absolute: the engine runs with its own cwd, and this path is on its PYTHONPATH
+    work = Path(job.writer.path).resolve() / ".vllm-work"
     chunk_dir = work / "chunks"
     final_id = job.final_layer
     job.stats["t_first_batch"] = time.perf_counter()
