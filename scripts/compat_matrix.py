@@ -266,6 +266,18 @@ def table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def tested_mismatch(doc: dict) -> str | None:
+    """What TESTED_VLLM (eyas's installed copy of the matrix's verdict) should be, if it differs."""
+    from eyas.extract.backends import TESTED_VLLM
+
+    passing = {r["version"]: r.get("backend") for r in doc["rows"]
+               if all(r["checks"].get(c, {}).get("status") == "pass" for c in ("extract_llama", "extract_qwen3"))}
+    if passing == TESTED_VLLM:
+        return None
+    return (f"TESTED_VLLM in src/eyas/extract/backends.py is {TESTED_VLLM}, the matrix passes {passing}: "
+            "update it (tests/test_vllm_choice.py checks the two agree)")
+
+
 def write_readme(doc: dict) -> None:
     text = README.read_text()
     a, b = text.index(START) + len(START), text.index(END)
@@ -300,6 +312,9 @@ def main() -> int:
         write_readme(doc)
         print(f"{v}: " + ", ".join(f"{c} {x['status']}" for c, x in row["checks"].items())
               + f"; backend {row.get('backend')}; {row['total_seconds']} s", flush=True)
+    stale = tested_mismatch(doc)
+    if stale:
+        print(stale, flush=True)
     return 0
 
 
