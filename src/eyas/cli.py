@@ -55,8 +55,10 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print machine-rea
         out.print(f"[bold]{'--backend auto':13}[/bold] {auto['backend']} with vLLM {auto['vllm']} "
                   f"({auto['python']}): {flag}{auto['note']}")
         if not auto["tested"]:
-            out.print(" " * 14 + "eyas extract first compares the first 8 samples' states with --backend hf "
-                      "and stops on a mismatch (--self-check N; 0 skips it)")
+            from eyas.extract.selfcheck import DEFAULT_SAMPLES
+
+            out.print(" " * 14 + f"eyas extract first compares the first {DEFAULT_SAMPLES} samples' states with "
+                      "--backend hf and stops on a mismatch (--self-check N; 0 skips it)")
     else:
         out.print(f"[bold]{'--backend auto':13}[/bold] {auto['backend'] or 'none'}: {auto['why']}")
 

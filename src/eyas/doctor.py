@@ -25,7 +25,7 @@ def auto_choice() -> dict[str, Any]:
         no_vllm = "no vLLM found" in str(e)
         return {"backend": "hf" if no_vllm else None, "vllm": None, "tested": None,
                 "why": ("hf, because " if no_vllm else "refused: ") + str(e)}
-    st = vllm_tested(inst.version)
+    st = vllm_tested(inst.version, backend)
     return {"backend": backend, "vllm": inst.version, "python": python, "found_by": found_by,
             "tested": st.tested, "newest_tested": st.newest_tested, "note": st.note, "why": why}
 

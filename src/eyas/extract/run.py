@@ -245,7 +245,7 @@ def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int
         from eyas.extract.backends import vllm_tested
         from eyas.extract.selfcheck import self_check as run_self_check
 
-        status = vllm_tested(vllm_version)
+        status = vllm_tested(vllm_version, backend)
         if not status.tested:
             try:
                 checked_first = run_self_check(target, tgt, ds, todo, self_check, backend, Path(out), aux,
