@@ -272,3 +272,23 @@ def test_self_check_rule_passes_bf16_noise_and_fails_real_faults():
     few_bad = _report([("aux layer 2", 0.9, 1 - 30 * 0.1 / 4000, 30), ("final (layer 8)", 1.0, 1.0, 0)], 4000)
     assert few_bad["slots"][0]["mean_cosine"] >= 0.999
     assert len(verdict(few_bad)) == 1 and "(0.75%) below 0.99" in verdict(few_bad)[0]
+
+
+def test_self_check_runs_hf_in_fp32_where_it_fits_else_smaller_else_says_why(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    import eyas.extract.selfcheck as sc
+    import tiny
+
+    tdir = tiny.make_target(tmp_path / "t")
+    numel = sc.weight_numel(tdir)
+    model = AutoModelForCausalLM.from_pretrained(tdir)
+    # tied embeddings are stored once: count what the files hold
+    assert numel == sum(t.numel() for t in {p.data_ptr(): p for p in model.parameters()}.values())
+    assert sc.hf_dtype(tdir, "cpu", None)[0] == "fp32"  # a tiny target fits the host
+    # the device's free memory is what decides (here set, as a device would report it)
+    monkeypatch.setattr(sc, "free_bytes", lambda device: int(numel * 3))
+    assert sc.hf_dtype(tdir, "cuda:0", "bf16")[0] == "bf16"
+    monkeypatch.setattr(sc, "free_bytes", lambda device: int(numel))
+    dtype, why = sc.hf_dtype(tdir, "cuda:0", None)
+    assert dtype is None and "needs" in why and "cuda:0 has" in why
