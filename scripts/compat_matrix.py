@@ -223,8 +223,11 @@ def note(msg: str) -> str:
     lines = [x for x in lines if x and not GENERIC.search(x)]
     if not lines:
         return msg.strip().splitlines()[-1][:300]
-    exc = [x for x in lines[1:] if re.match(r"\w+(Error|Exception)\b", x)]
-    best = (exc or lines)[0]
+    exc = [i for i, x in enumerate(lines) if i and re.match(r"[\w.]+(Error|Exception)\b", x)]
+    at = exc[0] if exc else 0
+    best = lines[at]
+    if best.endswith(":") and at + 1 < len(lines):  # e.g. the self-check: its first figure follows
+        best += " " + lines[at + 1]
     return best[:300]
 
 

@@ -160,7 +160,7 @@ def self_check(target_spec: str, target, ds, todo: list[int], n: int, backend: s
     if bad:
         raise EyasError(
             f"self-check failed: {backend}'s states for the first {rep['samples']} samples differ from "
-            f"--backend hf's ({why}):\n  " + "\n  ".join(bad) + f"\nNothing was extracted into {out}. Both "
+            "--backend hf's:\n  " + "\n  ".join(bad) + f"\n({why}.) Nothing was extracted into {out}. Both "
             f"stores are kept: `eyas extract --verify {work / backend} --against {work / 'hf'}` lists every "
             "sample. Use --backend hf, a tested vLLM version, or --self-check 0 to extract anyway")
     say(f"passed: {rep['samples']} samples, {rep['tokens']} tokens, lowest mean cosine {worst:.6f}, "
