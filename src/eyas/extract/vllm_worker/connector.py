@@ -77,10 +77,13 @@ class EyasHiddenStatesConnector(ExampleHiddenStatesConnector):
             return super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
         # The stock queue-in-save_kv_layer flavour (0.22) records torch.cuda.Events here; on the
         # host the copy is made now and the stock wait_for_save hands it to the writer threads.
-        from vllm.forward_context import get_forward_context
-
+        # The stock method reads the same slot mapping from vLLM's forward context (an internal).
+        slot_mapping = getattr(attn_metadata, "slot_mapping", None)
+        if slot_mapping is None:
+            raise RuntimeError(f"eyas connector: the hidden-states layer's metadata "
+                               f"({type(attn_metadata).__name__}) has no slot_mapping in this vLLM; "
+                               "use --backend vllm-hooks or another vLLM version")
         os.makedirs(self._storage_path, exist_ok=True)
-        slot_mapping = get_forward_context().slot_mapping[layer_name]
         offset = 0
         for request in self._get_connector_metadata().requests:
             n = request.token_ids.shape[0]
