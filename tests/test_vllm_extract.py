@@ -216,3 +216,56 @@ def test_resume_after_kill(version, targets, tmp_path):
     resumed = re.search(r"\((\d+) were already there\)", res.stderr)
     assert resumed and 0 < int(resumed.group(1)) < len(LENGTHS), res.stderr[-2000:]
     compare_stores(store, hf_store)
+
+
+# ------------------------------------------- self-check on an untested vLLM (issue 22, item 4)
+
+
+@pytest.mark.parametrize("version", versions())
+def test_self_check_on_an_untested_version_passes_a_correct_backend(version, targets, tmp_path, capfd,
+                                                                   monkeypatch):
+    """Pretend the installed vLLM is untested: extract first compares 4 samples with hf, passes,
+    then fills the whole store (which still matches hf)."""
+    from eyas.extract.run import run_extract
+
+    py = vllm_python(version)
+    monkeypatch.setenv("EYAS_TESTED_VLLM", "0.12.0")  # every version newer: untested
+    tdir, data, hf_store = targets["llama"]
+    monkeypatch.chdir(tmp_path)
+    out = Path("store")  # relative: the engines run in their own cwd and must still find their files
+    s = run_extract(tdir, data, out, backend="auto", dtype="fp32", model_dtype="fp32", vllm_python=py,
+                    self_check=4, progress=True)
+    err = capfd.readouterr().err
+    assert "untested: newer than the newest tested, 0.12.0" in err
+    chk = s["self_check"]
+    assert chk["ran"] and chk["ok"] and chk["samples"] == 4 and chk["hf_dtype"] == "fp32"
+    assert chk["tokens"] == sum(LENGTHS[:4]) and chk["lowest_mean_cosine"] > 0.9999
+    assert "self-check: passed: 4 samples" in err
+    assert not (tmp_path / ".store.self-check").exists()  # removed once passed
+    assert s["samples"] == len(LENGTHS) and s["resumed_from"] == 0
+    compare_stores(out, hf_store)
+
+
+@pytest.mark.parametrize("version", versions())
+def test_self_check_stops_a_backend_that_stores_the_wrong_layers(version, targets, tmp_path, monkeypatch):
+    """The vLLM backend made to store the layer after each aux id (a layer off-by-one, injected on
+    eyas's side of it): the self-check stops the run with per-slot figures and stores nothing."""
+    from eyas.extract.run import run_extract
+    from eyas.extract.store import open_store
+
+    py = vllm_python(version)
+    monkeypatch.setenv("EYAS_TESTED_VLLM", "0.12.0")
+    monkeypatch.setenv("EYAS_FAULT_VLLM_AUX_SHIFT", "1")
+    tdir, data, _ = targets["llama"]
+    out = tmp_path / "store"
+    with pytest.raises(EyasError, match="self-check failed") as e:
+        run_extract(tdir, data, out, backend="auto", dtype="fp32", model_dtype="fp32", vllm_python=py,
+                    self_check=4, progress=False)
+    msg = str(e.value)
+    # aux ids 2,4,5 (8 layers) got 3,5,6: every aux slot fails, the final state (id 8) is right
+    for k in (2, 4, 5):
+        assert re.search(rf"aux layer {k}: mean cosine 0\.\d+ \(needs >= 0\.999\)", msg), msg
+    assert "final (layer 8)" not in msg and f"Nothing was extracted into {out}" in msg
+    kept = tmp_path / ".store.self-check"
+    assert f"--verify {kept}" in msg and (kept / "hf" / "manifest.json").is_file()
+    assert len(open_store(out, allow_incomplete=True)) == 0

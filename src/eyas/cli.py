@@ -49,6 +49,18 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print machine-rea
     for b in info["backends"]:
         table.add_row(b["name"], "yes" if b["usable"] else "no", b["reason"])
     out.print(table)
+    auto = info["auto"]
+    if auto.get("vllm"):
+        flag = "[bold yellow]UNTESTED[/bold yellow] " if not auto["tested"] else ""
+        out.print(f"[bold]{'--backend auto':13}[/bold] {auto['backend']} with vLLM {auto['vllm']} "
+                  f"({auto['python']}): {flag}{auto['note']}")
+        if not auto["tested"]:
+            from eyas.extract.selfcheck import DEFAULT_SAMPLES
+
+            out.print(" " * 14 + f"eyas extract first compares the first {DEFAULT_SAMPLES} samples' states with "
+                      "--backend hf and stops on a mismatch (--self-check N; 0 skips it)")
+    else:
+        out.print(f"[bold]{'--backend auto':13}[/bold] {auto['backend'] or 'none'}: {auto['why']}")
 
 
 for _mod in STAGE_MODULES:

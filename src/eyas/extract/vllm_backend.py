@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
-from eyas.extract.backends import choose_vllm_backend
+from eyas.extract.backends import choose_vllm_backend, is_cpu_build
 from eyas.vllm import VLLM_DTYPES
 from eyas.vllm.find import VllmInstall, find_vllm_python, probe_vllm
 from eyas.vllm.process import WorkerProcess
@@ -36,7 +36,8 @@ def resolve_backend(requested: str, vllm_python: str | None = None) -> tuple[str
     """``auto``/``vllm``/``vllm-hooks`` -> (backend, install, message saying what and why)."""
     python, why_python = find_vllm_python(vllm_python)
     inst = probe_vllm(python)
-    backend, why = choose_vllm_backend(requested, inst.version, where=python)
+    cpu = inst.version is not None and is_cpu_build(inst.version, inst.dist)
+    backend, why = choose_vllm_backend(requested, inst.version, where=python, cpu_build=cpu)
     return backend, inst, f"{backend}: {why} (interpreter chosen by {why_python})"
 
 
@@ -85,11 +86,19 @@ def _device_env(rank: int, tp: int, dp: int) -> dict[str, str]:
 # ----------------------------------------------------------------------- collecting
 
 
+def _engine_aux(job) -> list[int]:
+    """The aux ids the engine is asked for. Fault injection for the self-check's test:
+    ``$EYAS_FAULT_VLLM_AUX_SHIFT=K`` asks for layers K further on and stores them under the
+    requested ids, i.e. a backend with a layer off-by-K."""
+    shift = int(os.environ.get("EYAS_FAULT_VLLM_AUX_SHIFT") or 0)
+    return [min(a + shift, job.final_layer - 1) for a in job.aux_layers]
+
+
 def _collect(job, chunk_dir: Path, final_id: int) -> int:
     """Move every finished chunk in ``chunk_dir`` into the store; returns samples added."""
     added = 0
     ds, writer = job.dataset, job.writer
-    want = [*job.aux_layers, final_id]
+    want = [*_engine_aux(job), final_id]
     for path in list_chunks(chunk_dir):
         meta, samples = read_chunk(path)
         if meta.get("aux") is not None and [*meta["aux"], meta["final"]] != want:
@@ -120,7 +129,8 @@ def fill_vllm_any(job, backend: str) -> None:
     if resolved != backend:
         raise EyasError(f"backend {backend} was asked for but {message}")
     print(f"eyas extract: {message}", file=sys.stderr, flush=True)
-    work = Path(job.writer.path) / ".vllm-work"
+    # absolute: the engine runs with its own cwd, and this path is on its PYTHONPATH
+    work = Path(job.writer.path).resolve() / ".vllm-work"
     chunk_dir = work / "chunks"
     final_id = job.final_layer
     job.stats["t_first_batch"] = time.perf_counter()
@@ -144,7 +154,7 @@ def fill_vllm_any(job, backend: str) -> None:
             spec = {
                 "backend": backend, "model": str(job.target.path),
                 "dtype": VLLM_DTYPES.get(model_dtype, "auto") if model_dtype else "auto",
-                "aux": list(job.aux_layers), "final": final_id,
+                "aux": _engine_aux(job), "final": final_id,
                 "prompts": str(edir / "prompts.npz"), "out_dir": str(chunk_dir),
                 "work_dir": str(edir), "tag": f"{rank}-{int(time.time())}",
                 "max_model_len": max_len, "tensor_parallel_size": tp,

