@@ -251,7 +251,7 @@ def test_self_check_stops_a_backend_that_stores_the_wrong_layers(version, target
     """The vLLM backend made to store the layer after each aux id (a layer off-by-one, injected on
     eyas's side of it): the self-check stops the run with per-slot figures and stores nothing."""
     from eyas.extract.run import run_extract
-    from eyas.extract.store import open_store
+    from eyas.features.reader import open_store
 
     py = vllm_python(version)
     monkeypatch.setenv("EYAS_TESTED_VLLM", "0.12.0")
