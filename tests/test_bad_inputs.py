@@ -383,14 +383,17 @@ def _flip_a_byte(f: Path) -> None:
         fh.write(bytes([b[0] ^ 0xFF]))
 
 
-@pytest.fixture
-def store(tmp_path, tiny_target, train_data) -> Path:
+def _extract(out: Path, tiny_target, train_data, dtype: str) -> Path:
     from eyas.extract.run import run_extract
 
-    st = tmp_path / "store"
-    run_extract(str(tiny_target.path), train_data, st, [1, 4, 6], dtype="fp32", device="cpu",
+    run_extract(str(tiny_target.path), train_data, out, [1, 4, 6], dtype=dtype, device="cpu",
                 batch_tokens=400, progress=False)
-    return st
+    return out
+
+
+@pytest.fixture
+def store(tmp_path, tiny_target, train_data) -> Path:
+    return _extract(tmp_path / "store", tiny_target, train_data, "fp32")
 
 
 def test_bad_input_store_shard_flipped_byte_stops_training(tmp_path, tiny_target, train_data, store):
@@ -429,12 +432,7 @@ def test_bad_input_store_shard_flipped_byte_rewritten_by_extract_rerun(tmp_path,
 
 @pytest.fixture
 def fp8_store(tmp_path, tiny_target, train_data) -> Path:
-    from eyas.extract.run import run_extract
-
-    st = tmp_path / "fp8-store"
-    run_extract(str(tiny_target.path), train_data, st, [1, 4, 6], dtype="fp8", device="cpu",
-                batch_tokens=400, progress=False)
-    return st
+    return _extract(tmp_path / "fp8-store", tiny_target, train_data, "fp8")
 
 
 def _scale_span(shard: Path) -> tuple[int, int]:

@@ -223,35 +223,46 @@ def _resume_first_checkpoint_in_one_process(tiny_target, data, run: Path, steps,
     return load_file(str(run / "draft" / "model.safetensors"))
 
 
-def test_fsdp2_two_processes_match_single_process(tiny_target, data, tmp_path):
-    """FSDP2 (fully_shard on gloo) with the same global batch gives the single process's losses and
-    weights; its checkpoint is the same full format (it resumes in one process, equal to uninterrupted)."""
-    steps = ["--max-steps", "4", "--eval-batches", "3", "--heldout", "0.15"]  # 3 held-out packs
+def _single_and_fsdp2(tiny_target, data, tmp_path, steps: list[str]) -> tuple[Path, Path]:
+    """The same global batch twice: grad-accum 2 in one process, and FSDP2 over 2 gloo ranks (which
+    checkpoints at step 2). Returns the two run directories."""
     single = tmp_path / "single"
     subprocess.run(_cli(*_train_args(tiny_target, data, single, *steps, "--save-every", "0",
                                      "--grad-accum", "2")), env=ENV, check=True, capture_output=True)
     fsdp = tmp_path / "fsdp"
     res = subprocess.run(_torchrun(*_train_args(tiny_target, data, fsdp, *steps, "--save-every", "2",
-                                                "--parallel", "fsdp2")),
-                         env=ENV, capture_output=True, text=True)
+                                                "--parallel", "fsdp2")), env=ENV, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
-    summary = json.loads((fsdp / "summary.json").read_text())
-    assert summary["parallel"] == "fsdp2" and summary["attention"] == "dense"  # auto on CPU
-    l1 = [r["loss"] for r in _records(single)]
-    l2 = [r["loss"] for r in _records(fsdp)]
+    return single, fsdp
+
+
+def _assert_fsdp2_matches_single(single: Path, fsdp: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses, gradient norms (the clip norm is the whole gradient's, not one rank's shard), the
+    held-out evaluation (3 batches over 2 ranks: one rank runs a padding batch, each position
+    counted once) and the draft's weights agree. Returns the single run's losses and weights."""
+    l1, l2 = [r["loss"] for r in _records(single)], [r["loss"] for r in _records(fsdp)]
     assert len(l1) == len(l2) == 4
     assert l1 == pytest.approx(l2, rel=1e-5)
-    # the clip norm is the norm of the whole gradient, not of one rank's shard
     g1, g2 = [r["grad_norm"] for r in _records(single)], [r["grad_norm"] for r in _records(fsdp)]
     assert g1 == pytest.approx(g2, rel=1e-4)
-    # held-out evaluation (3 batches over 2 ranks: one rank runs a padding batch) counts each position once
     h1, h2 = _records(single, "heldout")[-1], _records(fsdp, "heldout")[-1]
     assert h1["positions"] == h2["positions"] and h1["loss"] == pytest.approx(h2["loss"], rel=1e-5)
     a = load_file(str(single / "draft" / "model.safetensors"))
     b = load_file(str(fsdp / "draft" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
+    return l1, a
+
+
+def test_fsdp2_two_processes_match_single_process(tiny_target, data, tmp_path):
+    """FSDP2 (fully_shard on gloo) with the same global batch gives the single process's losses and
+    weights; its checkpoint is the same full format (it resumes in one process, equal to uninterrupted)."""
+    steps = ["--max-steps", "4", "--eval-batches", "3", "--heldout", "0.15"]  # 3 held-out packs
+    single, fsdp = _single_and_fsdp2(tiny_target, data, tmp_path, steps)
+    summary = json.loads((fsdp / "summary.json").read_text())
+    assert summary["parallel"] == "fsdp2" and summary["attention"] == "dense"  # auto on CPU
+    l1, a = _assert_fsdp2_matches_single(single, fsdp)
     # the step-2 checkpoint is a full, unsharded state: optimizer ids 0..n-1 with whole tensors
     ck = checkpoint_dirs(fsdp)[0]
     assert ck.name == "step-00000002"
@@ -455,28 +466,10 @@ def test_fsdp2_fused_loss_matches_single_process(tiny_target, data, tmp_path):
     global batch: grad-accum 2 in one process). Adam moves lm_head by far more than the tolerance,
     so a wrong or missing shard gradient fails. It resumes in one process like any FSDP2 run."""
     steps = ["--max-steps", "4", "--eval-batches", "3", "--heldout", "0.15", "--fused-loss", "--loss-chunk", "7"]
-    single = tmp_path / "single"
-    subprocess.run(_cli(*_train_args(tiny_target, data, single, *steps, "--save-every", "0",
-                                     "--grad-accum", "2")), env=ENV, check=True, capture_output=True)
-    fsdp = tmp_path / "fsdp"
-    res = subprocess.run(_torchrun(*_train_args(tiny_target, data, fsdp, *steps, "--save-every", "2",
-                                                "--parallel", "fsdp2")), env=ENV, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
+    single, fsdp = _single_and_fsdp2(tiny_target, data, tmp_path, steps)
     assert json.loads((fsdp / "summary.json").read_text())["parallel"] == "fsdp2"
-    l1, l2 = [r["loss"] for r in _records(single)], [r["loss"] for r in _records(fsdp)]
-    assert len(l1) == len(l2) == 4
-    assert l1 == pytest.approx(l2, rel=1e-5)
-    g1, g2 = [r["grad_norm"] for r in _records(single)], [r["grad_norm"] for r in _records(fsdp)]
-    assert g1 == pytest.approx(g2, rel=1e-4)
-    a1, a2 = [r["acc"] for r in _records(single)], [r["acc"] for r in _records(fsdp)]
-    assert a1 == a2
-    h1, h2 = _records(single, "heldout")[-1], _records(fsdp, "heldout")[-1]
-    assert h1["positions"] == h2["positions"] and h1["loss"] == pytest.approx(h2["loss"], rel=1e-5)
-    a = load_file(str(single / "draft" / "model.safetensors"))
-    b = load_file(str(fsdp / "draft" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
+    l1, a = _assert_fsdp2_matches_single(single, fsdp)
+    assert [r["acc"] for r in _records(single)] == [r["acc"] for r in _records(fsdp)]
     # the checkpoint is full (lm_head whole, its AdamW state too) and resumes in one process
     w = load_file(str(checkpoint_dirs(fsdp)[0] / "model.safetensors"))
     assert w["lm_head.weight"].shape == a["lm_head.weight"].shape
