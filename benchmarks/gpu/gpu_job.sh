@@ -17,10 +17,13 @@
 #   both     eyas evaluate --engine both (builtin records resume) --speed-concurrency 1,32
 #   regen    eyas prepare --regenerate of all of ShareGPT with vLLM, for at most BUDGET_S seconds
 #            (answers resume); its answers come back xz-compressed in parts of at most 15 MB
+#   pipeline eyas pipeline configs/smollm2-h200.yaml for at most BUDGET_S seconds a call (its stages
+#            resume; the first call seeds the regeneration with .carry/regen's answers); the answers
+#            come back as regen's, the stages' small results in pipeline.tgz
 # What comes back in $OUT: log.txt (this call), steps.tsv (every step so far: name, rc, seconds),
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
-STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|both|regen}
+STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|both|regen|pipeline}
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 export OUT=${OUT:-/tmp/out}
@@ -78,6 +81,28 @@ case $STEP in
       python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.compress(open(sys.argv[1], 'rb').read(), preset=2))" \
         "$J/regen/regenerated.jsonl" | split -b 15M -d -a 1 - "$OUT/regenerated.jsonl.xz.part"
     fi
+    ;;
+  pipeline)
+    # the whole job, as a user runs it; resumable, so it goes on over calls of at most BUDGET_S
+    W=runs/smollm2-h200
+    if [ ! -s "$W/prepared/regenerated.jsonl" ] && [ -s .carry/regen/regenerated.jsonl.xz ]; then
+      mkdir -p "$W/prepared"  # a previous session's answers: the regeneration resumes after them
+      python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
+        .carry/regen/regenerated.jsonl.xz > "$W/prepared/regenerated.jsonl"
+      cp .carry/regen/regenerate.json "$W/prepared/"
+      echo "pipeline: seeded $(wc -l < "$W/prepared/regenerated.jsonl") answers from .carry/regen"
+    fi
+    step pipeline timeout -s INT "${BUDGET_S:-560}" eyas pipeline configs/smollm2-h200.yaml
+    if [ -s "$W/prepared/regenerated.jsonl" ]; then
+      echo "regen: $(wc -l < "$W/prepared/regenerated.jsonl") answers so far"
+      python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.compress(open(sys.argv[1], 'rb').read(), preset=2))" \
+        "$W/prepared/regenerated.jsonl" | split -b 15M -d -a 1 - "$OUT/regenerated.jsonl.xz.part"
+      cp "$W/prepared/regenerate.json" "$OUT/" 2>/dev/null
+    fi
+    ( cd "$W" && tar -czf "$OUT/pipeline.tgz" --exclude='*.safetensors' --exclude='*.pt' \
+        --exclude='checkpoints' --exclude='draft-vllm' pipeline-config.json pipeline-timings.json \
+        prepared/manifest.json prepared/regenerate.json prepared/regenerate-vllm*.log train/summary.json \
+        train/metrics.jsonl train/*.png train/draft/*.json export-vllm/*.json eval 2>/dev/null )
     ;;
   *) echo "unknown step $STEP"; exit 2 ;;
 esac

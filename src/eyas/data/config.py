@@ -19,8 +19,14 @@ class RegenerateOptions:
                            check=Range(lo=0, hi=1, lo_open=True, what="nucleus sampling mass"))
     max_new_tokens: int = setting(512, "--regenerate answer length limit.", check=at_least(1, "answer length limit"))
     seed: int = setting(0, "--regenerate sampling seed.", check=at_least(0))
-    batch_size: int = setting(32, "--regenerate prompts per batch (vLLM: 256+ is faster).", "--gen-batch-size",
-                              check=at_least(1, "prompts per batch"))
+    batch_size: int = setting(32, "--regenerate prompts per batch (HF); vLLM: prompts in flight per engine "
+                                  "(1024+ keeps it full).", "--gen-batch-size", check=at_least(1, "prompts per batch"))
+    engines: int = setting(1, "--regenerate (vLLM): engines sharing the GPU(s), each with its share of the "
+                              "memory; more than one pays where one engine's scheduler is the limit (a small "
+                              "target).", "--gen-engines", check=at_least(1, "vLLM engines"))
+    max_num_seqs: int | None = setting(None, "--regenerate (vLLM): sequences an engine decodes at once (vLLM's "
+                                             "max_num_seqs; default vLLM's).", "--gen-max-seqs",
+                                       check=at_least(1, "sequences decoded at once", "leave it out for vLLM's"))
     device: str = setting("auto", "--regenerate device (auto: cuda if available).")
     drop_length_limited: bool = setting(False, "--regenerate: drop conversations whose answer hit "
                                                "--max-new-tokens.", "--drop-length-limited")

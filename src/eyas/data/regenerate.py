@@ -1,9 +1,10 @@
 """Self-distillation (`eyas prepare --regenerate`): replace assistant turns with the target's answers.
 
-Turn by turn: round r answers the r-th assistant turn of every conversation, conditioned on the
-conversation so far with the *regenerated* earlier answers. Each round's prompts are sorted by
-length and run in batches, through HF ``generate`` (left-padded) or one vLLM engine
-(``regenerate_vllm.py``; ``auto`` takes vLLM where it is installed). Every answer is appended (and
+Turn by turn: the r-th assistant turn of every conversation is answered conditioned on the
+conversation so far with the *regenerated* earlier answers: a conversation's next turn is asked as
+soon as its previous answer is back. HF ``generate`` runs left-padded batches, earlier turns
+first; vLLM (``regenerate_vllm.py``; ``auto`` takes it where it is installed) keeps one or more
+engines full. Every answer is appended (and
 flushed) to ``regenerated.jsonl`` in the output directory, keyed by conversation id and turn, so a
 re-run skips what is done. ``regenerate.json`` records the target and sampling settings; a re-run
 with other settings is refused rather than mixing answers.
@@ -63,6 +64,8 @@ def _load_cache(out: Path, header: dict[str, Any]) -> dict[str, dict[int, dict[s
 def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Path, opts,
                max_length: int, progress: bool = True) -> tuple[list[tuple[str, str, Any]], dict[str, Any]]:
     """Return ``items`` with assistant turns replaced by the target's answers, plus counts."""
+    import time
+
     from tqdm import tqdm
 
     engine = _pick_engine(opts)
@@ -82,60 +85,61 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
                         "generation_config.json")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     device = resolve_device(opts.device) if engine == "hf" else "vllm"
-    gen = None  # made on first use: a fully cached run loads no model
-    todo_total = sum(len(t) for i, t in turns.items()
-                     if len(cache.get(items[i][0], {})) < len(t))
-    bar = tqdm(total=todo_total, unit="answer", desc="regenerate", disable=not progress, dynamic_ncols=True)
-    fh = open(Path(out) / CACHE, "a", encoding="utf-8")
-    try:
-        for r in range(max((len(t) for t in turns.values()), default=0)):
-            pending = []
-            for i, msgs in convs.items():
-                if i in ended or r >= len(turns[i]):
-                    continue
-                sid = items[i][0]
-                if r in cache.get(sid, {}):
-                    rec = cache[sid][r]
-                    answers[i].append(rec)
-                    if rec["finish"] == "empty":
-                        ended[i] = "empty"
-                    continue
-                prompt = _with_answers(msgs[: turns[i][r]], turns[i], answers[i])
+
+    def next_item(i: int):
+        """Conversation i's next prompt past its cached answers: ((i, turn), ids, seed), or None."""
+        sid = items[i][0]
+        while i not in ended and len(answers[i]) < len(turns[i]):
+            r = len(answers[i])
+            rec = cache.get(sid, {}).get(r)
+            if rec is None:
+                prompt = _with_answers(convs[i][: turns[i][r]], turns[i], answers[i])
                 ids = tok(encoder.render(prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
                 if len(ids) >= max_length:
                     ended[i] = "beyond_max_length"  # later turns would be cut off anyway
-                    continue
-                pending.append((len(ids), i, ids))
-            if not pending:
-                continue
-            if gen is None:
-                gen = _make_generator(engine, target, tok, opts, stops, pad_id, device, Path(out),
-                                      max_length)
-            pending.sort(key=lambda p: p[0])
-            for b in range(0, len(pending), opts.batch_size):
-                batch = pending[b: b + opts.batch_size]
-                # HF samples a batch from one generator; vLLM each answer from its own (by
-                # conversation and turn, so not tied to the batching)
-                base = opts.seed * 1_000_003 + r * 10_007
-                texts = gen([p[2] for p in batch], base + b, [base + p[1] for p in batch])
-                for (_, i, ids), (text, finish) in zip(batch, texts):
-                    rec = {"id": items[i][0], "turn": r, "text": text, "finish": finish,
-                           "prompt_tokens": len(ids)}
-                    fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
-                    answers[i].append(rec)
-                    if finish == "empty":
-                        ended[i] = "empty"
-                fh.flush()
-                os.fsync(fh.fileno())
-                bar.update(len(batch))
+                    return None
+                # a seed per answer, by conversation and turn: not tied to the engines' batching
+                return (i, r), ids, opts.seed * 1_000_003 + r * 10_007 + i
+            answers[i].append(rec)
+            if rec["finish"] == "empty":
+                ended[i] = "empty"
+        return None
+
+    todo = [it for i in convs if (it := next_item(i)) is not None]
+    bar = tqdm(total=sum(max(0, len(t) - len(cache.get(items[i][0], {}))) for i, t in turns.items()),
+               unit="answer", desc="regenerate", disable=not progress, dynamic_ncols=True)
+    fh = open(Path(out) / CACHE, "a", encoding="utf-8")
+    synced = [time.monotonic()]
+
+    def on_answer(key: tuple[int, int], text: str, finish: str, prompt_tokens: int) -> list:
+        i, r = key
+        rec = {"id": items[i][0], "turn": r, "text": text, "finish": finish, "prompt_tokens": prompt_tokens}
+        fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        fh.flush()  # a killed run keeps every answer it returned
+        if time.monotonic() - synced[0] > 5:
+            os.fsync(fh.fileno())
+            synced[0] = time.monotonic()
+        answers[i].append(rec)
+        if finish == "empty":
+            ended[i] = "empty"
+        bar.update(1)
+        nxt = next_item(i)  # its next turn is asked at once, behind the prompts already queued
+        return [nxt] if nxt is not None else []
+
+    gen = None
+    try:
+        if todo:  # a fully cached run loads no model
+            gen = _make_generator(engine, target, tok, opts, stops, pad_id, device, Path(out), max_length)
+            gen.run(todo, on_answer)
     finally:
         fh.close()
         bar.close()
         if gen is not None:
-            getattr(gen, "close", lambda: None)()
+            gen.close()
 
     new_items, counts = _apply_answers(items, convs, turns, answers, opts, Path(out))
     info = {"settings": opts.settings(), "engine": engine, "device": device, "batch_size": opts.batch_size,
+            "engines": opts.engines if engine == "vllm" else 1,
             "drop_length_limited": opts.drop_length_limited, "max_turns": opts.max_turns, "cache": CACHE,
             "seeding": gen.seeding if gen is not None else None,  # None: every answer was cached
             "conversations_file": CONVERSATIONS, **counts}
@@ -191,34 +195,75 @@ def _pick_engine(opts) -> str:
     return "vllm"
 
 
-def _make_generator(engine: str, target, tok, opts, stops: list[int], pad_id: int, device: str,
-                    out: Path, max_length: int):
-    """A function (prompts, batch_seed, answer_seeds) -> [(text, finish)] for the chosen engine."""
-    if engine == "vllm":
+class _HfGenerator:
+    """The HF target's ``generate``, left-padded batches of ``batch_size``: earlier turns first,
+    then shorter prompts (less padding)."""
+
+    seeding = "per batch"
+
+    def __init__(self, target, tok, opts, stops: list[int], pad_id: int, device: str):
+        import torch
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(opts.dtype)
+        if dtype is None:  # auto
+            dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        self.model = target.load_model(dtype=dtype, device=device)
+        self.tok, self.opts, self.stops, self.pad_id, self.device = tok, opts, stops, pad_id, device
+
+    def run(self, items: list, on_answer) -> None:
+        todo, n = list(items), 0
+        while todo:
+            todo.sort(key=lambda it: (it[0][1], len(it[1])))
+            batch, todo = todo[: self.opts.batch_size], todo[self.opts.batch_size:]
+            # one generator per batch: the batch's first answer's seed, offset by the batch count
+            texts = _generate(self.model, self.tok, [ids for _, ids, _ in batch], self.opts, self.stops,
+                              self.pad_id, self.device, seed=batch[0][2] + n)
+            n += 1
+            for (key, ids, _), (text, finish) in zip(batch, texts):
+                todo.extend(on_answer(key, text, finish, len(ids)))
+
+    def close(self) -> None:
+        pass
+
+
+class _VllmRun:
+    """:class:`VllmGenerator` decoding its answers like the HF backend's."""
+
+    def __init__(self, target, tok, opts, stops: list[int], out: Path, max_length: int):
+        import torch
+
         from eyas.data.regenerate_vllm import VllmGenerator
 
-        eng = VllmGenerator(target.path, out / ".vllm-generate", max_model_len=max_length + opts.max_new_tokens,
-                            seed=opts.seed, vllm_python=opts.vllm_python, dtype=opts.dtype)
+        self.eng = VllmGenerator(target.path, out / ".vllm-generate", max_model_len=max_length + opts.max_new_tokens,
+                                 seed=opts.seed, vllm_python=opts.vllm_python, dtype=opts.dtype,
+                                 engines=opts.engines, max_num_seqs=opts.max_num_seqs, in_flight=opts.batch_size,
+                                 gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        self.tok, self.opts, self.stops = tok, opts, stops
+        self.seeding = "per answer" if self.eng.per_request_seed else "engine seed"
 
-        def run(prompts: list[list[int]], batch_seed: int, seeds: list[int]) -> list[tuple[str, str]]:
-            got = eng.generate(prompts, opts.max_new_tokens, opts.temperature, opts.top_p, seeds, stops)
-            return [_decode(tok, ids, set(stops)) for ids, _ in got]
+    def run(self, items: list, on_answer) -> None:
+        lengths = {key: len(ids) for key, ids, _ in items}
+        stop_set = set(self.stops)
 
-        run.close = eng.close  # type: ignore[attr-defined]
-        run.seeding = "per answer" if eng.per_request_seed else "engine seed"  # type: ignore[attr-defined]
-        return run
-    import torch
+        def answered(key, token_ids: list[int]) -> list:
+            text, finish = _decode(self.tok, token_ids, stop_set)
+            nxt = on_answer(key, text, finish, lengths.pop(key))
+            lengths.update((k, len(ids)) for k, ids, _ in nxt)
+            return nxt
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(opts.dtype)
-    if dtype is None:  # auto
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model = target.load_model(dtype=dtype, device=device)
-    def run_hf(prompts: list[list[int]], batch_seed: int, seeds: list[int]) -> list[tuple[str, str]]:
-        # looked up at call time, so tests can wrap it
-        return _generate(model, tok, prompts, opts, stops, pad_id, device, seed=batch_seed)
+        self.eng.run(items, answered, self.opts.max_new_tokens, self.opts.temperature, self.opts.top_p, self.stops)
 
-    run_hf.seeding = "per batch"  # type: ignore[attr-defined]
-    return run_hf
+    def close(self) -> None:
+        self.eng.close()
+
+
+def _make_generator(engine: str, target, tok, opts, stops: list[int], pad_id: int, device: str,
+                    out: Path, max_length: int):
+    """The chosen engine: ``run(items, on_answer)`` answers items (key, prompt ids, seed) and the
+    follow-ups ``on_answer(key, text, finish, prompt_tokens)`` returns; ``close()``; ``seeding``."""
+    if engine == "vllm":
+        return _VllmRun(target, tok, opts, stops, out, max_length)
+    return _HfGenerator(target, tok, opts, stops, pad_id, device)
 
 
 def _decode(tok, row: list[int], stop_set: set[int]) -> tuple[str, str]:

@@ -53,6 +53,9 @@ class EvaluateConfig:
         None, "vllm engine: an `eyas export --format vllm` directory of --draft to serve (checked to be an "
               "export of exactly that draft; the pipeline passes its export stage's). Default: export one "
               "into OUT/vllm/draft-vllm.")
+    workers: int = setting(1, "builtin: processes sharing the device, each with its own target and draft; "
+                              "questions go to whichever is free (on a GPU one process leaves it mostly idle).",
+                           check=at_least(1, "builtin worker processes"))
     seed: int = setting(0, "Sampling seed.", check=at_least(0))
     compare_plain: bool = setting(True, "builtin: also decode without the draft, for the speedup "
                                         "(--no-plain skips that baseline).", "--plain/--no-plain")

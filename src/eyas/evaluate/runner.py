@@ -11,7 +11,7 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 from tqdm import tqdm
 
@@ -24,9 +24,33 @@ class Engine(Protocol):
         """Returns at least ``tokens``, ``rounds``, ``accepted_per_pos``, ``seconds``."""
 
 
-def run_questions(engine: Engine, questions: list[Question], tokenizer, max_new_tokens: int,
+def answer_question(engine: Engine, q: Question, tokenizer, max_new_tokens: int,
+                    stop_ids: set[int]) -> list[dict[str, Any]]:
+    """Every turn of ``q``, each prompt holding the engine's own earlier answers: one record per turn."""
+    answers: list[str] = []
+    q_records = []
+    for turn in range(len(q.turns)):
+        prompt = render_turn(tokenizer, q, turn, answers)
+        out = engine.generate(prompt, max_new_tokens, stop_ids)
+        tokens = out["tokens"]
+        answers.append(tokenizer.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True))
+        rec = {"question_id": q.question_id, "category": q.category, "turn": turn,
+               "prompt_tokens": len(prompt), "new_tokens": len(tokens), "output_ids": tokens,
+               **{k: v for k, v in out.items() if k != "tokens"}}
+        rounds = rec["rounds"]
+        rec["tau"] = 1 + sum(rec["accepted_per_pos"]) / rounds if rounds else None
+        q_records.append(rec)
+    return q_records
+
+
+def run_questions(engine: Engine | None, questions: list[Question], tokenizer, max_new_tokens: int,
                   stop_ids: set[int], records_path: Path, settings: dict[str, Any],
-                  progress: bool = True, on_record: Callable[[dict], None] | None = None) -> list[dict]:
+                  progress: bool = True,
+                  pool: Callable[[list[Question]], Iterable[list[dict]]] | None = None) -> list[dict]:
+    """Answer the questions not yet in ``records_path``; return all records in question order.
+
+    ``pool``: instead of ``engine``, a function that answers a list of questions in any order,
+    yielding each question's records as it finishes (worker processes)."""
     records, torn = _load_records(records_path, settings)
     # A question counts as done with all its turns; a kill while its turns were being written can
     # leave the first ones alone (and a torn last line), which are dropped here to be redone. The
@@ -38,26 +62,12 @@ def run_questions(engine: Engine, questions: list[Question], tokenizer, max_new_
         records = [r for r in records if r["question_id"] in done_ids]
         _rewrite(records_path, settings, records)
     todo = [q for q in questions if q.question_id not in done_ids]
+    answered = (pool(todo) if pool is not None else
+                (answer_question(engine, q, tokenizer, max_new_tokens, stop_ids) for q in todo))
     with open(records_path, "a") as fh, tqdm(total=len(questions), initial=len(questions) - len(todo),
                                              desc=f"evaluate ({settings['engine']})", unit="q",
                                              disable=not progress) as bar:
-        for q in todo:
-            answers: list[str] = []
-            q_records = []
-            for turn in range(len(q.turns)):
-                prompt = render_turn(tokenizer, q, turn, answers)
-                out = engine.generate(prompt, max_new_tokens, stop_ids)
-                tokens = out["tokens"]
-                answers.append(tokenizer.decode([t for t in tokens if t not in stop_ids],
-                                                skip_special_tokens=True))
-                rec = {"question_id": q.question_id, "category": q.category, "turn": turn,
-                       "prompt_tokens": len(prompt), "new_tokens": len(tokens), "output_ids": tokens,
-                       **{k: v for k, v in out.items() if k != "tokens"}}
-                rounds = rec["rounds"]
-                rec["tau"] = 1 + sum(rec["accepted_per_pos"]) / rounds if rounds else None
-                q_records.append(rec)
-                if on_record:
-                    on_record(rec)
+        for q_records in answered:
             for rec in q_records:
                 fh.write(json.dumps(rec) + "\n")
             fh.flush()

@@ -100,14 +100,18 @@ class WorkerProcess:
         code = self.proc.wait()
         raise EyasError(f"{self.describe} exited with code {code}; its log is {self.log_path}:\n{self.failure()}")
 
-    def request(self, req: dict[str, Any]) -> dict[str, Any]:
-        """Send one request, return its reply."""
-        assert self.proc.stdin is not None, "request() of a non-interactive worker"
+    def send(self, req: dict[str, Any]) -> None:
+        """Send one request; its reply is the next ``read()`` (another thread may wait on it)."""
+        assert self.proc.stdin is not None, "send() to a non-interactive worker"
         try:
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
             pass  # it died: read() reports the exit and the log
+
+    def request(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Send one request, return its reply."""
+        self.send(req)
         return self.read()
 
     def close(self, timeout: float = 60) -> None:
