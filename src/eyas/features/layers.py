@@ -29,9 +29,11 @@ def resolve_layers(num_layers: int, aux: list[int] | None = None) -> tuple[list[
     return sorted(aux), num_layers
 
 
-def parse_layers(text: str | None) -> list[int] | None:
+def parse_layers(text: str | list[int] | None) -> list[int] | None:
     if not text:
         return None
+    if isinstance(text, list):  # a YAML list
+        return [int(x) for x in text]
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
