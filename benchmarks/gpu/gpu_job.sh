@@ -93,7 +93,7 @@ case $STEP in
       echo "pipeline: seeded $(wc -l < "$W/prepared/regenerated.jsonl") answers from .carry/regen"
     fi
     step pipeline timeout -s INT "${BUDGET_S:-560}" eyas pipeline configs/smollm2-h200.yaml
-    if [ -s "$W/prepared/regenerated.jsonl" ]; then
+    if [ "${REGEN_BACK:-1}" = 1 ] && [ -s "$W/prepared/regenerated.jsonl" ]; then
       echo "regen: $(wc -l < "$W/prepared/regenerated.jsonl") answers so far"
       python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.compress(open(sys.argv[1], 'rb').read(), preset=2))" \
         "$W/prepared/regenerated.jsonl" | split -b 15M -d -a 1 - "$OUT/regenerated.jsonl.xz.part"

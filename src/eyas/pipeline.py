@@ -113,6 +113,13 @@ def _recorded(work: Path) -> dict[str, dict[str, Any]] | None:
     return stage_records(old)
 
 
+def _only_answer_cache(prepared: Path) -> bool:
+    """``prepared`` holds nothing but a regeneration's answers (seeded from another run)."""
+    from eyas.data.regenerate import CACHE, HEADER
+
+    return prepared.is_dir() and {p.name for p in prepared.iterdir()} <= {CACHE, HEADER}
+
+
 def check_stale(cfg: PipelineConfig, records: dict[str, dict[str, Any]]) -> list[str]:
     """Refuse (EyasError) a guarded stage whose outputs on disk were made with other settings;
     returns the derived stages to redo."""
@@ -121,8 +128,8 @@ def check_stale(cfg: PipelineConfig, records: dict[str, dict[str, Any]]) -> list
     redo: list[str] = []
     for stage, rec in records.items():
         out = _outputs(work, stage, cfg)
-        if not out.exists():
-            continue
+        if not out.exists() or (stage == "prepare" and _only_answer_cache(out)):
+            continue  # a seeded answer cache: prepare checks its settings itself
         was = (old or {}).get(stage)
         if was is None:
             if stage in GUARDED:
