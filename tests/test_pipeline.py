@@ -107,3 +107,21 @@ def test_pipeline_passes_the_device_and_the_export_to_evaluate(tmp_path, tiny_ll
 
     with pytest.raises(EyasError, match="evaluate.device 'gpu': choose auto"):
         load_config(cfg_path)  # before any stage runs
+
+
+def test_a_seeded_answer_cache_is_not_taken_for_an_unrecorded_stage(tmp_path, tiny_llama_dir):
+    """A new workdir whose prepared/ holds only a regeneration's answers (seeded from an earlier
+    run, as the GPU job does) starts; anything else there that the pipeline did not record is refused."""
+    from eyas.data.regenerate import CACHE, HEADER
+    from eyas.errors import EyasError
+    from eyas.pipeline import check_stale, stage_records
+
+    cfg = load_config(_config(tmp_path, tiny_llama_dir, "online"))
+    prepared = tmp_path / "run" / "prepared"
+    prepared.mkdir(parents=True)
+    (prepared / CACHE).write_text("")
+    (prepared / HEADER).write_text("{}")
+    check_stale(cfg, stage_records(cfg))
+    (prepared / "manifest.json").write_text("{}")
+    with pytest.raises(EyasError, match="no record of the settings"):
+        check_stale(cfg, stage_records(cfg))
