@@ -23,6 +23,8 @@ WORKER = SRC / "vllm" / "worker"
 # module -> names that may be imported from it (None: `import module` itself)
 ALLOWED_VLLM: dict[str, set[str | None]] = {
     "vllm": {None, "LLM", "SamplingParams", "__version__"},
+    # the type of SamplingParams' documented output_kind field (regeneration asks for FINAL_ONLY)
+    "vllm.sampling_params": {"RequestOutputKind"},
     # the stock hidden-states connector we subclass for CPU, and its public file helpers
     "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector": {
         "ExampleHiddenStatesConnector", "extract_from_kv_cache", "load_hidden_states",
