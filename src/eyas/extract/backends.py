@@ -21,6 +21,7 @@ CPU_HOOKS_INSTEAD = {
     (0, 19): "its CPU model runner refuses every speculative method (\"spec decode is not supported.\")",
     (0, 20): "its CPU model runner never sets the model's aux hidden-state layers",
     (0, 21): "its CPU model runner never sets the model's aux hidden-state layers",  # as 0.20; 0.22 does
+    (0, 23): "its rejection sampler passes USE_FP64_GUMBEL to a CPU kernel stand-in without it",  # as 0.24
     (0, 24): "its rejection sampler passes USE_FP64_GUMBEL to a CPU kernel stand-in without it",
 }
 
