@@ -39,6 +39,16 @@ def unit_bytes(tokens: int, samples: int, slots: int, hidden: int, itemsize: int
     return tokens * (slots * hidden * itemsize + 8) + samples * PER_SAMPLE + CHUNK_HEADER
 
 
+def engine_words(e: WorkerProcess) -> str:
+    """vLLM's own words from an engine's log: its error lines (not those of warnings), then its last lines."""
+    tail = e.tail(10)
+    lines = e.log_path.read_text(errors="replace").splitlines() if e.log_path.is_file() else []
+    errors = "\n".join([ln for ln in lines if ("Error" in ln or "error:" in ln) and " WARNING " not in ln][-6:])
+    if not errors or errors in tail:
+        return f"Its log is {e.log_path}; the last lines:\n{tail}"
+    return f"Its log is {e.log_path}; error lines:\n{errors}\nthe last lines:\n{tail}"
+
+
 @dataclass
 class Unit:
     """One call of the trainer for features: its packs and the samples they hold."""
@@ -238,21 +248,20 @@ class Feeder:
             self.check()
             if time.monotonic() - self.last_progress > self.timeout:
                 raise EyasError(f"waited {self.timeout:.0f} s for {what}: no vLLM engine made anything in "
-                                f"that time (--feature-timeout); last lines of its log "
-                                f"{self.engines[0].log_path}:\n{self.engines[0].failure()}")
+                                f"that time (--feature-timeout). {engine_words(self.engines[0])}")
             self.cond.wait(0.5)
 
     def check(self) -> None:
-        """Raise if a producer failed or an engine died (with its exit code and its log's lines)."""
+        """Raise if an engine died or a producer failed, with the exit code and vLLM's own last lines."""
+        for e in self.engines:
+            code = e.poll()
+            if code is not None:
+                raise EyasError(f"{e.describe} exited with code {code} while making training features; "
+                                f"training stops (resume with --resume). {engine_words(e)}")
         if self.error is not None:
             if isinstance(self.error, EyasError):
                 raise EyasError(f"vLLM engine failed while making training features: {self.error}")
             raise EyasError(f"feeding the vLLM engine failed: {self.error!r}") from self.error
-        for k, e in enumerate(self.engines):
-            code = e.poll()
-            if code is not None:
-                raise EyasError(f"{e.describe} exited with code {code} while making training features; "
-                                f"its log is {e.log_path}:\n{e.failure()}")
 
     def stop(self, join_s: float = 120.0) -> None:
         """Stop the producer threads (a request in flight is finished first) and the engines."""
