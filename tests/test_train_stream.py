@@ -40,7 +40,11 @@ TRAIN = ["--layers", "2,4,5", "--ttt-steps", "7", "--tokens-per-batch", "256", "
          "--quiet"]
 LIMIT_GB = 0.003  # about 5 micro-batches of 2 x 256 tokens x 4 fp32 states x H=128 (526 kB each)
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def engine_test(f):
+    """A test that runs vLLM (the last two tests here need no engine and stay in the fast set)."""
+    return pytest.mark.vllm(pytest.mark.slow(f))
 
 
 def _write_data(out: Path, target_dir: Path, n: int = 160) -> Path:
@@ -125,6 +129,7 @@ def streamed(setup):
     return run, buf, peak, poll.samples
 
 
+@engine_test
 def test_losses_equal_offline_training_on_the_same_samples(setup, streamed):
     """Offline: `eyas extract --backend vllm` (same engine, fp32) + `eyas train --store`, same settings.
     Tolerance: both sides run the engine in fp32 on the same tokens; only the batch the engine put each
@@ -160,6 +165,7 @@ def test_losses_equal_offline_training_on_the_same_samples(setup, streamed):
     assert summary["features"]["calls"] == 12 + 3 * 2  # 12 micro-batches, 3 evaluations of 2 batches
 
 
+@engine_test
 def test_buffer_never_exceeds_its_limit(streamed):
     run, buf, peak, samples = streamed
     rep = json.loads((run / "features.json").read_text())
@@ -193,6 +199,7 @@ def _wait_for(cond, what: str, proc: subprocess.Popen, timeout: float = 600) -> 
         time.sleep(0.2)
 
 
+@engine_test
 def test_a_killed_engine_stops_training_with_vllms_message(setup, tmp_path):
     py, tdir, data, _ = setup
     run = tmp_path / "run"
@@ -220,6 +227,7 @@ def test_a_killed_engine_stops_training_with_vllms_message(setup, tmp_path):
     assert _worker(run) is None  # the engine is gone too
 
 
+@engine_test
 def test_resume_after_a_kill_continues_to_the_uninterrupted_losses(setup, streamed, tmp_path):
     from eyas.train.checkpoint import checkpoint_dirs
 
@@ -251,6 +259,54 @@ def test_resume_after_a_kill_continues_to_the_uninterrupted_losses(setup, stream
     assert rep["calls"] == calls
     assert rep["requests"] + rep["resumed_chunks_used"] == calls
     assert not buf.exists() or _dir_bytes(buf) == 0
+
+
+@engine_test
+def test_feature_cache_serves_later_epochs_with_the_same_losses(setup, streamed, tmp_path):
+    """--feature-cache-gb (hybrid): epoch 1's samples come from OUT/feature-cache, not the engine, and
+    the losses are those of the run that extracted them again."""
+    py, tdir, data, _ = setup
+    full, _, _, _ = streamed
+    run = tmp_path / "run"
+    res = subprocess.run(_train(py, tdir, data, run, "--feature-cache-gb", "1", "--feature-buffer-gb", str(LIMIT_GB),
+                                "--feature-buffer-dir", str(tmp_path / "buf")), env=ENV, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "later epochs cached up to 1 GB" in " ".join(res.stderr.split())
+    rep, ref = json.loads((run / "features.json").read_text()), json.loads((full / "features.json").read_text())
+    assert rep["later_epochs"] == "cached" and rep["feature_cache_gb"] == 1.0
+    assert rep["tokens_from_cache"] > 0
+    # every sample asked of the engine at most once (the held-out ones too: they are cached like the rest)
+    assert rep["tokens_extracted"] + rep["tokens_from_cache"] == ref["tokens_extracted"]
+    assert rep["tokens_extracted"] < ref["tokens_extracted"]
+    assert rep["cache_samples"] > 0 and rep["cache_bytes"] == _dir_bytes(run / "feature-cache") - sum(
+        p.stat().st_size for p in (run / "feature-cache").rglob("cache.json"))
+    a, b = _records(run), _records(full)
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
+
+
+def test_features_vllm_in_the_pipeline_config(tmp_path):
+    """`features: vllm` maps onto the train stage (no extract stage), its settings in the train section."""
+    import yaml
+
+    from eyas.config import load_config
+    from eyas.pipeline import stage_records
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump({"target": "x", "workdir": str(tmp_path / "w"), "features": "vllm",
+                                        "train": {"feature_buffer_gb": 0.5, "feature_cache_gb": 4,
+                                                  "gpu_memory_utilization": 0.25, "vllm_python": "0.32.0"}}))
+    cfg = load_config(cfg_path)
+    rec = stage_records(cfg)
+    assert "extract" not in rec and rec["train"]["upstream"] == "prepare"
+    assert rec["train"]["settings"]["features"] == "vllm"
+    assert rec["train"]["settings"]["feature_buffer_gb"] == 0.5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"target": "x", "features": "vllm", "train": {"gpu_memory_utilization": 0}}))
+    with pytest.raises(EyasError, match="gpu_memory_utilization"):
+        load_config(bad)
+    bad.write_text(yaml.safe_dump({"target": "x", "train": {"features": "vllm"}}))
+    with pytest.raises(EyasError, match="unknown keys"):  # set at the top level, where the pipeline reads it
+        load_config(bad)
 
 
 # ------------------------------------------------------------ no engine needed
