@@ -72,7 +72,7 @@ def _run(cmd: list[str]) -> float:
 def _row(name: str, run: Path, wall: float) -> dict:
     recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["split"] == "train"]
-    tokens = sum(r["tokens"] for r in train)
+    tokens = train[-1]["tokens"]  # the records carry the tokens seen so far
     return {"features": name, "steps": len(train), "tokens": tokens,
             "steady_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in train[1:]), 1),
             "wall_s": round(wall, 1), "wall_tokens_per_s": round(tokens / wall, 1),

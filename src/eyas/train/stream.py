@@ -125,12 +125,16 @@ class StreamFeatures:
         self.work = Path(cfg.out).resolve() / ".vllm-stream" / f"rank-{rank}"
         self.key = {"target": target.id, "dataset": dataset.manifest.get("id"), "aux": self.aux_layers,
                     "final": self.final_layer, "dtype": str(dtype)}
+        # what fixes the calls' names and packs: a chunk left by a run with other values serves other packs
+        self.plan_key = {**self.key, **{k: getattr(cfg, k) for k in (
+            "seed", "tokens_per_batch", "batch_size", "grad_accum", "heldout", "eval_every", "eval_batches")},
+            "world": world}
+        self.own_root = not cfg.feature_buffer_dir
         cache_gb = float(cfg.feature_cache_gb or 0)
         self.cache = (FeatureCache(Path(cfg.out) / "feature-cache" / f"rank-{rank}", int(cache_gb * GB / world),
                                    self.key) if cache_gb > 0 else None)
         self.feeder: Feeder | None = None
         self.wait_s, self.first_wait_s, self.calls, self.tokens_used = 0.0, None, 0, 0
-        self.peak_dir_bytes = 0
         self.backend = self.message = None
 
     # ------------------------------------------------------------------ start
@@ -152,10 +156,11 @@ class StreamFeatures:
                              leftovers)
 
     def _open_buffer(self) -> dict[str, Path]:
-        """This rank's buffer directory, with the chunks a killed run of the same key left there."""
+        """This rank's buffer directory, with the chunks a killed run left there for this resume (same
+        target, data, layers, dtype and plan settings); any other chunk there is deleted."""
         self.buffer.mkdir(parents=True, exist_ok=True)
         marker = self.buffer / "buffer.json"
-        same = marker.is_file() and json.loads(marker.read_text()) == self.key
+        same = bool(self.cfg.resume) and marker.is_file() and json.loads(marker.read_text()) == self.plan_key
         for raw in self.buffer.glob("raw-*"):
             shutil.rmtree(raw, ignore_errors=True)  # a killed engine's per-request files
         for tmp in self.buffer.glob(f".{PREFIX}*"):
@@ -165,7 +170,7 @@ class StreamFeatures:
             for p in found.values():
                 p.unlink()
             found = {}
-        marker.write_text(json.dumps(self.key))
+        marker.write_text(json.dumps(self.plan_key))
         return found
 
     def _units(self, calls: Iterator[tuple[str, list[list[int]]]]) -> Iterator[Unit]:
@@ -196,7 +201,6 @@ class StreamFeatures:
         self.wait_s += waited
         if self.first_wait_s is None:
             self.first_wait_s = waited
-        self.peak_dir_bytes = max(self.peak_dir_bytes, self.feeder.used + self.feeder.reserved)
         lay = layout(packs, _samples(self.dataset, packs), self.budget)
         got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if unit.path is not None:
@@ -246,10 +250,11 @@ class StreamFeatures:
         self.feeder.stop()
         if ok:
             shutil.rmtree(self.buffer, ignore_errors=True)
-            try:
-                self.buffer.parent.rmdir()  # the root, once every rank's part is gone
-            except OSError:
-                pass
+            if self.own_root:
+                try:
+                    self.buffer.parent.rmdir()  # the default root, once every rank's part is gone
+                except OSError:
+                    pass
 
     def report(self) -> dict[str, Any]:
         """What the run's features cost, for summary.json and features.json."""

@@ -243,11 +243,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
 
-    def micro_packs(self, step: int, a: int) -> tuple[int, list[list[int]]]:
-        """(epoch, packs) of micro-batch ``a`` of optimizer step ``step`` on this rank."""
-        epoch, off = self.plan.locate(step)
+    def micro_packs(self, step: int, a: int, plan: EpochPlan | None = None) -> tuple[int, list[list[int]]]:
+        """(epoch, packs) of micro-batch ``a`` of optimizer step ``step`` on this rank (from ``plan``, by
+        default the run's own)."""
+        plan = plan or self.plan
+        epoch, off = plan.locate(step)
         m = off * self.global_micro + a * self.dist.world + self.dist.rank
-        return epoch, self.plan.packs(epoch)[m * self.cfg.batch_size:(m + 1) * self.cfg.batch_size]
+        return epoch, plan.packs(epoch)[m * self.cfg.batch_size:(m + 1) * self.cfg.batch_size]
 
     def micro_batches(self, step: int):
         for a in range(self.cfg.grad_accum):
@@ -281,9 +283,13 @@ class Trainer:
         from eyas.train.stream import unit_name
 
         cfg, held = self.cfg, self.heldout_calls()
+        # a plan of its own: the feeder thread walks it ahead of the loop, and EpochPlan's cache of
+        # epochs is not shared between threads
+        p = self.plan
+        plan = EpochPlan(p.train_idx, p.lengths, p.budget, p.batch, p.global_micro, p.seed)
         for step in range(self.start, self.total):
             for a in range(cfg.grad_accum):
-                yield unit_name(step, 0, a), self.micro_packs(step, a)[1]
+                yield unit_name(step, 0, a), self.micro_packs(step, a, plan)[1]
             done = step + 1
             if (cfg.eval_every and done % cfg.eval_every == 0 and done < self.total) or done == self.total:
                 for k, (_, packs) in enumerate(held):
