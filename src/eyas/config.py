@@ -29,7 +29,7 @@ STAGES: dict[str, str] = {
 WIRED: dict[str, set[str]] = {
     "prepare": {"target", "out", "progress"},
     "extract": {"target", "data", "out", "progress", "plan_only"},
-    "train": {"target", "data", "store", "out", "online", "progress", "resume"},
+    "train": {"target", "data", "store", "out", "online", "features", "progress", "resume"},
     "export": {"ckpt", "target", "out", "overwrite"},
     "evaluate": {"target", "draft", "out", "progress", "vllm_draft"},
 }
@@ -43,7 +43,9 @@ TOP_LEVEL = {"target", "workdir", "features", "launcher", *STAGES}
 class PipelineConfig:
     target: str
     workdir: Path
-    features: str = "online"  # online: no extraction store; offline: extract, then train from the store
+    # online: no extraction store; offline: extract, then train from the store; vllm: no store, a vLLM
+    # engine makes the features as training goes (the train section's feature_* settings)
+    features: str = "online"
     launcher: dict[str, Any] = field(default_factory=dict)  # e.g. {"nproc_per_node": 8} -> torchrun
     sections: dict[str, dict[str, Any]] = field(default_factory=dict)
     source: str = "<default>"
@@ -123,8 +125,8 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
     if "target" not in raw:
         raise EyasError(f"config {source}: 'target' is required (a model dir, .gguf or built-in name)")
     features = raw.get("features", "online")
-    if features not in ("online", "offline"):
-        raise EyasError(f"config {source}: features must be 'online' or 'offline', not {features!r}")
+    if features not in ("online", "offline", "vllm"):
+        raise EyasError(f"config {source}: features must be 'online', 'offline' or 'vllm', not {features!r}")
     sections: dict[str, dict[str, Any]] = {}
     for name in STAGES:
         section = raw.get(name) or {}

@@ -305,7 +305,8 @@ def _train(cfg: PipelineConfig, prepared: Path, store: Path | None, run_dir: Pat
 
     resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     tc = TrainConfig(target=cfg.target, data=str(prepared), out=str(run_dir),
-                     store=str(store) if store else None, online=store is None, resume=resume,
+                     store=str(store) if store else None, online=cfg.features == "online",
+                     features="vllm" if cfg.features == "vllm" else None, resume=resume,
                      **cfg.section("train"))
     nproc = int(cfg.launcher.get("nproc_per_node", 1))
     if nproc <= 1 and int(cfg.launcher.get("nnodes", 1)) <= 1:

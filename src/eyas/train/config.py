@@ -21,6 +21,7 @@ EXPERIMENTAL = {
     ("optimizer", "muon"): "not better than AdamW at equal steps on the CPU proxy "
                            "(benchmarks/draft_options_cpu.md)",
 }
+FEATURES = ("offline", "online", "vllm")  # --features
 EXPERIMENTAL_HEAD = {"fc_norm", "norm_before_fc", "norm_output"}  # --draft-config keys (same measurement)
 
 
@@ -59,6 +60,34 @@ class TrainConfig:
     out: str = setting(help="Run directory: checkpoints/, draft/, metrics.jsonl, loss.png.")
     store: str | None = setting(None, "Extraction store (offline features, from `eyas extract`).")
     online: bool = setting(False, "Run the target in this job (no store).", "--online")
+    features: str | None = setting(
+        None, "Where features come from: offline (--store), online (--online), or vllm: a vLLM engine makes "
+              "them while the draft trains, through a bounded buffer (--feature-buffer-gb); no store on disk.")
+    feature_buffer_gb: float = setting(
+        2.0, "With --features vllm: the most features (decimal GB) waiting in the buffer directory; the engine "
+             "is held back while it is full.", check=positive("feature buffer size in GB", "e.g. 2"))
+    feature_buffer_dir: str | None = setting(
+        None, "With --features vllm: the buffer directory (default: under /dev/shm when it has room, else "
+              "OUT/feature-buffer).")
+    feature_cache_gb: float = setting(
+        0.0, "With --features vllm: keep up to this many GB of samples' features in OUT/feature-cache for later "
+             "epochs (hybrid); 0 extracts every epoch again.",
+        check=at_least(0, "feature cache size in GB", "0 extracts again every epoch"))
+    feature_timeout: float = setting(
+        1800.0, "With --features vllm: stop with the engine's log when it makes nothing for this many seconds "
+                "(its start-up included).", check=positive("seconds without features from the engine"))
+    vllm_python: str | None = setting(None, "With --features vllm: Python of the environment that runs vLLM "
+                                            "(default: this one, $EYAS_VLLM_PYTHON, or .venvs/vllm-*).",
+                                      "--vllm-python")
+    tensor_parallel_size: int = setting(1, "With --features vllm: the engine's tensor parallelism.",
+                                        "--tensor-parallel-size", check=at_least(1))
+    data_parallel_size: int = setting(1, "With --features vllm: engines per training process, fed in turn.",
+                                      "--data-parallel-size", check=at_least(1))
+    gpu_memory_utilization: float = setting(
+        0.3, "With --features vllm: the fraction of a GPU's memory the engine may take (it shares the GPU "
+             "with the trainer when it has one engine of one GPU); passed to vLLM.",
+        "--gpu-memory-utilization", check=Range(lo=0, hi=1, lo_open=True, what="fraction of GPU memory for the engine",
+                                                hint="e.g. 0.3"))
     layers: list[int] | None = setting(
         None, "Aux layer ids (default 2,N/2,N-3 online; offline: the store's, checked if given).",
         parse=_layers, cli_type=str)
@@ -163,6 +192,8 @@ class TrainConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise EyasError(f"--compile-mode {self.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
         _check_draft_config(self.draft_config)
+        if self.features not in (None, *FEATURES):
+            raise EyasError(f"--features {self.features!r}: use one of {', '.join(FEATURES)}")
         if not self.experimental:
             for (key, value), why in EXPERIMENTAL.items():
                 if getattr(self, key) == value:

@@ -64,15 +64,33 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
     return (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext
 
 
-def build_source(cfg: TrainConfig, target, dataset, device: torch.device):
+def feature_kind(cfg: TrainConfig) -> str:
+    """offline, online or vllm, from --features, --store and --online (which must agree)."""
+    given = [k for k, on in (("offline", bool(cfg.store)), ("online", cfg.online)) if on]
+    if cfg.features is not None and cfg.features not in given and given:
+        raise EyasError(f"--features {cfg.features} does not go with {' and '.join('--' + g if g == 'online' else '--store' for g in given)}; "
+                        "pass one feature source")
+    kind = cfg.features or (given[0] if len(given) == 1 else None)
+    if kind is None or len(given) > 1 or (kind == "offline" and not cfg.store):
+        raise EyasError("pass exactly one feature source: --store STORE (offline, from `eyas extract`), "
+                        "--online (the target runs in the training job) or --features vllm (a vLLM engine "
+                        "makes them as training goes)")
+    return kind
+
+
+def build_source(cfg: TrainConfig, target, dataset, device: torch.device, dist: parallel.Dist | None = None):
     from eyas.train.features import OfflineFeatures, OnlineFeatures
 
     # bf16 features on GPU, except for --precision fp32 (the draft's fp32 fc would meet bf16 input)
     feat_dtype = torch.bfloat16 if device.type == "cuda" and cfg.precision != "fp32" else torch.float32
-    if cfg.online == bool(cfg.store):
-        raise EyasError("pass exactly one feature source: --store STORE (offline, from `eyas extract`) "
-                        "or --online (the target runs in the training job)")
-    if cfg.online:
+    kind = feature_kind(cfg)
+    if kind == "vllm":
+        from eyas.train.stream import StreamFeatures
+
+        dist = dist or parallel.Dist()
+        return StreamFeatures(cfg, target, dataset, device, feat_dtype, cfg.tokens_per_batch,
+                              rank=dist.rank, world=dist.world, local_rank=dist.local_rank)
+    if kind == "online":
         return OnlineFeatures(target, dataset, cfg.layers, device, feat_dtype, cfg.tokens_per_batch)
     return OfflineFeatures(cfg.store, target, dataset, cfg.layers, device, feat_dtype, cfg.tokens_per_batch)
 
@@ -116,7 +134,7 @@ class Trainer:
                           f"cold cache (benchmarks/compile_time.md); use a multiple of {flex.TILE}", stacklevel=1)
         target = resolve_target(cfg.target)
         dataset = open_prepared(cfg.data, target=target)
-        self.source = build_source(cfg, target, dataset, self.device)
+        self.source = build_source(cfg, target, dataset, self.device, self.dist)
         self._plan_data(target, dataset)
         resumed = self._build_model(target, dataset)
         if self.is_main:
@@ -127,6 +145,8 @@ class Trainer:
         self.log = StepLog(self.logger, self.guard, StepClock(self.device), self.total, cfg.log_every,
                            self.global_micro, int(resumed["trainer"].get("tokens_seen", 0)) if resumed else 0,
                            self.start, self.t_start, self.is_main and cfg.progress)
+        if hasattr(self.source, "start"):  # --features vllm: the engine is fed this run's calls, in order
+            self.source.start(self.planned_calls())
 
     def _plan_data(self, target, dataset) -> None:
         """The epoch plan (pack order is a pure function of seed and epoch, so a step fixes the data
@@ -223,11 +243,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
 
-    def micro_packs(self, step: int, a: int) -> tuple[int, list[list[int]]]:
-        """(epoch, packs) of micro-batch ``a`` of optimizer step ``step`` on this rank."""
-        epoch, off = self.plan.locate(step)
+    def micro_packs(self, step: int, a: int, plan: EpochPlan | None = None) -> tuple[int, list[list[int]]]:
+        """(epoch, packs) of micro-batch ``a`` of optimizer step ``step`` on this rank (from ``plan``, by
+        default the run's own)."""
+        plan = plan or self.plan
+        epoch, off = plan.locate(step)
         m = off * self.global_micro + a * self.dist.world + self.dist.rank
-        return epoch, self.plan.packs(epoch)[m * self.cfg.batch_size:(m + 1) * self.cfg.batch_size]
+        return epoch, plan.packs(epoch)[m * self.cfg.batch_size:(m + 1) * self.cfg.batch_size]
 
     def micro_batches(self, step: int):
         for a in range(self.cfg.grad_accum):
@@ -236,6 +258,42 @@ class Trainer:
             if nxt[0] < self.total:
                 self.source.prefetch(self.micro_packs(*nxt)[1])  # read ahead while this one trains
             yield a, epoch, packs
+
+    def heldout_calls(self) -> list[tuple[int, list[list[int]]]]:
+        """(held-out chunk number, packs) of each forward one evaluation runs on this rank, in order (a
+        number past the end is a rerun of chunk 0 whose counts are dropped: FSDP2's forward is collective,
+        so every rank runs the same number)."""
+        cfg, dist = self.cfg, self.dist
+        chunks = [self.held_packs[i:i + cfg.batch_size] for i in range(0, len(self.held_packs), cfg.batch_size)]
+        chunks = chunks[:cfg.eval_batches]
+        if not chunks:
+            return []
+        if self.sharded:
+            rounds = -(-len(chunks) // dist.world)
+            idx = [i * dist.world + dist.rank for i in range(rounds)]
+        else:
+            idx = list(range(dist.rank, len(chunks), dist.world))
+        return [(i, chunks[i if i < len(chunks) else 0]) for i in idx]
+
+    def planned_calls(self):
+        """(name, packs) of every batch this rank will ask its feature source for, in order, from the
+        resumed step on: the micro-batches of each step and the held-out batches of each evaluation
+        (names from :func:`eyas.train.stream.unit_name`, which sort in this order). A run stopped early
+        by --max-train-seconds leaves the plan before its end."""
+        from eyas.train.stream import unit_name
+
+        cfg, held = self.cfg, self.heldout_calls()
+        # a plan of its own: the feeder thread walks it ahead of the loop, and EpochPlan's cache of
+        # epochs is not shared between threads
+        p = self.plan
+        plan = EpochPlan(p.train_idx, p.lengths, p.budget, p.batch, p.global_micro, p.seed)
+        for step in range(self.start, self.total):
+            for a in range(cfg.grad_accum):
+                yield unit_name(step, 0, a), self.micro_packs(step, a, plan)[1]
+            done = step + 1
+            if (cfg.eval_every and done % cfg.eval_every == 0 and done < self.total) or done == self.total:
+                for k, (_, packs) in enumerate(held):
+                    yield unit_name(step, 1, k), packs
 
     # ------------------------------------------------------------------ one batch, one step
 
@@ -291,7 +349,19 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
 
     def train(self) -> Path:
-        """Run (or resume) to the planned step or the time budget; returns RUN_DIR/draft."""
+        """Run (or resume) to the planned step or the time budget; returns RUN_DIR/draft. A feature
+        source with engines of its own (--features vllm) is closed however the run ends."""
+        ok = False
+        try:
+            out = self._train()
+            ok = True
+            return out
+        finally:
+            close = getattr(self.source, "close", None)
+            if close is not None:
+                close(ok)
+
+    def _train(self) -> Path:
         cfg, total = self.cfg, self.total
         self.model.train()
         last_eval, t_first, finished, stopped_by_time = None, None, total, False
@@ -322,21 +392,15 @@ class Trainer:
     def evaluate(self, step: int) -> dict[str, Any] | None:
         """Held-out loss and top-1 agreement per TTT step (the acceptance proxy), logged."""
         cfg, dist = self.cfg, self.dist
-        chunks = [self.held_packs[i:i + cfg.batch_size] for i in range(0, len(self.held_packs), cfg.batch_size)]
-        chunks = chunks[:cfg.eval_batches]
-        if not chunks:
+        n_chunks = len(range(0, len(self.held_packs), cfg.batch_size)[:cfg.eval_batches])
+        if not n_chunks:
             return None
         self.model.eval()
         acc = None
-        # FSDP2's forward is collective: every rank runs the same number of batches, and a rank
-        # past the end reruns chunk 0 with its counts dropped
-        rounds = -(-len(chunks) // dist.world) if self.sharded else None
-        mine = list(range(dist.rank, len(chunks), dist.world))
         with torch.no_grad():
-            for i in range(rounds) if self.sharded else mine:
-                idx = (i * dist.world + dist.rank) if self.sharded else i
-                _, stats, _ = self.forward_loss(chunks[idx if idx < len(chunks) else 0], grad=False)
-                if idx >= len(chunks):
+            for idx, packs in self.heldout_calls():
+                _, stats, _ = self.forward_loss(packs, grad=False)
+                if idx >= n_chunks:
                     continue
                 s = torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in stats], 1).to(self.device)
                 acc = s if acc is None else acc + s
@@ -387,6 +451,12 @@ class Trainer:
                        "skipped_nonfinite_steps": self.guard.skipped, "first_step_s": self.log.first_step_s,
                        "tokens_seen": self.log.tokens_seen, "heldout": last_eval, "draft": str(out),
                        "world_size": self.dist.world, "parallel": mode, "attention": self.attention}
+            report = getattr(self.source, "report", None)
+            if report is not None:  # --features vllm: the engine, the buffer, later epochs, the waits
+                from eyas.train.stream import REPORT_FILE
+
+                summary["features"] = report()
+                atomic_write_text(self.run_dir / REPORT_FILE, json.dumps(summary["features"], indent=2))
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.logger.close()
         self.dist.barrier()

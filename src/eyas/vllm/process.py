@@ -143,9 +143,16 @@ class WorkerProcess:
         if not self._log.closed:
             self._log.close()
 
+    def tail(self, n: int = 12) -> str:
+        """The log's last ``n`` lines (vLLM's last words when it died without a Python error)."""
+        if not self._log.closed:
+            self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
     def failure(self) -> str:
         """The telling lines of the log: its last error lines, else its tail."""
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         lines = self.log_path.read_text(errors="replace").splitlines()
         errs = [ln for ln in lines if "Error" in ln or "error:" in ln][-6:]
         return "\n".join(errs or lines[-15:])

@@ -101,7 +101,9 @@ def build_llm(job: dict, model_dir: str):
             "kv_connector": "EyasHiddenStatesConnector",
             "kv_connector_module_path": f"{PKG}.connector",
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(Path(job["work_dir"]) / "raw")},
+            # the per-request files; the streaming engine puts them in the trainer's bounded buffer
+            "kv_connector_extra_config": {"shared_storage_path": job.get("raw_dir")
+                                          or str(Path(job["work_dir"]) / "raw")},
         }
     kwargs.update(job.get("engine_kwargs") or {})
     return LLM(**kwargs), layer_ids
@@ -119,10 +121,11 @@ def batches(prompts: list, max_tokens: int):
         yield cur
 
 
-def run_hooks(llm, job: dict, batch: list, sp) -> list[int]:
+def run_hooks(llm, job: dict, batch: list, sp, name: str | None = None) -> list[int]:
+    """One batch through the hooks; ``name``: the chunk's name (default: the job's tag and a count)."""
     llm.collective_rpc("eyas_expect", args=([[i, ids] for i, ids in batch],))
     llm.generate([{"prompt_token_ids": ids} for _, ids in batch], sp, use_tqdm=False)
-    report = next(r for r in llm.collective_rpc("eyas_flush") if r is not None)
+    report = next(r for r in llm.collective_rpc("eyas_flush", args=(name,)) if r is not None)
     if report["missing"]:
         raise RuntimeError(
             f"eyas vllm-hooks: no states captured for {len(report['missing'])} prompt(s) "
@@ -132,7 +135,11 @@ def run_hooks(llm, job: dict, batch: list, sp) -> list[int]:
     return report["written"]
 
 
-def run_connector(llm, job: dict, batch: list, sp, layer_ids: list[int], seq: int) -> list[int]:
+def run_connector(llm, job: dict, batch: list, sp, layer_ids: list[int], seq: int,
+                  name: str | None = None) -> list[int]:
+    """One batch through the connector, repacked as one chunk (``name``, default the job's tag and
+    ``seq``). Each request's own file is read and deleted before the chunk is written, so the
+    batch's states are on disk once at a time, never twice."""
     import torch
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         cleanup_hidden_states,
@@ -156,7 +163,7 @@ def run_connector(llm, job: dict, batch: list, sp, layer_ids: list[int], seq: in
         states = data["hidden_states"][:, order]  # [T, L, H]
         samples.append((index, tok, states))
         cleanup_hidden_states(path)
-    write_chunk(job["out_dir"], f"{job['tag']}-{seq:06d}", samples,
+    write_chunk(job["out_dir"], name or f"{job['tag']}-{seq:06d}", samples,
                 meta={"aux": job["aux"], "final": job["final"], "backend": "vllm"})
     return [i for i, _, _ in samples]
 

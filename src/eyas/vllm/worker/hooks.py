@@ -153,14 +153,15 @@ class EyasHookExtension:
             rec.expected[np.asarray(ids, dtype=np.int64).tobytes()].append(int(index))
         return len(prompts)
 
-    def eyas_flush(self) -> dict | None:
-        """Write what was captured as one chunk; report indices still missing (None on non-writers)."""
+    def eyas_flush(self, name: str | None = None) -> dict | None:
+        """Write what was captured as one chunk (``name``, default the tag and a count); report
+        indices still missing (None on non-writers)."""
         rec = self._eyas_rec
         if rec is None:
             return None
         written = [i for i, _, _ in rec.captured]
         if rec.captured:
-            name = f"{self._eyas_tag}-{self._eyas_seq:06d}"
+            name = name or f"{self._eyas_tag}-{self._eyas_seq:06d}"
             write_chunk(self._eyas_out, name, rec.captured,
                         meta={"aux": rec.aux, "final": rec.final, "backend": "vllm-hooks"})
             self._eyas_seq += 1
