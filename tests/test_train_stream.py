@@ -134,9 +134,10 @@ def test_losses_equal_offline_training_on_the_same_samples(setup, streamed):
     """Offline: `eyas extract --backend vllm` (same engine, fp32) + `eyas train --store`, same settings.
     Tolerance: both sides run the engine in fp32 on the same tokens; only the batch the engine put each
     sample in differs (the store's batches are of 4,096 tokens, the stream's one micro-batch), which can
-    change fp32 rounding in the engine's matmuls (~1e-7 relative per state). Measured here: equal to the
-    last bit. rel 1e-5 allows 100x that rounding and still fails a sample's states of another layer, of
-    another sample, or in bf16 (relative error ~4e-3)."""
+    change fp32 rounding in the engine's matmuls (~1e-7 relative per state). Measured on this target:
+    equal to the last bit. rel 1e-5 allows 100x that rounding and still fails a sample's states of another
+    layer, of another sample, or in bf16 (relative error ~4e-3). (On SmolLM2, 30 layers, the same
+    difference in batching grew to 1.4e-5 over 16 steps: benchmarks/train_stream_cpu.md.)"""
     py, tdir, data, d = setup
     run, _, _, _ = streamed
     store, off = d / "store", d / "offline"
