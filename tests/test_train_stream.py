@@ -134,9 +134,10 @@ def test_losses_equal_offline_training_on_the_same_samples(setup, streamed):
     """Offline: `eyas extract --backend vllm` (same engine, fp32) + `eyas train --store`, same settings.
     Tolerance: both sides run the engine in fp32 on the same tokens; only the batch the engine put each
     sample in differs (the store's batches are of 4,096 tokens, the stream's one micro-batch), which can
-    change fp32 rounding in the engine's matmuls (~1e-7 relative per state). Measured here: equal to the
-    last bit. rel 1e-5 allows 100x that rounding and still fails a sample's states of another layer, of
-    another sample, or in bf16 (relative error ~4e-3)."""
+    change fp32 rounding in the engine's matmuls (~1e-7 relative per state). Measured on this target:
+    equal to the last bit. rel 1e-5 allows 100x that rounding and still fails a sample's states of another
+    layer, of another sample, or in bf16 (relative error ~4e-3). (On SmolLM2, 30 layers, the same
+    difference in batching grew to 1.4e-5 over 16 steps: benchmarks/train_stream_cpu.md.)"""
     py, tdir, data, d = setup
     run, _, _, _ = streamed
     store, off = d / "store", d / "offline"
@@ -302,12 +303,13 @@ def test_feature_cache_serves_later_epochs_with_the_same_losses(setup, streamed,
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
 
 
-def test_features_vllm_in_the_pipeline_config(tmp_path):
+def test_features_vllm_in_the_pipeline_config(tmp_path, monkeypatch):
     """`features: vllm` maps onto the train stage (no extract stage), its settings in the train section."""
     import yaml
 
+    import eyas.train.trainer
     from eyas.config import load_config
-    from eyas.pipeline import stage_records
+    from eyas.pipeline import _train, stage_records
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump({"target": "x", "workdir": str(tmp_path / "w"), "features": "vllm",
@@ -318,6 +320,12 @@ def test_features_vllm_in_the_pipeline_config(tmp_path):
     assert "extract" not in rec and rec["train"]["upstream"] == "prepare"
     assert rec["train"]["settings"]["features"] == "vllm"
     assert rec["train"]["settings"]["feature_buffer_gb"] == 0.5
+    seen = []  # the TrainConfig the pipeline's train stage would run (training itself is tested above)
+    monkeypatch.setattr(eyas.train.trainer, "train", seen.append)
+    _train(cfg, tmp_path / "prepared", None, tmp_path / "w" / "train")
+    tc = seen[0]
+    assert (tc.features, tc.online, tc.store, tc.feature_buffer_gb, tc.feature_cache_gb) == ("vllm", False, None, 0.5, 4)
+    assert tc.gpu_memory_utilization == 0.25 and tc.vllm_python == "0.32.0"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"target": "x", "features": "vllm", "train": {"gpu_memory_utilization": 0}}))
     with pytest.raises(EyasError, match="gpu_memory_utilization"):

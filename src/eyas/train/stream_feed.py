@@ -99,6 +99,7 @@ class Feeder:
         self.stopping = False
         self.last_progress = time.monotonic()
         self._extra = 0
+        self.phase = ["starting"] * len(engines)  # per engine: starting, idle or request
         self.threads = [threading.Thread(target=self._serve, args=(k, e), name=f"eyas-feed-{k}", daemon=True)
                         for k, e in enumerate(engines)]
         for t in self.threads:
@@ -154,6 +155,7 @@ class Feeder:
         try:
             ready = engine.read()  # the engine's start-up: vLLM loads the model
             with self.cond:
+                self.phase[k] = "idle"
                 self.stats.engine_ready_s.append(float(ready.get("seconds", 0.0)))
                 self.stats.vllm_version = ready.get("vllm")
                 self.last_progress = time.monotonic()
@@ -186,8 +188,10 @@ class Feeder:
                     self.reserved += u.est
                     self.stats.peak_bytes = max(self.stats.peak_bytes, self.used + self.reserved)
                     prompts = self.prompts(u.ask)
+                    self.phase[k] = "request"
                 reply = engine.request({"name": u.name, "prompts": prompts})
                 with self.cond:
+                    self.phase[k] = "idle"
                     self.reserved -= u.est
                     u.path = self.buffer / f"{PREFIX}{u.name}.safetensors"
                     u.bytes, u.seconds = int(reply["bytes"]), float(reply["seconds"])
@@ -264,16 +268,20 @@ class Feeder:
             raise EyasError(f"feeding the vLLM engine failed: {self.error!r}") from self.error
 
     def stop(self, join_s: float = 120.0) -> None:
-        """Stop the producer threads (a request in flight is finished first) and the engines."""
+        """Stop the producer threads and the engines: an engine still starting is terminated, a request
+        in flight is finished first (up to ``join_s``), an idle engine is asked to quit."""
         with self.cond:
             self.stopping = True
+            starting = [k for k, ph in enumerate(self.phase) if ph == "starting"]
             self.cond.notify_all()
+        for k in starting:
+            self.engines[k].stop()  # its thread's read of the ready reply then ends
         deadline = time.monotonic() + join_s
         for t in self.threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        for e in self.engines:
-            if any(t.is_alive() for t in self.threads):
-                e.stop()  # a thread still waits on it: terminate, its read then ends
+        for t, e in zip(self.threads, self.engines):
+            if t.is_alive():
+                e.stop()  # still waits on its reply: terminate, its read then ends
             else:
                 e.close(timeout=60)
 
