@@ -112,10 +112,10 @@ def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperatu
 
     from eyas.evaluate.runner import run_questions
 
+    from eyas.evaluate.workers import BuiltinPool, build_engine
+
     start = time.perf_counter()
     if workers > 1:
-        from eyas.evaluate.workers import BuiltinPool
-
         pool = BuiltinPool(workers, target, draft_dir, k, temperature, seed, compare_plain, dtype, device,
                            max_new_tokens, stop_ids)
         try:
@@ -124,13 +124,7 @@ def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperatu
         finally:
             pool.close()
     else:
-        from eyas.draft.model import Eagle3Draft
-        from eyas.evaluate.speculative import BuiltinEngine
-
-        torch_dtype = getattr(torch, dtype)
-        model = target.load_model(dtype=torch_dtype, device=device)
-        draft = Eagle3Draft.from_pretrained(draft_dir, device=device, dtype=torch_dtype, target_dir=target.path)
-        eng = BuiltinEngine(model, draft, k, temperature, seed, compare_plain)
+        eng = build_engine(target, draft_dir, k, temperature, seed, compare_plain, dtype, device)
         try:
             records = run_questions(eng, questions, tokenizer, max_new_tokens, stop_ids,
                                     sub / "records.jsonl", settings, progress)

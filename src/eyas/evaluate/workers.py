@@ -1,4 +1,4 @@
-"""The builtin engine on several processes sharing one device (`eyas evaluate --workers N`).
+"""The builtin engine, and it on several processes sharing one device (`eyas evaluate --workers N`).
 
 One verification round of the builtin loop is a chain of small kernels with a host sync after
 each forward, so one process leaves a GPU mostly idle; N processes, each with its own target,
@@ -19,18 +19,26 @@ from eyas.evaluate.prompts import Question
 _STATE: dict[str, Any] = {}  # the worker's engine and tokenizer, made once per process
 
 
-def _init(target, draft_dir: str, k: int, temperature: float, seed: int, compare_plain: bool, dtype: str,
-          device: str, threads: int) -> None:
+def build_engine(target, draft_dir: Path, k: int, temperature: float, seed: int, compare_plain: bool,
+                 dtype: str, device: str):
+    """The builtin engine: ``target``'s HF model and the draft at ``dtype`` on ``device``."""
     import torch
 
     from eyas.draft.model import Eagle3Draft
     from eyas.evaluate.speculative import BuiltinEngine
 
-    torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
     model = target.load_model(dtype=torch_dtype, device=device)
     draft = Eagle3Draft.from_pretrained(Path(draft_dir), device=device, dtype=torch_dtype, target_dir=target.path)
-    _STATE["engine"] = BuiltinEngine(model, draft, k, temperature, seed, compare_plain)
+    return BuiltinEngine(model, draft, k, temperature, seed, compare_plain)
+
+
+def _init(target, draft_dir: str, k: int, temperature: float, seed: int, compare_plain: bool, dtype: str,
+          device: str, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    _STATE["engine"] = build_engine(target, Path(draft_dir), k, temperature, seed, compare_plain, dtype, device)
     _STATE["tokenizer"] = target.load_tokenizer()
 
 
