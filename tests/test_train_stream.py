@@ -129,8 +129,19 @@ def streamed(setup):
     return run, buf, peak, poll.samples
 
 
+@pytest.fixture(scope="module")
+def store(setup) -> Path:
+    """An `eyas extract --backend vllm` store of the same samples (same engine, fp32)."""
+    py, tdir, data, d = setup
+    out = d / "store"
+    subprocess.run([PY, "-m", "eyas.cli", "extract", "--target", str(tdir), "--data", str(data), "--out", str(out),
+                    "--layers", "2,4,5", "--backend", "vllm", "--vllm-python", py, "--dtype", "fp32",
+                    "--model-dtype", "fp32", "--quiet"], env=ENV, check=True, capture_output=True)
+    return out
+
+
 @engine_test
-def test_losses_equal_offline_training_on_the_same_samples(setup, streamed):
+def test_losses_equal_offline_training_on_the_same_samples(setup, streamed, store):
     """Offline: `eyas extract --backend vllm` (same engine, fp32) + `eyas train --store`, same settings.
     Tolerance: both sides run the engine in fp32 on the same tokens; only the batch the engine put each
     sample in differs (the store's batches are of 4,096 tokens, the stream's one micro-batch), which can
@@ -140,10 +151,7 @@ def test_losses_equal_offline_training_on_the_same_samples(setup, streamed):
     difference in batching grew to 1.4e-5 over 16 steps: benchmarks/train_stream_cpu.md.)"""
     py, tdir, data, d = setup
     run, _, _, _ = streamed
-    store, off = d / "store", d / "offline"
-    subprocess.run([PY, "-m", "eyas.cli", "extract", "--target", str(tdir), "--data", str(data), "--out", str(store),
-                    "--layers", "2,4,5", "--backend", "vllm", "--vllm-python", py, "--dtype", "fp32",
-                    "--model-dtype", "fp32", "--quiet"], env=ENV, check=True, capture_output=True)
+    off = d / "offline"
     cmd = [PY, "-m", "eyas.cli", "train", "--target", str(tdir), "--data", str(data), "--out", str(off),
            "--store", str(store), *TRAIN]
     subprocess.run(cmd, env=ENV, check=True, capture_output=True)
@@ -278,6 +286,33 @@ def test_the_hooks_backend_of_vllm_0_16_streams_the_same_features(setup, streame
     a, b = _records(run), _records(full)
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
+
+
+@engine_test
+def test_two_ranks_each_with_its_engine_train_like_offline_ddp(setup, store, tmp_path):
+    """torchrun, 2 CPU ranks (gloo): each rank starts its own engine, asks for its own micro-batches
+    and consumes them from its own part of the buffer (half the limit each); the losses are those of
+    the same DDP run reading the store."""
+    py, tdir, data, _ = setup
+
+    def torchrun(out: Path, *extra: str) -> list[str]:
+        return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
+                "train", "--target", str(tdir), "--data", str(data), "--out", str(out), *TRAIN,
+                "--max-steps", "4", *extra]
+
+    run, off, buf = tmp_path / "stream", tmp_path / "offline", tmp_path / "buf"
+    res = subprocess.run(torchrun(run, "--features", "vllm", "--vllm-python", py, "--feature-buffer-gb",
+                                  str(LIMIT_GB), "--feature-buffer-dir", str(buf)),
+                         env=ENV, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    subprocess.run(torchrun(off, "--store", str(store)), env=ENV, check=True, capture_output=True)
+    a, b = _records(run), _records(off)
+    assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
+    rep = json.loads((run / "summary.json").read_text())
+    assert rep["world_size"] == 2 and rep["features"]["buffer_limit_bytes"] == int(LIMIT_GB * 1e9) // 2
+    assert rep["features"]["calls"] == 4 + 1  # rank 0: one micro-batch per step, one held-out batch at the end
+    assert not buf.exists() or _dir_bytes(buf) == 0
 
 
 @engine_test
