@@ -15,7 +15,6 @@ already generate.
 
 from __future__ import annotations
 
-import os
 import queue
 import shutil
 import threading
@@ -26,6 +25,7 @@ from typing import Any, Callable
 from eyas.errors import EyasError
 from eyas.vllm import VLLM_DTYPES
 from eyas.vllm.find import find_vllm_python, probe_vllm
+from eyas.vllm.placement import visible_gpus
 from eyas.vllm.process import WorkerProcess
 
 # (key, prompt ids, seed) -> on_answer(key, token ids) returns the follow-up items
@@ -74,8 +74,7 @@ class VllmGenerator:
         env = None
         if self.gpus > 1:  # engines spread over the visible GPUs, tensor_parallel_size each
             tp = self.jobs[j]["tensor_parallel_size"]
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-            visible = visible if len(visible) >= self.gpus and visible[0] else [str(g) for g in range(self.gpus)]
+            visible = visible_gpus()
             env = {"CUDA_VISIBLE_DEVICES": ",".join(visible[(j * tp + t) % self.gpus] for t in range(tp))}
         log = self.log_path if j == 0 else self.log_path.with_name(f"regenerate-vllm-{j}.log")
         proc = WorkerProcess(self.python, "generate", self.jobs[j], Path(self.jobs[j]["work_dir"]), log,

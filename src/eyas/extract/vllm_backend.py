@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
+from eyas.vllm.placement import cpu_share, visible_gpus
 from eyas.extract.backends import choose_vllm_backend, is_cpu_build
 from eyas.vllm import VLLM_DTYPES
 from eyas.vllm.find import VllmInstall, find_vllm_python, probe_vllm
@@ -68,18 +69,14 @@ def _device_env(rank: int, tp: int, dp: int) -> dict[str, str]:
     """Give engine ``rank`` its own GPUs (CUDA) or its own cores (CPU build, dp > 1)."""
     env: dict[str, str] = {}
     if torch.cuda.is_available():
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devs = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        devs = visible_gpus()
         mine = devs[rank * tp:(rank + 1) * tp]
         if len(mine) < tp:
             raise EyasError(f"--data-parallel-size {dp} x --tensor-parallel-size {tp} needs "
                             f"{dp * tp} GPUs; {len(devs)} visible")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
     elif dp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        cores = sorted(os.sched_getaffinity(0))
-        per = max(1, len(cores) // dp)
-        mine = cores[rank * per:(rank + 1) * per] or cores[-per:]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_share(rank, dp)
     return env
 
 

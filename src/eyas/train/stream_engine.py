@@ -18,6 +18,7 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.vllm import VLLM_DTYPES
+from eyas.vllm.placement import cpu_share, visible_gpus
 from eyas.vllm.process import WorkerProcess
 
 
@@ -30,8 +31,7 @@ def engine_env(local_rank: int, world: int, k: int, tp: int, dp: int) -> dict[st
     """Engine ``k`` of the rank with ``local_rank``: its GPUs (CUDA) or its cores (CPU, several engines)."""
     env: dict[str, str] = {}
     if torch.cuda.is_available():
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        devs = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        devs = visible_gpus()
         if tp * dp == 1:
             mine = [devs[local_rank % len(devs)]]  # beside this rank's trainer
         else:
@@ -43,10 +43,7 @@ def engine_env(local_rank: int, world: int, k: int, tp: int, dp: int) -> dict[st
                                 "visible. Use 1 x 1 (the engine shares its rank's GPU) or fewer")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
     elif dp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        cores = sorted(os.sched_getaffinity(0))
-        per = max(1, len(cores) // dp)
-        mine = cores[k * per:(k + 1) * per] or cores[-per:]
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_share(k, dp)
     return env
 
 
