@@ -187,6 +187,53 @@ def test_greedy_identity_with_stop_tokens(setup):
     assert spec == plain and plain[-1] in stop and len(plain) <= 9
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_steps_record_reads_a_run_without_stops_as_the_loop_with_them(setup, k, monkeypatch):
+    """The vllm engine's reading (eyas.evaluate.vllm_metrics.steps_record): answers generated past
+    the cut (max_new_tokens + k + 1, no stop tokens) and the tokens gained per step give exactly the
+    record of the builtin loop run with the cut and the stop tokens: tokens, rounds, acceptance per
+    position, the stop round counted whole."""
+    from eyas.evaluate import speculative
+    from eyas.evaluate.vllm_metrics import steps_record
+
+    target, model, draft = setup[0], setup[1], setup[2]
+    tr, dr = TargetRunner(model, draft.config.aux_layer_ids), DraftRunner(draft)
+    prompts = evalkit.chat_prompts(target.load_tokenizer(), evalkit.PROMPTS)
+    accepted: list[int] = []
+    real = speculative.verify_greedy
+
+    def spy(logits, drafts):  # the drafts accepted in each round of the uncut run
+        n, nxt = real(logits, drafts)
+        accepted.append(int(n))
+        return n, nxt
+
+    max_new, seen_stop = 20, 0
+    for prompt in prompts:
+        free = plain_generate(tr, prompt, max_new, set()).tokens
+        for stop in (set(), {free[7]}):  # no stop, and a token met mid-answer
+            want = speculative_generate(tr, dr, prompt, max_new, stop, k=k)
+            accepted.clear()
+            monkeypatch.setattr(speculative, "verify_greedy", spy)
+            uncut = speculative_generate(tr, dr, prompt, max_new + k + 1, set(), k=k)
+            monkeypatch.setattr(speculative, "verify_greedy", real)
+            steps = [1] + [n + 1 for n in accepted]
+            got = steps_record(uncut.tokens, steps, max_new, stop, k)
+            assert got["tokens"] == want.tokens
+            assert (got["rounds"], got["accepted_per_pos"]) == (want.rounds, want.accepted_per_pos)
+            seen_stop += bool(stop) and len(want.tokens) < max_new
+    tr.close()
+    assert seen_stop, "a stop token cut some answer short"
+
+
+def test_acceptance_read_from_steps_is_checked_against_vllms_own():
+    from eyas.evaluate.vllm_metrics import agrees_with_vllm
+
+    assert agrees_with_vllm([1, 3, 1, 2], [2, 0, 1])
+    assert agrees_with_vllm([1, 3, 1, 2], [2, 0, 3])  # the last round cut by max_tokens
+    assert not agrees_with_vllm([1, 3, 1, 2], [2, 1, 1])
+    assert not agrees_with_vllm([1, 3, 1, 1, 2], [2, 0, 1])  # a step vLLM did not count as a round
+
+
 # ----------------------------------------------------------------------------- report + CLI
 
 

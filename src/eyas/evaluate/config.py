@@ -56,6 +56,9 @@ class EvaluateConfig:
     workers: int = setting(1, "builtin: processes sharing the device, each with its own target and draft; "
                               "questions go to whichever is free (on a GPU one process leaves it mostly idle).",
                            check=at_least(1, "builtin worker processes"))
+    in_flight: int = setting(64, "vllm: questions answered at once in the engine's batch, each question's "
+                                 "turns in order (1: one request at a time).",
+                             check=at_least(1, "questions in flight"))
     seed: int = setting(0, "Sampling seed.", check=at_least(0))
     compare_plain: bool = setting(True, "builtin: also decode without the draft, for the speedup "
                                         "(--no-plain skips that baseline).", "--plain/--no-plain")
