@@ -59,6 +59,16 @@ def test_default_mt_bench_is_in_the_repo():
     assert len(per_cat) == 16 and all(sum(q.category == c.category for q in per_cat) == 2 for c in per_cat)
 
 
+def test_the_second_prompt_set_humaneval_is_in_the_repo():
+    """data/humaneval (scripts/make_humaneval_prompts.py): HumanEval's 164 stubs, one turn each."""
+    from eyas.evaluate.prompts import DEFAULT_PROMPTS
+
+    path = DEFAULT_PROMPTS.parents[1] / "humaneval" / "question.jsonl"
+    qs = read_questions(path)
+    assert len(qs) == 164 and all(len(q.turns) == 1 and "def " in q.turns[0] for q in qs)
+    assert {q.category for q in qs} == {"coding"} and (path.parent / "LICENSE").is_file()
+
+
 def test_second_turn_follows_the_models_first_answer(setup):
     target = setup[0]
     tok = target.load_tokenizer()
@@ -295,6 +305,34 @@ def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
     assert res.exit_code != 0 and "other settings" in str(res.exception)
     res = CliRunner().invoke(app, args + ["--no-plain"])  # records without the plain baseline
     assert res.exit_code != 0 and "plain_baseline" in str(res.exception)
+
+
+def test_also_k_evaluates_each_k_as_its_own_run_would(setup, tmp_path):
+    """`eyas evaluate -k 3 --also-k 2`: k=2's report in OUT/k2/ is the one `-k 2` alone writes (same
+    tokens, rounds and acceptance per turn), and a re-run resumes both."""
+    from eyas.evaluate.cli import register
+
+    target, draft_dir = setup[0], setup[3]
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 2)
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    base = ["evaluate", "--target", str(target.path), "--draft", str(draft_dir), "--prompts", str(qfile),
+            "--max-new-tokens", "16", "--no-plain", "--quiet"]
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "both"), "-k", "3", "--also-k", "2"])
+    assert res.exit_code == 0, res.output
+    assert "k=2 builtin: tau" in res.output
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "alone"), "-k", "2"])
+    assert res.exit_code == 0, res.output
+    keep = ("question_id", "turn", "output_ids", "rounds", "accepted_per_pos")
+    read = lambda p: [{f: r[f] for f in keep} for r in json.loads(p.read_text())["per_prompt"]]  # noqa: E731
+    also = read(tmp_path / "both" / "k2" / "builtin" / "report.json")
+    assert also == read(tmp_path / "alone" / "builtin" / "report.json") and len(also) == 4
+    main = json.loads((tmp_path / "both" / "builtin" / "report.json").read_text())
+    assert main["num_speculative_tokens"] == 3 and len(main["overall"]["accepted_per_pos"]) == 3
+    before = (tmp_path / "both" / "k2" / "builtin" / "records.jsonl").read_text()
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "both"), "-k", "3", "--also-k", "2"])
+    assert res.exit_code == 0 and (tmp_path / "both" / "k2" / "builtin" / "records.jsonl").read_text() == before
 
 
 @pytest.mark.parametrize("device,message", [("gpu", "choose auto"), ("cuda:x", "choose auto"),

@@ -20,7 +20,7 @@ def _ints(text: str | list[int] | None) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError as e:
-        raise EyasError(f"--speed-concurrency {text!r}: expected comma-separated integers, e.g. 1,32") from e
+        raise EyasError(f"{text!r}: expected comma-separated integers, e.g. 1,32") from e
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -34,6 +34,9 @@ class EvaluateConfig:
                                      "(and compare).")
     k: int = setting(3, "Draft tokens per step.", "-k", "--num-speculative-tokens",
                      check=at_least(1, "draft tokens per step"))
+    also_k: list[int] = setting([], "Also evaluate with these numbers of draft tokens per step, each into "
+                                    "OUT/k<N>/ (the same engines and questions; serving speed only at -k), "
+                                    "e.g. 3,7.", "--also-k", parse=_ints, cli_type=str)
     temperature: float = setting(0.0, "0 = greedy; > 0 samples with rejection sampling.",
                                  check=at_least(0, "sampling temperature", "0 is greedy"))
     max_prompts: int | None = setting(None, "Use only the first N questions.",

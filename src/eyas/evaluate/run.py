@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     if dtype not in DTYPES:
         raise EyasError(f"--dtype {dtype!r}: choose {', '.join(DTYPES)}")
     speed_concurrency = list(cfg.speed_concurrency or ())
+    if any(n < 1 for n in cfg.also_k):
+        raise EyasError(f"--also-k {cfg.also_k}: each needs at least one draft token per step")
     if any(c < 1 for c in speed_concurrency):
         raise EyasError(f"--speed-concurrency {speed_concurrency}: each must be at least 1 request")
     if speed_concurrency and engine == "builtin":
@@ -104,6 +107,10 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         reports[name] = report
     if len(reports) == 2:
         reports["comparison"] = _compare(reports["builtin"], reports["vllm"], Path(out))
+    for other in dict.fromkeys(cfg.also_k):  # each k on its own, into OUT/k<N>/, resumable as -k is
+        if other != k:
+            reports[f"k{other}"] = evaluate(replace(cfg, k=other, also_k=[], speed_concurrency=[],
+                                                    out=Path(out) / f"k{other}"))
     return reports
 
 
