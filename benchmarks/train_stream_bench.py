@@ -25,40 +25,12 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _dir_bytes(root: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(dirpath, f)).st_size
-            except FileNotFoundError:
-                pass
-    return total
-
-
-class Poller:
-    def __init__(self, root: Path):
-        self.root, self.peak, self.samples, self.stop_ = root, 0, 0, threading.Event()
-        self.t = threading.Thread(target=self.run, daemon=True)
-        self.t.start()
-
-    def run(self) -> None:
-        while not self.stop_.is_set():
-            self.peak = max(self.peak, _dir_bytes(self.root))
-            self.samples += 1
-            time.sleep(0.005)
-
-    def stop(self) -> int:
-        self.stop_.set()
-        self.t.join()
-        return self.peak
+sys.path.insert(0, str(ROOT / "tests"))
+from diskpeak import DiskPeak  # noqa: E402  (the tests' buffer poller: one way to measure the peak)
 
 
 def _run(cmd: list[str]) -> float:
@@ -106,7 +78,7 @@ def main() -> None:
     rows.append(_row("online (HF target in process)", out / "online",
                      _run([*eyas, "train", *base, "--out", str(out / "online"), "--online"])))
     buf = out / "buffer"
-    poll = Poller(buf)
+    poll = DiskPeak(buf, interval=0.005)
     wall = _run([*eyas, "train", *base, "--out", str(out / "vllm"), "--features", "vllm", "--vllm-python",
                  a.vllm_python, "--feature-buffer-gb", str(a.buffer_gb), "--feature-buffer-dir", str(buf)])
     peak = poll.stop()
