@@ -51,6 +51,13 @@ def _row(name: str, run: Path, wall: float) -> dict:
             "final_loss": train[-1]["loss"], "load_after": os.getloadavg()[0]}
 
 
+def _machine() -> str:
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return f"{os.cpu_count()} CPUs, " + (", ".join(gpus) if gpus else "no GPU (the shared 2-core CPU box)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -59,6 +66,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--buffer-gb", type=float, default=0.03)
     ap.add_argument("--json", required=True)
+    ap.add_argument("--extract-args", default="--dtype fp32 --model-dtype fp32",
+                    help="the offline row's `eyas extract` settings (on a GPU: --dtype bf16)")
     ap.add_argument("--train", default="--ttt-steps 3 --tokens-per-batch 1024 --epochs 1 --warmup 2 "
                                        "--eval-every 0 --eval-batches 1 --save-every 0 --device cpu --quiet")
     a = ap.parse_args()
@@ -68,8 +77,7 @@ def main() -> None:
     base = ["--target", a.target, "--data", a.data, *a.train.split()]
     rows = []
     t_ext = _run([*eyas, "extract", "--target", a.target, "--data", a.data, "--out", str(out / "store"),
-                  "--backend", "vllm", "--vllm-python", a.vllm_python, "--dtype", "fp32", "--model-dtype", "fp32",
-                  "--quiet"])
+                  "--backend", "vllm", "--vllm-python", a.vllm_python, *a.extract_args.split(), "--quiet"])
     off = _row("offline (store)", out / "offline",
                _run([*eyas, "train", *base, "--out", str(out / "offline"), "--store", str(out / "store")]))
     off["extract_s"] = round(t_ext, 1)
@@ -94,7 +102,7 @@ def main() -> None:
     rows.append(row)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
-           "machine": f"2-core CPU box (shared), {os.cpu_count()} CPUs visible, no GPU",
+           "machine": _machine(),
            "command": " ".join([Path(sys.executable).name, *sys.argv]), "train_settings": a.train, "rows": rows}
     Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
     for r in rows:
