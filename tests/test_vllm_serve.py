@@ -47,8 +47,7 @@ def _run_vllm(py: Path, target_dir: Path, draft: Path | None, prompts, log: Path
         alone = [eng.generate(p, MAX_NEW, set()) for p in prompts]
         if not streamed:
             return alone
-        outs = eng.stream([(str(i), p) for i, p in enumerate(prompts)], MAX_NEW + K + 1, 0.0, 0,
-                          low_water=0)
+        outs = eng.stream([(str(i), p, 0) for i, p in enumerate(prompts)], MAX_NEW + K + 1, 0.0, low_water=0)
         return alone, sorted(outs, key=lambda o: int(o["key"]))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zlib
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterator
@@ -58,13 +59,14 @@ class VllmEngine:
         return self.proc.request({"prompt_token_ids": prompt, "max_tokens": max_new_tokens,
                                   "temperature": temperature, "stop_token_ids": sorted(stop_ids), "seed": seed})
 
-    def stream(self, items: list[tuple[str, list[int]]], max_tokens: int, temperature: float, seed: int,
+    def stream(self, items: list[tuple[str, list[int], int]], max_tokens: int, temperature: float,
                low_water: int) -> list[dict[str, Any]]:
-        """Add ``items`` (key, prompt ids) to the engine's batch; return the requests that finished
-        once at most ``low_water`` are left (at least one): ids, tokens gained per step, seconds."""
-        return self.proc.request({"op": "stream", "items": [{"key": key, "prompt_token_ids": ids} for key, ids in items],
-                                  "max_tokens": max_tokens, "temperature": temperature, "seed": seed,
-                                  "low_water": low_water})["outputs"]
+        """Add ``items`` (key, prompt ids, sampling seed) to the engine's batch; return the requests
+        that finished once at most ``low_water`` are left (at least one): ids, tokens gained per
+        step, seconds."""
+        return self.proc.request({"op": "stream", "max_tokens": max_tokens, "temperature": temperature,
+                                  "items": [{"key": key, "prompt_token_ids": ids, "seed": seed}
+                                            for key, ids, seed in items], "low_water": low_water})["outputs"]
 
     def speed(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
               concurrency: int) -> dict[str, Any]:
@@ -164,8 +166,9 @@ class VllmPool:
                 prompt = render_turn(self.tokenizer, q, turn, answers)
                 key = f"{q.question_id}/{turn}"
                 live[key] = (q, turn, answers, recs, prompt)
-                send.append((key, prompt))
-            outs = self.engine.stream(send, self.max_new_tokens + self.k + 1, self.temperature, self.seed,
+                # a seed per turn from the run's seed, so a sampled answer does not depend on its batch
+                send.append((key, prompt, (self.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**31))
+            outs = self.engine.stream(send, self.max_new_tokens + self.k + 1, self.temperature,
                                       low_water=len(live) - 1)
             for out in outs:
                 q, turn, answers, recs, prompt = live.pop(out["key"])

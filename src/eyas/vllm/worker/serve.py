@@ -5,7 +5,7 @@ answers requests (``protocol.py``):
 
 - ``{"prompt_token_ids", "max_tokens", "temperature", "seed", "stop_token_ids"}``: one request alone,
   with the output ids and vLLM's own spec-decode counters over it;
-- ``{"op": "stream", "items": [{"key", "prompt_token_ids"}], "max_tokens", "temperature", "seed",
+- ``{"op": "stream", "items": [{"key", "prompt_token_ids", "seed"}], "max_tokens", "temperature",
   "low_water"}``: the items join the engine's running batch; the engine steps until at least one
   request has finished and at most ``low_water`` are unfinished, and answers with what finished:
   each one's ids and the tokens it gained at each engine step (one verification round each, after
@@ -96,15 +96,19 @@ class Stream:
     """The ``stream`` op's requests, kept across replies: the engine's batch outlives each reply."""
 
     def __init__(self, llm, SamplingParams):
+        import torch
+
         self.engine, self.SamplingParams = llm.llm_engine, SamplingParams
         self.live = {}  # request id -> [start time, tokens so far, tokens gained per step]
+        # vLLM's CPU runner breaks on per-request seeds (generate.py): there the engine seed rules
+        self.per_request_seed = torch.cuda.is_available()
 
     def __call__(self, req):
         greedy = req.get("temperature", 0.0) <= 0
         for item in req["items"]:
+            seed = item.get("seed") if self.per_request_seed and not greedy else None
             params = self.SamplingParams(max_tokens=req["max_tokens"], temperature=0.0 if greedy else req["temperature"],
-                                         seed=None if greedy else req.get("seed"), ignore_eos=True,
-                                         detokenize=False)
+                                         seed=seed, ignore_eos=True, detokenize=False)
             key = str(item["key"])
             self.engine.add_request(key, {"prompt_token_ids": item["prompt_token_ids"]}, params)
             self.live[key] = [time.perf_counter(), 0, []]
