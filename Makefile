@@ -5,7 +5,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
-VLLM_VERSIONS ?= 0.32.0 0.16.0
+VLLM_VERSIONS ?= 0.32.0 0.22.1 0.16.0
 
 .PHONY: setup run test test-fast vllm-envs
 setup: $(VENV)/.eyas-setup

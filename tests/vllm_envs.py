@@ -6,7 +6,7 @@ Two environment variables, both read by scripts/compat_matrix.py:
   ``.venvs/``; scripts/setup_vllm_env.sh reads the same variable).
 - ``EYAS_VLLM_VERSIONS``: a comma-separated list of versions. Set, every version-dependent test
   runs for exactly those versions (its default list is replaced) and a test written for one
-  other version skips; unset, each test runs for the versions CI tests (0.16.0 and 0.32.0).
+  other version skips; unset, each test runs for the versions CI tests (0.16.0, 0.22.1, 0.32.0).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CI_VERSIONS = ["0.16.0", "0.32.0"]
+CI_VERSIONS = ["0.16.0", "0.22.1", "0.32.0"]  # a forward-hooks build, one from the middle, the newest
 
 
 def venvs_dir() -> Path:
