@@ -19,8 +19,9 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     target_tokens = target_logits.argmax(dim=-1)
     k = draft_tokens.numel()
     match = (target_tokens[:k] == draft_tokens).to(torch.int64)
-    n = int(match.cumprod(0).sum().item())
-    return n, int(target_tokens[n].item())
+    # one copy to the host (one wait for the device) for both numbers
+    host = torch.cat([match.cumprod(0).sum().view(1), target_tokens]).tolist()
+    return host[0], host[1 + host[0]]
 
 
 def verify_sampling(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,

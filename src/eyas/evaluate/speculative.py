@@ -64,13 +64,14 @@ class TargetRunner:
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int], want_aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run ``tokens`` after the committed prefix; returns (logits [T,V], aux [T,A*H] or None).
+    def forward(self, tokens: list[int] | torch.Tensor, want_aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``tokens`` (ids, or a [T] tensor already on the device) after the committed prefix;
+        returns (logits [T,V], aux [T,A*H] or None).
 
         ``want_aux=False`` (plain decoding) leaves the hooks idle, so the baseline pays no capture."""
         dev = self.model.device
-        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
-        pos = torch.arange(self.length, self.length + len(tokens), device=dev)[None]
+        ids = _ids(tokens, dev)
+        pos = torch.arange(self.length, self.length + ids.shape[1], device=dev)[None]
         aux = None
         if self.capture is not None and want_aux:
             with self.capture.recording() as recs:
@@ -81,7 +82,7 @@ class TargetRunner:
         else:
             out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
                              use_cache=True)
-        self.length += len(tokens)
+        self.length += ids.shape[1]
         return out.logits[0], aux
 
     def crop(self, length: int) -> None:
@@ -92,6 +93,13 @@ class TargetRunner:
     def close(self) -> None:
         if self.capture is not None:
             self.capture.remove()
+
+
+def _ids(tokens: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[1, T] ids on ``device``: a device tensor as it is (no copy, no wait for the device)."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens.view(1, -1)
+    return torch.tensor([tokens], dtype=torch.long, device=device)
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
@@ -134,10 +142,10 @@ class DraftRunner:
         self.cache = self._cache_cls()
         self.committed = 0
 
-    def _step(self, features: torch.Tensor, tokens: list[int], start: int, from_target: bool):
+    def _step(self, features: torch.Tensor, tokens: list[int] | torch.Tensor, start: int, from_target: bool):
         dev = self.draft_to_target.device
-        ids = torch.tensor([tokens], dtype=torch.long, device=dev)
-        pos = torch.arange(start, start + len(tokens), device=dev)[None]
+        ids = _ids(tokens, dev)
+        pos = torch.arange(start, start + ids.shape[1], device=dev)[None]
         features = features.to(device=dev, dtype=self.dtype)
         logits, hidden = self.draft.step(features[None], ids, pos, self.cache,
                                         from_target=from_target)
@@ -148,6 +156,22 @@ class DraftRunner:
         q = torch.zeros(self.vocab_size, dtype=torch.float32, device=draft_logits.device)
         q[self.draft_to_target] = probs_at(draft_logits, temperature)
         return q
+
+    @torch.inference_mode()
+    def propose_greedy(self, aux: torch.Tensor, next_tokens: torch.Tensor, k: int) -> torch.Tensor:
+        """:meth:`propose` at temperature 0, on the device throughout: ``next_tokens`` [n] and the
+        k draft tokens returned (target ids, [k]) stay there, so the host queues the k draft steps
+        without waiting for any of them (on a GPU each wait leaves it idle)."""
+        self.cache.crop(self.committed)
+        logits, hidden = self._step(aux, next_tokens, self.committed, True)
+        self.committed += next_tokens.numel()
+        tokens = []
+        for j in range(k):
+            tok = self.draft_to_target[logits.argmax()]
+            tokens.append(tok)
+            if j + 1 < k:
+                logits, hidden = self._step(hidden, tok.view(1), self.committed + j, False)
+        return torch.stack(tokens)
 
     @torch.inference_mode()
     def propose(self, aux: torch.Tensor, next_tokens: list[int], k: int, temperature: float,
@@ -188,15 +212,20 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: list[
     res = GenerationResult(tokens=out, seconds=0.0, accepted_per_pos=[0] * k)
     # Positions whose target features the draft has not consumed yet, and the token after each.
     new_aux, new_next = aux, prompt[1:] + [out[-1]]
+    dev = logits.device
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
-        drafts, q = draft.propose(new_aux, new_next, k, temperature, generator)
         base = target.length
-        logits, aux = target.forward([out[-1]] + drafts)
-        if temperature <= 0:
-            n, nxt = verify_greedy(logits, torch.tensor(drafts, device=logits.device))
+        if temperature <= 0:  # one wait for the device per round: the verification's verdict
+            next_ids = torch.tensor(new_next, dtype=torch.long, device=dev)
+            drafts_t = draft.propose_greedy(new_aux, next_ids, k)
+            logits, aux = target.forward(torch.cat([next_ids[-1:], drafts_t]))
+            n, nxt = verify_greedy(logits, drafts_t)
+            drafts = drafts_t[:n].tolist()
         else:
+            drafts, q = draft.propose(new_aux, new_next, k, temperature, generator)
+            logits, aux = target.forward([out[-1]] + drafts)
             n, nxt = verify_sampling(probs_at(logits, temperature), q,
-                                     torch.tensor(drafts, device=logits.device), generator)
+                                     torch.tensor(drafts, device=dev), generator)
         res.rounds += 1
         res.draft_tokens += k
         for j in range(n):
