@@ -255,9 +255,9 @@ def test_bad_input_export_out_overlaps_an_input_with_overwrite(tmp_path, export_
 
 @pytest.fixture(scope="module")
 def train_data(tiny_target, tmp_path_factory) -> Path:
-    import test_train_run
+    import tiny
 
-    return test_train_run._write_data(tmp_path_factory.mktemp("prep") / "data", tiny_target)
+    return tiny.random_prepared(tmp_path_factory.mktemp("prep") / "data", tiny_target)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import torch
 
 import test_store
 import test_train_run
+import tiny
 from eyas.errors import EyasError
 from eyas.extract.run import run_extract
 from eyas.features.capture import HiddenStateCapture
@@ -127,7 +128,7 @@ def test_training_on_an_fp8_store_gives_the_bf16_losses(tmp_path, tiny_target, o
     aux layers of the same target ([2, 5, 6]: features as plausible but different) moves it by
     about 20%, so the bound tells "the same features, rounded" from "other features".
     """
-    data = test_train_run._write_data(tmp_path / "data", tiny_target)
+    data = tiny.random_prepared(tmp_path / "data", tiny_target)
     losses = {}
     for name, layers, dtype in (("bf16", LAYERS, "bf16"), ("fp8", LAYERS, "fp8"), ("other", [2, 5, 6], "bf16")):
         st = tmp_path / f"st-{name}"
