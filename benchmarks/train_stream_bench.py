@@ -25,40 +25,12 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _dir_bytes(root: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(dirpath, f)).st_size
-            except FileNotFoundError:
-                pass
-    return total
-
-
-class Poller:
-    def __init__(self, root: Path):
-        self.root, self.peak, self.samples, self.stop_ = root, 0, 0, threading.Event()
-        self.t = threading.Thread(target=self.run, daemon=True)
-        self.t.start()
-
-    def run(self) -> None:
-        while not self.stop_.is_set():
-            self.peak = max(self.peak, _dir_bytes(self.root))
-            self.samples += 1
-            time.sleep(0.005)
-
-    def stop(self) -> int:
-        self.stop_.set()
-        self.t.join()
-        return self.peak
+sys.path.insert(0, str(ROOT / "tests"))
+from diskpeak import DiskPeak  # noqa: E402  (the tests' buffer poller: one way to measure the peak)
 
 
 def _run(cmd: list[str]) -> float:
@@ -79,6 +51,13 @@ def _row(name: str, run: Path, wall: float) -> dict:
             "final_loss": train[-1]["loss"], "load_after": os.getloadavg()[0]}
 
 
+def _machine() -> str:
+    import torch
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return f"{os.cpu_count()} CPUs, " + (", ".join(gpus) if gpus else "no GPU (the shared 2-core CPU box)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -87,6 +66,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--buffer-gb", type=float, default=0.03)
     ap.add_argument("--json", required=True)
+    ap.add_argument("--extract-args", default="--dtype fp32 --model-dtype fp32",
+                    help="the offline row's `eyas extract` settings (on a GPU: --dtype bf16)")
     ap.add_argument("--train", default="--ttt-steps 3 --tokens-per-batch 1024 --epochs 1 --warmup 2 "
                                        "--eval-every 0 --eval-batches 1 --save-every 0 --device cpu --quiet")
     a = ap.parse_args()
@@ -96,8 +77,7 @@ def main() -> None:
     base = ["--target", a.target, "--data", a.data, *a.train.split()]
     rows = []
     t_ext = _run([*eyas, "extract", "--target", a.target, "--data", a.data, "--out", str(out / "store"),
-                  "--backend", "vllm", "--vllm-python", a.vllm_python, "--dtype", "fp32", "--model-dtype", "fp32",
-                  "--quiet"])
+                  "--backend", "vllm", "--vllm-python", a.vllm_python, *a.extract_args.split(), "--quiet"])
     off = _row("offline (store)", out / "offline",
                _run([*eyas, "train", *base, "--out", str(out / "offline"), "--store", str(out / "store")]))
     off["extract_s"] = round(t_ext, 1)
@@ -106,7 +86,7 @@ def main() -> None:
     rows.append(_row("online (HF target in process)", out / "online",
                      _run([*eyas, "train", *base, "--out", str(out / "online"), "--online"])))
     buf = out / "buffer"
-    poll = Poller(buf)
+    poll = DiskPeak(buf, interval=0.005)
     wall = _run([*eyas, "train", *base, "--out", str(out / "vllm"), "--features", "vllm", "--vllm-python",
                  a.vllm_python, "--feature-buffer-gb", str(a.buffer_gb), "--feature-buffer-dir", str(buf)])
     peak = poll.stop()
@@ -122,7 +102,7 @@ def main() -> None:
     rows.append(row)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
-           "machine": f"2-core CPU box (shared), {os.cpu_count()} CPUs visible, no GPU",
+           "machine": _machine(),
            "command": " ".join([Path(sys.executable).name, *sys.argv]), "train_settings": a.train, "rows": rows}
     Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
     for r in rows:

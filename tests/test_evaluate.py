@@ -59,6 +59,16 @@ def test_default_mt_bench_is_in_the_repo():
     assert len(per_cat) == 16 and all(sum(q.category == c.category for q in per_cat) == 2 for c in per_cat)
 
 
+def test_the_second_prompt_set_humaneval_is_in_the_repo():
+    """data/humaneval (scripts/make_humaneval_prompts.py): HumanEval's 164 stubs, one turn each."""
+    from eyas.evaluate.prompts import DEFAULT_PROMPTS
+
+    path = DEFAULT_PROMPTS.parents[1] / "humaneval" / "question.jsonl"
+    qs = read_questions(path)
+    assert len(qs) == 164 and all(len(q.turns) == 1 and "def " in q.turns[0] for q in qs)
+    assert {q.category for q in qs} == {"coding"} and (path.parent / "LICENSE").is_file()
+
+
 def test_second_turn_follows_the_models_first_answer(setup):
     target = setup[0]
     tok = target.load_tokenizer()
@@ -187,6 +197,53 @@ def test_greedy_identity_with_stop_tokens(setup):
     assert spec == plain and plain[-1] in stop and len(plain) <= 9
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_steps_record_reads_a_run_without_stops_as_the_loop_with_them(setup, k, monkeypatch):
+    """The vllm engine's reading (eyas.evaluate.vllm_metrics.steps_record): answers generated past
+    the cut (max_new_tokens + k + 1, no stop tokens) and the tokens gained per step give exactly the
+    record of the builtin loop run with the cut and the stop tokens: tokens, rounds, acceptance per
+    position, the stop round counted whole."""
+    from eyas.evaluate import speculative
+    from eyas.evaluate.vllm_metrics import steps_record
+
+    target, model, draft = setup[0], setup[1], setup[2]
+    tr, dr = TargetRunner(model, draft.config.aux_layer_ids), DraftRunner(draft)
+    prompts = evalkit.chat_prompts(target.load_tokenizer(), evalkit.PROMPTS)
+    accepted: list[int] = []
+    real = speculative.verify_greedy
+
+    def spy(logits, drafts):  # the drafts accepted in each round of the uncut run
+        n, nxt = real(logits, drafts)
+        accepted.append(int(n))
+        return n, nxt
+
+    max_new, seen_stop = 20, 0
+    for prompt in prompts:
+        free = plain_generate(tr, prompt, max_new, set()).tokens
+        for stop in (set(), {free[7]}):  # no stop, and a token met mid-answer
+            want = speculative_generate(tr, dr, prompt, max_new, stop, k=k)
+            accepted.clear()
+            monkeypatch.setattr(speculative, "verify_greedy", spy)
+            uncut = speculative_generate(tr, dr, prompt, max_new + k + 1, set(), k=k)
+            monkeypatch.setattr(speculative, "verify_greedy", real)
+            steps = [1] + [n + 1 for n in accepted]
+            got = steps_record(uncut.tokens, steps, max_new, stop, k)
+            assert got["tokens"] == want.tokens
+            assert (got["rounds"], got["accepted_per_pos"]) == (want.rounds, want.accepted_per_pos)
+            seen_stop += bool(stop) and len(want.tokens) < max_new
+    tr.close()
+    assert seen_stop, "a stop token cut some answer short"
+
+
+def test_acceptance_read_from_steps_is_checked_against_vllms_own():
+    from eyas.evaluate.vllm_metrics import agrees_with_vllm
+
+    assert agrees_with_vllm([1, 3, 1, 2], [2, 0, 1])
+    assert agrees_with_vllm([1, 3, 1, 2], [2, 0, 3])  # the last round cut by max_tokens
+    assert not agrees_with_vllm([1, 3, 1, 2], [2, 1, 1])
+    assert not agrees_with_vllm([1, 3, 1, 1, 2], [2, 0, 1])  # a step vLLM did not count as a round
+
+
 # ----------------------------------------------------------------------------- report + CLI
 
 
@@ -248,6 +305,34 @@ def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
     assert res.exit_code != 0 and "other settings" in str(res.exception)
     res = CliRunner().invoke(app, args + ["--no-plain"])  # records without the plain baseline
     assert res.exit_code != 0 and "plain_baseline" in str(res.exception)
+
+
+def test_also_k_evaluates_each_k_as_its_own_run_would(setup, tmp_path):
+    """`eyas evaluate -k 3 --also-k 2`: k=2's report in OUT/k2/ is the one `-k 2` alone writes (same
+    tokens, rounds and acceptance per turn), and a re-run resumes both."""
+    from eyas.evaluate.cli import register
+
+    target, draft_dir = setup[0], setup[3]
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 2)
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    base = ["evaluate", "--target", str(target.path), "--draft", str(draft_dir), "--prompts", str(qfile),
+            "--max-new-tokens", "16", "--no-plain", "--quiet"]
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "both"), "-k", "3", "--also-k", "2"])
+    assert res.exit_code == 0, res.output
+    assert "k=2 builtin: tau" in res.output
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "alone"), "-k", "2"])
+    assert res.exit_code == 0, res.output
+    keep = ("question_id", "turn", "output_ids", "rounds", "accepted_per_pos")
+    read = lambda p: [{f: r[f] for f in keep} for r in json.loads(p.read_text())["per_prompt"]]  # noqa: E731
+    also = read(tmp_path / "both" / "k2" / "builtin" / "report.json")
+    assert also == read(tmp_path / "alone" / "builtin" / "report.json") and len(also) == 4
+    main = json.loads((tmp_path / "both" / "builtin" / "report.json").read_text())
+    assert main["num_speculative_tokens"] == 3 and len(main["overall"]["accepted_per_pos"]) == 3
+    before = (tmp_path / "both" / "k2" / "builtin" / "records.jsonl").read_text()
+    res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "both"), "-k", "3", "--also-k", "2"])
+    assert res.exit_code == 0 and (tmp_path / "both" / "k2" / "builtin" / "records.jsonl").read_text() == before
 
 
 @pytest.mark.parametrize("device,message", [("gpu", "choose auto"), ("cuda:x", "choose auto"),

@@ -28,26 +28,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _write_data(path: Path, target, n: int = 48, seed: int = 0) -> Path:
-    from eyas.data.dataset import write_prepared
-
-    rng = np.random.default_rng(seed)
-    vocab = target.config()["vocab_size"]
-    ids, masks = [], []
-    for _ in range(n):
-        length = int(rng.integers(12, 56))
-        ids.append(rng.integers(4, vocab, length).tolist())
-        masks.append([0] * (length // 3) + [1] * (length - length // 3))
-    dv = 96
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[torch.from_numpy(rng.permutation(vocab)[:dv])] = True
-    d2t = torch.nonzero(t2d).flatten() - torch.arange(dv)
-    return write_prepared(path, ids, masks, [f"rand:{i}" for i in range(n)], target, d2t, t2d)
-
-
 @pytest.fixture(scope="module")
 def data(tiny_target, tmp_path_factory) -> Path:
-    return _write_data(tmp_path_factory.mktemp("prep") / "data", tiny_target)
+    return tiny.random_prepared(tmp_path_factory.mktemp("prep") / "data", tiny_target)
 
 
 def _cfg(tiny_target, data, out, **kw) -> TrainConfig:
@@ -134,7 +117,7 @@ def test_offline_store_equals_online_and_refuses_mismatches(tiny_target, data, t
     from eyas.target import resolve_target
 
     other = resolve_target(tiny.make_target(tmp_path / "other", "llama", seed=7))
-    data2 = _write_data(tmp_path / "data2", other)
+    data2 = tiny.random_prepared(tmp_path / "data2", other)
     store2 = tmp_path / "store2"
     run_extract(str(other.path), data2, store2, [1, 4, 6], dtype="fp32", device="cpu", progress=False)
     with pytest.raises(EyasError, match="another target weights"):

@@ -17,15 +17,15 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
+import tiny
+from diskpeak import DiskPeak, dir_bytes
 from vllm_envs import vllm_python
 from eyas.errors import EyasError
 
@@ -47,33 +47,16 @@ def engine_test(f):
     return pytest.mark.vllm(pytest.mark.slow(f))
 
 
-def _write_data(out: Path, target_dir: Path, n: int = 160) -> Path:
-    from eyas.data.dataset import write_prepared
-    from eyas.target import resolve_target
-
-    tgt = resolve_target(target_dir)
-    vocab = tgt.config()["vocab_size"]
-    rng = np.random.default_rng(0)
-    ids, masks = [], []
-    for _ in range(n):
-        length = int(rng.integers(12, 56))
-        ids.append(rng.integers(4, vocab, length).tolist())
-        masks.append([0] * (length // 3) + [1] * (length - length // 3))
-    dv = 96
-    t2d = torch.zeros(vocab, dtype=torch.bool)
-    t2d[torch.from_numpy(rng.permutation(vocab)[:dv])] = True
-    d2t = torch.nonzero(t2d).flatten() - torch.arange(dv)
-    return write_prepared(out, ids, masks, [f"r{i}" for i in range(n)], tgt, d2t, t2d)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from test_vllm_extract import make_target
 
+    from eyas.target import resolve_target
+
     py = vllm_python(VERSION)
     d = tmp_path_factory.mktemp("stream")
     tdir = make_target(d / "model", "llama")
-    return py, tdir, _write_data(d / "data", tdir), d
+    return py, tdir, tiny.random_prepared(d / "data", resolve_target(tdir), n=160), d
 
 
 def _train(py: str, tdir: Path, data: Path, out: Path, *extra: str) -> list[str]:
@@ -85,43 +68,12 @@ def _records(run: Path, split: str = "train") -> list[dict]:
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
 
 
-def _dir_bytes(root: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(dirpath, f)).st_size
-            except FileNotFoundError:
-                pass  # deleted between the listing and the stat
-    return total
-
-
-class Poller:
-    """The largest number of bytes seen in a directory tree, sampled every few milliseconds."""
-
-    def __init__(self, root: Path):
-        self.root, self.peak, self.samples, self._stop = root, 0, 0, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _dir_bytes(self.root))
-            self.samples += 1
-            time.sleep(0.002)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._t.join()
-        return self.peak
-
-
 @pytest.fixture(scope="module")
 def streamed(setup):
     """One --features vllm run with a 3 MB buffer, its buffer directory polled from outside."""
     py, tdir, data, d = setup
     run, buf = d / "streamed", d / "buffer"
-    poll = Poller(buf)
+    poll = DiskPeak(buf)
     res = subprocess.run(_train(py, tdir, data, run, "--feature-buffer-gb", str(LIMIT_GB),
                                 "--feature-buffer-dir", str(buf)), env=ENV, capture_output=True, text=True)
     peak = poll.stop()
@@ -187,7 +139,7 @@ def test_buffer_never_exceeds_its_limit(streamed):
     # the code's own accounting (chunks waiting + an upper bound for those being made) covers what the
     # directory held, and stays within the limit
     assert peak <= rep["peak_buffer_bytes"] <= limit, (peak, rep["peak_buffer_bytes"], limit)
-    assert not buf.exists() or _dir_bytes(buf) == 0  # emptied at the end of a finished run
+    assert not buf.exists() or dir_bytes(buf) == 0  # emptied at the end of a finished run
 
 
 def _worker(run: Path):
@@ -267,7 +219,7 @@ def test_resume_after_a_kill_continues_to_the_uninterrupted_losses(setup, stream
     calls = (12 - ckpt) + 2 * len([s for s in (4, 8, 12) if s > ckpt])
     assert rep["calls"] == calls
     assert rep["requests"] + rep["resumed_chunks_used"] == calls
-    assert not buf.exists() or _dir_bytes(buf) == 0
+    assert not buf.exists() or dir_bytes(buf) == 0
 
 
 @engine_test
@@ -312,7 +264,7 @@ def test_two_ranks_each_with_its_engine_train_like_offline_ddp(setup, store, tmp
     rep = json.loads((run / "summary.json").read_text())
     assert rep["world_size"] == 2 and rep["features"]["buffer_limit_bytes"] == int(LIMIT_GB * 1e9) // 2
     assert rep["features"]["calls"] == 4 + 1  # rank 0: one micro-batch per step, one held-out batch at the end
-    assert not buf.exists() or _dir_bytes(buf) == 0
+    assert not buf.exists() or dir_bytes(buf) == 0
 
 
 @engine_test
@@ -332,7 +284,7 @@ def test_feature_cache_serves_later_epochs_with_the_same_losses(setup, streamed,
     # every sample asked of the engine at most once (the held-out ones too: they are cached like the rest)
     assert rep["tokens_extracted"] + rep["tokens_from_cache"] == ref["tokens_extracted"]
     assert rep["tokens_extracted"] < ref["tokens_extracted"]
-    assert rep["cache_samples"] > 0 and rep["cache_bytes"] == _dir_bytes(run / "feature-cache") - sum(
+    assert rep["cache_samples"] > 0 and rep["cache_bytes"] == dir_bytes(run / "feature-cache") - sum(
         p.stat().st_size for p in (run / "feature-cache").rglob("cache.json"))
     a, b = _records(run), _records(full)
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
@@ -376,7 +328,7 @@ def test_features_vllm_in_the_pipeline_config(tmp_path, monkeypatch):
 def test_a_buffer_smaller_than_one_micro_batch_is_refused(tiny_target, tmp_path):
     from eyas.train.trainer import TrainConfig, train
 
-    data = _write_data(tmp_path / "data", tiny_target.path, n=16)
+    data = tiny.random_prepared(tmp_path / "data", tiny_target, n=16)
     with pytest.raises(EyasError, match=r"--feature-buffer-gb 1e-05: 10,000 bytes per rank .* cannot hold one "
                                         r"micro-batch's features .* raise it to at least"):
         train(TrainConfig(target=str(tiny_target.path), data=str(data), out=str(tmp_path / "run"),

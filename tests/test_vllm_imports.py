@@ -22,7 +22,8 @@ WORKER = SRC / "vllm" / "worker"
 
 # module -> names that may be imported from it (None: `import module` itself)
 ALLOWED_VLLM: dict[str, set[str | None]] = {
-    "vllm": {None, "LLM", "SamplingParams", "__version__"},
+    # EngineArgs: only its dataclass fields are read, to detect options a version has
+    "vllm": {None, "LLM", "SamplingParams", "EngineArgs", "__version__"},
     # the type of SamplingParams' documented output_kind field (regeneration asks for FINAL_ONLY)
     "vllm.sampling_params": {"RequestOutputKind"},
     # the stock hidden-states connector we subclass for CPU, and its public file helpers

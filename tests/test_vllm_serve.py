@@ -16,7 +16,7 @@ import torch
 import evalkit
 from vllm_envs import CANNOT_SPECULATE, VLLM_BUGS, VLLM_NEEDS, versions, vllm_python, vllm_reason
 from eyas.evaluate.speculative import DraftRunner, TargetRunner, plain_generate, speculative_generate
-from eyas.evaluate.vllm_metrics import VllmEngine, spec_record
+from eyas.evaluate.vllm_metrics import VllmEngine, spec_record, steps_record
 from eyas.export.run import export_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -40,9 +40,15 @@ def setup(tmp_path_factory):
     torch.set_num_threads(n)
 
 
-def _run_vllm(py: Path, target_dir: Path, draft: Path | None, prompts, log: Path):
+def _run_vllm(py: Path, target_dir: Path, draft: Path | None, prompts, log: Path, streamed: bool = False):
+    """Each prompt alone (with vLLM's counters over it); ``streamed``: then all of them in one batch
+    through the evaluation's stream (tokens gained per step), as well."""
     with VllmEngine(py, target_dir, draft, k=K, dtype="float32", log_path=log) as eng:
-        return [eng.generate(p, MAX_NEW, set()) for p in prompts]
+        alone = [eng.generate(p, MAX_NEW, set()) for p in prompts]
+        if not streamed:
+            return alone
+        outs = eng.stream([(str(i), p, 0) for i, p in enumerate(prompts)], MAX_NEW + K + 1, 0.0, low_water=0)
+        return alone, sorted(outs, key=lambda o: int(o["key"]))
 
 
 @pytest.mark.parametrize("version", versions(["0.32.0"]))
@@ -99,9 +105,11 @@ def test_vllm_0_16_refuses_head_options_it_would_ignore(setup, tmp_path):
 
 def _served_equals_builtin(py, target, draft_dir, export, prompts, tmp_path):
     plain = _run_vllm(py, target.path, None, prompts, tmp_path / "plain.log")
-    spec = _run_vllm(py, target.path, export, prompts, tmp_path / "spec.log")
-    # 1. greedy output with EAGLE-3 equals plain greedy decoding
+    spec, streamed = _run_vllm(py, target.path, export, prompts, tmp_path / "spec.log", streamed=True)
+    # 1. greedy output with EAGLE-3 equals plain greedy decoding, alone and in one batch
     assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    read = [steps_record(o["token_ids"], o["steps"], MAX_NEW, set(), K) for o in streamed]
+    assert [r["tokens"] for r in read] == [r["token_ids"] for r in plain]
     # 2. vLLM's own counters: drafts proposed and accepted, per position
     recs = [spec_record(r, K) for r in spec]
     drafts = sum(r["rounds"] for r in recs)
@@ -125,6 +133,9 @@ def _served_equals_builtin(py, target, draft_dir, export, prompts, tmp_path):
     tau_builtin = 1 + acc / rounds
     assert tau_vllm > 1.2, "a trained draft is accepted"
     assert abs(tau_builtin - tau_vllm) / tau_vllm < 0.10, (tau_builtin, tau_vllm)
+    # 4. the acceptance the evaluation reads from the batch's steps, against vLLM's counters alone
+    tau_read = 1 + sum(sum(r["accepted_per_pos"]) for r in read) / sum(r["rounds"] for r in read)
+    assert abs(tau_read - tau_vllm) / tau_vllm < 0.10, (tau_read, tau_vllm)
 
 
 def test_vllm_0_32_loads_the_sglang_format(setup, tmp_path):
@@ -176,6 +187,8 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     assert set(sp["speedup"]) == {"1", "2"}
     assert v["vllm_version"] == "0.32.0" and len(v["per_prompt"]) == 6
     assert c["identical_outputs"] == 6  # greedy: the two engines emit the same tokens
+    # all 6 turns in one batch; the acceptance read from the tokens per step is vLLM's own, per request
+    assert v["in_flight"] == 64 and v["vllm_own_acceptance"] == {"compared": 6, "differed": 0}
     assert v["overall"]["rounds"] > 0 and v["overall"]["accepted_tokens"] > 0
     assert c["tau_relative_difference"] < 0.10, c
     saved = json.loads((tmp_path / "eval" / "comparison.json").read_text())

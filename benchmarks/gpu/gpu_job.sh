@@ -20,10 +20,16 @@
 #   pipeline eyas pipeline configs/smollm2-h200.yaml for at most BUDGET_S seconds a call (its stages
 #            resume; the first call seeds the regeneration with .carry/regen's answers); the answers
 #            come back as regen's, the stages' small results in pipeline.tgz
+#   stream   issue 21: benchmarks/train_stream_bench.py on the 4.5M-token set (carried in c0): the
+#            same training from an offline store (bf16, on /dev/shm), online, and --features vllm
+#            (a 2 GB buffer on /dev/shm, the engine sharing the GPU), each for STREAM_STEPS steps
+#   fp32     after pipeline: eyas evaluate --engine both --dtype float32 on the pipeline's draft and
+#            export, the first FP32_PROMPTS (10) MT-bench questions, k=5: greedy equality of the two
+#            engines without bf16's near-ties
 # What comes back in $OUT: log.txt (this call), steps.tsv (every step so far: name, rc, seconds),
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
-STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|both|regen|pipeline}
+STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|both|regen|pipeline|stream|fp32}
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 export OUT=${OUT:-/tmp/out}
@@ -104,6 +110,19 @@ case $STEP in
         prepared/manifest.json prepared/regenerate.json prepared/regenerate-vllm*.log train/summary.json \
         train/metrics.jsonl train/*.png train/draft/*.json export-vllm/*.json eval 2>/dev/null )
     ;;
+  stream)
+    step stream timeout -s INT "${BUDGET_S:-540}" python3 benchmarks/train_stream_bench.py \
+      --data "$PREP" --vllm-python "$EYAS_VLLM_PYTHON" --out "$SHM/stream" --buffer-gb 2 \
+      --json "$OUT/train_stream_h200.json" --extract-args "--dtype bf16" \
+      --train "--ttt-steps 7 --tokens-per-batch 2048 --batch-size 16 --max-steps ${STREAM_STEPS:-200} --warmup 30
+               --eval-every 0 --save-every 0 --device cuda --precision bf16 --compile --fused-loss --quiet"
+    ;;
+  fp32)
+    W=runs/smollm2-h200
+    step fp32 timeout -s INT "${BUDGET_S:-540}" eyas evaluate --engine both --dtype float32 --device cuda \
+      --draft "$W/train/draft" --vllm-draft "$W/export-vllm" -k $K --max-new-tokens $TOKENS \
+      --max-prompts "${FP32_PROMPTS:-10}" --workers 4 --no-plain --out "$J/eval-fp32"
+    ;;
   *) echo "unknown step $STEP"; exit 2 ;;
 esac
 rc=$?
@@ -111,6 +130,6 @@ cp "$J/steps.tsv" "$OUT/" 2>/dev/null
 ( cd "$J" && tar -czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='records.jsonl' \
     --exclude='regenerated*.jsonl' --exclude='shard-*' --exclude='checkpoints' --exclude='draft-vllm' \
     steps.tsv parity.json run/summary.json run/metrics.jsonl run/*.png run/draft/*.json export/*.json \
-    eval regen/*.json regen/regenerate-vllm.log 2>/dev/null )
+    eval eval-fp32 regen/*.json regen/regenerate-vllm.log 2>/dev/null )
 [ -f "$J/eval/builtin/records.jsonl" ] && echo "builtin records: $(( $(wc -l < "$J/eval/builtin/records.jsonl") - 1 )) turns"
 exit $rc

@@ -1,7 +1,7 @@
 """The quality comparison: eyas's EAGLE-3 draft vs speculators==0.9.0's trainer, plus ablations.
 
 One process drives every stage as a subprocess (eyas's CLI, speculators' trainer through
-spec_train.py, evaluation through evaluate_any.py) and writes OUT/results.json and plots. It runs
+spec_train.py, evaluation through `eyas evaluate`) and writes OUT/results.json and plots. It runs
 in two phases, so that each fits one 10-minute device call on a 2-GPU machine (the work dir
 stays on the machine between the calls):
 
@@ -20,7 +20,8 @@ stays on the machine between the calls):
               data, small draft vocab, and any --abl-args NAME=ARGS; spread over the GPUs (results
               do not depend on speed: fixed steps)
     evaluate  greedy, MT-bench, k=3 and k=5, with eyas's built-in speculative loop
-              (evaluate_any.py), each evaluation split over --eval-shards processes
+              (`eyas evaluate --engine builtin --device cuda --workers N`), the evaluations
+              alternating over the GPUs
     A second rest call on the same machine keeps the ablations that finished and the evaluations
     that completed, resumes cut-off ablations from their checkpoints and evaluations from their
     records.
@@ -152,6 +153,26 @@ def eyas_step_time(run_dir: Path) -> float | None:
     return sum(steady) / len(steady)
 
 
+def partial_tau(records: Path, k: int) -> dict[str, Any]:
+    """tau over the whole questions an interrupted `eyas evaluate` wrote to its records file."""
+    recs, by_q = [], {}
+    if records.is_file():
+        for line in records.read_text().splitlines()[1:]:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                break  # torn by the kill
+            recs.append(rec)
+            by_q.setdefault(rec["question_id"], []).append(rec)
+    turns = max((len(v) for v in by_q.values()), default=0)
+    whole = [x for v in by_q.values() if len(v) == turns for x in v]
+    rounds = sum(x["rounds"] for x in whole)
+    per_pos = [sum(x["accepted_per_pos"][j] for x in whole) for j in range(k)]
+    return {"tau": 1 + sum(per_pos) / rounds if rounds else None,
+            "acceptance_rate_per_pos": [c / rounds for c in per_pos] if rounds else None,
+            "prompts": len(whole), "rounds": rounds, "new_tokens": sum(x["new_tokens"] for x in whole)}
+
+
 def latest_eyas_draft(run_dir: Path) -> Path | None:
     """RUN/draft when training finished, else the newest checkpoint (config + weights)."""
     if (run_dir / "draft" / "model.safetensors").is_file():
@@ -208,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--abl-ks", default="3,5")
     ap.add_argument("--eval-max-new", type=int, default=128)
     ap.add_argument("--eval-dtype", default="bfloat16")
-    ap.add_argument("--eval-shards", type=int, default=8)
+    ap.add_argument("--eval-workers", type=int, default=8, help="`eyas evaluate --workers` of each evaluation.")
     a = ap.parse_args(argv)
     unknown = sorted(set(filter(None, a.ablations.split(","))) - set(ABLATIONS))
     if unknown:
@@ -461,9 +482,12 @@ def _override(args: list[str], changes: str) -> list[str]:
 
 def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     em, sm = res.get("eyas_main") or {}, res.get("spec_main") or {}
-    ev_base = [a.python, HERE / "evaluate_any.py", "--target", a.target, "--prompts", a.prompts,
-               "--device", _device(a), "--max-new-tokens", a.eval_max_new, "--dtype", a.eval_dtype]
-    shard_procs: dict[str, list[subprocess.Popen]] = {}
+    # `eyas evaluate` itself, for eyas drafts and converted speculators ones alike
+    # (from_speculators.py writes plain eyas drafts): --workers processes share the GPU
+    ev_base = r.eyas("evaluate", "--engine", "builtin", "--target", a.target, "--prompts", a.prompts,
+                     "--device", _device(a), "--max-new-tokens", a.eval_max_new, "--dtype", a.eval_dtype,
+                     "--workers", a.eval_workers, "--no-plain", "--quiet")
+    eval_procs: dict[str, subprocess.Popen] = {}
     slot = [0]
 
     done_before = {n: e for n, e in (res.get("evaluations") or {}).items()
@@ -474,13 +498,10 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
         if name in done_before and res["eval_plan"][name] == plan:
             log(f"eval {name}: complete from an earlier rest call")
             return
-        d = work / f"eval_{name}"
-        shard_procs[name] = []
-        for i in range(a.eval_shards):
-            shard_procs[name].append(r.start(f"eval_{name}_s{i}", ev_base + [
-                "--draft", draft, "--out", d, "-k", k, "--max-per-category", per_cat,
-                "--shard", i, "--num-shards", a.eval_shards, "--quiet"], env=_gpu_env(r, slot[0])))
-            slot[0] += 1
+        eval_procs[name] = r.start(f"eval_{name}", ev_base + [
+            "--draft", draft, "--out", work / f"eval_{name}", "-k", k, "--max-per-category", per_cat],
+            env=_gpu_env(r, slot[0]))
+        slot[0] += 1  # evaluations alternate over the GPUs
         res.setdefault("eval_plan", {})[name] = plan
 
     # ablation training first (it takes longest), then the main evaluations beside it
@@ -538,20 +559,20 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             log(f"ablation {name}: cut off before its last step; a later rest call resumes it")
         save()
     reports: dict[str, Any] = dict(done_before)
-    shards = [p for ps in shard_procs.values() for p in ps]
-    for name, ps in shard_procs.items():
-        for p in ps:
-            r.wait_by(p, shards, margin=15, floor=1)
-        plan = res["eval_plan"][name]
-        r.run(f"merge_{name}", ev_base + ["--draft", plan["draft"], "--out", work / f"eval_{name}",
-                                          "-k", plan["k"], "--merge"], env=r.spec_env())
-        rp = work / f"eval_{name}" / "builtin" / "report.json"
-        rep = json.loads(rp.read_text())
-        o = rep["overall"]
-        reports[name] = {"tau": o["tau"], "acceptance_rate_per_pos": o["acceptance_rate_per_pos"],
-                         "prompts": o["prompts"], "rounds": o["rounds"], "new_tokens": o["new_tokens"],
-                         "per_category_tau": {c: v["tau"] for c, v in rep["per_category"].items()},
-                         "complete": all(p.returncode == 0 for p in ps)}
+    group = list(eval_procs.values())
+    for name, p in eval_procs.items():
+        r.wait_by(p, group, margin=15, floor=1)
+        sub = work / f"eval_{name}" / "builtin"
+        if p.returncode == 0:
+            rep = json.loads((sub / "report.json").read_text())
+            o = rep["overall"]
+            reports[name] = {"tau": o["tau"], "acceptance_rate_per_pos": o["acceptance_rate_per_pos"],
+                             "prompts": o["prompts"], "rounds": o["rounds"], "new_tokens": o["new_tokens"],
+                             "per_category_tau": {c: v["tau"] for c, v in rep["per_category"].items()},
+                             "complete": True}
+        else:  # stopped at the deadline: the questions it finished (a later call resumes the rest)
+            reports[name] = {**partial_tau(sub / "records.jsonl", int(res["eval_plan"][name]["k"])),
+                             "complete": False}
     res["evaluations"] = reports
     verdict = {}
     for k in (3, 5):

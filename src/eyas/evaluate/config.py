@@ -12,15 +12,22 @@ from eyas.settings import setting
 ENGINES = ("builtin", "vllm", "both")
 
 
-def _ints(text: str | list[int] | None) -> list[int]:
-    from eyas.errors import EyasError
+def _ints(flag: str, example: str):
+    """The parser of ``flag``'s comma-separated integers (a YAML list passes as it is)."""
 
-    if text is None or isinstance(text, list):
-        return list(text or [])
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as e:
-        raise EyasError(f"--speed-concurrency {text!r}: expected comma-separated integers, e.g. 1,32") from e
+    def parse(text: str | list[int] | None) -> list[int]:
+        from eyas.errors import EyasError
+
+        if text is None or isinstance(text, list):
+            return list(text or [])
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError as e:
+            raise EyasError(f"{flag} {text!r}: expected comma-separated integers, e.g. {example}") from e
+
+    return parse
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -34,6 +41,9 @@ class EvaluateConfig:
                                      "(and compare).")
     k: int = setting(3, "Draft tokens per step.", "-k", "--num-speculative-tokens",
                      check=at_least(1, "draft tokens per step"))
+    also_k: list[int] = setting([], "Also evaluate with these numbers of draft tokens per step, each into "
+                                    "OUT/k<N>/ (the same engines and questions; serving speed only at -k), "
+                                    "e.g. 3,7.", "--also-k", parse=_ints("--also-k", "3,7"), cli_type=str)
     temperature: float = setting(0.0, "0 = greedy; > 0 samples with rejection sampling.",
                                  check=at_least(0, "sampling temperature", "0 is greedy"))
     max_prompts: int | None = setting(None, "Use only the first N questions.",
@@ -56,12 +66,15 @@ class EvaluateConfig:
     workers: int = setting(1, "builtin: processes sharing the device, each with its own target and draft; "
                               "questions go to whichever is free (on a GPU one process leaves it mostly idle).",
                            check=at_least(1, "builtin worker processes"))
+    in_flight: int = setting(64, "vllm: questions answered at once in the engine's batch, each question's "
+                                 "turns in order (1: one request at a time).",
+                             check=at_least(1, "questions in flight"))
     seed: int = setting(0, "Sampling seed.", check=at_least(0))
     compare_plain: bool = setting(True, "builtin: also decode without the draft, for the speedup "
                                         "(--no-plain skips that baseline).", "--plain/--no-plain")
     speed_concurrency: list[int] = setting(
         [], "vllm: also time serving with and without the draft at these numbers of concurrent requests, "
-            "e.g. 1,32.", "--speed-concurrency", parse=_ints, cli_type=str)
+            "e.g. 1,32.", "--speed-concurrency", parse=_ints("--speed-concurrency", "1,32"), cli_type=str)
     progress: bool = setting(True, "Show the progress bar.", "--progress/--quiet")
 
     def __post_init__(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     if dtype not in DTYPES:
         raise EyasError(f"--dtype {dtype!r}: choose {', '.join(DTYPES)}")
     speed_concurrency = list(cfg.speed_concurrency or ())
+    if any(n < 1 for n in cfg.also_k):
+        raise EyasError(f"--also-k {cfg.also_k}: each needs at least one draft token per step")
     if any(c < 1 for c in speed_concurrency):
         raise EyasError(f"--speed-concurrency {speed_concurrency}: each must be at least 1 request")
     if speed_concurrency and engine == "builtin":
@@ -91,9 +94,12 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
                                           temperature, max_new_tokens, dtype, seed, cfg.compare_plain,
                                           sub, settings, progress, device, cfg.workers)
         else:
+            # per-request acceptance read from the tokens per engine step, each stop round whole;
+            # records of the older one-request-at-a-time reading are not mixed with these
+            settings["acceptance_from"] = "engine steps"
             records, extra = _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
                                        max_new_tokens, dtype, seed, cfg.vllm, sub, settings, progress,
-                                       vllm_draft, speed_concurrency)
+                                       vllm_draft, speed_concurrency, cfg.in_flight)
         from eyas.evaluate.report import build_report, write_report
 
         report = build_report(records, k, {"engine": name, **meta, **extra})
@@ -101,6 +107,10 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         reports[name] = report
     if len(reports) == 2:
         reports["comparison"] = _compare(reports["builtin"], reports["vllm"], Path(out))
+    for other in dict.fromkeys(cfg.also_k):  # each k on its own, into OUT/k<N>/, resumable as -k is
+        if other != k:
+            reports[f"k{other}"] = evaluate(replace(cfg, k=other, also_k=[], speed_concurrency=[],
+                                                    out=Path(out) / f"k{other}"))
     return reports
 
 
@@ -142,9 +152,12 @@ SPEED_PROMPTS = 32  # first turns timed per concurrency (more when a concurrency
 
 
 def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
-              dtype, seed, vllm, sub, settings, progress, vllm_draft=None, speed_concurrency=()):
+              dtype, seed, vllm, sub, settings, progress, vllm_draft=None, speed_concurrency=(), in_flight=64):
+    import time
+    import warnings
+
     from eyas.evaluate.runner import run_questions
-    from eyas.evaluate.vllm_metrics import VllmEngine, VllmSpecEngine, find_vllm_python
+    from eyas.evaluate.vllm_metrics import VllmEngine, VllmPool, find_vllm_python
     from eyas.export.run import export_checkpoint
 
     python = find_vllm_python(vllm)
@@ -155,17 +168,25 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
                                      num_speculative_tokens=k, overwrite=True)
     with VllmEngine(python, target.path, exported, k=k, dtype=dtype, seed=seed,
                     log_path=sub / "vllm.log") as eng:
-        records = run_questions(VllmSpecEngine(eng, k, temperature, seed), questions, tokenizer,
-                                max_new_tokens, stop_ids, sub / "records.jsonl", settings, progress)
+        pool = VllmPool(eng, k, temperature, seed, tokenizer, max_new_tokens, stop_ids, in_flight)
+        start = time.perf_counter()
+        records = run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, sub / "records.jsonl",
+                                settings, progress, pool=pool)
+        wall = round(time.perf_counter() - start, 1)
         info = dict(eng.info)
+        if pool.disagreed:
+            warnings.warn(f"vLLM {info.get('vllm')}: for {pool.disagreed} of {pool.checked} requests the drafts "
+                          "accepted per round, read from the tokens per engine step, differ from vLLM's own "
+                          "per-request counts; this evaluation's tau is not trustworthy on this version "
+                          "(please report it with vLLM's version)", stacklevel=2)
         speed = None
         if speed_concurrency:
             from eyas.evaluate.prompts import read_questions, render_turn
 
             # from the whole prompt file, so --max-prompts limits the acceptance run, not this
-            pool = read_questions(Path(settings["prompts"]), None, None)
-            n = min(len(pool), max(SPEED_PROMPTS, *speed_concurrency))
-            prompts = [render_turn(tokenizer, q, 0, []) for q in pool[:n]]
+            every = read_questions(Path(settings["prompts"]), None, None)
+            n = min(len(every), max(SPEED_PROMPTS, *speed_concurrency))
+            prompts = [render_turn(tokenizer, q, 0, []) for q in every[:n]]
             speed = {"prompts": n, "max_new_tokens": max_new_tokens, "what": "first turns, greedy, "
                      "wall clock, each wave of `concurrency` requests submitted together",
                      "draft": [eng.speed(prompts, max_new_tokens, stop_ids, c) for c in speed_concurrency]}
@@ -177,7 +198,10 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
                             for d, p in zip(speed["draft"], speed["plain"])
                             if d["tokens_per_s"] and p["tokens_per_s"]}
     return records, {"vllm_version": info.get("vllm"), "vllm_python": str(python),
-                     "exported_draft": str(exported), "serving_speed": speed}
+                     "exported_draft": str(exported), "serving_speed": speed, "in_flight": in_flight,
+                     "wall_seconds_this_run": wall,
+                     # requests of this run compared with vLLM's own per-request acceptance (0.31+)
+                     "vllm_own_acceptance": {"compared": pool.checked, "differed": pool.disagreed}}
 
 
 def _predicted_tau(draft_dir: Path, k: int) -> float | None:

@@ -24,6 +24,19 @@ class Engine(Protocol):
         """Returns at least ``tokens``, ``rounds``, ``accepted_per_pos``, ``seconds``."""
 
 
+def turn_record(q: Question, turn: int, prompt: list[int], out: dict[str, Any], tokenizer,
+                stop_ids: set[int]) -> tuple[dict[str, Any], str]:
+    """Turn ``turn``'s record from an engine's answer ``out``, and the answer's text (the next
+    turn's prompt holds it)."""
+    tokens = out["tokens"]
+    rec = {"question_id": q.question_id, "category": q.category, "turn": turn,
+           "prompt_tokens": len(prompt), "new_tokens": len(tokens), "output_ids": tokens,
+           **{k: v for k, v in out.items() if k != "tokens"}}
+    rounds = rec["rounds"]
+    rec["tau"] = 1 + sum(rec["accepted_per_pos"]) / rounds if rounds else None
+    return rec, tokenizer.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True)
+
+
 def answer_question(engine: Engine, q: Question, tokenizer, max_new_tokens: int,
                     stop_ids: set[int]) -> list[dict[str, Any]]:
     """Every turn of ``q``, each prompt holding the engine's own earlier answers: one record per turn."""
@@ -31,14 +44,9 @@ def answer_question(engine: Engine, q: Question, tokenizer, max_new_tokens: int,
     q_records = []
     for turn in range(len(q.turns)):
         prompt = render_turn(tokenizer, q, turn, answers)
-        out = engine.generate(prompt, max_new_tokens, stop_ids)
-        tokens = out["tokens"]
-        answers.append(tokenizer.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True))
-        rec = {"question_id": q.question_id, "category": q.category, "turn": turn,
-               "prompt_tokens": len(prompt), "new_tokens": len(tokens), "output_ids": tokens,
-               **{k: v for k, v in out.items() if k != "tokens"}}
-        rounds = rec["rounds"]
-        rec["tau"] = 1 + sum(rec["accepted_per_pos"]) / rounds if rounds else None
+        rec, answer = turn_record(q, turn, prompt, engine.generate(prompt, max_new_tokens, stop_ids),
+                                  tokenizer, stop_ids)
+        answers.append(answer)
         q_records.append(rec)
     return q_records
 

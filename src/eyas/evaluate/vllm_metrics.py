@@ -1,9 +1,13 @@
-"""The `vllm` engine: generation in a vLLM environment, tau and per-position acceptance read from
-vLLM's own spec-decode counters (``llm.get_metrics()``).
+"""The `vllm` engine: generation in a vLLM environment, with tau and per-position acceptance per
+request.
 
 vLLM lives in another interpreter (``.venvs/vllm-X``); the worker package's ``serve`` module runs
-there as a child process (:mod:`eyas.vllm.process`) and answers one request at a time, so counters
-can be attributed to each prompt.
+there as a child process (:mod:`eyas.vllm.process`). The evaluation streams the questions through
+one engine, many at once (:class:`VllmPool`): each request's acceptance is read from the tokens it
+gained at each engine step (one verification round each), which every vLLM version reports. Where
+vLLM also keeps per-request acceptance itself (0.31 and later), the two are compared request by
+request. One request alone (:meth:`VllmEngine.generate`) also returns vLLM's global spec-decode
+counters over it (``llm.get_metrics()``).
 """
 
 from __future__ import annotations
@@ -11,10 +15,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zlib
+from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from eyas.errors import EyasError
+from eyas.evaluate.prompts import Question, render_turn
 from eyas.vllm.process import WorkerProcess
 
 
@@ -52,6 +59,15 @@ class VllmEngine:
         return self.proc.request({"prompt_token_ids": prompt, "max_tokens": max_new_tokens,
                                   "temperature": temperature, "stop_token_ids": sorted(stop_ids), "seed": seed})
 
+    def stream(self, items: list[tuple[str, list[int], int]], max_tokens: int, temperature: float,
+               low_water: int) -> list[dict[str, Any]]:
+        """Add ``items`` (key, prompt ids, sampling seed) to the engine's batch; return the requests
+        that finished once at most ``low_water`` are left (at least one): ids, tokens gained per
+        step, seconds."""
+        return self.proc.request({"op": "stream", "max_tokens": max_tokens, "temperature": temperature,
+                                  "items": [{"key": key, "prompt_token_ids": ids, "seed": seed}
+                                            for key, ids, seed in items], "low_water": low_water})["outputs"]
+
     def speed(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
               concurrency: int) -> dict[str, Any]:
         """Greedy wall-clock tokens/s over ``prompts`` with ``concurrency`` requests in flight."""
@@ -88,12 +104,81 @@ def spec_record(reply: dict[str, Any], k: int) -> dict[str, Any]:
 
 
 
-class VllmSpecEngine:
-    """Adapter: a VllmEngine with a draft, answering in the evaluation record schema."""
+def steps_record(token_ids: list[int], steps: list[int], max_new_tokens: int, stop_ids: set[int],
+                 k: int) -> dict[str, Any]:
+    """The builtin loop's record (:func:`eyas.evaluate.speculative.speculative_generate`) from what
+    vLLM emitted: ``token_ids`` generated without stopping, ``steps`` the tokens gained at each
+    engine step (the prefill's one token, then 1 + the drafts accepted in each round). A round counts
+    while the answer is shorter than ``max_new_tokens`` and has not stopped, and counts whole, as the
+    builtin loop counts it; the answer is cut at the first stop token or ``max_new_tokens``."""
+    out: list[int] = []
+    rounds, per_pos, pos = 0, [0] * k, 0
+    for i, n in enumerate(steps):
+        if i > 0:
+            if len(out) >= max_new_tokens or out[-1] in stop_ids:
+                break
+            rounds += 1
+            for j in range(min(n - 1, k)):
+                per_pos[j] += 1
+        for t in token_ids[pos:pos + n]:
+            if out and (len(out) >= max_new_tokens or out[-1] in stop_ids):
+                break
+            out.append(t)
+        pos += n
+    return {"tokens": out, "rounds": rounds, "draft_tokens": k * rounds, "accepted_per_pos": per_pos}
 
-    def __init__(self, engine: VllmEngine, k: int, temperature: float = 0.0, seed: int = 0):
+
+def agrees_with_vllm(steps: list[int], vllm_accepted: list[int]) -> bool:
+    """Whether the drafts accepted per round, read from the tokens gained per step, are vLLM's own
+    per-request counts (its last round may have been cut by ``max_tokens``: it may only be less)."""
+    ours = [n - 1 for n in steps[1:]]
+    if len(ours) != len(vllm_accepted):
+        return False
+    return ours[:-1] == vllm_accepted[:-1] and (not ours or ours[-1] <= vllm_accepted[-1])
+
+
+class VllmPool:
+    """``pool(questions)`` yields each question's records once its last turn is answered; up to
+    ``in_flight`` questions share the engine's batch, and a question's next turn joins it as soon
+    as the turn before is back.
+
+    Each request asks for ``max_new_tokens + k + 1`` tokens without stopping, so every round that
+    starts inside the answer is seen whole (:func:`steps_record` cuts the answer). ``checked``
+    counts the requests compared with vLLM's own per-request acceptance, ``disagreed`` those that
+    differed (a version whose steps eyas reads wrongly)."""
+
+    def __init__(self, engine: VllmEngine, k: int, temperature: float, seed: int, tokenizer,
+                 max_new_tokens: int, stop_ids: set[int], in_flight: int):
         self.engine, self.k, self.temperature, self.seed = engine, k, temperature, seed
+        self.tokenizer, self.max_new_tokens, self.stop_ids = tokenizer, max_new_tokens, stop_ids
+        self.in_flight = max(1, in_flight)
+        self.checked = self.disagreed = 0
 
-    def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> dict[str, Any]:
-        reply = self.engine.generate(prompt, max_new_tokens, stop_ids, self.temperature, self.seed)
-        return {"tokens": reply["token_ids"], "seconds": reply["seconds"], **spec_record(reply, self.k)}
+    def __call__(self, questions: list[Question]) -> Iterator[list[dict[str, Any]]]:
+        from eyas.evaluate.runner import turn_record
+
+        todo = deque((q, 0, [], []) for q in questions)  # question, turn, answers so far, records so far
+        live: dict[str, tuple[Question, int, list[str], list[dict], list[int]]] = {}
+        while todo or live:
+            send = []
+            while todo and len(live) < self.in_flight:
+                q, turn, answers, recs = todo.popleft()
+                prompt = render_turn(self.tokenizer, q, turn, answers)
+                key = f"{q.question_id}/{turn}"
+                live[key] = (q, turn, answers, recs, prompt)
+                # a seed per turn from the run's seed, so a sampled answer does not depend on its batch
+                send.append((key, prompt, (self.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**31))
+            outs = self.engine.stream(send, self.max_new_tokens + self.k + 1, self.temperature,
+                                      low_water=len(live) - 1)
+            for out in outs:
+                q, turn, answers, recs, prompt = live.pop(out["key"])
+                got = {**steps_record(out["token_ids"], out["steps"], self.max_new_tokens, self.stop_ids, self.k),
+                       "seconds": out["seconds"]}
+                if "vllm_per_step_accepted" in out:
+                    self.checked += 1
+                    self.disagreed += not agrees_with_vllm(out["steps"], out["vllm_per_step_accepted"])
+                rec, answer = turn_record(q, turn, prompt, got, self.tokenizer, self.stop_ids)
+                if turn + 1 < len(q.turns):  # ahead of new questions: finished questions free the batch
+                    todo.appendleft((q, turn + 1, answers + [answer], recs + [rec]))
+                else:
+                    yield recs + [rec]

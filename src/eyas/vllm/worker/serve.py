@@ -1,8 +1,19 @@
 """Serving engine: ``python -m eyas_vllm_worker.serve JOB.json`` inside the vLLM environment.
 
 Serves `eyas evaluate --engine vllm`: a vLLM ``LLM`` (with the EAGLE-3 draft when the job names one)
-answers generate requests (``protocol.py``) ``{"prompt_token_ids", "max_tokens", "temperature",
-"seed", "stop_token_ids"}`` with the output ids and vLLM's own spec-decode counters of that request.
+answers requests (``protocol.py``):
+
+- ``{"prompt_token_ids", "max_tokens", "temperature", "seed", "stop_token_ids"}``: one request alone,
+  with the output ids and vLLM's own spec-decode counters over it;
+- ``{"op": "stream", "items": [{"key", "prompt_token_ids", "seed"}], "max_tokens", "temperature",
+  "low_water"}``: the items join the engine's running batch; the engine steps until at least one
+  request has finished and at most ``low_water`` are unfinished, and answers with what finished:
+  each one's ids and the tokens it gained at each engine step (one verification round each, after
+  the prefill's first token), from which eyas reads the per-request acceptance. These requests
+  ignore EOS: eyas cuts the answers itself, so that the round that reaches a stop token is counted
+  whole, as the builtin loop and vLLM's counters count it. Where vLLM keeps per-request acceptance
+  itself (``per_request_spec_decode_metrics``), its per-step counts come along as a check;
+- ``{"op": "speed", ...}``: wall-clock tokens/s (:func:`speed`).
 """
 
 from __future__ import annotations
@@ -81,11 +92,61 @@ def speed(llm, SamplingParams, req):
             "tokens_per_s": tokens / secs if secs > 0 else None}
 
 
+class Stream:
+    """The ``stream`` op's requests, kept across replies: the engine's batch outlives each reply."""
+
+    def __init__(self, llm, SamplingParams):
+        import torch
+
+        self.engine, self.SamplingParams = llm.llm_engine, SamplingParams
+        self.live = {}  # request id -> [start time, tokens so far, tokens gained per step]
+        # vLLM's CPU runner breaks on per-request seeds (generate.py): there the engine seed rules
+        self.per_request_seed = torch.cuda.is_available()
+
+    def __call__(self, req):
+        greedy = req.get("temperature", 0.0) <= 0
+        for item in req["items"]:
+            seed = item.get("seed") if self.per_request_seed and not greedy else None
+            params = self.SamplingParams(max_tokens=req["max_tokens"], temperature=0.0 if greedy else req["temperature"],
+                                         seed=seed, ignore_eos=True, detokenize=False)
+            key = str(item["key"])
+            self.engine.add_request(key, {"prompt_token_ids": item["prompt_token_ids"]}, params)
+            self.live[key] = [time.perf_counter(), 0, []]
+        done = []
+        while self.engine.has_unfinished_requests():
+            for o in self.engine.step():  # cumulative outputs: one per request per step it gained tokens
+                state, out = self.live[o.request_id], o.outputs[0]
+                n = len(out.token_ids)
+                if n > state[1]:
+                    state[2].append(n - state[1])
+                    state[1] = n
+                if not o.finished:
+                    continue
+                del self.live[o.request_id]
+                rec = {"key": o.request_id, "token_ids": list(out.token_ids), "steps": state[2],
+                       "seconds": time.perf_counter() - state[0]}
+                own = getattr(out, "spec_decode_metrics", None)
+                if own is not None and getattr(own, "per_step_accepted", None):
+                    rec["vllm_per_step_accepted"] = list(own.per_step_accepted)
+                done.append(rec)
+            if done and self.engine.get_num_unfinished_requests() <= req.get("low_water", 0):
+                break
+        return {"outputs": done}
+
+
+def per_request_metrics_option(EngineArgs):
+    """vLLM's per-request acceptance, per step, where this version keeps it (0.31 and later)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)} if dataclasses.is_dataclass(EngineArgs) else set()
+    return {"per_request_spec_decode_metrics": "detailed"} if "per_request_spec_decode_metrics" in names else {}
+
+
 def main(job_path: str) -> None:
     channel = Channel()
     opts = read_job(job_path)
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, EngineArgs, SamplingParams
 
     if opts.get("draft"):
         ignored = ignored_head_options(opts["draft"])
@@ -110,12 +171,17 @@ def main(job_path: str) -> None:
     if opts.get("draft"):
         kwargs["speculative_config"] = {"method": "eagle3", "model": opts["draft"],
                                         "num_speculative_tokens": opts["k"]}
+        kwargs.update(per_request_metrics_option(EngineArgs))
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     channel.reply({"ready": True, "vllm": vllm.__version__, "load_seconds": time.perf_counter() - t0})
+    stream = Stream(llm, SamplingParams)
     for req in channel.requests():
         if req.get("op") == "speed":
             channel.reply(speed(llm, SamplingParams, req))
+            continue
+        if req.get("op") == "stream":
+            channel.reply(stream(req))
             continue
         params = SamplingParams(max_tokens=req["max_tokens"], temperature=req.get("temperature", 0.0),
                                 seed=req.get("seed"), stop_token_ids=req.get("stop_token_ids") or None,
