@@ -63,6 +63,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone already
+
+
 def install_worker(root: Path) -> Path:
     """Copy the worker package to ``root/eyas_vllm_worker`` (fresh); returns ``root`` (the PYTHONPATH)."""
     shutil.rmtree(root, ignore_errors=True)
@@ -154,24 +162,24 @@ class WorkerProcess:
     def stop(self) -> None:
         """Terminate the worker and its children if it still runs (kill after 30 s), close the log."""
         if self.proc.poll() is None:
-            self._signal_tree(signal.SIGTERM)
+            tree = self._signal_tree(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self._signal_tree(signal.SIGKILL)
+            _signal(tree, signal.SIGKILL)  # children that outlived a worker that did stop
         if not self._log.closed:
             self._log.close()
 
-    def _signal_tree(self, sig: int) -> None:
+    def _signal_tree(self, sig: int) -> list[int]:
         """``sig`` to the worker and every process under it (found while the worker still holds
-        them: an orphan is re-parented and could no longer be told apart), then wait for it."""
-        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+        them: an orphan is re-parented and could no longer be told apart); after SIGKILL, wait for
+        the worker. Returns the processes under it."""
+        tree = descendants(self.proc.pid)
+        _signal([self.proc.pid, *tree], sig)
         if sig == signal.SIGKILL:
             self.proc.wait()
+        return tree
 
     def tail(self, n: int = 12) -> str:
         """The log's last ``n`` lines (vLLM's last words when it died without a Python error)."""
