@@ -164,13 +164,12 @@ def partial_tau(records: Path, k: int) -> dict[str, Any]:
                 break  # torn by the kill
             recs.append(rec)
             by_q.setdefault(rec["question_id"], []).append(rec)
+    from eyas.evaluate.report import aggregate  # the report's own pooling
+
     turns = max((len(v) for v in by_q.values()), default=0)
-    whole = [x for v in by_q.values() if len(v) == turns for x in v]
-    rounds = sum(x["rounds"] for x in whole)
-    per_pos = [sum(x["accepted_per_pos"][j] for x in whole) for j in range(k)]
-    return {"tau": 1 + sum(per_pos) / rounds if rounds else None,
-            "acceptance_rate_per_pos": [c / rounds for c in per_pos] if rounds else None,
-            "prompts": len(whole), "rounds": rounds, "new_tokens": sum(x["new_tokens"] for x in whole)}
+    o = aggregate([x for v in by_q.values() if len(v) == turns for x in v], k)
+    return {"tau": o["tau"], "acceptance_rate_per_pos": o["acceptance_rate_per_pos"] if o["rounds"] else None,
+            "prompts": o["prompts"], "rounds": o["rounds"], "new_tokens": o["new_tokens"]}
 
 
 def latest_eyas_draft(run_dir: Path) -> Path | None:

@@ -1,7 +1,7 @@
 """The builtin engine, and it on several processes sharing one device (`eyas evaluate --workers N`).
 
-One verification round of the builtin loop is a chain of small kernels with a host sync after
-each forward, so one process leaves a GPU mostly idle; N processes, each with its own target,
+One verification round of the builtin loop is a chain of small kernels and a wait for the
+device's verdict, so one process leaves a GPU mostly idle; N processes, each with its own target,
 draft and CUDA context, fill it. Questions go to whichever worker is free, and each question's
 records come back whole, so the records file resumes as with one process.
 """
