@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .batch import step_until
 from .engine import compat_model_dir
 from .protocol import Channel, read_job
 
@@ -58,12 +59,9 @@ def main(job_path: str) -> None:
             if final_only is not None:
                 params.output_kind = final_only
             engine.add_request(str(key), {"prompt_token_ids": prompt}, params)
-        done = []
-        while engine.has_unfinished_requests():
-            done += [{"key": o.request_id, "token_ids": list(o.outputs[0].token_ids),
-                      "finish_reason": o.outputs[0].finish_reason} for o in engine.step() if o.finished]
-            if done and engine.get_num_unfinished_requests() <= req.get("low_water", 0):
-                break
+        done = step_until(engine, req.get("low_water", 0), lambda o: {
+            "key": o.request_id, "token_ids": list(o.outputs[0].token_ids),
+            "finish_reason": o.outputs[0].finish_reason} if o.finished else None)
         channel.reply({"outputs": done})
 
 

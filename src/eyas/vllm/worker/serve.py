@@ -22,6 +22,7 @@ import json
 import sys
 import time
 
+from .batch import step_until
 from .protocol import Channel, read_job
 
 SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -112,26 +113,24 @@ class Stream:
             key = str(item["key"])
             self.engine.add_request(key, {"prompt_token_ids": item["prompt_token_ids"]}, params)
             self.live[key] = [time.perf_counter(), 0, []]
-        done = []
-        while self.engine.has_unfinished_requests():
-            for o in self.engine.step():  # cumulative outputs: one per request per step it gained tokens
-                state, out = self.live[o.request_id], o.outputs[0]
-                n = len(out.token_ids)
-                if n > state[1]:
-                    state[2].append(n - state[1])
-                    state[1] = n
-                if not o.finished:
-                    continue
-                del self.live[o.request_id]
-                rec = {"key": o.request_id, "token_ids": list(out.token_ids), "steps": state[2],
-                       "seconds": time.perf_counter() - state[0]}
-                own = getattr(out, "spec_decode_metrics", None)
-                if own is not None and getattr(own, "per_step_accepted", None):
-                    rec["vllm_per_step_accepted"] = list(own.per_step_accepted)
-                done.append(rec)
-            if done and self.engine.get_num_unfinished_requests() <= req.get("low_water", 0):
-                break
-        return {"outputs": done}
+        return {"outputs": step_until(self.engine, req.get("low_water", 0), self._seen)}
+
+    def _seen(self, o):
+        """One step's (cumulative) output of a request: the tokens it gained; its record once finished."""
+        state, out = self.live[o.request_id], o.outputs[0]
+        n = len(out.token_ids)
+        if n > state[1]:
+            state[2].append(n - state[1])
+            state[1] = n
+        if not o.finished:
+            return None
+        del self.live[o.request_id]
+        rec = {"key": o.request_id, "token_ids": list(out.token_ids), "steps": state[2],
+               "seconds": time.perf_counter() - state[0]}
+        own = getattr(out, "spec_decode_metrics", None)
+        if own is not None and getattr(own, "per_step_accepted", None):
+            rec["vllm_per_step_accepted"] = list(own.per_step_accepted)
+        return rec
 
 
 def per_request_metrics_option(EngineArgs):
