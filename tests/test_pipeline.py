@@ -125,3 +125,33 @@ def test_a_seeded_answer_cache_is_not_taken_for_an_unrecorded_stage(tmp_path, ti
     (prepared / "manifest.json").write_text("{}")
     with pytest.raises(EyasError, match="no record of the settings"):
         check_stale(cfg, stage_records(cfg))
+
+
+def test_a_job_done_in_stopped_runs_reports_its_time_per_stage(tmp_path, tiny_llama_dir, monkeypatch):
+    """A run stopped in evaluate (as a timeout's SIGINT stops it) keeps the seconds of the stages
+    it ran, that one included; the run that finishes adds its own, and a skipped train keeps its time."""
+    import eyas.pipeline as pipeline
+
+    cfg_path = _config(tmp_path, tiny_llama_dir, "online")
+    evaluate = pipeline._evaluate
+
+    def stopped(*args, **kwargs):
+        evaluate(*args, **kwargs)  # the evaluation's work is done, then the stop comes
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "_evaluate", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run_pipeline(load_config(cfg_path))
+    timings_path = tmp_path / "run" / "pipeline-timings.json"
+    first = json.loads(timings_path.read_text())
+    assert set(first["seconds"]) == {"prepare", "train", "export", "evaluate"}
+    assert first["seconds"]["train"] > 0 and first["seconds"]["evaluate"] > 0
+    assert "evaluate" not in first["done"] and "train" in first["done"]
+
+    monkeypatch.setattr(pipeline, "_evaluate", evaluate)
+    run_pipeline(load_config(cfg_path))
+    second = json.loads(timings_path.read_text())
+    assert second["seconds"]["train"] == first["seconds"]["train"]  # skipped: not retrained
+    assert second["runs"] == {"prepare": 2, "train": 1, "export": 2, "evaluate": 2}
+    assert second["seconds"]["evaluate"] > first["seconds"]["evaluate"]
+    assert set(second["done"]) == {"prepare", "train", "export", "evaluate"}

@@ -196,3 +196,13 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     for name in ("acceptance_per_position.png", "tau_per_category.png"):
         assert (tmp_path / "eval" / name).is_file() and (tmp_path / "eval" / "vllm" / name).is_file()
     assert b["overall"]["matches_plain"] == 6
+
+    # A re-run finds every record and the serving speed done: it starts no vLLM engine (each would
+    # rewrite its log) and reports what the first run measured.
+    logs = {p: p.stat().st_mtime_ns for p in (tmp_path / "eval" / "vllm").glob("vllm*.log")}
+    assert len(logs) == 2
+    again = evaluate_draft(str(target.path), draft_dir, qfile, tmp_path / "eval", engine="both", k=K,
+                           max_new_tokens=32, vllm="0.32.0", progress=False, speed_concurrency=[1, 2])
+    assert {p: p.stat().st_mtime_ns for p in logs} == logs
+    assert again["vllm"]["serving_speed"] == sp and again["vllm"]["wall_seconds_this_run"] == 0.0
+    assert again["vllm"]["overall"] == v["overall"] and again["vllm"]["vllm_version"] == "0.32.0"

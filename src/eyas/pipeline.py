@@ -29,6 +29,7 @@ console = Console(stderr=True)
 
 
 RECORD = "pipeline-config.json"
+TIMINGS = "pipeline-timings.json"  # seconds per stage over every run (a resumed job adds up)
 # Stages whose outputs hold expensive work (hours of GPU for train): a changed setting is refused,
 # never silently redone over them. export and evaluate are derived from the draft in minutes, so a
 # changed setting simply redoes them (the old evaluation is moved aside, not deleted).
@@ -174,18 +175,35 @@ class _Records:
         self.stages: dict[str, dict[str, Any]] = {}
         for stage, rec in records.items():  # keep the records of outputs that stay on disk
             if stage in old and _outputs(cfg.workdir, stage, cfg).exists() and stage not in redo:
-                self.stages[stage] = {**rec, "status": old[stage].get("status", "done")}
+                self.stages[stage] = {**rec, "status": old[stage].get("status", "done"),
+                                      "seconds": old[stage].get("seconds", 0.0), "runs": old[stage].get("runs", 0)}
         _write_record(cfg, self.stages)
 
     @contextlib.contextmanager
-    def stage(self, name: str, timings: dict[str, float]):
+    def stage(self, name: str):
+        """Run a stage; its seconds add up over the runs it took (a stopped run's time counts too),
+        so a job done in resumed parts still reports its time per stage."""
         t = time.perf_counter()
-        self.stages[name] = {**self.records[name], "status": "running"}
+        kept = self.stages.get(name, {})
+        self.stages[name] = {**self.records[name], "status": "running",
+                             "seconds": kept.get("seconds", 0.0), "runs": kept.get("runs", 0)}
         _write_record(self.cfg, self.stages)
-        yield
-        self.stages[name]["status"] = "done"
-        _write_record(self.cfg, self.stages)
-        timings[name] = time.perf_counter() - t
+        try:
+            yield
+            self.stages[name]["status"] = "done"
+        finally:
+            self.stages[name]["seconds"] = round(self.stages[name]["seconds"] + time.perf_counter() - t, 1)
+            self.stages[name]["runs"] += 1
+            _write_record(self.cfg, self.stages)
+            self.write_timings()
+
+    def write_timings(self) -> dict[str, float]:
+        """pipeline-timings.json: seconds per stage, summed over the runs of its current outputs."""
+        timings = {name: st["seconds"] for name, st in self.stages.items() if "seconds" in st}
+        atomic_write_text(self.cfg.workdir / TIMINGS, json.dumps(
+            {"seconds": timings, "runs": {n: st["runs"] for n, st in self.stages.items() if "runs" in st},
+             "done": [n for n, st in self.stages.items() if st.get("status") == "done"]}, indent=2))
+        return timings
 
     def done(self, name: str) -> bool:
         return self.stages.get(name, {}).get("status") == "done"
@@ -210,11 +228,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
         aside = work / f"eval.stale-{(rec.old.get('evaluate') or {}).get('fingerprint', 'unrecorded')}"
         os.replace(work / "eval", aside)
         console.print(f"evaluate: settings or draft changed; the earlier evaluation moved to {aside}")
-    timings: dict[str, float] = {}
     resolve_target(cfg.target)  # converts a built-in target once, up front
     console.rule(f"eyas pipeline: target {cfg.target} -> {work}")
     prepared = work / "prepared"
-    with rec.stage("prepare", timings):
+    with rec.stage("prepare"):
         _prepare(cfg, prepared)
     store = None
     if cfg.features == "offline":
@@ -222,7 +239,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
 
         store = work / "store"
         console.rule("extract")
-        with rec.stage("extract", timings):
+        with rec.stage("extract"):
             run_extract(cfg.target, prepared, store, **cfg.section("extract"))
     console.rule("train")
     run_dir = work / "train"
@@ -230,18 +247,17 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     if (draft / "model.safetensors").is_file() and (draft / "config.json").is_file() and rec.done("train"):
         console.print(f"train: {draft} exists, made with these settings; skipping (delete {run_dir} "
                       "to train again)")
-        timings["train"] = 0.0
     else:
-        with rec.stage("train", timings):
+        with rec.stage("train"):
             _train(cfg, prepared, store, run_dir)
     console.rule("export")
-    with rec.stage("export", timings):
+    with rec.stage("export"):
         exported, vllm_ready = _export(cfg, draft)
     console.rule("evaluate")
-    with rec.stage("evaluate", timings):
+    with rec.stage("evaluate"):
         report = _evaluate(cfg, draft, exported if vllm_ready else None)
-    (work / "pipeline-timings.json").write_text(json.dumps(timings, indent=2))
-    console.print(f"pipeline done in {sum(timings.values()):.0f} s: "
+    timings = rec.write_timings()
+    console.print(f"pipeline done in {sum(timings.values()):.0f} s over its runs: "
                   + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
     _print_report(report, work / "eval")
     return report

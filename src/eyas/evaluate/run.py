@@ -151,16 +151,41 @@ def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperatu
 SPEED_PROMPTS = 32  # first turns timed per concurrency (more when a concurrency is higher)
 
 
+RUN_STATE = "vllm-run.json"  # what a finished vLLM run found: a resumed one needs no engine
+
+
 def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
               dtype, seed, vllm, sub, settings, progress, vllm_draft=None, speed_concurrency=(), in_flight=64):
+    import json
     import time
     import warnings
 
-    from eyas.evaluate.runner import run_questions
+    from eyas.evaluate.prompts import read_questions, render_turn
+    from eyas.evaluate.runner import run_questions, unanswered
     from eyas.evaluate.vllm_metrics import VllmEngine, VllmPool, find_vllm_python
     from eyas.export.run import export_checkpoint
+    from eyas.fsio import atomic_write_text
 
     python = find_vllm_python(vllm)
+    speed_concurrency = list(speed_concurrency)
+    # the speed prompts come from the whole prompt file, so --max-prompts limits the acceptance run only
+    every = read_questions(Path(settings["prompts"]), None, None) if speed_concurrency else []
+    n_speed = min(len(every), max(SPEED_PROMPTS, *speed_concurrency)) if speed_concurrency else 0
+    state_path = sub / RUN_STATE
+    saved = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    if saved.get("settings") != settings:
+        saved = {}
+    speed = saved.get("serving_speed")
+    if not speed_concurrency:
+        speed = None
+    elif speed and ([d["concurrency"] for d in speed["draft"]] != speed_concurrency or speed["prompts"] != n_speed):
+        speed = None
+    if saved and (speed or not speed_concurrency) and not unanswered(questions, sub / "records.jsonl", settings):
+        # every question answered and the serving speed measured by an earlier run: no engine to
+        # start (a cold vLLM start is minutes on a GPU)
+        records = run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, sub / "records.jsonl",
+                                settings, progress, pool=lambda todo: iter(()))
+        return records, {**saved["extra"], "serving_speed": speed, "wall_seconds_this_run": 0.0}
     if vllm_draft is not None:  # checked up front, in evaluate_draft
         exported = Path(vllm_draft)
     else:
@@ -179,29 +204,25 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
                           "accepted per round, read from the tokens per engine step, differ from vLLM's own "
                           "per-request counts; this evaluation's tau is not trustworthy on this version "
                           "(please report it with vLLM's version)", stacklevel=2)
-        speed = None
-        if speed_concurrency:
-            from eyas.evaluate.prompts import read_questions, render_turn
-
-            # from the whole prompt file, so --max-prompts limits the acceptance run, not this
-            every = read_questions(Path(settings["prompts"]), None, None)
-            n = min(len(every), max(SPEED_PROMPTS, *speed_concurrency))
-            prompts = [render_turn(tokenizer, q, 0, []) for q in every[:n]]
-            speed = {"prompts": n, "max_new_tokens": max_new_tokens, "what": "first turns, greedy, "
+        if speed_concurrency and not speed:
+            prompts = [render_turn(tokenizer, q, 0, []) for q in every[:n_speed]]
+            speed = {"prompts": n_speed, "max_new_tokens": max_new_tokens, "what": "first turns, greedy, "
                      "wall clock, each wave of `concurrency` requests submitted together",
                      "draft": [eng.speed(prompts, max_new_tokens, stop_ids, c) for c in speed_concurrency]}
-    if speed:  # the same prompts without the draft, once the draft's engine has freed the GPU
+    if speed and "plain" not in speed:  # the same prompts without the draft, once the draft's engine is gone
         with VllmEngine(python, target.path, None, k=k, dtype=dtype, seed=seed,
                         log_path=sub / "vllm-plain.log") as plain:
             speed["plain"] = [plain.speed(prompts, max_new_tokens, stop_ids, c) for c in speed_concurrency]
         speed["speedup"] = {str(d["concurrency"]): d["tokens_per_s"] / p["tokens_per_s"]
                             for d, p in zip(speed["draft"], speed["plain"])
                             if d["tokens_per_s"] and p["tokens_per_s"]}
-    return records, {"vllm_version": info.get("vllm"), "vllm_python": str(python),
-                     "exported_draft": str(exported), "serving_speed": speed, "in_flight": in_flight,
-                     "wall_seconds_this_run": wall,
-                     # requests of this run compared with vLLM's own per-request acceptance (0.31+)
-                     "vllm_own_acceptance": {"compared": pool.checked, "differed": pool.disagreed}}
+    extra = {"vllm_version": info.get("vllm"), "vllm_python": str(python), "exported_draft": str(exported),
+             "in_flight": in_flight,
+             # requests of this run compared with vLLM's own per-request acceptance (0.31+)
+             "vllm_own_acceptance": {"compared": pool.checked, "differed": pool.disagreed}}
+    atomic_write_text(state_path, json.dumps({"settings": settings, "extra": extra, "serving_speed": speed},
+                                             indent=1))
+    return records, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall}
 
 
 def _predicted_tau(draft_dir: Path, k: int) -> float | None:

@@ -59,17 +59,7 @@ def run_questions(engine: Engine | None, questions: list[Question], tokenizer, m
 
     ``pool``: instead of ``engine``, a function that answers a list of questions in any order,
     yielding each question's records as it finishes (worker processes)."""
-    records, torn = _load_records(records_path, settings)
-    # A question counts as done with all its turns; a kill while its turns were being written can
-    # leave the first ones alone (and a torn last line), which are dropped here to be redone. The
-    # file is rewritten without them, so what is appended next is not hidden behind a tear.
-    n_turns = {q.question_id: len(q.turns) for q in questions}
-    have = Counter(r["question_id"] for r in records)
-    done_ids = {qid for qid, n in have.items() if n >= n_turns.get(qid, 0)}
-    if torn or len(done_ids) < len(have):
-        records = [r for r in records if r["question_id"] in done_ids]
-        _rewrite(records_path, settings, records)
-    todo = [q for q in questions if q.question_id not in done_ids]
+    records, todo = _resume(questions, records_path, settings)
     answered = (pool(todo) if pool is not None else
                 (answer_question(engine, q, tokenizer, max_new_tokens, stop_ids) for q in todo))
     with open(records_path, "a") as fh, tqdm(total=len(questions), initial=len(questions) - len(todo),
@@ -85,6 +75,27 @@ def run_questions(engine: Engine | None, questions: list[Question], tokenizer, m
     order = {q.question_id: i for i, q in enumerate(questions)}
     return sorted([r for r in records if r["question_id"] in order],
                   key=lambda r: (order[r["question_id"]], r["turn"]))
+
+
+def unanswered(questions: list[Question], records_path: Path, settings: dict[str, Any]) -> list[Question]:
+    """The questions that ``run_questions`` would still answer (those without all their turns)."""
+    return _resume(questions, records_path, settings)[1]
+
+
+def _resume(questions: list[Question], records_path: Path,
+            settings: dict[str, Any]) -> tuple[list[dict], list[Question]]:
+    """The whole questions' records in ``records_path``, and the questions still to answer."""
+    records, torn = _load_records(records_path, settings)
+    # A question counts as done with all its turns; a kill while its turns were being written can
+    # leave the first ones alone (and a torn last line), which are dropped here to be redone. The
+    # file is rewritten without them, so what is appended next is not hidden behind a tear.
+    n_turns = {q.question_id: len(q.turns) for q in questions}
+    have = Counter(r["question_id"] for r in records)
+    done_ids = {qid for qid, n in have.items() if n >= n_turns.get(qid, 0)}
+    if torn or len(done_ids) < len(have):
+        records = [r for r in records if r["question_id"] in done_ids]
+        _rewrite(records_path, settings, records)
+    return records, [q for q in questions if q.question_id not in done_ids]
 
 
 def _load_records(path: Path, settings: dict[str, Any]) -> tuple[list[dict], bool]:
