@@ -321,7 +321,7 @@ def test_also_k_evaluates_each_k_as_its_own_run_would(setup, tmp_path):
             "--max-new-tokens", "16", "--no-plain", "--quiet"]
     res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "both"), "-k", "3", "--also-k", "2"])
     assert res.exit_code == 0, res.output
-    assert "k=2 builtin: tau" in res.output
+    assert "k=3 builtin: tau" in res.output and "k=2 builtin: tau" in res.output
     res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "alone"), "-k", "2"])
     assert res.exit_code == 0, res.output
     keep = ("question_id", "turn", "output_ids", "rounds", "accepted_per_pos")

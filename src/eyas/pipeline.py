@@ -259,7 +259,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     timings = rec.write_timings()
     console.print(f"pipeline done in {sum(timings.values()):.0f} s over its runs: "
                   + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
-    _print_report(report, work / "eval")
+    from eyas.evaluate.report import summary_lines
+
+    for line in summary_lines(report, work / "eval"):
+        console.print(line, markup=False, highlight=False)
     return report
 
 
@@ -302,21 +305,6 @@ def _evaluate(cfg: PipelineConfig, draft: Path, vllm_draft: Path | None) -> dict
     if vllm_draft is not None:
         ev["vllm_draft"] = vllm_draft
     return evaluate_draft(cfg.target, draft, out=cfg.workdir / "eval", **ev)
-
-
-def _print_report(report: dict[str, Any], out: Path, label: str = "") -> None:
-    for engine, rep in report.items():
-        if engine.startswith("k") and engine[1:].isdigit():  # evaluate.also_k: that k's own reports
-            _print_report(rep, out / engine, f"{engine} ")
-            continue
-        overall = rep.get("overall") if isinstance(rep, dict) else None
-        if not overall:
-            continue
-        rates = ", ".join(f"{r:.3f}" for r in overall.get("acceptance_rate_per_pos", []))
-        console.print(f"[bold]{label}{engine}[/bold] (k={rep.get('num_speculative_tokens')}): tau {overall['tau']:.3f} tokens per "
-                      f"target forward, acceptance per draft position [{rates}], speedup "
-                      f"{overall.get('speedup') or float('nan'):.2f}x -> {out / engine}/"
-                      "report.json, acceptance_per_position.png, tau_per_category.png")
 
 
 def _train(cfg: PipelineConfig, prepared: Path, store: Path | None, run_dir: Path) -> None:

@@ -135,3 +135,39 @@ def _save(fig, path: Path) -> Path:
     plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[str]:
+    """What `eyas evaluate` and `eyas pipeline` print of ``evaluate``'s reports: tau and acceptance per
+    engine, the two engines compared, vLLM's serving speed, then each ``also_k`` run's own."""
+    lines = []
+    ks = [reports[n].get("num_speculative_tokens") for n in ("builtin", "vllm") if n in reports]
+    label = f"k={ks[0]} " if ks else ""
+    for name in ("builtin", "vllm"):
+        if name not in reports:
+            continue
+        rep, o = reports[name], reports[name]["overall"]
+        rates = ", ".join(f"{r:.3f}" for r in o["acceptance_rate_per_pos"] if r is not None)
+        tau = "n/a (no draft rounds)" if o["tau"] is None else f"{o['tau']:.3f}"
+        line = f"{label}{name}: tau {tau}, acceptance per position [{rates}]"
+        if rep.get("predicted_tau") is not None:
+            line += f" (predicted by training: {rep['predicted_tau']:.3f})"
+        if o.get("tokens_per_s"):
+            line += f", {o['tokens_per_s']:.1f} tok/s"
+        if o.get("speedup"):
+            line += f", speedup {o['speedup']:.2f}x"
+        lines.append(line)
+    c = reports.get("comparison")
+    if c and c["tau_relative_difference"] is not None:
+        lines.append(f"{label}tau builtin vs vllm: relative difference {c['tau_relative_difference']:.3f}, "
+                     f"identical outputs {c['identical_outputs']}/{c['prompts']}")
+    speed = reports.get("vllm", {}).get("serving_speed")
+    for d, p in zip(speed["draft"], speed["plain"]) if speed else ():
+        lines.append(f"{label}vllm serving, {d['concurrency']} concurrent: {d['tokens_per_s']:.0f} tok/s with "
+                     f"the draft, {p['tokens_per_s']:.0f} without ({d['tokens_per_s'] / p['tokens_per_s']:.2f}x)")
+    for key, rep in reports.items():
+        if key.startswith("k") and key[1:].isdigit():  # also_k: that k's own reports, in OUT/k<N>/
+            lines += summary_lines(rep, Path(out) / key, top=False)
+    if top:
+        lines.append(f"reports (report.json, acceptance_per_position.png, tau_per_category.png) in {out}")
+    return lines
