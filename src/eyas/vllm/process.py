@@ -85,7 +85,11 @@ def engine_env(pkg_root: Path, extra: dict[str, str] | None = None,
     ``multiprocessing``: vLLM's V1 engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING``); None
     leaves vLLM's default. The hooks backend runs without it (faster start); the connector needs it,
     because its files are written in engine steps after the requests have returned."""
+    import eyas
+
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if eyas.OMP_POLICY_SET_BY_EYAS:  # eyas's choice for its own threads: vLLM tunes its own
+        env.pop("OMP_WAIT_POLICY", None)
     env["PYTHONPATH"] = str(pkg_root)  # only the engine package: nothing of eyas's own env leaks in
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is larger than needed
     if multiprocessing is not None:
