@@ -109,6 +109,13 @@ case $STEP in
         --exclude='checkpoints' --exclude='draft-vllm' pipeline-config.json pipeline-timings.json \
         prepared/manifest.json prepared/regenerate.json prepared/regenerate-vllm*.log train/summary.json \
         train/metrics.jsonl train/*.png train/draft/*.json export-vllm/*.json eval 2>/dev/null )
+    # vLLM's compile cache, for the next session's first engine (a cold start compiles for minutes):
+    # carry it back in .carry/vllm-cache/ with c2; vllm_setup.sh restores it
+    if [ -d /root/.cache/vllm/torch_compile_cache ]; then
+      tar -czf "$OUT/vllm-compile-cache.tgz" -C /root/.cache vllm/torch_compile_cache
+      [ "$(stat -c %s "$OUT/vllm-compile-cache.tgz")" -gt 30000000 ] && rm -f "$OUT/vllm-compile-cache.tgz" &&
+        echo "vllm compile cache over 30 MB: not brought back"
+    fi
     ;;
   stream)
     step stream timeout -s INT "${BUDGET_S:-540}" python3 benchmarks/train_stream_bench.py \

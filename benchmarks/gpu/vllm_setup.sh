@@ -37,6 +37,10 @@ if [ ! -f "$SITE/.done" ] && [ -n "$_n" ] && [ "$_have" -eq "$_n" ]; then
     fi
   fi
 fi
+if [ -s .carry/vllm-cache/vllm-compile-cache.tgz ] && [ ! -d /root/.cache/vllm/torch_compile_cache ]; then
+  mkdir -p /root/.cache && tar -C /root/.cache -xzf .carry/vllm-cache/vllm-compile-cache.tgz &&
+    echo "vllm_setup: restored vLLM's compile cache from an earlier session (.carry/vllm-cache)"
+fi
 if [ -f "$SITE/.done" ]; then
   # children of the check dump their stacks on SIGUSR1 (the watchdog sends it on a timeout)
   mkdir -p /tmp/vllm-diag
