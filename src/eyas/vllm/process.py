@@ -88,8 +88,8 @@ def engine_env(pkg_root: Path, extra: dict[str, str] | None = None,
     import eyas
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    if eyas.OMP_POLICY_SET_BY_EYAS:  # eyas's choice for its own threads: vLLM tunes its own
-        env.pop("OMP_WAIT_POLICY", None)
+    if eyas.OMP_SPIN_SET_BY_EYAS:  # eyas's choice for its own threads: vLLM tunes its own
+        env.pop("GOMP_SPINCOUNT", None)
     env["PYTHONPATH"] = str(pkg_root)  # only the engine package: nothing of eyas's own env leaks in
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is larger than needed
     if multiprocessing is not None:
