@@ -91,11 +91,11 @@ HOOKS_MIN = HOOKS_RANGE[0]
 # copy its passing versions here). A version counts as tested when its minor is in this list.
 # version -> the backend `auto` took there. A version counts as tested, for that backend, when its
 # minor is in this table.
-TESTED_VLLM: dict[str, str] = {"0.14.1": "vllm-hooks", "0.16.0": "vllm-hooks", "0.17.1": "vllm-hooks",
-                               "0.19.1": "vllm-hooks", "0.20.2": "vllm-hooks", "0.21.0": "vllm-hooks",
-                               "0.22.1": "vllm", "0.23.0": "vllm-hooks", "0.24.0": "vllm-hooks", "0.25.1": "vllm",
-                               "0.27.1": "vllm", "0.28.0": "vllm", "0.29.0": "vllm", "0.30.0": "vllm",
-                               "0.31.0": "vllm", "0.32.0": "vllm"}
+TESTED_VLLM: dict[str, str] = {"0.14.1": "vllm-hooks", "0.15.1": "vllm-hooks", "0.16.0": "vllm-hooks",
+                               "0.17.1": "vllm-hooks", "0.19.1": "vllm-hooks", "0.20.2": "vllm-hooks",
+                               "0.21.0": "vllm-hooks", "0.22.1": "vllm", "0.23.0": "vllm-hooks", "0.24.0": "vllm-hooks",
+                               "0.25.1": "vllm", "0.26.0": "vllm", "0.27.1": "vllm", "0.28.0": "vllm", "0.29.0": "vllm",
+                               "0.30.0": "vllm", "0.31.0": "vllm", "0.32.0": "vllm"}
 # Replaces TESTED_VLLM's versions (comma-separated): tests pretend a version is untested with it.
 TESTED_ENV = "EYAS_TESTED_VLLM"
 
