@@ -412,6 +412,28 @@ def test_worker_processes_give_the_records_of_one_process(setup, tmp_path):
     assert again["per_prompt"] == two["per_prompt"]
 
 
+def test_a_stopped_worker_pool_ends_its_workers_without_waiting_for_their_questions(setup):
+    """A run stopped by SIGINT closes its pool with ``now``: a worker busy with a long question is
+    ended at once (on the GPU, waiting for the questions in flight held a stopped run a minute past
+    its budget, and the device call ran out before the run's results were copied)."""
+    import time
+
+    from eyas.evaluate.workers import BuiltinPool
+
+    target, _, _, draft_dir = setup
+    pool = BuiltinPool(2, target, draft_dir, 3, 0.0, 0, False, "float32", "cpu", 8, set())
+    busy = [pool.exe.submit(time.sleep, 300) for _ in range(2)]  # stand-ins for long questions
+    deadline = time.time() + 120
+    while not all(f.running() for f in busy) and time.time() < deadline:
+        time.sleep(0.1)
+    procs = list(pool.exe._processes.values())
+    assert len(procs) == 2 and all(p.is_alive() for p in procs)
+    start = time.perf_counter()
+    pool.close(now=True)
+    assert time.perf_counter() - start < 30
+    assert not any(p.is_alive() for p in procs)
+
+
 def test_vllm_draft_must_be_an_export_of_the_draft(setup, tmp_path):
     """An exported directory handed to the vllm engine (the pipeline's export stage) is checked
     against the draft before vLLM is looked for; another draft's export is refused."""

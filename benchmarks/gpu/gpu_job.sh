@@ -18,7 +18,7 @@
 #   regen    eyas prepare --regenerate of all of ShareGPT with vLLM, for at most BUDGET_S seconds
 #            (answers resume); its answers come back xz-compressed in parts of at most 15 MB
 #   pipeline eyas pipeline configs/smollm2-h200.yaml for at most BUDGET_S seconds a call (its stages
-#            resume; the first call seeds the regeneration with .carry/regen's answers); the answers
+#            resume; the first call seeds the regeneration with the answers kept in $REGEN_SEED); the answers
 #            come back as regen's, the stages' small results in pipeline.tgz
 #   stream   issue 21: benchmarks/train_stream_bench.py on the 4.5M-token set (carried in c0): the
 #            same training from an offline store (bf16, on /dev/shm), online, and --features vllm
@@ -91,14 +91,18 @@ case $STEP in
   pipeline)
     # the whole job, as a user runs it; resumable, so it goes on over calls of at most BUDGET_S
     W=runs/smollm2-h200
-    if [ ! -s "$W/prepared/regenerated.jsonl" ] && [ -s .carry/regen/regenerated.jsonl.xz ]; then
-      mkdir -p "$W/prepared"  # a previous session's answers: the regeneration resumes after them
+    # the answers of an earlier session, kept in git (a new checkout has no .carry/): the regeneration
+    # resumes after them, so a session that has them starts no regeneration engine
+    SEED=${REGEN_SEED:-data/regenerated/smollm2-135m-instruct-sharegpt}
+    if [ ! -s "$W/prepared/regenerated.jsonl" ] && [ -s "$SEED/regenerated.jsonl.xz" ]; then
+      mkdir -p "$W/prepared"
       python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
-        .carry/regen/regenerated.jsonl.xz > "$W/prepared/regenerated.jsonl"
-      cp .carry/regen/regenerate.json "$W/prepared/"
-      echo "pipeline: seeded $(wc -l < "$W/prepared/regenerated.jsonl") answers from .carry/regen"
+        "$SEED/regenerated.jsonl.xz" > "$W/prepared/regenerated.jsonl"
+      cp "$SEED/regenerate.json" "$W/prepared/"
+      echo "pipeline: seeded $(wc -l < "$W/prepared/regenerated.jsonl") answers from $SEED"
     fi
-    step pipeline timeout -s INT "${BUDGET_S:-560}" eyas pipeline configs/smollm2-h200.yaml
+    # -k: a run that has not stopped 40 s after SIGINT is killed, so the call still copies its results
+    step pipeline timeout -s INT -k 40 "${BUDGET_S:-530}" eyas pipeline configs/smollm2-h200.yaml
     if [ "${REGEN_BACK:-1}" = 1 ] && [ -s "$W/prepared/regenerated.jsonl" ]; then
       echo "regen: $(wc -l < "$W/prepared/regenerated.jsonl") answers so far"
       python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.compress(open(sys.argv[1], 'rb').read(), preset=2))" \

@@ -131,8 +131,10 @@ def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperatu
         try:
             records = run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, sub / "records.jsonl",
                                     settings, progress, pool=pool)
-        finally:
-            pool.close()
+        except BaseException:  # stopped (SIGINT) or failed: the questions in flight are redone on resume
+            pool.close(now=True)
+            raise
+        pool.close()
     else:
         eng = build_engine(target, draft_dir, k, temperature, seed, compare_plain, dtype, device)
         try:

@@ -71,5 +71,22 @@ class BuiltinPool:
             for fut in pending:
                 fut.cancel()
 
-    def close(self) -> None:
-        self.exe.shutdown(wait=True, cancel_futures=True)
+    def close(self, now: bool = False) -> None:
+        """Wait for the workers to finish; with ``now`` (a stopped or failed run) end them at once.
+
+        A question's records come back whole, so ending a worker mid-question loses only that
+        question, which a resumed run redoes. Waiting for it instead held a stopped run for up to a
+        question's length (a minute on the GPU with 16 workers), past any budget it was given.
+        """
+        if not now:
+            self.exe.shutdown(wait=True, cancel_futures=True)
+            return
+        # ProcessPoolExecutor has no public way to end its workers before Python 3.14
+        procs = list((getattr(self.exe, "_processes", None) or {}).values())
+        self.exe.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
