@@ -116,3 +116,41 @@ def vllm_reason(text: str, patterns: list[str]) -> str | None:
             at = f"{where.group(1)}, {where.group(2)}: " if where else ""
             return " / ".join(x for x in (at + line.strip(), exc) if x)
     return None
+
+
+def vllm_forward_differs(python: Path, model_dir: Path, n: int = 12) -> str | None:
+    """How vLLM's own forward of ``model_dir`` differs from HF's, or None when they agree.
+
+    Prompt log-probabilities of one ``n``-token sequence, both in fp32, vLLM's through
+    tests/vllm_logprobs_probe.py (no eyas extraction code). A test whose parity check failed asks
+    this before it blames eyas: a build that computes the target wrong by itself is vLLM's bug.
+    """
+    import json
+    import subprocess
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eyas.vllm.process import engine_env, install_worker
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, model.config.vocab_size, (n,), generator=g).tolist()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    hf = [ref[i - 1, ids[i]].item() for i in range(1, n)]
+    root = install_worker(Path(tempfile.mkdtemp()))
+    res = subprocess.run([str(python), str(Path(__file__).with_name("vllm_logprobs_probe.py")), str(model_dir),
+                          json.dumps(ids)], env=engine_env(root), capture_output=True, text=True, timeout=900)
+    line = next((x for x in res.stdout.splitlines() if x.startswith("EYAS-LOGPROBS ")), None)
+    if line is None:
+        raise RuntimeError(f"the logprobs probe failed ({res.returncode}): {res.stderr[-2000:]}")
+    got = json.loads(line.split(" ", 1)[1])[1:]
+    diffs = [abs(a - b) for a, b in zip(got, hf)]
+    bad = [i + 1 for i, d in enumerate(diffs) if d > 1e-3]
+    if not bad:
+        return None
+    return (f"its own forward differs from HF's (prompt log-probabilities in fp32, no eyas code): "
+            f"positions {bad[0]}..{bad[-1]} of {n} off by up to {max(diffs):.4f}, "
+            f"position 1 by {diffs[0]:.1e}")
