@@ -8,9 +8,10 @@ feed, and decoding (stop tokens, empty answers) is shared with it.
 The engines are kept full: each holds up to ``in_flight`` prompts and is sent more whenever fewer
 than half are left, and an answer's next turn joins the queue as soon as the answer is back. With
 ``engines`` > 1 several engines share the GPU(s), each with its share of the memory: a small
-target leaves one engine's scheduler, not the GPU, as the limit. Engine j > 0 starts once engine
-j-1 is ready (vLLM's memory profiling must not see another engine starting), while the ready ones
-already generate.
+target leaves one engine's scheduler, not the GPU, as the limit. All engine processes start at
+once and import vLLM side by side, but engine j > 0 builds its engine only once engine j-1 is ready
+(vLLM's memory profiling must not see another engine starting), while the ready ones already
+generate.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class VllmGenerator:
         shutil.rmtree(self.work, ignore_errors=True)
         self.log_path = self.work.parent / "regenerate-vllm.log"  # outlives the work dir
         per_gpu = -(-engines * tensor_parallel_size // gpus) if gpus else engines  # engines on one GPU
-        self.jobs = [{"model": str(target_path), "work_dir": str(self.work / f"engine-{j}"),
+        self.jobs = [{"model": str(target_path), "work_dir": str(self.work / f"engine-{j}"), "start_when_told": j > 0,
                       "max_model_len": int(max_model_len), "seed": int(seed),
                       "dtype": VLLM_DTYPES.get(dtype, dtype), "tensor_parallel_size": int(tensor_parallel_size),
                       "gpu_memory_utilization": gpu_memory_utilization / per_gpu, "max_num_seqs": max_num_seqs}
@@ -59,7 +60,8 @@ class VllmGenerator:
         self.procs: list[WorkerProcess] = []
         self.closing = False
         self.replies: queue.Queue = queue.Queue()
-        self._start(0)
+        for j in range(engines):
+            self._start(j)
         kind, j, ready = self.replies.get()
         if kind == "error":
             self.close()
@@ -68,7 +70,7 @@ class VllmGenerator:
         self.per_request_seed = bool(ready.get("per_request_seed"))
         self.ready = [True] + [False] * (engines - 1)
         if engines > 1:
-            self._start(1)
+            self.procs[1].send({"op": "start"})
 
     def _start(self, j: int) -> None:
         env = None
@@ -121,7 +123,7 @@ class VllmGenerator:
             if kind == "ready":
                 self.ready[j] = True
                 if j + 1 < len(self.jobs):
-                    self._start(j + 1)
+                    self.procs[j + 1].send({"op": "start"})
                 continue
             waiting[j] = False
             for out in reply["outputs"]:

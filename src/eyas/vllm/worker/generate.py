@@ -26,6 +26,10 @@ def main(job_path: str) -> None:
     job = read_job(job_path)
     from vllm import LLM, SamplingParams
 
+    # started beside the engine before it, so the imports overlap; built only when told, as vLLM's
+    # memory profiling must not see another engine starting
+    if job.get("start_when_told") and not channel.wait_for("start"):
+        return
     extra = {"max_num_seqs": job["max_num_seqs"]} if job.get("max_num_seqs") else {}
     llm = LLM(model=compat_model_dir(job["model"], Path(job["work_dir"])), dtype=job["dtype"],
               max_model_len=job["max_model_len"], seed=job["seed"],

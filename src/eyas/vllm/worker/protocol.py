@@ -28,6 +28,13 @@ class Channel:
         self._out.write(PREFIX + json.dumps(obj) + "\n")
         self._out.flush()
 
+    def wait_for(self, op: str) -> bool:
+        """Block until ``{"op": op}`` arrives; False at ``quit`` or the end of stdin."""
+        for line in sys.stdin:
+            if line.strip():
+                return json.loads(line).get("op") == op
+        return False
+
     def requests(self):
         for line in sys.stdin:
             if not line.strip():
