@@ -23,13 +23,16 @@
 #   stream   issue 21: benchmarks/train_stream_bench.py on the 4.5M-token set (carried in c0): the
 #            same training from an offline store (bf16, on /dev/shm), online, and --features vllm
 #            (a 2 GB buffer on /dev/shm, the engine sharing the GPU), each for STREAM_STEPS steps
+#   parity32 extraction parity in fp32 (no bf16 rounding): eyas prepare of the first 500 ShareGPT
+#            conversations (original answers), eyas extract --model-dtype fp32 --dtype fp32 with
+#            --backend hf and --backend auto (vLLM), then eyas extract --verify ... --against
 #   fp32     after pipeline: eyas evaluate --engine both --dtype float32 on the pipeline's draft and
 #            export, the first FP32_PROMPTS (10) MT-bench questions, k=5: greedy equality of the two
 #            engines without bf16's near-ties
 # What comes back in $OUT: log.txt (this call), steps.tsv (every step so far: name, rc, seconds),
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
-STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|both|regen|pipeline|stream|fp32}
+STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp32}
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 export OUT=${OUT:-/tmp/out}
@@ -128,6 +131,15 @@ case $STEP in
       --train "--ttt-steps 7 --tokens-per-batch 2048 --batch-size 16 --max-steps ${STREAM_STEPS:-200} --warmup 30
                --eval-every 0 --save-every 0 --device cuda --precision bf16 --compile --fused-loss --quiet"
     ;;
+  parity32)
+    P=$J/prep500
+    step prep500 eyas prepare --data sharegpt --max-samples 500 --max-length 2048 --draft-vocab-size 32000 --out "$P" &&
+    step extract-hf32 eyas extract --backend hf --device cuda --model-dtype fp32 --dtype fp32 --data "$P" \
+      --out "$SHM/hf32" --layers $LAYERS &&
+    step extract-vllm32 eyas extract --backend auto --model-dtype fp32 --dtype fp32 --data "$P" \
+      --out "$SHM/vllm32" --layers $LAYERS &&
+    step parity32 bash -c "eyas extract --verify '$SHM/vllm32' --against '$SHM/hf32' > '$J/parity32.json'"
+    ;;
   fp32)
     W=runs/smollm2-h200
     step fp32 timeout -s INT "${BUDGET_S:-540}" eyas evaluate --engine both --dtype float32 --device cuda \
@@ -140,7 +152,7 @@ rc=$?
 cp "$J/steps.tsv" "$OUT/" 2>/dev/null
 ( cd "$J" && tar -czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='records.jsonl' \
     --exclude='regenerated*.jsonl' --exclude='shard-*' --exclude='checkpoints' --exclude='draft-vllm' \
-    steps.tsv parity.json run/summary.json run/metrics.jsonl run/*.png run/draft/*.json export/*.json \
+    steps.tsv parity.json parity32.json run/summary.json run/metrics.jsonl run/*.png run/draft/*.json export/*.json \
     eval eval-fp32 regen/*.json regen/regenerate-vllm.log 2>/dev/null )
 [ -f "$J/eval/builtin/records.jsonl" ] && echo "builtin records: $(( $(wc -l < "$J/eval/builtin/records.jsonl") - 1 )) turns"
 exit $rc
