@@ -60,7 +60,7 @@ def test_online_run_writes_draft_logs_plot(tiny_target, data, tmp_path):
                                    "--out", str(run), "--online", "--layers", "1,4,6", "--ttt-steps", "3",
                                    "--tokens-per-batch", "128", "--max-steps", "6", "--warmup", "1",
                                    "--lr", "3e-3", "--save-every", "3", "--eval-every", "3",
-                                   "--eval-batches", "2", "--heldout", "0.1"])
+                                   "--eval-batches", "2", "--heldout", "0.1", "--predict-horizon", "4"])
     assert res.exit_code == 0, res.output
     draft = Eagle3Draft.from_pretrained(run / "draft")
     assert draft.config.aux_layer_ids == [1, 4, 6] and draft.config.target["id"] == tiny_target.id
@@ -81,6 +81,11 @@ def test_online_run_writes_draft_logs_plot(tiny_target, data, tmp_path):
     assert list(pred["predicted_tau"].values()) == pytest.approx(predicted_tau(held[-1]["acc"]))
     assert held[-1]["predicted_tau"] == pytest.approx(predicted_tau(held[-1]["acc"]))
     assert f"k=3 {pred['predicted_tau']['3']:.2f}" in res.output
+    # and over the first 4 tokens of each answer (--predict-horizon): fewer positions, its own chain
+    assert held[-1]["horizon"] == 4 and pred["horizon"] == 4 and pred["acc_first"] == held[-1]["acc_first"]
+    assert 0 < held[-1]["positions_first"][0] < held[-1]["positions"][0]
+    assert list(pred["predicted_tau_first"].values()) == pytest.approx(predicted_tau(held[-1]["acc_first"]))
+    assert f"over the first 4 tokens of each answer: k=1 {pred['predicted_tau_first']['1']:.2f}" in res.output
     assert train_recs[-1]["loss"] < train_recs[0]["loss"]  # it learns something
     assert (run / "loss.png").stat().st_size > 1000
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -424,7 +429,7 @@ def test_fused_loss_trains_like_the_unfused_loss_single_and_ddp(tiny_target, dat
     """--fused-loss: the same losses and weights as the default loss, in one process and under
     torchrun DDP (lm_head gets its gradient outside the DDP module's forward). Adam moves every
     weight by far more than the tolerance in 4 steps, so a missing gradient (lm_head's) fails."""
-    steps = ["--max-steps", "4", "--save-every", "0"]
+    steps = ["--max-steps", "4", "--save-every", "0", "--predict-horizon", "3"]
     runs = {"plain": (_cli, []), "fused": (_cli, ["--fused-loss"]), "fused_ddp": (_torchrun, ["--fused-loss"])}
     for name, (cmd, extra) in runs.items():
         accum = ["--grad-accum", "1" if cmd is _torchrun else "2"]
@@ -435,6 +440,12 @@ def test_fused_loss_trains_like_the_unfused_loss_single_and_ddp(tiny_target, dat
     assert len(losses["plain"]) == 4
     assert losses["fused"] == pytest.approx(losses["plain"], rel=1e-5)
     assert losses["fused_ddp"] == pytest.approx(losses["plain"], rel=1e-5)
+    # the held-out agreement, over whole answers and over their first 3 tokens, is the same too
+    held = {n: _records(tmp_path / n, "heldout")[-1] for n in runs}
+    assert held["plain"]["positions_first"][0] < held["plain"]["positions"][0]
+    for n in ("fused", "fused_ddp"):
+        for key in ("acc", "acc_first", "positions", "positions_first"):
+            assert held[n][key] == pytest.approx(held["plain"][key], rel=1e-5), (n, key)
     ref = load_file(str(tmp_path / "plain" / "draft" / "model.safetensors"))
     for n in ("fused", "fused_ddp"):
         got = load_file(str(tmp_path / n / "draft" / "model.safetensors"))
@@ -517,6 +528,19 @@ def test_offline_batches_copied_on_a_side_stream_equal_the_host_ones(tiny_target
         ref = cpu.batch(b)
         for k, v in g.items():
             assert torch.equal(v.cpu(), getattr(ref, k)), k
+
+
+def test_first_answer_tokens_keeps_the_start_of_each_answer():
+    """Each run of True in the loss mask is an answer; only its first ``horizon`` positions stay."""
+    import torch
+
+    from eyas.train.predict import first_answer_tokens
+
+    m = torch.tensor([[0, 1, 1, 1, 0, 1, 1, 0, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    got = first_answer_tokens(m, 2).int().tolist()
+    assert got == [[0, 1, 1, 0, 0, 1, 1, 0, 1, 1, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]]
+    assert torch.equal(first_answer_tokens(m, 12), m)  # a horizon past every answer keeps them whole
+    assert not first_answer_tokens(m, 0).any()
 
 
 def test_predicted_tau_is_the_chain_of_heldout_agreements():

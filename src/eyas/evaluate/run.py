@@ -68,7 +68,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     questions = read_questions(prompts, max_prompts, max_per_category)
     tokenizer = target.load_tokenizer()
     stop_ids = set(stop_token_ids(tokenizer, target.path))
-    meta = {"predicted_tau": _predicted_tau(Path(draft_dir), k), "target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
+    meta = {**_predicted(Path(draft_dir), k), "target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
             "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
             "dtype": dtype, "device": device, "seed": seed, "max_prompts": max_prompts,
             "max_per_category": max_per_category}
@@ -227,14 +227,19 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
     return records, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall}
 
 
-def _predicted_tau(draft_dir: Path, k: int) -> float | None:
-    """The tau `eyas train` predicted for ``k`` draft tokens (None: not recorded, or k > TTT steps)."""
+def _predicted(draft_dir: Path, k: int) -> dict[str, Any]:
+    """What `eyas train` predicted for ``k`` draft tokens: ``predicted_tau`` over whole answers and,
+    where recorded, ``predicted_tau_first`` over the first ``predicted_horizon`` tokens of each
+    answer (None: not recorded, or k > TTT steps)."""
     from eyas.train.predict import PREDICTION_FILE
 
     try:
-        return json.loads((draft_dir / PREDICTION_FILE).read_text())["predicted_tau"].get(str(k))
+        rec = json.loads((draft_dir / PREDICTION_FILE).read_text())
+        return {"predicted_tau": rec["predicted_tau"].get(str(k)),
+                "predicted_tau_first": (rec.get("predicted_tau_first") or {}).get(str(k)),
+                "predicted_horizon": rec.get("horizon")}
     except (OSError, ValueError, KeyError, AttributeError):
-        return None
+        return {"predicted_tau": None}
 
 
 def check_export_of(exported: Path, draft_dir: Path) -> None:

@@ -24,9 +24,12 @@ def _run(cfg: TrainConfig) -> None:
     console.print(f"draft -> {draft}")
     pred = Path(draft) / PREDICTION_FILE
     if pred.is_file():
-        taus = json.loads(pred.read_text())["predicted_tau"]
+        rec = json.loads(pred.read_text())
         console.print("predicted tau (held-out agreement, chain): "
-                      + ", ".join(f"k={k} {t:.2f}" for k, t in taus.items()))
+                      + ", ".join(f"k={k} {t:.2f}" for k, t in rec["predicted_tau"].items()))
+        if "predicted_tau_first" in rec:
+            console.print(f"  over the first {rec['horizon']} tokens of each answer: "
+                          + ", ".join(f"k={k} {t:.2f}" for k, t in rec["predicted_tau_first"].items()))
 
 
 def register(app: typer.Typer) -> None:

@@ -137,6 +137,9 @@ class TrainConfig:
                                 check=at_least(1, "held-out micro-batches per evaluation"))
     heldout: float = setting(0.02, "Fraction of samples held out (by index hash).",
                              check=fraction("fraction of samples held out", hi_open=True))
+    predict_horizon: int = setting(256, "Held-out agreement (and predicted tau) also over the first N tokens "
+                                   "of each answer, as an evaluation with --max-new-tokens N sees them; 0: off.",
+                                   check=at_least(0, "answer tokens of the capped held-out agreement", "0 is off"))
     log_every: int = setting(1, "Write a training record (metrics.jsonl, TensorBoard) every N steps.",
                              check=at_least(1, "steps between training records"))
     resume: bool = setting(False, "Continue from the latest checkpoint in --out.", "--resume")

@@ -37,7 +37,7 @@ from eyas.train import optim as optim_mod
 from eyas.train import parallel
 from eyas.train.config import TrainConfig
 from eyas.train.packing import EpochPlan, pack_indices, split_indices
-from eyas.train.predict import PREDICTION_FILE, predicted_tau
+from eyas.train.predict import PREDICTION_FILE, first_answer_tokens, predicted_tau
 
 # Fields that must match between a run and its resume (they fix the data order and the objective).
 # Checkpoint keys (on disk), not setting names: "heldout_fraction" is the --heldout of the run.
@@ -297,13 +297,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ one batch, one step
 
-    def forward_loss(self, packs: list[list[int]], grad: bool) -> tuple[torch.Tensor, list, int]:
-        """(loss, per-TTT-step stats, real tokens) of one micro-batch."""
+    def forward_loss(self, packs: list[list[int]], grad: bool,
+                     horizon: int = 0) -> tuple[torch.Tensor, list, int, list | None]:
+        """(loss, per-TTT-step stats, real tokens, and with ``horizon`` the stats over only the first
+        ``horizon`` tokens of each answer, from the same forward) of one micro-batch."""
         cfg = self.cfg
         batch = self.source.batch(packs)
+        host_masks = [batch.layout.loss_mask]
+        if horizon:
+            host_masks.append(first_answer_tokens(batch.layout.loss_mask, horizon))
         # the fused loss's positions from the host's copy of the layout, before the forward is
         # queued: found on the device, they would wait for it
-        scored = (fused_positions(batch.layout.loss_mask, batch.layout.doc_ids, cfg.ttt_steps)
+        scored = ([fused_positions(m, batch.layout.doc_ids, cfg.ttt_steps) for m in host_masks]
                   if cfg.fused_loss else None)
         # built here, outside the compiled forward: inside its graph they made flex compute wrong
         # attention on CUDA (flex.ttt_block_masks)
@@ -312,15 +317,21 @@ class Trainer:
             out = (self.fwd if grad else self.model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
                                                      cfg.ttt_steps, attention=self.attention,
                                                      return_normed=cfg.fused_loss, block_masks=masks)
-        if cfg.fused_loss:
-            loss, stats = fused_ttt_loss(out, self.model.lm_head.weight, self.head, batch.final, batch.loss_mask,
-                                         batch.doc_ids, cfg.step_decay, chunk=cfg.loss_chunk,
-                                         dtype=self.matmul_dtype, compiled=cfg.compile, scored=scored)
-            return loss, stats, batch.num_tokens
-        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-            tgt = self.head(batch.final)
-        loss, stats = ttt_loss(out, tgt, batch.loss_mask, batch.doc_ids, cfg.step_decay, self.ce)
-        return loss, stats, batch.num_tokens
+        tgt = None
+        if not cfg.fused_loss:
+            with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+                tgt = self.head(batch.final)
+        results = []
+        for i, m in enumerate(host_masks):
+            mask = batch.loss_mask if i == 0 else m.to(self.device, non_blocking=True)
+            if cfg.fused_loss:
+                results.append(fused_ttt_loss(out, self.model.lm_head.weight, self.head, batch.final, mask,
+                                              batch.doc_ids, cfg.step_decay, chunk=cfg.loss_chunk,
+                                              dtype=self.matmul_dtype, compiled=cfg.compile, scored=scored[i]))
+            else:
+                results.append(ttt_loss(out, tgt, mask, batch.doc_ids, cfg.step_decay, self.ce))
+        (loss, stats), capped = results[0], (results[1][1] if horizon else None)
+        return loss, stats, batch.num_tokens, capped
 
     def train_step(self, step: int) -> dict[str, Any]:
         """Optimizer step ``step`` (0-based), queued on the device; returns its numbers, still there."""
@@ -328,7 +339,7 @@ class Trainer:
         step_stats, loss_acc, step_tokens, step_packs = [], torch.zeros((), device=device), 0, []
         for a, epoch, packs in self.micro_batches(step):
             with parallel.grad_sync(self.net, a == cfg.grad_accum - 1):
-                loss, stats, ntok = self.forward_loss(packs, grad=True)
+                loss, stats, ntok, _ = self.forward_loss(packs, grad=True)
                 (loss / cfg.grad_accum).backward()
             step_stats.extend(stats)
             loss_acc += loss.detach()
@@ -396,22 +407,24 @@ class Trainer:
         if not n_chunks:
             return None
         self.model.eval()
-        acc = None
+        horizon = cfg.predict_horizon
+        acc = torch.zeros(2, 3, cfg.ttt_steps, device=self.device)  # [whole answers, first tokens]
         with torch.no_grad():
             for idx, packs in self.heldout_calls():
-                _, stats, _ = self.forward_loss(packs, grad=False)
+                _, stats, _, capped = self.forward_loss(packs, grad=False, horizon=horizon)
                 if idx >= n_chunks:
                     continue
-                s = torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in stats], 1).to(self.device)
-                acc = s if acc is None else acc + s
-        if acc is None:
-            acc = torch.zeros(3, cfg.ttt_steps, device=self.device)
+                for j, st in enumerate([stats, capped] if horizon else [stats]):
+                    acc[j] += torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in st], 1).to(self.device)
         acc = dist.all_sum(acc).cpu()
         self.model.train()
-        cnt = acc[2].clamp_min(1)
-        rec = {"split": "heldout", "step": step, "acc": (acc[1] / cnt).tolist(),
-               "loss": (acc[0] / cnt).tolist(), "positions": acc[2].tolist()}
+        cnt = acc[:, 2].clamp_min(1)
+        rec = {"split": "heldout", "step": step, "acc": (acc[0, 1] / cnt[0]).tolist(),
+               "loss": (acc[0, 0] / cnt[0]).tolist(), "positions": acc[0, 2].tolist()}
         rec["predicted_tau"] = predicted_tau(rec["acc"])  # for k = 1 .. ttt_steps
+        if horizon:  # as an evaluation capped at `horizon` new tokens sees the answers
+            rec.update(horizon=horizon, acc_first=(acc[1, 1] / cnt[1]).tolist(), positions_first=acc[1, 2].tolist())
+            rec["predicted_tau_first"] = predicted_tau(rec["acc_first"])
         self.logger.log(rec)
         return rec
 
@@ -441,10 +454,14 @@ class Trainer:
             check_finite_state(final_state, f"the draft of {self.run_dir}")
             self.model.save_pretrained(out, state=final_state)
             if last_eval is not None:  # what the draft should deliver, before anyone serves it
-                atomic_write_text(out / PREDICTION_FILE, json.dumps(
-                    {"heldout_step": last_eval["step"], "acc": last_eval["acc"],
-                     "predicted_tau": {str(k + 1): t for k, t in enumerate(last_eval["predicted_tau"])},
-                     "method": "1 + sum_i prod_{j<=i} acc_j (eyas.train.predict)"}, indent=2))
+                pred = {"heldout_step": last_eval["step"], "acc": last_eval["acc"],
+                        "predicted_tau": {str(k + 1): t for k, t in enumerate(last_eval["predicted_tau"])},
+                        "method": "1 + sum_i prod_{j<=i} acc_j (eyas.train.predict)"}
+                if "horizon" in last_eval:  # over the first `horizon` tokens of each answer only
+                    pred.update(horizon=last_eval["horizon"], acc_first=last_eval["acc_first"],
+                                predicted_tau_first={str(k + 1): t for k, t in
+                                                     enumerate(last_eval["predicted_tau_first"])})
+                atomic_write_text(out / PREDICTION_FILE, json.dumps(pred, indent=2))
             plot_losses(self.run_dir)
             mode = ("fsdp2" if self.sharded else "ddp") if self.dist.on else "single"
             summary = {"steps": finished, "planned_steps": self.total, "stopped_by_time": stopped_by_time,
