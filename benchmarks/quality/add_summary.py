@@ -47,11 +47,15 @@ def main() -> None:
     recs = [json.loads(x) for x in Path(a.records).read_text().splitlines()[1:]]
     k = len(recs[0]["accepted_per_pos"])
     lo, hi = bootstrap(recs)
-    pred = json.loads(Path(a.prediction).read_text())["predicted_tau"].get(str(k)) if a.prediction else None
+    rec = json.loads(Path(a.prediction).read_text()) if a.prediction else {}
+    pred = rec.get("predicted_tau", {}).get(str(k))
+    first = rec.get("predicted_tau_first", {}).get(str(k))  # eyas train's, over each answer's first tokens
     entry = {"name": a.name, "target": a.target, "trainer": a.trainer, "budget_s": a.budget_s, "steps": a.steps,
              "data_conversations": a.data_conversations, "k": k, "prompt_set": a.prompt_set,
              "turns": len(recs), "questions": len({r["question_id"] for r in recs}), "tau": tau(recs),
              "tau_ci_low": lo, "tau_ci_high": hi, "predicted_tau": pred, "source": a.source, "note": a.note}
+    if first is not None:
+        entry["predicted_tau_first"], entry["predict_horizon"] = first, rec.get("horizon")
     rows = json.loads(SUMMARY.read_text()) if SUMMARY.is_file() else []
     rows = [r for r in rows if not (r["name"] == a.name and r["k"] == k and r["prompt_set"] == a.prompt_set)]
     SUMMARY.write_text(json.dumps(rows + [entry], indent=1) + "\n")
