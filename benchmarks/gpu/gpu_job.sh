@@ -20,7 +20,7 @@
 #   pipeline eyas pipeline configs/smollm2-h200.yaml for at most BUDGET_S seconds a call (its stages
 #            resume; the first call seeds the regeneration with the answers kept in $REGEN_SEED); the answers
 #            come back as regen's, the stages' small results in pipeline.tgz
-#   stream   issue 21: benchmarks/train_stream_bench.py on the 4.5M-token set (carried in c0): the
+#   stream   issue 21: benchmarks/train_stream_bench.py on the 4.5M-token set (carried in c0, else made): the
 #            same training from an offline store (bf16, on /dev/shm), online, and --features vllm
 #            (a 2 GB buffer on /dev/shm, the engine sharing the GPU), each for STREAM_STEPS steps
 #   parity32 extraction parity in fp32 (no bf16 rounding): eyas prepare of the first 500 ShareGPT
@@ -125,6 +125,11 @@ case $STEP in
     fi
     ;;
   stream)
+    if [ ! -f "$PREP/manifest.json" ]; then  # not carried (pack.sh without PREPARED): made here, in seconds
+      PREP=$J/prep6000
+      [ -f "$PREP/manifest.json" ] || step prep6000 eyas prepare --data sharegpt --max-samples 6000 --max-length 2048 \
+        --draft-vocab-size 32000 --out "$PREP" || exit 1
+    fi
     step stream timeout -s INT "${BUDGET_S:-540}" python3 benchmarks/train_stream_bench.py \
       --data "$PREP" --vllm-python "$EYAS_VLLM_PYTHON" --out "$SHM/stream" --buffer-gb 2 \
       --json "$OUT/train_stream_h200.json" --extract-args "--dtype bf16" \
