@@ -88,6 +88,8 @@ def test_pipeline_passes_the_device_and_the_export_to_evaluate(tmp_path, tiny_ll
     rec = json.loads((run / "pipeline-config.json").read_text())
     assert rec["stages"]["evaluate"]["settings"]["device"] == "cpu"
     assert rec["sections"]["evaluate"]["device"] == "cpu"
+    # training predicts the evaluation it feeds: its horizon is evaluate's max_new_tokens
+    assert "predict_horizon" not in cfg["train"] and rec["stages"]["train"]["settings"]["predict_horizon"] == 6
     report = json.loads((run / "eval" / "builtin" / "report.json").read_text())
     assert report["device"] == "cpu" and report["dtype"] == "float32"
     check_export_of(run / "export-vllm", run / "train" / "draft")

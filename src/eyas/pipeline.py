@@ -55,6 +55,16 @@ def evaluate_settings(cfg: PipelineConfig) -> dict[str, Any]:
     return ev
 
 
+def train_settings(cfg: PipelineConfig) -> dict[str, Any]:
+    """The train section, with ``predict_horizon``: the section's own, else the evaluate section's
+    ``max_new_tokens``, so that training predicts the evaluation this pipeline runs."""
+    tr = cfg.section("train")
+    new_tokens = cfg.section("evaluate").get("max_new_tokens")
+    if "predict_horizon" not in tr and new_tokens is not None:
+        tr["predict_horizon"] = new_tokens
+    return tr
+
+
 def stage_records(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
     """Per stage: its settings (config section plus what it depends on) and a fingerprint that also
     covers the stage it reads from, so a change upstream makes everything after it stale."""
@@ -70,7 +80,7 @@ def stage_records(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
     if cfg.features == "offline":
         settings["extract"] = cfg.section("extract")
         upstream["train"] = "extract"
-    settings["train"] = {"features": cfg.features, "launcher": cfg.launcher, **cfg.section("train")}
+    settings["train"] = {"features": cfg.features, "launcher": cfg.launcher, **train_settings(cfg)}
     settings["export"] = cfg.section("export")
     ev = evaluate_settings(cfg)
     settings["evaluate"] = ev
@@ -314,7 +324,7 @@ def _train(cfg: PipelineConfig, prepared: Path, store: Path | None, run_dir: Pat
     tc = TrainConfig(target=cfg.target, data=str(prepared), out=str(run_dir),
                      store=str(store) if store else None, online=cfg.features == "online",
                      features="vllm" if cfg.features == "vllm" else None, resume=resume,
-                     **cfg.section("train"))
+                     **train_settings(cfg))
     nproc = int(cfg.launcher.get("nproc_per_node", 1))
     if nproc <= 1 and int(cfg.launcher.get("nnodes", 1)) <= 1:
         train(tc)
