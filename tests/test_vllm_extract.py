@@ -28,6 +28,7 @@ from vllm_envs import (CANNOT_RUN_MLA, VLLM_BUGS, VLLM_NEEDS, expected_backend, 
 from eyas.errors import EyasError
 
 LENGTHS = [1, 7, 33, 2, 90, 15, 64, 5, 48, 3, 21, 77, 9, 40]
+AMX = torch.cpu._is_amx_tile_supported()  # the CPU decides vLLM's MLA backend (see MLA_DTYPE)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -47,6 +48,8 @@ def make_target(out: Path, arch: str) -> Path:
         cfg.topk_method, cfg.scoring_func = "noaux_tc", "sigmoid"
         # vLLM's CPU MLA kernels exist only for DeepSeek's latent size 512 + rope 64 = 576
         cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.head_dim = 512, 64, 64  # head_dim: RoPE dims in HF
+        if AMX:  # vLLM >= 0.32's AMX MLA backend packs 32-wide inputs ("invalid weight input features 16")
+            cfg.qk_nope_head_dim = cfg.v_head_dim = 32
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
     return out
 
@@ -153,6 +156,11 @@ def test_fp8_store_through_vllm_matches_hf(version, targets, tmp_path):
     assert compare_stores(tmp_path / "store", hf_store) > 0.998  # e4m3: cosine >= 0.999 per state
 
 
+# On a CPU with AMX, vLLM >= 0.32 runs MLA with its AMX backend, which packs bf16/fp16/int8 weights
+# only ("expect weight to be bfloat16, float16, int8, ..."): there the DeepSeek check runs in bf16
+MLA_DTYPE = "bf16" if AMX else "fp32"
+
+
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
     from eyas.extract.run import run_extract
@@ -174,7 +182,7 @@ def test_deepseek_mla_moe(version, deepseek, tmp_path):
     tdir, data, hf_store = deepseek
     try:
         run_extract(tdir, data, tmp_path / "store", backend="auto", dtype="fp32",
-                    model_dtype="fp32", vllm_python=py, progress=False)
+                    model_dtype=MLA_DTYPE, vllm_python=py, progress=False)
     except EyasError as e:
         why = vllm_reason(str(e), CANNOT_RUN_MLA + VLLM_BUGS + VLLM_NEEDS)
         if why is None:  # not vLLM's own limit: eyas's failure, reported as one
