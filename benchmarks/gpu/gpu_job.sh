@@ -106,7 +106,9 @@ case $STEP in
     fi
     # -k: a run that has not stopped 40 s after SIGINT is killed, so the call still copies its results
     step pipeline timeout -s INT -k 40 "${BUDGET_S:-530}" eyas pipeline configs/smollm2-h200.yaml
-    if [ "${REGEN_BACK:-1}" = 1 ] && [ -s "$W/prepared/regenerated.jsonl" ]; then
+    # the answers come back only when git does not keep them already (REGEN_BACK=1 forces it)
+    BACK=${REGEN_BACK:-$([ -s "$SEED/regenerated.jsonl.xz" ] && echo 0 || echo 1)}
+    if [ "$BACK" = 1 ] && [ -s "$W/prepared/regenerated.jsonl" ]; then
       echo "regen: $(wc -l < "$W/prepared/regenerated.jsonl") answers so far"
       python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.compress(open(sys.argv[1], 'rb').read(), preset=2))" \
         "$W/prepared/regenerated.jsonl" | split -b 15M -d -a 1 - "$OUT/regenerated.jsonl.xz.part"
