@@ -88,8 +88,11 @@ def test_pipeline_passes_the_device_and_the_export_to_evaluate(tmp_path, tiny_ll
     rec = json.loads((run / "pipeline-config.json").read_text())
     assert rec["stages"]["evaluate"]["settings"]["device"] == "cpu"
     assert rec["sections"]["evaluate"]["device"] == "cpu"
-    # training predicts the evaluation it feeds: its horizon is evaluate's max_new_tokens
-    assert "predict_horizon" not in cfg["train"] and rec["stages"]["train"]["settings"]["predict_horizon"] == 6
+    # training predicts the evaluation it feeds: its horizon is evaluate's max_new_tokens, a derived
+    # setting kept out of train's record (a changed evaluate section must not make the draft stale)
+    pred = json.loads((run / "train" / "draft" / "prediction.json").read_text())
+    assert "predict_horizon" not in cfg["train"] and pred["horizon"] == 6
+    assert "predict_horizon" not in rec["stages"]["train"]["settings"]
     report = json.loads((run / "eval" / "builtin" / "report.json").read_text())
     assert report["device"] == "cpu" and report["dtype"] == "float32"
     check_export_of(run / "export-vllm", run / "train" / "draft")

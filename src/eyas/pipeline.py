@@ -57,7 +57,9 @@ def evaluate_settings(cfg: PipelineConfig) -> dict[str, Any]:
 
 def train_settings(cfg: PipelineConfig) -> dict[str, Any]:
     """The train section, with ``predict_horizon``: the section's own, else the evaluate section's
-    ``max_new_tokens``, so that training predicts the evaluation this pipeline runs."""
+    ``max_new_tokens``, so that training predicts the evaluation this pipeline runs. The derived
+    horizon is not part of train's record: it changes no weight, so a changed evaluate section must
+    not make the draft stale (the prediction names the horizon it used)."""
     tr = cfg.section("train")
     new_tokens = cfg.section("evaluate").get("max_new_tokens")
     if "predict_horizon" not in tr and new_tokens is not None:
@@ -80,7 +82,7 @@ def stage_records(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
     if cfg.features == "offline":
         settings["extract"] = cfg.section("extract")
         upstream["train"] = "extract"
-    settings["train"] = {"features": cfg.features, "launcher": cfg.launcher, **train_settings(cfg)}
+    settings["train"] = {"features": cfg.features, "launcher": cfg.launcher, **cfg.section("train")}
     settings["export"] = cfg.section("export")
     ev = evaluate_settings(cfg)
     settings["evaluate"] = ev
