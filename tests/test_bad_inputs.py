@@ -194,6 +194,14 @@ def test_bad_input_evaluate_max_new_tokens_0(tmp_path):
     assert code == 2 and "--max-new-tokens 0 (tokens generated per turn) must be >= 1" in msg
 
 
+def test_bad_input_evaluate_replay_with_sampling(tmp_path):
+    """`eyas evaluate --engine replay --temperature 0.7`: exit 2 before any model loads; replay reads
+    greedy acceptance only (with sampling the output depends on the draft)."""
+    code, msg = eyas("evaluate", "--draft", tmp_path / "draft", "--target", tmp_path / "no-target",
+                     "--engine", "replay", "--temperature", "0.7")
+    assert code == 2 and "replay measures greedy acceptance only" in msg and "--engine builtin or vllm" in msg
+
+
 @pytest.mark.parametrize("text, match", [
     ("evaluate:\n  max_new_tokens: 0\n", "evaluate.max_new_tokens = 0"),
     ("export:\n  num_speculative_tokens: 0\n", "export.num_speculative_tokens = 0"),

@@ -199,12 +199,12 @@ def test_greedy_identity_with_stop_tokens(setup):
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_steps_record_reads_a_run_without_stops_as_the_loop_with_them(setup, k, monkeypatch):
-    """The vllm engine's reading (eyas.evaluate.vllm_metrics.steps_record): answers generated past
+    """The vllm engine's reading (eyas.evaluate.speculative.steps_record): answers generated past
     the cut (max_new_tokens + k + 1, no stop tokens) and the tokens gained per step give exactly the
     record of the builtin loop run with the cut and the stop tokens: tokens, rounds, acceptance per
     position, the stop round counted whole."""
     from eyas.evaluate import speculative
-    from eyas.evaluate.vllm_metrics import steps_record
+    from eyas.evaluate.speculative import steps_record
 
     target, model, draft = setup[0], setup[1], setup[2]
     tr, dr = TargetRunner(model, draft.config.aux_layer_ids), DraftRunner(draft)

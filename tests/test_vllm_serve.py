@@ -16,7 +16,8 @@ import torch
 import evalkit
 from vllm_envs import CANNOT_SPECULATE, VLLM_BUGS, VLLM_NEEDS, versions, vllm_python, vllm_reason
 from eyas.evaluate.speculative import DraftRunner, TargetRunner, plain_generate, speculative_generate
-from eyas.evaluate.vllm_metrics import VllmEngine, spec_record, steps_record
+from eyas.evaluate.speculative import steps_record
+from eyas.evaluate.vllm_metrics import VllmEngine, spec_record
 from eyas.export.run import export_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -9,7 +9,7 @@ from eyas.checks import at_least
 from eyas.evaluate.prompts import DEFAULT_PROMPTS
 from eyas.settings import setting
 
-ENGINES = ("builtin", "vllm", "both")
+ENGINES = ("builtin", "vllm", "both", "replay")
 
 
 def _ints(flag: str, example: str):
@@ -37,8 +37,9 @@ class EvaluateConfig:
     draft: Path = setting(help="Draft checkpoint directory (RUN_DIR/draft from `eyas train`).")
     prompts: Path = setting(DEFAULT_PROMPTS, "MT-bench style question.jsonl.")
     out: Path = setting(Path("runs/evaluate"), "Output directory (reports, plots, resumable records).")
-    engine: str = setting("builtin", "builtin (HF target + draft here), vllm (vLLM's own metrics), or both "
-                                     "(and compare).")
+    engine: str = setting("builtin", "builtin (HF target + draft here), vllm (vLLM's own metrics), both "
+                                     "(and compare), or replay (greedy acceptance for -k and every --also-k "
+                                     "from one pass over the target's own answers, no speed).")
     k: int = setting(3, "Draft tokens per step.", "-k", "--num-speculative-tokens",
                      check=at_least(1, "draft tokens per step"))
     also_k: list[int] = setting([], "Also evaluate with these numbers of draft tokens per step, each into "
@@ -66,6 +67,12 @@ class EvaluateConfig:
     workers: int = setting(1, "builtin: processes sharing the device, each with its own target and draft; "
                               "questions go to whichever is free (on a GPU one process leaves it mostly idle).",
                            check=at_least(1, "builtin worker processes"))
+    batch_size: int = setting(32, "replay: turns the target answers together (batched greedy decoding).",
+                              check=at_least(1, "turns decoded together"))
+    references: Path | None = setting(
+        None, "replay: the file of the target's greedy answers to reuse and extend (default "
+              "OUT/replay/references.jsonl); the drafts of one target can share one, as it does not "
+              "depend on the draft.")
     in_flight: int = setting(64, "vllm: questions answered at once in the engine's batch, each question's "
                                  "turns in order (1: one request at a time).",
                              check=at_least(1, "questions in flight"))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 REPORT_NAME = "report.json"
+ENGINE_NAMES = ("builtin", "vllm", "replay")  # the engines that write a report of their own
 
 
 def aggregate(records: list[dict[str, Any]], k: int) -> dict[str, Any]:
@@ -141,9 +142,9 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
     """What `eyas evaluate` and `eyas pipeline` print of ``evaluate``'s reports: tau and acceptance per
     engine, the two engines compared, vLLM's serving speed, then each ``also_k`` run's own."""
     lines = []
-    ks = [reports[n].get("num_speculative_tokens") for n in ("builtin", "vllm") if n in reports]
+    ks = [reports[n].get("num_speculative_tokens") for n in ENGINE_NAMES if n in reports]
     label = f"k={ks[0]} " if ks else ""
-    for name in ("builtin", "vllm"):
+    for name in ENGINE_NAMES:
         if name not in reports:
             continue
         rep, o = reports[name], reports[name]["overall"]

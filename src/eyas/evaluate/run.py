@@ -36,6 +36,8 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     from eyas.data.chat import stop_token_ids
     from eyas.evaluate.prompts import read_questions
     from eyas.draft.checks import check_against_target, load_checkpoint
+    from eyas.evaluate.replay import references_path
+    from eyas.evaluate.report import build_report, write_report
     from eyas.target import resolve_target
 
     target_spec, draft_dir, prompts, out, engine = cfg.target, cfg.draft, cfg.prompts, cfg.out, cfg.engine
@@ -53,8 +55,11 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         raise EyasError(f"--also-k {cfg.also_k}: each needs at least one draft token per step")
     if any(c < 1 for c in speed_concurrency):
         raise EyasError(f"--speed-concurrency {speed_concurrency}: each must be at least 1 request")
-    if speed_concurrency and engine == "builtin":
+    if speed_concurrency and engine in ("builtin", "replay"):
         raise EyasError("--speed-concurrency times vLLM serving: use it with --engine vllm or both")
+    if engine == "replay" and temperature > 0:
+        raise EyasError(f"--engine replay --temperature {temperature}: replay measures greedy acceptance "
+                        "only (with sampling the output depends on the draft); use --engine builtin or vllm")
     from eyas.device import resolve_device
 
     device = resolve_device(cfg.device)  # a bad spelling or a missing GPU stops here, before any model
@@ -63,7 +68,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     target = resolve_target(target_spec)
     ckpt = load_checkpoint(draft_dir)
     check_against_target(ckpt, target.config(), target.identity, f"target {target_spec!r}")
-    if vllm_draft is not None and engine != "builtin":
+    if vllm_draft is not None and engine in ("vllm", "both"):
         check_export_of(Path(vllm_draft), Path(draft_dir))
     questions = read_questions(prompts, max_prompts, max_per_category)
     tokenizer = target.load_tokenizer()
@@ -89,7 +94,18 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         settings = {**settings_base, "engine": name}
         if name == "builtin" and not cfg.compare_plain:  # records without the baseline are not mixed
             settings["plain_baseline"] = False         # with those that have it (older ones do)
-        if name == "builtin":
+        if name == "replay":
+            ks = list(dict.fromkeys([k, *cfg.also_k]))
+            by_k, extra = _run_replay(target, draft_dir, questions, tokenizer, stop_ids, ks, max_new_tokens,
+                                      dtype, device, Path(cfg.references or references_path(out)),
+                                      settings_base, progress, cfg.batch_size)
+            records = by_k[k]
+            for other in ks[1:]:  # every k from the one pass, each into OUT/k<N>/ as --also-k lays out
+                rep = build_report(by_k[other], other, {"engine": name, **meta, **_predicted(Path(draft_dir), other),
+                                                        **extra})
+                write_report(Path(out) / f"k{other}" / name, rep)
+                reports[f"k{other}"] = {name: rep}
+        elif name == "builtin":
             records, extra = _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k,
                                           temperature, max_new_tokens, dtype, seed, cfg.compare_plain,
                                           sub, settings, progress, device, cfg.workers)
@@ -100,15 +116,13 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
             records, extra = _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
                                        max_new_tokens, dtype, seed, cfg.vllm, sub, settings, progress,
                                        vllm_draft, speed_concurrency, cfg.in_flight)
-        from eyas.evaluate.report import build_report, write_report
-
         report = build_report(records, k, {"engine": name, **meta, **extra})
         write_report(sub, report)
         reports[name] = report
-    if len(reports) == 2:
+    if "builtin" in reports and "vllm" in reports:
         reports["comparison"] = _compare(reports["builtin"], reports["vllm"], Path(out))
     for other in dict.fromkeys(cfg.also_k):  # each k on its own, into OUT/k<N>/, resumable as -k is
-        if other != k:
+        if other != k and engine != "replay":
             reports[f"k{other}"] = evaluate(replace(cfg, k=other, also_k=[], speed_concurrency=[],
                                                     out=Path(out) / f"k{other}"))
     return reports
@@ -148,6 +162,39 @@ def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperatu
     if device.startswith("cuda"):
         extra["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return records, extra
+
+
+def _run_replay(target, draft_dir, questions, tokenizer, stop_ids, ks, max_new_tokens, dtype, device,
+                refs_path: Path, settings_base, progress, batch_size):
+    """The replay engine: the target's greedy answers (made once, kept in ``refs_path``), then every k
+    of ``ks`` from one unroll of the draft over them; returns ({k: records}, report extras)."""
+    import time
+
+    import torch
+
+    from eyas.draft.model import Eagle3Draft
+    from eyas.evaluate.replay import ReferencePool, replay, tail_for
+    from eyas.evaluate.runner import run_questions
+
+    torch_dtype = getattr(torch, dtype)
+    start = time.perf_counter()
+    model = target.load_model(dtype=torch_dtype, device=device)
+    # what the answers depend on: not the draft, nor k beyond the tail they carry
+    ref_settings = {key: settings_base[key] for key in ("target_id", "max_new_tokens", "dtype", "prompts", "device")
+                    if key in settings_base}
+    ref_settings.update(engine="replay references", tail=tail_for(ks))
+    pool = ReferencePool(model, tokenizer, max_new_tokens, stop_ids, ref_settings["tail"], batch_size)
+    refs = run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, refs_path, ref_settings, progress,
+                         pool=pool)
+    answered = time.perf_counter()
+    draft = Eagle3Draft.from_pretrained(Path(draft_dir), device=device, dtype=torch_dtype, target_dir=target.path)
+    by_k = replay(model, draft, refs, ks, max_new_tokens, stop_ids, progress)
+    extra = {"references": str(refs_path), "batch_size": batch_size,
+             "references_seconds_this_run": round(answered - start, 1),
+             "replay_seconds": round(time.perf_counter() - answered, 1)}
+    if device.startswith("cuda"):
+        extra["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return by_k, extra
 
 
 SPEED_PROMPTS = 32  # first turns timed per concurrency (more when a concurrency is higher)

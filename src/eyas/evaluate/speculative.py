@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -239,6 +240,31 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: list[
             out.append(t)
     res.seconds = time.perf_counter() - start
     return res
+
+
+def steps_record(token_ids: list[int], steps: list[int], max_new_tokens: int, stop_ids: set[int],
+                 k: int) -> dict[str, Any]:
+    """The record of :func:`speculative_generate` from a run read as tokens gained per round (vLLM's
+    engine steps, or the replay engine's walk): ``token_ids`` generated without stopping, ``steps``
+    the tokens gained at each step (the prefill's one token, then 1 + the drafts accepted in each
+    round). A round counts while the answer is shorter than ``max_new_tokens`` and has not stopped,
+    and counts whole, as the loop counts it; the answer is cut at the first stop token or
+    ``max_new_tokens``."""
+    out: list[int] = []
+    rounds, per_pos, pos = 0, [0] * k, 0
+    for i, n in enumerate(steps):
+        if i > 0:
+            if len(out) >= max_new_tokens or out[-1] in stop_ids:
+                break
+            rounds += 1
+            for j in range(min(n - 1, k)):
+                per_pos[j] += 1
+        for t in token_ids[pos:pos + n]:
+            if out and (len(out) >= max_new_tokens or out[-1] in stop_ids):
+                break
+            out.append(t)
+        pos += n
+    return {"tokens": out, "rounds": rounds, "draft_tokens": k * rounds, "accepted_per_pos": per_pos}
 
 
 class BuiltinEngine:

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 from eyas.errors import EyasError
 from eyas.evaluate.prompts import Question, render_turn
+from eyas.evaluate.speculative import steps_record
 from eyas.vllm.process import WorkerProcess
 
 
@@ -102,30 +103,6 @@ def spec_record(reply: dict[str, Any], k: int) -> dict[str, Any]:
     return {"rounds": int(drafts), "draft_tokens": int(spec.get("vllm:spec_decode_num_draft_tokens") or 0),
             "accepted_per_pos": per_pos[:k]}
 
-
-
-def steps_record(token_ids: list[int], steps: list[int], max_new_tokens: int, stop_ids: set[int],
-                 k: int) -> dict[str, Any]:
-    """The builtin loop's record (:func:`eyas.evaluate.speculative.speculative_generate`) from what
-    vLLM emitted: ``token_ids`` generated without stopping, ``steps`` the tokens gained at each
-    engine step (the prefill's one token, then 1 + the drafts accepted in each round). A round counts
-    while the answer is shorter than ``max_new_tokens`` and has not stopped, and counts whole, as the
-    builtin loop counts it; the answer is cut at the first stop token or ``max_new_tokens``."""
-    out: list[int] = []
-    rounds, per_pos, pos = 0, [0] * k, 0
-    for i, n in enumerate(steps):
-        if i > 0:
-            if len(out) >= max_new_tokens or out[-1] in stop_ids:
-                break
-            rounds += 1
-            for j in range(min(n - 1, k)):
-                per_pos[j] += 1
-        for t in token_ids[pos:pos + n]:
-            if out and (len(out) >= max_new_tokens or out[-1] in stop_ids):
-                break
-            out.append(t)
-        pos += n
-    return {"tokens": out, "rounds": rounds, "draft_tokens": k * rounds, "accepted_per_pos": per_pos}
 
 
 def agrees_with_vllm(steps: list[int], vllm_accepted: list[int]) -> bool:

@@ -1,0 +1,218 @@
+"""The `replay` engine: greedy acceptance for every k from one pass over the target's own answers.
+
+Under greedy verification the output does not depend on the draft: it is the target's greedy
+answer. So the chain of draft tokens the builtin loop proposes at a round is fixed by the answer's
+prefix alone, and so is how many of them the target accepts. The round that starts after the
+answer's token x[c] (its features committed up to position c-1) drafts, step j, the token at
+position c+1+j from the target's features up to c-1 and the draft's own chain; that is the
+training-time-test unroll's step j at index c-1 (:meth:`eyas.draft.model.Eagle3Draft.forward`,
+whose alignment mirrors :meth:`~eyas.draft.model.Eagle3Draft.step`), with the answer's tokens as
+the chain's inputs, which are the draft's own tokens as long as the chain is accepted.
+
+The engine therefore:
+1. decodes each turn greedily with the HF target, many turns at once, ``max_new_tokens`` plus a
+   tail of ``k + 1`` tokens past the cut and any stop token (what the loop's last round verifies);
+   these answers are the same for every draft and every k, and are kept (``references.jsonl``);
+2. runs the target once over each prompt + answer for its aux states, and the draft's unroll of
+   ``max(k)`` steps over them: the accepted chain length at every position of the answer;
+3. walks the rounds as the loop does (a round of k drafts accepts the chain's length capped at k,
+   and emits it plus one token) and cuts the answer where the loop stops
+   (:func:`eyas.evaluate.speculative.steps_record`).
+
+In exact arithmetic this is the builtin loop's record, token for token and round for round; in
+floating point the batched forwards round differently from the loop's incremental ones, so a
+near-tie can go the other way (the tests check equality in float32). It gives acceptance only:
+there is no speculative loop to time, so no speedup.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from eyas.errors import EyasError
+from eyas.evaluate.prompts import Question, render_turn
+from eyas.evaluate.speculative import steps_record
+
+REFERENCES = "references.jsonl"
+# Tokens decoded past each answer's end: the loop's last round verifies up to k of them, so a tail
+# of 8 serves every k up to 7 from one set of answers.
+MIN_TAIL = 8
+
+
+def tail_for(ks: list[int]) -> int:
+    """The tail the answers need for every k of ``ks``."""
+    return max(MIN_TAIL, max(ks) + 1)
+
+
+def chain_lengths(correct: torch.Tensor) -> torch.Tensor:
+    """``correct`` [K, N] (draft step j right at anchor n) -> [N]: how many leading steps are right."""
+    return correct.to(torch.long).cumprod(dim=0).sum(dim=0)
+
+
+def walk(lengths: list[int], k: int, n_tokens: int) -> list[int]:
+    """The tokens gained per step of a chain speculative loop with ``k`` drafts per round over an
+    answer of ``n_tokens`` known tokens: the prefill's 1, then 1 + the accepted drafts per round.
+    ``lengths[e - 1]`` is the chain accepted after the answer's first ``e`` tokens."""
+    steps, emitted = [1], 1
+    while emitted < n_tokens:
+        gained = 1 + min(k, lengths[emitted - 1])
+        steps.append(gained)
+        emitted += gained
+    return steps
+
+
+def greedy_answers(model, prompts: list[list[int]], lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Greedy continuations of ``prompts``, ``lengths[i]`` tokens each, decoded ``batch_size`` rows at
+    a time (left-padded, positions counted from each row's first token, no stop tokens)."""
+    from transformers import DynamicCache
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    dev = model.device
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long, device=dev)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(rows):
+            p = prompts[i]
+            ids[r, width - len(p):] = torch.tensor(p, device=dev)
+            mask[r, width - len(p):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = DynamicCache(config=model.config)
+        need = max(lengths[i] for i in rows)
+        tokens = []
+        with torch.inference_mode():
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                           use_cache=True).logits[:, -1]
+            for _ in range(need):
+                nxt = logits.argmax(-1)
+                tokens.append(nxt)
+                if len(tokens) == need:
+                    break
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                pos = pos[:, -1:] + 1
+                logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                               past_key_values=cache, use_cache=True).logits[:, -1]
+        gen = torch.stack(tokens, dim=1).tolist()
+        for r, i in enumerate(rows):
+            out[i] = gen[r][:lengths[i]]
+    return out
+
+
+def cut(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """The answer as the loop ends it: at the first stop token (kept) or ``max_new_tokens``."""
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in stop_ids:
+            return tokens[:i + 1]
+    return tokens[:max_new_tokens]
+
+
+class ReferencePool:
+    """``pool(questions)`` for :func:`eyas.evaluate.runner.run_questions`: the target's greedy answers
+    to every turn, ``batch_size`` questions decoded together, each turn with its ``tail`` tokens past
+    the cut. A question's records carry ``prompt_ids`` and ``uncut_ids`` (the answer and its tail)."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int, stop_ids: set[int], tail: int, batch_size: int):
+        self.model, self.tokenizer, self.stop_ids = model, tokenizer, stop_ids
+        self.max_new_tokens, self.tail, self.batch_size = max_new_tokens, tail, batch_size
+
+    def __call__(self, questions: list[Question]) -> Iterator[list[dict[str, Any]]]:
+        from eyas.evaluate.runner import turn_record
+
+        for start in range(0, len(questions), self.batch_size):
+            chunk = questions[start:start + self.batch_size]
+            answers: list[list[str]] = [[] for _ in chunk]
+            records: list[list[dict[str, Any]]] = [[] for _ in chunk]
+            for turn in range(max(len(q.turns) for q in chunk)):
+                live = [i for i, q in enumerate(chunk) if turn < len(q.turns)]
+                prompts = [render_turn(self.tokenizer, chunk[i], turn, answers[i]) for i in live]
+                uncut = self._uncut(prompts)
+                for i, prompt, full in zip(live, prompts, uncut):
+                    out = {"tokens": cut(full, self.max_new_tokens, self.stop_ids), "prompt_ids": prompt,
+                           "uncut_ids": full, "rounds": 0, "accepted_per_pos": []}
+                    rec, text = turn_record(chunk[i], turn, prompt, out, self.tokenizer, self.stop_ids)
+                    records[i].append(rec)
+                    answers[i].append(text)
+            yield from records
+
+    def _uncut(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Each prompt's answer and tail: decoded to ``max_new_tokens + tail`` at first, then, for a
+        row that stopped early, shortened to its stop token plus the tail."""
+        full = greedy_answers(self.model, prompts, [self.max_new_tokens + self.tail] * len(prompts),
+                              self.batch_size)
+        return [f[:len(cut(f, self.max_new_tokens, self.stop_ids)) + self.tail] for f in full]
+
+
+class ReplayScorer:
+    """The accepted chain length at every position of a turn's answer, for one draft."""
+
+    def __init__(self, model, draft):
+        from eyas.features.capture import HiddenStateCapture
+
+        self.capture = HiddenStateCapture(model, list(draft.config.aux_layer_ids))
+        self.draft = draft.eval()
+        self.device = model.device
+        self.dtype = next(p for n, p in draft.named_parameters() if n.startswith("fc.")).dtype
+        d2t = draft.d2t.to(torch.long)
+        self.draft_to_target = torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+    @torch.inference_mode()
+    def lengths(self, prompt: list[int], uncut: list[int], steps: int) -> list[int]:
+        """Entry e - 1: the draft tokens of a ``steps``-long chain the target accepts in the round
+        after the answer's first e tokens (only what ``uncut`` can confirm: it shortens near its end)."""
+        x = torch.tensor([prompt + uncut], dtype=torch.long, device=self.device)
+        t, first = x.shape[1], len(prompt) - 1  # anchor of the first round: the prompt's last position
+        aux, _ = self.capture.capture(x)
+        aux = aux.reshape(1, t, -1).to(self.dtype)
+        pos = torch.arange(t, device=self.device)[None]
+        normed = self.draft(aux, x, pos, torch.zeros_like(x), steps, attention="dense", return_normed=True)
+        anchors = torch.arange(first, t - 1, device=self.device)
+        correct = torch.zeros((steps, anchors.numel()), dtype=torch.bool, device=self.device)
+        for j, h in enumerate(normed):  # step j at anchor i proposes the token at i + 2 + j
+            guess = self.draft_to_target[self.draft.lm_head(h[0, first:t - 1]).argmax(-1)]
+            n = max(0, t - 2 - j - first)  # anchors whose target token is known
+            correct[j, :n] = guess[:n] == x[0, first + 2 + j:]
+        return chain_lengths(correct).tolist()
+
+    def close(self) -> None:
+        self.capture.remove()
+
+
+def replay_record(ref: dict[str, Any], lengths: list[int], k: int, max_new_tokens: int,
+                  stop_ids: set[int]) -> dict[str, Any]:
+    """Turn ``ref``'s record with ``k`` drafts per round, from the chain ``lengths`` of its answer."""
+    uncut = ref["uncut_ids"]
+    got = steps_record(uncut, walk(lengths, k, len(uncut)), max_new_tokens, stop_ids, k)
+    if got["tokens"] != ref["output_ids"]:
+        raise EyasError(f"replay of question {ref['question_id']} turn {ref['turn']}: the walk cut the "
+                        "answer elsewhere than the reference; the references file is damaged: delete it")
+    rounds = got["rounds"]
+    return {"question_id": ref["question_id"], "category": ref["category"], "turn": ref["turn"],
+            "prompt_tokens": ref["prompt_tokens"], "new_tokens": len(got["tokens"]), "output_ids": got["tokens"],
+            "rounds": rounds, "draft_tokens": got["draft_tokens"], "accepted_per_pos": got["accepted_per_pos"],
+            "tau": 1 + sum(got["accepted_per_pos"]) / rounds if rounds else None}
+
+
+def replay(model, draft, references: list[dict[str, Any]], ks: list[int], max_new_tokens: int,
+           stop_ids: set[int], progress: bool = True) -> dict[int, list[dict[str, Any]]]:
+    """Per k of ``ks``: the records of every reference turn, from one unroll of ``max(ks)`` steps."""
+    from tqdm import tqdm
+
+    scorer = ReplayScorer(model, draft)
+    out: dict[int, list[dict[str, Any]]] = {k: [] for k in ks}
+    try:
+        for ref in tqdm(references, desc="replay", unit="turn", disable=not progress):
+            lengths = scorer.lengths(ref["prompt_ids"], ref["uncut_ids"], max(ks))
+            for k in ks:
+                out[k].append(replay_record(ref, lengths, k, max_new_tokens, stop_ids))
+    finally:
+        scorer.close()
+    return out
+
+
+def references_path(out: Path) -> Path:
+    return Path(out) / "replay" / REFERENCES

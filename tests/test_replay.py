@@ -1,0 +1,110 @@
+"""`eyas evaluate --engine replay`: greedy acceptance for every k from one pass over the target's own
+answers, checked against the builtin speculative loop it stands for."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import evalkit
+from eyas.cli import app
+from eyas.evaluate.replay import ReplayScorer, chain_lengths, greedy_answers, replay_record, walk
+from eyas.evaluate.speculative import DraftRunner, TargetRunner, plain_generate, speculative_generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from eyas.draft.model import Eagle3Draft
+    from eyas.target import resolve_target
+
+    tdir, draft_dir = evalkit.session_dirs(tmp_path_factory)
+    target = resolve_target(tdir)
+    return target, target.load_model(dtype=torch.float32), Eagle3Draft.from_pretrained(draft_dir), draft_dir
+
+
+def test_chain_lengths_count_the_leading_right_steps_only():
+    correct = torch.tensor([[1, 1, 0, 1],
+                            [1, 0, 1, 1],
+                            [0, 1, 1, 1]], dtype=torch.bool)
+    assert chain_lengths(correct).tolist() == [2, 1, 0, 3]
+
+
+def test_walk_gains_one_plus_the_capped_chain_per_round():
+    # after e tokens the chain lengths[e-1] is accepted, at most k of it
+    assert walk([5, 0, 0, 0, 0, 0, 0, 0], 2, 8) == [1, 3, 1, 1, 1, 1]
+    assert walk([0, 3, 0, 0, 0, 0], 3, 6) == [1, 1, 4]
+
+
+@pytest.mark.parametrize("stop_at", [None, 8])
+def test_replay_gives_the_builtin_loops_record_for_every_k(setup, stop_at):
+    """For k = 1..5 (the draft was trained with 3 TTT steps) and with a stop token met mid-answer or
+    none: the answers decoded in a batch are the loop's one at a time, and the record replayed from
+    one 5-step unroll is the loop's, round for round and position for position."""
+    target, model, draft, _ = setup
+    prompts = evalkit.chat_prompts(target.load_tokenizer(), evalkit.PROMPTS)
+    tr, dr = TargetRunner(model, draft.config.aux_layer_ids), DraftRunner(draft)
+    max_new, top = 30, 5
+    stop = set() if stop_at is None else {plain_generate(tr, prompts[2], 30, set()).tokens[stop_at]}
+    uncut = greedy_answers(model, prompts, [max_new + top + 1] * len(prompts), batch_size=3)
+    scorer = ReplayScorer(model, draft)
+    accepted = stopped = 0
+    for prompt, answer in zip(prompts, uncut):
+        assert answer == plain_generate(tr, prompt, max_new + top + 1, set()).tokens
+        lengths = scorer.lengths(prompt, answer, top)
+        for k in range(1, top + 1):
+            want = speculative_generate(tr, dr, prompt, max_new, stop, k=k)
+            ref = {"question_id": "q", "category": "c", "turn": 0, "prompt_tokens": len(prompt),
+                   "uncut_ids": answer, "output_ids": want.tokens}
+            got = replay_record(ref, lengths, k, max_new, stop)
+            assert (got["rounds"], got["accepted_per_pos"]) == (want.rounds, want.accepted_per_pos), k
+            accepted += want.accepted
+        stopped += len(want.tokens) < max_new
+    scorer.close()
+    tr.close()
+    assert accepted > 0, "the trained draft is accepted somewhere"
+    assert stopped or stop_at is None, "the stop token cut some answer short"
+
+
+def _evaluate(setup, questions, out, *args):
+    target, _, _, draft_dir = setup
+    res = CliRunner().invoke(app, ["evaluate", "--target", str(target.path), "--draft", str(draft_dir),
+                                   "--prompts", str(questions), "--out", str(out), "--max-new-tokens", "24",
+                                   "--quiet", *args])
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_replay_cli_reports_every_k_as_the_builtin_engine_does(setup, tmp_path):
+    """`--engine replay -k 3 --also-k 1,5` writes the same reports' acceptance as `--engine builtin` with
+    the same k's (MT-bench style questions, two turns each, the second after the model's own answer),
+    keeps the target's answers, and a second draft's run reuses them without decoding again."""
+    questions = evalkit.write_questions(tmp_path / "q.jsonl", 5)
+    _evaluate(setup, questions, tmp_path / "b", "--engine", "builtin", "-k", "3", "--also-k", "1,5")
+    out = _evaluate(setup, questions, tmp_path / "r", "--engine", "replay", "-k", "3", "--also-k", "1,5")
+    assert "k=3 replay: tau" in out and "k=5 replay: tau" in out
+    for sub in ("", "k1/", "k5/"):
+        b = json.loads((tmp_path / f"b/{sub}builtin/report.json").read_text())
+        r = json.loads((tmp_path / f"r/{sub}replay/report.json").read_text())
+        assert r["engine"] == "replay" and r["num_speculative_tokens"] == b["num_speculative_tokens"]
+        assert r["overall"]["tau"] == b["overall"]["tau"]
+        assert r["overall"]["accepted_per_pos"] == b["overall"]["accepted_per_pos"]
+        assert [(p["output_ids"], p["rounds"]) for p in r["per_prompt"]] == \
+               [(p["output_ids"], p["rounds"]) for p in b["per_prompt"]]
+        assert "speedup" not in r["overall"]
+    assert r["overall"]["accepted_tokens"] > 0
+
+    refs = tmp_path / "r" / "replay" / "references.jsonl"
+    lines = refs.read_text().splitlines()
+    assert len(lines) == 1 + 10 and json.loads(lines[0])["settings"]["tail"] == 8
+    stamp = refs.stat().st_mtime_ns
+    _evaluate(setup, questions, tmp_path / "r2", "--engine", "replay", "-k", "2", "--references", str(refs))
+    assert refs.stat().st_mtime_ns == stamp  # every answer was there: nothing decoded, nothing written
+    assert not (tmp_path / "r2" / "replay" / "references.jsonl").exists()
+    r2 = json.loads((tmp_path / "r2" / "replay" / "report.json").read_text())
+    assert r2["references"] == str(refs) and r2["num_speculative_tokens"] == 2
+
