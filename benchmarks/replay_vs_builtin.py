@@ -1,7 +1,8 @@
 """`eyas evaluate --engine replay` against `--engine builtin` on the same draft and questions.
 
-Runs both through the CLI (the builtin one is skipped when OUT/builtin already holds a finished
-report with the same settings: `eyas evaluate` resumes), then compares their records turn by turn
+Runs both through the CLI (`--builtin-from DIR` takes the builtin report of an earlier evaluation
+instead, e.g. `eyas pipeline`'s eval/ directory, with the same settings passed here), then compares
+their records turn by turn
 (output, rounds, accepted per position) and records both wall-clock times. Result:
 OUT/replay_vs_builtin.json, and one row appended to RESULT (JSON lines) with date, commit, machine
 and command.
@@ -39,15 +40,25 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--result", type=Path, help="JSON-lines file to append the summary to")
     ap.add_argument("--also-k", default="", help="replay only: more k from the same pass, e.g. 1,2,5,7")
+    ap.add_argument("--builtin-from", type=Path,
+                    help="an earlier `eyas evaluate` --out with builtin/report.json at the same settings: "
+                         "compared against instead of running the builtin engine")
     ap.add_argument("evaluate_args", nargs="*", help="after --: the settings both engines share")
     a = ap.parse_args()
     eyas = [sys.executable, "-m", "eyas.cli", "evaluate", "--draft", a.draft, "--quiet", *a.evaluate_args]
     # the speculative loop alone (no plain-decoding baseline): what replay stands in for
-    builtin_s = run([*eyas, "--engine", "builtin", "--no-plain", "--out", str(a.out)])
+    builtin_s = None if a.builtin_from else run([*eyas, "--engine", "builtin", "--no-plain", "--out", str(a.out)])
     replay_s = run([*eyas, "--engine", "replay", "--out", str(a.out),
                     *(["--also-k", a.also_k] if a.also_k else [])])
-    b = json.loads((a.out / "builtin" / "report.json").read_text())
+    b = json.loads(((a.builtin_from or a.out) / "builtin" / "report.json").read_text())
     r = json.loads((a.out / "replay" / "report.json").read_text())
+    def norm(key, value):  # paths as given may be relative to the run's directory or absolute
+        return str(Path(value).resolve()) if key in ("prompts", "draft") and value else value
+
+    same = ("num_speculative_tokens", "max_new_tokens", "dtype", "prompts", "target", "draft")
+    differ = [f"{x}: {b.get(x)!r} vs {r.get(x)!r}" for x in same if norm(x, b.get(x)) != norm(x, r.get(x))]
+    if differ:
+        sys.exit("the builtin report was made with other settings than the replay: " + "; ".join(differ))
 
     def key(p):
         return p["question_id"], p["turn"]
@@ -69,6 +80,7 @@ def main() -> None:
         "accepted_per_pos_builtin": b["overall"]["accepted_per_pos"],
         "accepted_per_pos_replay": r["overall"]["accepted_per_pos"],
         "identical_outputs": same_out, "identical_records": same_rec,
+        "builtin_from": str(a.builtin_from) if a.builtin_from else None,
         "builtin_wall_s": b.get("wall_seconds_this_run"), "builtin_command_s": builtin_s,
         "replay_references_s": r.get("references_seconds_this_run"), "replay_s": r.get("replay_seconds"),
         "replay_command_s": replay_s,

@@ -29,10 +29,13 @@
 #   fp32     after pipeline: eyas evaluate --engine both --dtype float32 on the pipeline's draft and
 #            export, the first FP32_PROMPTS (10) MT-bench questions, k=5: greedy equality of the two
 #            engines without bf16's near-ties
+#   replay   after pipeline: eyas evaluate --engine replay on the pipeline's draft, the full MT-bench at k=5
+#            and every k from 1 to 7 from the same pass, compared turn by turn with the pipeline's builtin
+#            k=5 records (benchmarks/replay_vs_builtin.py --builtin-from): the replay engine on CUDA in bf16
 # What comes back in $OUT: log.txt (this call), steps.tsv (every step so far: name, rc, seconds),
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
-STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp32}
+STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp32|replay}
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 export OUT=${OUT:-/tmp/out}
@@ -153,6 +156,13 @@ case $STEP in
       --draft "$W/train/draft" --vllm-draft "$W/export-vllm" -k $K --max-new-tokens $TOKENS \
       --max-prompts "${FP32_PROMPTS:-10}" --workers 4 --no-plain --out "$J/eval-fp32"
     ;;
+  replay)
+    # the pipeline's evaluate settings (configs/smollm2-h200.yaml), so its builtin report is comparable
+    W=runs/smollm2-h200
+    step replay python3 benchmarks/replay_vs_builtin.py --draft "$W/train/draft" --out "$J/eval-replay" \
+      --builtin-from "$W/eval" --also-k 1,2,3,4,6,7 --result "$OUT/replay_vs_builtin.jsonl" -- \
+      --device cuda --dtype bfloat16 -k $K --max-new-tokens $TOKENS --prompts data/mt_bench/question.jsonl
+    ;;
   *) echo "unknown step $STEP"; exit 2 ;;
 esac
 rc=$?
@@ -160,6 +170,6 @@ cp "$J/steps.tsv" "$OUT/" 2>/dev/null
 ( cd "$J" && tar -czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='records.jsonl' \
     --exclude='regenerated*.jsonl' --exclude='shard-*' --exclude='checkpoints' --exclude='draft-vllm' \
     steps.tsv parity.json parity32.json run/summary.json run/metrics.jsonl run/*.png run/draft/*.json export/*.json \
-    eval eval-fp32 regen/*.json regen/regenerate-vllm.log 2>/dev/null )
+    eval eval-fp32 eval-replay regen/*.json regen/regenerate-vllm.log 2>/dev/null )
 [ -f "$J/eval/builtin/records.jsonl" ] && echo "builtin records: $(( $(wc -l < "$J/eval/builtin/records.jsonl") - 1 )) turns"
 exit $rc

@@ -19,9 +19,11 @@ stays on the machine between the calls):
     ablations eyas at the main run's planned steps, each changing one thing: TTT 1 and 3, original
               data, small draft vocab, and any --abl-args NAME=ARGS; spread over the GPUs (results
               do not depend on speed: fixed steps)
-    evaluate  greedy, MT-bench, k=3 and k=5, with eyas's built-in speculative loop
-              (`eyas evaluate --engine builtin --device cuda --workers N`), the evaluations
-              alternating over the GPUs
+    evaluate  greedy, MT-bench, at --eval-ks, with `eyas evaluate --engine replay` (every k of a draft
+              from one pass over the target's greedy answers, shared by all drafts), or with the
+              built-in speculative loop (--eval-engine builtin: `--workers N`, the evaluations
+              alternating over the GPUs); with --curve-every-s, every checkpoint of both main runs
+              too (tau against training time, curve.png)
     A second rest call on the same machine keeps the ablations that finished and the evaluations
     that completed, resumes cut-off ablations from their checkpoints and evaluations from their
     records.
@@ -229,6 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-max-new", type=int, default=128)
     ap.add_argument("--eval-dtype", default="bfloat16")
     ap.add_argument("--eval-workers", type=int, default=8, help="`eyas evaluate --workers` of each evaluation.")
+    ap.add_argument("--eval-engine", choices=["replay", "builtin"], default="replay",
+                    help="replay: every k of a draft from one pass over the target's greedy answers, which "
+                         "every draft shares (WORK/references.jsonl); builtin: the speculative loop, one "
+                         "evaluation per k, --eval-workers processes each")
+    ap.add_argument("--eval-ks", default="3,5,7", help="k of the main drafts' evaluations.")
+    ap.add_argument("--curve-every-s", type=float, default=120.0,
+                    help="main phase: eyas checkpoints this often (from the probe's step time); rest phase "
+                         "evaluates every checkpoint of both main runs for the tau-against-time curve (0: none)")
+    ap.add_argument("--curve-k", type=int, default=5)
+    ap.add_argument("--curve-max-per-category", type=int, default=10)
     a = ap.parse_args(argv)
     unknown = sorted(set(filter(None, a.ablations.split(","))) - set(ABLATIONS))
     if unknown:
@@ -422,19 +434,21 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
         raise RuntimeError("eyas probe wrote no step timings (metrics.jsonl)")
     setup_s = max(0.0, probe_wall - a.eyas_probe_steps * step_s)
     steps = max(10, int(a.main_budget_s * 0.97 / step_s))
-    res["eyas_main"] = {"probe": {"steps": a.eyas_probe_steps, "wall_s": probe_wall, "step_s": step_s,
-                                  "setup_s": setup_s}, "max_steps": steps, "args": eyas_args}
+    res["eyas_main"] = em = {"probe": {"steps": a.eyas_probe_steps, "wall_s": probe_wall, "step_s": step_s,
+                                       "setup_s": setup_s}, "max_steps": steps, "args": eyas_args}
     log(f"eyas plan: {steps} steps at {step_s:.3f}s/step (setup {setup_s:.1f}s)")
     save()
     t_e = time.time()
-    # checkpoints every quarter: if the run overruns the budget, the latest one is evaluated
-    # --max-train-seconds: eyas stops at the budget even if the plan was optimistic (its schedule is
-    # then cut short, which can only cost eyas)
+    # checkpoints every --curve-every-s (the curve's points), else every quarter; if the run overruns
+    # the budget, the latest one is evaluated. --max-train-seconds: eyas stops at the budget even if
+    # the plan was optimistic (its schedule is then cut short, which can only cost eyas)
+    every = max(1, int(a.curve_every_s / step_s)) if a.curve_every_s else max(1, steps // 4)
+    em["save_every"] = every
+    keep = ["--keep-checkpoints", 0] if a.curve_every_s else []  # every one is a point of the curve
     p = r.start("eyas_main", eyas_train(r, a, "eyas_main", preps["regenerated"], stores["regenerated"],
-                                        eyas_args + ["--max-train-seconds", a.main_budget_s], steps,
-                                        max(1, steps // 4)), env=_gpu_env(r, 0))
+                                        eyas_args + ["--max-train-seconds", a.main_budget_s, *keep], steps, every),
+                env=_gpu_env(r, 0))
     dt = r.wait(p, timeout=1.5 * setup_s + 1.1 * a.main_budget_s + 20, check=False)
-    em = res["eyas_main"]
     em.update(wall_s=dt, rc=p.returncode, metrics_tail=read_metrics(work / "eyas_main")[-3:])
     em["draft"] = str(latest_eyas_draft(work / "eyas_main"))
     summ = work / "eyas_main" / "summary.json"
@@ -483,10 +497,13 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     em, sm = res.get("eyas_main") or {}, res.get("spec_main") or {}
     # `eyas evaluate` itself, for eyas drafts and converted speculators ones alike
     # (from_speculators.py writes plain eyas drafts): --workers processes share the GPU
-    ev_base = r.eyas("evaluate", "--engine", "builtin", "--target", a.target, "--prompts", a.prompts,
-                     "--device", _device(a), "--max-new-tokens", a.eval_max_new, "--dtype", a.eval_dtype,
-                     "--workers", a.eval_workers, "--no-plain", "--quiet")
+    common = ["--target", a.target, "--prompts", a.prompts, "--device", _device(a), "--max-new-tokens",
+              a.eval_max_new, "--dtype", a.eval_dtype, "--quiet"]
+    ev_base = r.eyas("evaluate", "--engine", "builtin", *common, "--workers", a.eval_workers, "--no-plain")
+    # replay: one target answer set for every draft, decoded by the first evaluation (the rest wait for it)
+    ev_replay = r.eyas("evaluate", "--engine", "replay", *common, "--references", work / "references.jsonl")
     eval_procs: dict[str, subprocess.Popen] = {}
+    replayed: dict[str, dict] = {}
     slot = [0]
 
     done_before = {n: e for n, e in (res.get("evaluations") or {}).items()
@@ -502,6 +519,14 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             env=_gpu_env(r, slot[0]))
         slot[0] += 1  # evaluations alternate over the GPUs
         res.setdefault("eval_plan", {})[name] = plan
+
+    def evaluate_ks(base: str, draft: str, ks: list[int], per_cat: int) -> None:
+        """``base``'s draft at every k of ``ks``: records ``{base}_k{k}``."""
+        if a.eval_engine == "builtin":
+            for k in ks:
+                start_eval(f"{base}_k{k}", draft, k, per_cat)
+            return
+        replayed.update(replay_eval(r, ev_replay, work / f"eval_{base}", base, draft, ks, per_cat))
 
     # ablation training first (it takes longest), then the main evaluations beside it
     abl: dict[str, dict] = {}
@@ -531,8 +556,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
                 # a later rest call on the same machine: trained by the earlier one
                 log(f"ablation {name}: trained in an earlier rest call")
                 abl[name].update(prev.get(name, {}), reused=True)
-                for k in ks:
-                    start_eval(f"abl_{name}_k{k}", str(run_dir / "draft"), k, a.abl_eval_max_per_category)
+                evaluate_ks(f"abl_{name}", str(run_dir / "draft"), ks, a.abl_eval_max_per_category)
                 continue
             # cut off by an earlier call's deadline: continue from its last checkpoint
             resume = ["--resume"] if run_dir.is_dir() and latest_eyas_draft(run_dir) else []
@@ -543,8 +567,9 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
         if d in (None, "None") or not Path(d).exists():
             log(f"no {who} draft to evaluate")
             continue
-        for k in (3, 5):
-            start_eval(f"{who}_k{k}", d, k, a.eval_max_per_category)
+        evaluate_ks(who, d, [int(k) for k in a.eval_ks.split(",") if k], a.eval_max_per_category)
+    if a.curve_every_s:
+        res["curve"] = curve(r, a, work, ev_replay if a.eval_engine == "replay" else None)
     save()
     for name, p in procs.items():
         dt = r.wait_by(p, list(procs.values()), margin=60, floor=10)
@@ -552,29 +577,23 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
                          summary=json.loads((work / f"abl_{name}" / "summary.json").read_text())
                          if (work / f"abl_{name}" / "summary.json").is_file() else None)
         if (work / f"abl_{name}" / "draft" / "model.safetensors").is_file():
-            for k in ks:
-                start_eval(f"abl_{name}_k{k}", abl[name]["draft"], k, a.abl_eval_max_per_category)
+            evaluate_ks(f"abl_{name}", abl[name]["draft"], ks, a.abl_eval_max_per_category)
         else:  # a checkpoint is not the ablation's draft: another rest call resumes it
             log(f"ablation {name}: cut off before its last step; a later rest call resumes it")
         save()
-    reports: dict[str, Any] = dict(done_before)
+    reports: dict[str, Any] = {**done_before, **replayed}
     group = list(eval_procs.values())
     for name, p in eval_procs.items():
         r.wait_by(p, group, margin=15, floor=1)
         sub = work / f"eval_{name}" / "builtin"
         if p.returncode == 0:
-            rep = json.loads((sub / "report.json").read_text())
-            o = rep["overall"]
-            reports[name] = {"tau": o["tau"], "acceptance_rate_per_pos": o["acceptance_rate_per_pos"],
-                             "prompts": o["prompts"], "rounds": o["rounds"], "new_tokens": o["new_tokens"],
-                             "per_category_tau": {c: v["tau"] for c, v in rep["per_category"].items()},
-                             "complete": True}
+            reports[name] = report_summary(sub / "report.json")
         else:  # stopped at the deadline: the questions it finished (a later call resumes the rest)
             reports[name] = {**partial_tau(sub / "records.jsonl", int(res["eval_plan"][name]["k"])),
                              "complete": False}
     res["evaluations"] = reports
     verdict = {}
-    for k in (3, 5):
+    for k in [int(k) for k in a.eval_ks.split(",") if k]:
         e, s = reports.get(f"eyas_k{k}", {}), reports.get(f"speculators_k{k}", {})
         if e.get("tau") is not None and s.get("tau") is not None:
             verdict[f"k{k}"] = {"eyas_tau": e["tau"], "speculators_tau": s["tau"], "difference": e["tau"] - s["tau"],
@@ -582,9 +601,76 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
                                 "eyas_at_least_speculators": e["tau"] >= s["tau"],
                                 "prompts": [e["prompts"], s["prompts"]]}
     res["verdict"] = verdict
+    res["eval_engine"] = a.eval_engine
     log(f"verdict: {json.dumps(verdict)}")
     save()
     plot(res, out)
+
+
+def report_summary(path: Path) -> dict[str, Any]:
+    """What results.json keeps of one `eyas evaluate` report."""
+    rep = json.loads(path.read_text())
+    o = rep["overall"]
+    return {"tau": o["tau"], "acceptance_rate_per_pos": o["acceptance_rate_per_pos"], "prompts": o["prompts"],
+            "rounds": o["rounds"], "new_tokens": o["new_tokens"], "engine": rep.get("engine"),
+            "per_category_tau": {c: v["tau"] for c, v in rep["per_category"].items()}, "complete": True}
+
+
+def replay_eval(r: Runner, ev_replay: list[str], out: Path, base: str, draft: str, ks: list[int],
+                per_cat: int) -> dict[str, dict]:
+    """`eyas evaluate --engine replay` of ``draft`` at every k of ``ks`` in one run (seconds on a GPU
+    once the shared answers exist): ``{base}_k{k}`` -> summary; {} when it failed or ran out of time."""
+    cmd = ev_replay + ["--draft", draft, "--out", out, "-k", ks[0], "--max-per-category", per_cat]
+    if ks[1:]:
+        cmd += ["--also-k", ",".join(map(str, ks[1:]))]
+    try:
+        r.run(f"eval_{base}", cmd, timeout=max(10.0, r.left() - 10), env=_gpu_env(r, 0))
+    except RuntimeError as e:
+        log(f"eval {base}: {e}")
+        return {}
+    return {f"{base}_k{k}": report_summary(out / ("" if k == ks[0] else f"k{k}") / "replay" / "report.json")
+            for k in ks}
+
+
+def curve(r: Runner, a, work: Path, ev_replay: list[str] | None) -> dict[str, list[dict]]:
+    """tau at --curve-k of every checkpoint of the two main runs, against the seconds of training after
+    each run's first optimizer step (its budget clock): eyas's from its metrics, speculators' epoch
+    checkpoints from spec_train.py's timings. Replay only (one pass per checkpoint)."""
+    if ev_replay is None:
+        log("curve: needs --eval-engine replay (one evaluation per checkpoint)")
+        return {}
+    from eyas.train.checkpoint import checkpoint_dirs
+
+    out: dict[str, list[dict]] = {"eyas": [], "speculators": []}
+    recs = [m for m in read_metrics(work / "eyas_main") if m.get("split") == "train" and "elapsed_s" in m]
+    for ck in checkpoint_dirs(work / "eyas_main"):
+        step = int(ck.name.split("-")[1])
+        at = [m["elapsed_s"] for m in recs if m["step"] <= step]
+        got = replay_eval(r, ev_replay, work / f"curve_eyas_{step}", f"curve_eyas_{step}", str(ck), [a.curve_k],
+                          a.curve_max_per_category)
+        if got and at:
+            out["eyas"].append({"step": step, "train_s": at[-1] - recs[0]["elapsed_s"],
+                                "tau": got[f"curve_eyas_{step}_k{a.curve_k}"]["tau"], "draft": str(ck)})
+    sj = work / "spec_main" / "spec_train.json"
+    saved = (json.loads(sj.read_text()).get("run") or {}).get("ckpt_at", []) if sj.is_file() else []
+    for c in saved:  # {"epoch", "after_first_step_s"} per maybe_save_checkpoint call
+        ck = work / "spec_main" / "run" / c["epoch"]
+        if not (ck / "config.json").is_file() or c["after_first_step_s"] is None:
+            continue  # that call saved nothing (or came before the first step)
+        name = f"curve_spec_{c['epoch']}"
+        draft = work / f"{name}_draft"
+        try:
+            r.run(f"{name}_convert", [a.python, HERE / "from_speculators.py", "--ckpt", ck,
+                                      "--target", a.target, "--out", draft], env=r.spec_env())
+        except RuntimeError as e:
+            log(f"curve: {e}")
+            continue
+        got = replay_eval(r, ev_replay, work / name, name, str(draft), [a.curve_k], a.curve_max_per_category)
+        if got:
+            out["speculators"].append({"epoch": c["epoch"], "train_s": c["after_first_step_s"],
+                                       "tau": got[f"{name}_k{a.curve_k}"]["tau"], "draft": str(ck)})
+    log(f"curve: {json.dumps(out)}")
+    return out
 
 
 def plot(res: dict, out: Path) -> None:
@@ -635,6 +721,21 @@ def plot(res: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "quality.png", dpi=120)
     plt.close(fig)
+    cv = res.get("curve") or {}
+    if any(cv.values()):  # tau against training time, both trainers: the picture to look at first
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for who, pts in cv.items():
+            if pts:
+                pts = sorted(pts, key=lambda p: p["train_s"])
+                ax.plot([p["train_s"] / 60 for p in pts], [p["tau"] for p in pts], marker="o", label=who)
+        k = next(iter((res.get("args") or {}).values()), {}).get("curve_k", "?")
+        ax.set_xlabel("training time after the first optimizer step (min)")
+        ax.set_ylabel(f"tau at k={k}, MT-bench, greedy (replay)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "curve.png", dpi=120)
+        plt.close(fig)
 
 
 if __name__ == "__main__":

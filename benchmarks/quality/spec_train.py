@@ -58,6 +58,8 @@ class Probe:
         self.run_end: float | None = None
         self.val_s: list[float] = []
         self.ckpt_s: list[float] = []
+        # per maybe_save_checkpoint call: its epoch and the seconds after the first step it began at
+        self.ckpt_at: list[dict] = []
         self.interrupted = False
         self.timer: threading.Timer | None = None
 
@@ -70,7 +72,7 @@ class Probe:
             "first_step_s": (self.steps[0] - self.run_start) if self.steps and self.run_start else None,
             "step_s_median": statistics.median(steady) if steady else None,
             "loop_s": (self.run_end - self.run_start) if self.run_end and self.run_start else None,
-            "val_s": self.val_s, "ckpt_s": self.ckpt_s,
+            "val_s": self.val_s, "ckpt_s": self.ckpt_s, "ckpt_at": self.ckpt_at,
             "steps_per_epoch": len(self.trainer.train_loader) if self.trainer is not None else None,
             "interrupted": self.interrupted,
         }
@@ -111,6 +113,8 @@ def instrument(probe: Probe, budget_s: float | None, cpu: bool) -> None:
 
     def maybe_save_checkpoint(self, epoch, local_step=0):
         t = time.perf_counter()
+        probe.ckpt_at.append({"epoch": str(epoch),
+                              "after_first_step_s": (t - probe.steps[0]) if probe.steps else None})
         try:
             return orig["maybe_save_checkpoint"](self, epoch, local_step=local_step)
         finally:

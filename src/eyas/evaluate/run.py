@@ -168,6 +168,7 @@ def _run_replay(target, draft_dir, questions, tokenizer, stop_ids, ks, max_new_t
                 refs_path: Path, settings_base, progress, batch_size):
     """The replay engine: the target's greedy answers (made once, kept in ``refs_path``), then every k
     of ``ks`` from one unroll of the draft over them; returns ({k: records}, report extras)."""
+    import fcntl
     import time
 
     import torch
@@ -184,8 +185,11 @@ def _run_replay(target, draft_dir, questions, tokenizer, stop_ids, ks, max_new_t
                     if key in settings_base}
     ref_settings.update(engine="replay references", tail=tail_for(ks))
     pool = ReferencePool(model, tokenizer, max_new_tokens, stop_ids, ref_settings["tail"], batch_size)
-    refs = run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, refs_path, ref_settings, progress,
-                         pool=pool)
+    refs_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(refs_path.with_name(refs_path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # drafts evaluated at once share the file: one writes, the rest wait
+        refs = run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, refs_path, ref_settings,
+                             progress, pool=pool)
     answered = time.perf_counter()
     draft = Eagle3Draft.from_pretrained(Path(draft_dir), device=device, dtype=torch_dtype, target_dir=target.path)
     by_k = replay(model, draft, refs, ks, max_new_tokens, stop_ids, progress)

@@ -91,6 +91,8 @@ class StepLog:
             rec = {"split": "train", "step": done, "loss": totals[0] / self.global_micro, "lr": p["lr"],
                    "grad_norm": grad_norm, "tokens": self.tokens_seen, "tokens_per_s": tps, "epoch": p["epoch"],
                    "finite": finite, "skipped_steps": self.guard.skipped,
+                   # since this process started training (setup included): x of a tau-against-time curve
+                   "elapsed_s": round(time.perf_counter() - self.t_start, 2),
                    "acc": (per_step[1] / cnt).tolist(), "step_loss": step_loss}
             self.logger.log(rec)
             self.guard.stop_if_repeated()
