@@ -88,6 +88,11 @@ def test_online_run_writes_draft_logs_plot(tiny_target, data, tmp_path):
     assert 0 < held[-1]["positions_first"][0] < held[-1]["positions"][0]
     assert list(pred["predicted_tau_first"].values()) == pytest.approx(predicted_tau(held[-1]["acc_first"]))
     assert f"over the first 4 tokens of each answer: k=1 {pred['predicted_tau_first']['1']:.2f}" in res.output
+    # and the loop's rounds walked over the held-out answers, for k = 1..3
+    assert list(pred["replayed_tau"].values()) == held[-1]["replayed_tau"] and len(held[-1]["replayed_tau"]) == 3
+    assert all(r > 0 for r in held[-1]["replayed_rounds"]) and "replayed_tau_first" in pred
+    assert all(1.0 <= t <= 1.0 + k for k, t in enumerate(held[-1]["replayed_tau"], 1))
+    assert "tau, the loop replayed over held-out answers: k=1" in res.output
     assert train_recs[-1]["loss"] < train_recs[0]["loss"]  # it learns something
     assert (run / "loss.png").stat().st_size > 1000
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
@@ -448,6 +453,10 @@ def test_fused_loss_trains_like_the_unfused_loss_single_and_ddp(tiny_target, dat
     for n in ("fused", "fused_ddp"):
         for key in ("acc", "acc_first", "positions", "positions_first"):
             assert held[n][key] == pytest.approx(held["plain"][key], rel=1e-5), (n, key)
+        # the loop replayed over the held-out answers: from the fused forward's normed hidden, and with
+        # DDP over each rank's share, the same rounds as from the plain loss's logits
+        for key in ("replayed_tau", "replayed_tau_first", "replayed_rounds"):
+            assert held[n][key] == pytest.approx(held["plain"][key]), (n, key)
     ref = load_file(str(tmp_path / "plain" / "draft" / "model.safetensors"))
     for n in ("fused", "fused_ddp"):
         got = load_file(str(tmp_path / n / "draft" / "model.safetensors"))

@@ -152,10 +152,11 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
         tau = "n/a (no draft rounds)" if o["tau"] is None else f"{o['tau']:.3f}"
         line = f"{label}{name}: tau {tau}, acceptance per position [{rates}]"
         if rep.get("predicted_tau") is not None:
-            first = rep.get("predicted_tau_first")
+            first, walked = rep.get("predicted_tau_first"), rep.get("replayed_heldout_tau_first")
             line += (f" (predicted by training: {rep['predicted_tau']:.3f}"
-                     + (f"; over the first {rep.get('predicted_horizon')} tokens of each answer: {first:.3f})"
-                        if first is not None else ")"))
+                     + (f"; over the first {rep.get('predicted_horizon')} tokens of each answer: {first:.3f}"
+                        if first is not None else "")
+                     + (f"; the loop replayed over them: {walked:.3f}" if walked is not None else "") + ")")
         if o.get("tokens_per_s"):
             line += f", {o['tokens_per_s']:.1f} tok/s"
         if o.get("speedup"):

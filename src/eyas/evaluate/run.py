@@ -281,13 +281,16 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
 def _predicted(draft_dir: Path, k: int) -> dict[str, Any]:
     """What `eyas train` predicted for ``k`` draft tokens: ``predicted_tau`` over whole answers and,
     where recorded, ``predicted_tau_first`` over the first ``predicted_horizon`` tokens of each
-    answer (None: not recorded, or k > TTT steps)."""
+    answer; ``replayed_heldout_tau`` (``_first``), the loop walked over the held-out answers
+    (None: not recorded, or k > TTT steps)."""
     from eyas.train.predict import PREDICTION_FILE
 
     try:
         rec = json.loads((draft_dir / PREDICTION_FILE).read_text())
         return {"predicted_tau": rec["predicted_tau"].get(str(k)),
                 "predicted_tau_first": (rec.get("predicted_tau_first") or {}).get(str(k)),
+                "replayed_heldout_tau": (rec.get("replayed_tau") or {}).get(str(k)),
+                "replayed_heldout_tau_first": (rec.get("replayed_tau_first") or {}).get(str(k)),
                 "predicted_horizon": rec.get("horizon")}
     except (OSError, ValueError, KeyError, AttributeError):
         return {"predicted_tau": None}

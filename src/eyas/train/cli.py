@@ -30,6 +30,11 @@ def _run(cfg: TrainConfig) -> None:
         if "predicted_tau_first" in rec:
             console.print(f"  over the first {rec['horizon']} tokens of each answer: "
                           + ", ".join(f"k={k} {t:.2f}" for k, t in rec["predicted_tau_first"].items()))
+        for key, what in (("replayed_tau", "the loop replayed over held-out answers"),
+                          ("replayed_tau_first", f"over their first {rec.get('horizon')} tokens")):
+            if key in rec:
+                console.print(f"tau, {what}: " + ", ".join(
+                    f"k={k} {'n/a' if t is None else f'{t:.2f}'}" for k, t in rec[key].items()))
 
 
 def register(app: typer.Typer) -> None:

@@ -37,7 +37,8 @@ from eyas.train import optim as optim_mod
 from eyas.train import parallel
 from eyas.train.config import TrainConfig
 from eyas.train.packing import EpochPlan, pack_indices, split_indices
-from eyas.train.predict import PREDICTION_FILE, first_answer_tokens, predicted_tau
+from eyas.train.predict import (PREDICTION_FILE, chain_matches, first_answer_tokens, predicted_tau,
+                                replayed_acceptance, replayed_tau)
 
 # Fields that must match between a run and its resume (they fix the data order and the objective).
 # Checkpoint keys (on disk), not setting names: "heldout_fraction" is the --heldout of the run.
@@ -297,10 +298,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one batch, one step
 
-    def forward_loss(self, packs: list[list[int]], grad: bool,
-                     horizon: int = 0) -> tuple[torch.Tensor, list, int, list | None]:
-        """(loss, per-TTT-step stats, real tokens, and with ``horizon`` the stats over only the first
-        ``horizon`` tokens of each answer, from the same forward) of one micro-batch."""
+    def forward_loss(self, packs: list[list[int]], grad: bool, horizon: int = 0,
+                     ) -> tuple[torch.Tensor, list, int, list | None, torch.Tensor | None]:
+        """(loss, per-TTT-step stats, real tokens, with ``horizon`` the stats over only the first
+        ``horizon`` tokens of each answer, and without ``grad`` the loop's rounds replayed over the
+        answers, [whole, first horizon] x :func:`~eyas.train.predict.replayed_acceptance`) of one
+        micro-batch, all from one forward. Under FSDP2 no replay (lm_head is sharded): None."""
         cfg = self.cfg
         batch = self.source.batch(packs)
         host_masks = [batch.layout.loss_mask]
@@ -331,7 +334,16 @@ class Trainer:
             else:
                 results.append(ttt_loss(out, tgt, mask, batch.doc_ids, cfg.step_decay, self.ce))
         (loss, stats), capped = results[0], (results[1][1] if horizon else None)
-        return loss, stats, batch.num_tokens, capped
+        walked = None
+        if not grad and not self.sharded:
+            d2t = self.model.d2t.to(torch.long)
+            chains = chain_matches(out, batch.input_ids, batch.loss_mask, batch.doc_ids,
+                                   torch.arange(d2t.numel(), device=d2t.device) + d2t,
+                                   self.model.lm_head.weight if cfg.fused_loss else None).cpu()
+            lay = batch.layout
+            walked = torch.stack([replayed_acceptance(chains, lay.loss_mask, lay.doc_ids, cfg.ttt_steps, h)
+                                  for h in (0, horizon)])
+        return loss, stats, batch.num_tokens, capped, walked
 
     def train_step(self, step: int) -> dict[str, Any]:
         """Optimizer step ``step`` (0-based), queued on the device; returns its numbers, still there."""
@@ -339,7 +351,7 @@ class Trainer:
         step_stats, loss_acc, step_tokens, step_packs = [], torch.zeros((), device=device), 0, []
         for a, epoch, packs in self.micro_batches(step):
             with parallel.grad_sync(self.net, a == cfg.grad_accum - 1):
-                loss, stats, ntok, _ = self.forward_loss(packs, grad=True)
+                loss, stats, ntok, _, _ = self.forward_loss(packs, grad=True)
                 (loss / cfg.grad_accum).backward()
             step_stats.extend(stats)
             loss_acc += loss.detach()
@@ -409,22 +421,31 @@ class Trainer:
         self.model.eval()
         horizon = cfg.predict_horizon
         acc = torch.zeros(2, 3, cfg.ttt_steps, device=self.device)  # [whole answers, first tokens]
+        walked = torch.zeros(2, cfg.ttt_steps, 1 + cfg.ttt_steps, dtype=torch.float64)
         with torch.no_grad():
             for idx, packs in self.heldout_calls():
-                _, stats, _, capped = self.forward_loss(packs, grad=False, horizon=horizon)
+                _, stats, _, capped, walk = self.forward_loss(packs, grad=False, horizon=horizon)
                 if idx >= n_chunks:
                     continue
                 for j, st in enumerate([stats, capped] if horizon else [stats]):
                     acc[j] += torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in st], 1).to(self.device)
+                if walk is not None:
+                    walked += walk
         acc = dist.all_sum(acc).cpu()
+        if not self.sharded:
+            walked = dist.all_sum(walked.to(self.device)).cpu()
         self.model.train()
         cnt = acc[:, 2].clamp_min(1)
         rec = {"split": "heldout", "step": step, "acc": (acc[0, 1] / cnt[0]).tolist(),
                "loss": (acc[0, 0] / cnt[0]).tolist(), "positions": acc[0, 2].tolist()}
         rec["predicted_tau"] = predicted_tau(rec["acc"])  # for k = 1 .. ttt_steps
+        if not self.sharded:  # the loop's rounds walked over the held-out answers, k = 1 .. ttt_steps
+            rec["replayed_tau"], rec["replayed_rounds"] = replayed_tau(walked[0]), walked[0, :, 0].tolist()
         if horizon:  # as an evaluation capped at `horizon` new tokens sees the answers
             rec.update(horizon=horizon, acc_first=(acc[1, 1] / cnt[1]).tolist(), positions_first=acc[1, 2].tolist())
             rec["predicted_tau_first"] = predicted_tau(rec["acc_first"])
+            if not self.sharded:
+                rec["replayed_tau_first"] = replayed_tau(walked[1])
         self.logger.log(rec)
         return rec
 
@@ -457,6 +478,9 @@ class Trainer:
                 pred = {"heldout_step": last_eval["step"], "acc": last_eval["acc"],
                         "predicted_tau": {str(k + 1): t for k, t in enumerate(last_eval["predicted_tau"])},
                         "method": "1 + sum_i prod_{j<=i} acc_j (eyas.train.predict)"}
+                for key in ("replayed_tau", "replayed_tau_first"):  # the loop walked over held-out answers
+                    if key in last_eval:
+                        pred[key] = {str(k + 1): t for k, t in enumerate(last_eval[key])}
                 if "horizon" in last_eval:  # over the first `horizon` tokens of each answer only
                     pred.update(horizon=last_eval["horizon"], acc_first=last_eval["acc_first"],
                                 predicted_tau_first={str(k + 1): t for k, t in
