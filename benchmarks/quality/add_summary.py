@@ -3,7 +3,7 @@
 tau is computed from the evaluation's records as `eyas evaluate` does (1 + accepted / rounds),
 with a 95% bootstrap interval over questions (both turns of a question resampled together).
 
-    python3 benchmarks/quality/add_summary.py --records RECORDS.jsonl --name NAME --target T \
+    python3 benchmarks/quality/add_summary.py --records RECORDS.jsonl|REPORT.json --name NAME --target T \
         --trainer eyas --budget-s S --steps N --data-conversations C --prompt-set mt_bench \
         [--prediction DRAFT/prediction.json] [--source FILE] [--note TEXT]
 """
@@ -44,7 +44,12 @@ def main() -> None:
     ap.add_argument("--source", default="")
     ap.add_argument("--note", default="")
     a = ap.parse_args()
-    recs = [json.loads(x) for x in Path(a.records).read_text().splitlines()[1:]]
+    path = Path(a.records)
+    if path.suffix == ".json":  # a report.json (the replay engine keeps no records file): its per-prompt records
+        report = json.loads(path.read_text())
+        recs, engine = report["per_prompt"], report.get("engine")
+    else:
+        recs, engine = [json.loads(x) for x in path.read_text().splitlines()[1:]], None
     k = len(recs[0]["accepted_per_pos"])
     lo, hi = bootstrap(recs)
     rec = json.loads(Path(a.prediction).read_text()) if a.prediction else {}
@@ -56,6 +61,11 @@ def main() -> None:
              "tau_ci_low": lo, "tau_ci_high": hi, "predicted_tau": pred, "source": a.source, "note": a.note}
     if first is not None:
         entry["predicted_tau_first"], entry["predict_horizon"] = first, rec.get("horizon")
+    for key in ("replayed_tau", "replayed_tau_first"):  # eyas train's loop walked over held-out answers
+        if rec.get(key, {}).get(str(k)) is not None:
+            entry[key] = rec[key][str(k)]
+    if engine:
+        entry["engine"] = engine
     rows = json.loads(SUMMARY.read_text()) if SUMMARY.is_file() else []
     rows = [r for r in rows if not (r["name"] == a.name and r["k"] == k and r["prompt_set"] == a.prompt_set)]
     SUMMARY.write_text(json.dumps(rows + [entry], indent=1) + "\n")
