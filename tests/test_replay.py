@@ -132,8 +132,7 @@ def test_trainings_heldout_replay_is_the_replay_engines_walk(setup):
     cap.remove()
     with torch.no_grad():
         logits = draft(aux, ids, pos, doc, k_max, attention="dense")
-    d2t = draft.d2t.long()
-    chains = chain_matches(logits, ids, mask, doc, torch.arange(d2t.numel()) + d2t)
+    chains = chain_matches(logits, ids, mask, doc, draft.target_ids())
     scorer = ReplayScorer(model, draft)
     for h in (0, horizon):
         got = replayed_acceptance(chains, mask, doc, k_max, h)

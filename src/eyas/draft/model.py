@@ -322,6 +322,11 @@ class Eagle3Draft(nn.Module):
                 nn.init.ones_(m.weight)
         nn.init.normal_(self.embed_tokens.weight, std=std)
 
+    def target_ids(self) -> torch.Tensor:
+        """The target's token id of each draft-vocab id (``d2t`` holds the offsets), on d2t's device."""
+        d2t = self.d2t.to(torch.long)
+        return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """fc over the concatenated aux states [.., num_aux*H_t] (normed first with fc_norm or
         norm_before_fc)."""

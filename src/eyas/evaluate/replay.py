@@ -157,8 +157,7 @@ class ReplayScorer:
         self.draft = draft.eval()
         self.device = model.device
         self.dtype = next(p for n, p in draft.named_parameters() if n.startswith("fc.")).dtype
-        d2t = draft.d2t.to(torch.long)
-        self.draft_to_target = torch.arange(d2t.numel(), device=d2t.device) + d2t
+        self.draft_to_target = draft.target_ids()
 
     @torch.inference_mode()
     def lengths(self, prompt: list[int], uncut: list[int], steps: int) -> list[int]:

@@ -134,8 +134,7 @@ class DraftRunner:
         self._cache_cls = DraftKVCache
         self.cache = None
         self.committed = 0
-        d2t = draft.d2t.to(torch.long)
-        self.draft_to_target = torch.arange(d2t.numel(), device=d2t.device) + d2t
+        self.draft_to_target = draft.target_ids()
         self.vocab_size = int(draft.config.vocab_size)
         self.dtype = next(p for n, p in draft.named_parameters() if n.startswith("fc.")).dtype
 

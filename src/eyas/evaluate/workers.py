@@ -8,6 +8,7 @@ records come back whole, so the records file resumes as with one process.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -88,5 +89,6 @@ class BuiltinPool:
             proc.terminate()
         for proc in procs:
             proc.join(10)
-            if proc.is_alive():
-                proc.kill()
+            if proc.is_alive():  # also when the executor's own thread reaped it first (poll sees no child)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()

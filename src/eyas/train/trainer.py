@@ -336,9 +336,7 @@ class Trainer:
         (loss, stats), capped = results[0], (results[1][1] if horizon else None)
         walked = None
         if not grad and not self.sharded:
-            d2t = self.model.d2t.to(torch.long)
-            chains = chain_matches(out, batch.input_ids, batch.loss_mask, batch.doc_ids,
-                                   torch.arange(d2t.numel(), device=d2t.device) + d2t,
+            chains = chain_matches(out, batch.input_ids, batch.loss_mask, batch.doc_ids, self.model.target_ids(),
                                    self.model.lm_head.weight if cfg.fused_loss else None).cpu()
             lay = batch.layout
             walked = torch.stack([replayed_acceptance(chains, lay.loss_mask, lay.doc_ids, cfg.ttt_steps, h)
