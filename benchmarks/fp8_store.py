@@ -14,6 +14,13 @@ speed  `eyas extract` (HF backend) into --store-dir, bf16 then fp8, on a random-
        tokens (lengths like ShareGPT's: 64..2048), each dtype twice in one process, the second run
        reported; then the offline feature loader (eyas.train.features.OfflineFeatures: read, copy,
        decode) over the same store, tokens/s. Bytes per token from the stores written.
+tau    issue 21's check with eyas's own commands: `eyas extract --dtype bf16` and `--dtype fp8` of
+       --data (a prepared dataset) into --store-dir, `eyas train --store` from each with --train (the
+       same seed, data order and steps), then both drafts by `eyas evaluate --engine replay`
+       (--evaluate; one set of target answers), fp8 against bf16, paired over the same turns.
+
+    python benchmarks/fp8_store.py tau --data PREPARED --store-dir /dev/shm --json OUT.json \
+        --train "--ttt-steps 7 --device cuda ..." --evaluate "--device cuda -k 5 --max-new-tokens 256"
 """
 
 from __future__ import annotations
@@ -187,16 +194,50 @@ def speed(args) -> dict:
     return out
 
 
+def tau(args) -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks" / "quality"))
+    from paired import evaluate_and_pair
+
+    work = Path(args.store_dir) / "eyas-fp8-tau"
+    shutil.rmtree(work, ignore_errors=True)
+    eyas = [sys.executable, "-m", "eyas.cli"]
+    target = ["--target", args.target, "--data", args.data]
+    seconds: dict[str, float] = {}
+    for dtype in ("bf16", "fp8"):
+        for stage, cmd in (("extract", [*eyas, "extract", *target, "--out", str(work / f"store-{dtype}"),
+                                        "--dtype", dtype, *args.extract.split(), "--quiet"]),
+                           ("train", [*eyas, "train", *target, "--store", str(work / f"store-{dtype}"),
+                                      "--out", str(work / f"run-{dtype}"), *args.train.split(), "--quiet"])):
+            t = time.perf_counter()
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            if res.returncode != 0:
+                sys.exit(f"failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
+            seconds[f"{stage} {dtype}"] = round(time.perf_counter() - t, 1)
+        shutil.rmtree(work / f"store-{dtype}")  # the stores are the large part; the runs stay
+    runs = {d: json.loads((work / f"run-{d}" / "summary.json").read_text()) for d in ("bf16", "fp8")}
+    paired = evaluate_and_pair({d: work / f"run-{d}" / "draft" for d in ("bf16", "fp8")}, work,
+                               ["--target", args.target, *args.evaluate.split()])
+    return {"data": args.data, "train": args.train, "extract": args.extract, "seconds": seconds,
+            "steps": {d: r["steps"] for d, r in runs.items()},
+            "heldout_acc": {d: (r.get("heldout") or {}).get("acc") for d, r in runs.items()}, "tau": paired}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["error", "speed"])
+    ap.add_argument("what", choices=["error", "speed", "tau"])
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="tau: the target")
+    ap.add_argument("--data", help="tau: a prepared dataset (`eyas prepare`)")
+    ap.add_argument("--extract", default="--layers 2,15,27", help="tau: more `eyas extract` settings")
+    ap.add_argument("--train", default="--ttt-steps 3 --max-steps 60 --device cpu", help="tau: `eyas train` settings")
+    ap.add_argument("--evaluate", default="--max-per-category 2 --max-new-tokens 64 -k 3",
+                    help="tau: `eyas evaluate` settings (replay)")
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=1_500_000)
     ap.add_argument("--store-dir", default="/dev/shm")
     ap.add_argument("--json")
     args = ap.parse_args()
-    res = {**_meta(args), **(error(args) if args.what == "error" else speed(args))}
+    res = {**_meta(args), **{"error": error, "speed": speed, "tau": tau}[args.what](args)}
     text = json.dumps(res, indent=2)
     print(text)
     if args.json:

@@ -11,7 +11,8 @@ dataset and one target, with the same settings:
 Per row: steady tokens/s (median of the per-step records, metrics.jsonl), wall tokens/s (tokens
 trained over the whole command, start-up included), and for vllm the report the run writes
 (features.json: the trainer's wait on the engine, the engine's start-up and busy time, how often the
-buffer held it back, the accounting's peak bytes).
+buffer held it back, the accounting's peak bytes). With --evaluate, the three drafts' tau by
+`eyas evaluate --engine replay`, online and vllm each against offline, paired.
 
     .venv/bin/python benchmarks/train_stream_bench.py --target smollm2-135m-instruct --data PREPARED \\
         --vllm-python 0.32.0 --out /tmp/bench --json benchmarks/train_stream_cpu.json
@@ -68,6 +69,10 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     ap.add_argument("--extract-args", default="--dtype fp32 --model-dtype fp32",
                     help="the offline row's `eyas extract` settings (on a GPU: --dtype bf16)")
+    ap.add_argument("--evaluate", default="",
+                    help="`eyas evaluate` settings: if given, the three drafts are evaluated by replay (one "
+                         "answer set) and online and vllm compared with offline, paired (issue 21's 'tau equal "
+                         "within noise'), e.g. '--device cuda --dtype bfloat16 -k 5 --max-new-tokens 256'")
     ap.add_argument("--train", default="--ttt-steps 3 --tokens-per-batch 1024 --epochs 1 --warmup 2 "
                                        "--eval-every 0 --eval-batches 1 --save-every 0 --device cpu --quiet")
     a = ap.parse_args()
@@ -104,6 +109,12 @@ def main() -> None:
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
            "machine": _machine(),
            "command": " ".join([Path(sys.executable).name, *sys.argv]), "train_settings": a.train, "rows": rows}
+    if a.evaluate:
+        sys.path.insert(0, str(ROOT / "benchmarks" / "quality"))
+        from paired import evaluate_and_pair
+
+        res["tau"] = evaluate_and_pair({n: out / n / "draft" for n in ("offline", "online", "vllm")}, out,
+                                       ["--target", a.target, *a.evaluate.split()])
     Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
     for r in rows:
         print(json.dumps(r))

@@ -29,13 +29,16 @@
 #   fp32     after pipeline: eyas evaluate --engine both --dtype float32 on the pipeline's draft and
 #            export, the first FP32_PROMPTS (10) MT-bench questions, k=5: greedy equality of the two
 #            engines without bf16's near-ties
+#   fp8tau   issue 21's fp8 check: benchmarks/fp8_store.py tau on the 4.5M-token set (carried in c0, else made):
+#            eyas extract --dtype bf16 and fp8 into /dev/shm, eyas train from each (the stream step's
+#            settings, STREAM_STEPS steps), both drafts by replay on the full MT-bench at k=5, paired
 #   replay   after pipeline: eyas evaluate --engine replay on the pipeline's draft, the full MT-bench at k=5
 #            and every k from 1 to 7 from the same pass, compared turn by turn with the pipeline's builtin
 #            k=5 records (benchmarks/replay_vs_builtin.py --builtin-from): the replay engine on CUDA in bf16
 # What comes back in $OUT: log.txt (this call), steps.tsv (every step so far: name, rc, seconds),
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
-STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp32|replay}
+STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay}
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 export OUT=${OUT:-/tmp/out}
@@ -129,17 +132,26 @@ case $STEP in
         echo "vllm compile cache over 30 MB: not brought back"
     fi
     ;;
-  stream)
+  stream|fp8tau)
     if [ ! -f "$PREP/manifest.json" ]; then  # not carried (pack.sh without PREPARED): made here, in seconds
       PREP=$J/prep6000
       [ -f "$PREP/manifest.json" ] || step prep6000 eyas prepare --data sharegpt --max-samples 6000 --max-length 2048 \
         --draft-vocab-size 32000 --out "$PREP" || exit 1
     fi
-    step stream timeout -s INT "${BUDGET_S:-540}" python3 benchmarks/train_stream_bench.py \
-      --data "$PREP" --vllm-python "$EYAS_VLLM_PYTHON" --out "$SHM/stream" --buffer-gb 2 \
-      --json "$OUT/train_stream_h200.json" --extract-args "--dtype bf16" \
-      --train "--ttt-steps 7 --tokens-per-batch 2048 --batch-size 16 --max-steps ${STREAM_STEPS:-200} --warmup 30
-               --eval-every 0 --save-every 0 --device cuda --precision bf16 --compile --fused-loss --quiet"
+    TRAIN="--ttt-steps 7 --tokens-per-batch 2048 --batch-size 16 --max-steps ${STREAM_STEPS:-200} --warmup 30
+           --eval-every 0 --save-every 0 --device cuda --precision bf16 --compile --fused-loss"
+    EVALUATE="--device cuda --dtype bfloat16 -k $K --max-new-tokens $TOKENS"
+    if [ "$STEP" = stream ]; then
+      # STREAM_EVAL=1: the three drafts by replay too, online and vllm against offline, paired
+      step stream timeout -s INT "${BUDGET_S:-540}" python3 benchmarks/train_stream_bench.py \
+        --data "$PREP" --vllm-python "$EYAS_VLLM_PYTHON" --out "$SHM/stream" --buffer-gb 2 \
+        --json "$OUT/train_stream_h200.json" --extract-args "--dtype bf16" --train "$TRAIN --quiet" \
+        ${STREAM_EVAL:+--evaluate "$EVALUATE"}
+    else
+      step fp8tau timeout -s INT "${BUDGET_S:-540}" python3 benchmarks/fp8_store.py tau --data "$PREP" \
+        --store-dir "$SHM" --json "$OUT/fp8_tau_h200.json" --extract "--layers $LAYERS --device cuda" \
+        --train "$TRAIN" --evaluate "$EVALUATE"
+    fi
     ;;
   parity32)
     P=$J/prep500

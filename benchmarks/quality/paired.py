@@ -6,17 +6,25 @@ recomputes both over the same prompts (tau = 1 + accepted / rounds, as `eyas eva
 95% bootstrap interval of the difference over questions (both turns of a question together).
 
     python paired.py --reference EVAL_DIR --others EVAL_DIR... [--json out.json]
+
+EVAL_DIR is an `eyas evaluate --out` directory, of the builtin or the replay engine.
+:func:`evaluate_and_pair` runs the evaluations too (replay, one answer set for all drafts).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 
 def _records(d: Path) -> dict[tuple[int, int], dict]:
-    rep = json.loads((d / "builtin" / "report.json").read_text())
+    reports = [d / e / "report.json" for e in ("builtin", "replay") if (d / e / "report.json").is_file()]
+    if len(reports) != 1:
+        raise SystemExit(f"{d}: expected one of builtin/report.json, replay/report.json; found {len(reports)}")
+    rep = json.loads(reports[0].read_text())
     return {(r["question_id"], r["turn"]): r for r in rep["per_prompt"]}
 
 
@@ -43,15 +51,11 @@ def _bootstrap(ref: dict, oth: dict, common: list, n: int = 2000, seed: int = 0)
     return diffs[int(0.025 * n)], diffs[int(0.975 * n) - 1]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reference", required=True, type=Path)
-    ap.add_argument("--others", nargs="+", required=True, type=Path)
-    ap.add_argument("--json", type=Path)
-    a = ap.parse_args(argv)
-    ref = _records(a.reference)
+def pair(reference: Path, others: list[Path]) -> list[dict]:
+    """Each of ``others`` against ``reference`` over the turns both have: tau, difference, 95% CI."""
+    ref = _records(reference)
     rows = []
-    for d in a.others:
+    for d in others:
         oth = _records(d)
         common = sorted(set(ref) & set(oth))
         t_ref, r_ref = _tau([ref[c] for c in common])
@@ -62,6 +66,30 @@ def main(argv: list[str] | None = None) -> int:
                      "reference_rates": r_ref})
         print(f"{d.name:32s} prompts {len(common):3d}  tau {t_oth:.3f}  reference {t_ref:.3f}  "
               f"diff {t_oth - t_ref:+.3f} [{lo:+.3f}, {hi:+.3f}]  rates {' '.join(f'{x:.3f}' for x in r_oth)}")
+    return rows
+
+
+def evaluate_and_pair(drafts: dict[str, Path], out: Path, evaluate_args: list[str]) -> dict:
+    """Every draft by `eyas evaluate --engine replay` into OUT/eval_NAME (the target's answers decoded
+    once, OUT/references.jsonl), then each against the first, paired."""
+    for name, draft in drafts.items():
+        cmd = [sys.executable, "-m", "eyas.cli", "evaluate", "--engine", "replay", "--draft", str(draft),
+               "--out", str(out / f"eval_{name}"), "--references", str(out / "references.jsonl"), "--quiet",
+               *evaluate_args]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SystemExit(f"failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
+    dirs = [out / f"eval_{name}" for name in drafts]
+    return {"reference": dirs[0].name, "evaluate_args": evaluate_args, "rows": pair(dirs[0], dirs[1:])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reference", required=True, type=Path)
+    ap.add_argument("--others", nargs="+", required=True, type=Path)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    rows = pair(a.reference, a.others)
     if a.json:
         a.json.write_text(json.dumps({"reference": str(a.reference), "rows": rows}, indent=2))
     return 0
