@@ -44,7 +44,8 @@ class EvaluateConfig:
                      check=at_least(1, "draft tokens per step"))
     also_k: list[int] = setting([], "Also evaluate with these numbers of draft tokens per step, each into "
                                     "OUT/k<N>/ (the same engines and questions; serving speed only at -k; "
-                                    "replay takes them from its one pass), e.g. 3,7.", "--also-k", parse=_ints("--also-k", "3,7"), cli_type=str)
+                                    "replay takes them from its one pass), e.g. 3,7.", "--also-k",
+                                parse=_ints("--also-k", "3,7"), cli_type=str)
     temperature: float = setting(0.0, "0 = greedy; > 0 samples with rejection sampling.",
                                  check=at_least(0, "sampling temperature", "0 is greedy"))
     max_prompts: int | None = setting(None, "Use only the first N questions.",

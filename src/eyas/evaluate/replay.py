@@ -11,7 +11,7 @@ the chain's inputs, which are the draft's own tokens as long as the chain is acc
 
 The engine therefore:
 1. decodes each turn greedily with the HF target, many turns at once, ``max_new_tokens`` plus a
-   tail of ``k + 1`` tokens past the cut and any stop token (what the loop's last round verifies);
+   tail past the cut and any stop token (at least k + 1 tokens: what the loop's last round verifies);
    these answers are the same for every draft and every k, and are kept (``references.jsonl``);
 2. runs the target once over each prompt + answer for its aux states, and the draft's unroll of
    ``max(k)`` steps over them: the accepted chain length at every position of the answer;
@@ -169,8 +169,7 @@ class ReplayScorer:
         aux = aux.reshape(1, t, -1).to(self.dtype)
         pos = torch.arange(t, device=self.device)[None]
         normed = self.draft(aux, x, pos, torch.zeros_like(x), steps, attention="dense", return_normed=True)
-        anchors = torch.arange(first, t - 1, device=self.device)
-        correct = torch.zeros((steps, anchors.numel()), dtype=torch.bool, device=self.device)
+        correct = torch.zeros((steps, t - 1 - first), dtype=torch.bool, device=self.device)  # per anchor
         for j, h in enumerate(normed):  # step j at anchor i proposes the token at i + 2 + j
             guess = self.draft_to_target[self.draft.lm_head(h[0, first:t - 1]).argmax(-1)]
             n = max(0, t - 2 - j - first)  # anchors whose target token is known
