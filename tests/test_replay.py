@@ -50,7 +50,7 @@ def test_replay_gives_the_builtin_loops_record_for_every_k(setup, stop_at):
     tr, dr = TargetRunner(model, draft.config.aux_layer_ids), DraftRunner(draft)
     max_new, top = 30, 5
     stop = set() if stop_at is None else {plain_generate(tr, prompts[2], 30, set()).tokens[stop_at]}
-    uncut = greedy_answers(model, prompts, [max_new + top + 1] * len(prompts), batch_size=3)
+    uncut = greedy_answers(model, prompts, max_new + top + 1, batch_size=3)
     scorer = ReplayScorer(model, draft)
     accepted = stopped = 0
     for prompt, answer in zip(prompts, uncut):
@@ -116,11 +116,12 @@ def test_trainings_heldout_replay_is_the_replay_engines_walk(setup):
     same prompts and answers, over whole answers and over their first tokens."""
     from eyas.evaluate.replay import ReplayScorer, walk
     from eyas.features.capture import HiddenStateCapture
-    from eyas.train.predict import chain_matches, replayed_acceptance, replayed_tau
+    from eyas.evaluate.replay import chain_matches
+    from eyas.train.predict import replayed_acceptance, replayed_tau
 
     target, model, draft, _ = setup
     prompts = evalkit.chat_prompts(target.load_tokenizer(), evalkit.PROMPTS[:3])
-    answers = greedy_answers(model, prompts, [24] * len(prompts), batch_size=3)
+    answers = greedy_answers(model, prompts, 24, batch_size=3)
     k_max, horizon = 3, 10
     # one packed row, as training reads it: documents back to back, positions restarting
     ids = torch.tensor([sum((p + a for p, a in zip(prompts, answers)), [])])

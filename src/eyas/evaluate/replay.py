@@ -52,6 +52,28 @@ def chain_lengths(correct: torch.Tensor) -> torch.Tensor:
     return correct.to(torch.long).cumprod(dim=0).sum(dim=0)
 
 
+@torch.no_grad()
+def chain_matches(out: list[torch.Tensor], input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
+                  draft_to_target: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T]: at each position i, how many leading TTT steps j predict the answer's token x[i+2+j]
+    (in the loss mask, same document). ``out`` per step: draft logits [B, T, V], or with
+    ``lm_head_weight`` the normed hidden it takes (the fused loss's forward). Used by this engine and
+    by `eyas train`'s replay of its held-out answers."""
+    from eyas.draft.loss import step_valid
+
+    b, t = input_ids.shape
+    correct = torch.zeros(len(out), b, t, dtype=torch.bool, device=input_ids.device)
+    for j, o in enumerate(out):
+        valid = step_valid(loss_mask, doc_ids, j)
+        if valid is None:
+            continue
+        n = valid.shape[1]
+        for r in range(b):  # a row at a time: one [T, draft_vocab] of logits at most
+            z = o[r, :n] if lm_head_weight is None else o[r, :n].to(lm_head_weight.dtype) @ lm_head_weight.T
+            correct[j, r, :n] = (draft_to_target[z.argmax(-1)] == input_ids[r, 2 + j:]) & valid[r]
+    return chain_lengths(correct)
+
+
 def walk(lengths: list[int], k: int, n_tokens: int) -> list[int]:
     """The tokens gained per step of a chain speculative loop with ``k`` drafts per round over an
     answer of ``n_tokens`` known tokens: the prefill's 1, then 1 + the accepted drafts per round.
@@ -64,9 +86,9 @@ def walk(lengths: list[int], k: int, n_tokens: int) -> list[int]:
     return steps
 
 
-def greedy_answers(model, prompts: list[list[int]], lengths: list[int], batch_size: int) -> list[list[int]]:
-    """Greedy continuations of ``prompts``, ``lengths[i]`` tokens each, decoded ``batch_size`` rows at
-    a time (left-padded, positions counted from each row's first token, no stop tokens)."""
+def greedy_answers(model, prompts: list[list[int]], n_new: int, batch_size: int) -> list[list[int]]:
+    """Greedy continuations of ``prompts``, ``n_new`` tokens each, decoded ``batch_size`` rows at a
+    time (left-padded, positions counted from each row's first token, no stop tokens)."""
     from transformers import DynamicCache
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -83,15 +105,14 @@ def greedy_answers(model, prompts: list[list[int]], lengths: list[int], batch_si
             mask[r, width - len(p):] = 1
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=model.config)
-        need = max(lengths[i] for i in rows)
         tokens = []
         with torch.inference_mode():
             logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                            use_cache=True).logits[:, -1]
-            for _ in range(need):
+            for _ in range(n_new):
                 nxt = logits.argmax(-1)
                 tokens.append(nxt)
-                if len(tokens) == need:
+                if len(tokens) == n_new:
                     break
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 pos = pos[:, -1:] + 1
@@ -99,7 +120,7 @@ def greedy_answers(model, prompts: list[list[int]], lengths: list[int], batch_si
                                past_key_values=cache, use_cache=True).logits[:, -1]
         gen = torch.stack(tokens, dim=1).tolist()
         for r, i in enumerate(rows):
-            out[i] = gen[r][:lengths[i]]
+            out[i] = gen[r]
     return out
 
 
@@ -142,8 +163,7 @@ class ReferencePool:
     def _uncut(self, prompts: list[list[int]]) -> list[list[int]]:
         """Each prompt's answer and tail: decoded to ``max_new_tokens + tail`` at first, then, for a
         row that stopped early, shortened to its stop token plus the tail."""
-        full = greedy_answers(self.model, prompts, [self.max_new_tokens + self.tail] * len(prompts),
-                              self.batch_size)
+        full = greedy_answers(self.model, prompts, self.max_new_tokens + self.tail, self.batch_size)
         return [f[:len(cut(f, self.max_new_tokens, self.stop_ids)) + self.tail] for f in full]
 
 
@@ -156,7 +176,7 @@ class ReplayScorer:
         self.capture = HiddenStateCapture(model, list(draft.config.aux_layer_ids))
         self.draft = draft.eval()
         self.device = model.device
-        self.dtype = next(p for n, p in draft.named_parameters() if n.startswith("fc.")).dtype
+        self.dtype = draft.fc.weight.dtype
         self.draft_to_target = draft.target_ids()
 
     @torch.inference_mode()
@@ -167,14 +187,11 @@ class ReplayScorer:
         t, first = x.shape[1], len(prompt) - 1  # anchor of the first round: the prompt's last position
         aux, _ = self.capture.capture(x)
         aux = aux.reshape(1, t, -1).to(self.dtype)
-        pos = torch.arange(t, device=self.device)[None]
-        normed = self.draft(aux, x, pos, torch.zeros_like(x), steps, attention="dense", return_normed=True)
-        correct = torch.zeros((steps, t - 1 - first), dtype=torch.bool, device=self.device)  # per anchor
-        for j, h in enumerate(normed):  # step j at anchor i proposes the token at i + 2 + j
-            guess = self.draft_to_target[self.draft.lm_head(h[0, first:t - 1]).argmax(-1)]
-            n = max(0, t - 2 - j - first)  # anchors whose target token is known
-            correct[j, :n] = guess[:n] == x[0, first + 2 + j:]
-        return chain_lengths(correct).tolist()
+        pos, doc = torch.arange(t, device=self.device)[None], torch.zeros_like(x)
+        normed = self.draft(aux, x, pos, doc, steps, attention="dense", return_normed=True)
+        answer = torch.arange(t, device=self.device)[None] > first  # the tokens a chain is checked against
+        chains = chain_matches(normed, x, answer, doc, self.draft_to_target, self.draft.lm_head.weight)
+        return chains[0, first:t - 1].tolist()
 
     def close(self) -> None:
         self.capture.remove()

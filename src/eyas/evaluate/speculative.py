@@ -136,7 +136,7 @@ class DraftRunner:
         self.committed = 0
         self.draft_to_target = draft.target_ids()
         self.vocab_size = int(draft.config.vocab_size)
-        self.dtype = next(p for n, p in draft.named_parameters() if n.startswith("fc.")).dtype
+        self.dtype = draft.fc.weight.dtype
 
     def reset(self) -> None:
         self.cache = self._cache_cls()

@@ -91,24 +91,3 @@ def replayed_tau(counts: torch.Tensor) -> list[float | None]:
     """tau per k from :func:`replayed_acceptance`'s counts (summed over batches and ranks)."""
     return [1.0 + float(c[1:].sum() / c[0]) if c[0] > 0 else None for c in counts]
 
-
-@torch.no_grad()
-def chain_matches(out: list[torch.Tensor], input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
-                  draft_to_target: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T]: at each position i, how many leading TTT steps j predict the answer's token x[i+2+j]
-    (in the loss mask, same document). ``out`` per step: draft logits [B, T, V], or with
-    ``lm_head_weight`` the normed hidden it takes (the fused loss's forward)."""
-    from eyas.draft.loss import step_valid
-    from eyas.evaluate.replay import chain_lengths
-
-    b, t = input_ids.shape
-    correct = torch.zeros(len(out), b, t, dtype=torch.bool, device=input_ids.device)
-    for j, o in enumerate(out):
-        valid = step_valid(loss_mask, doc_ids, j)
-        if valid is None:
-            continue
-        n = valid.shape[1]
-        for r in range(b):  # a row at a time: one [T, draft_vocab] of logits at most
-            z = o[r, :n] if lm_head_weight is None else o[r, :n].to(lm_head_weight.dtype) @ lm_head_weight.T
-            correct[j, r, :n] = (draft_to_target[z.argmax(-1)] == input_ids[r, 2 + j:]) & valid[r]
-    return chain_lengths(correct)

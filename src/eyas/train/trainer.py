@@ -37,8 +37,9 @@ from eyas.train import optim as optim_mod
 from eyas.train import parallel
 from eyas.train.config import TrainConfig
 from eyas.train.packing import EpochPlan, pack_indices, split_indices
-from eyas.train.predict import (PREDICTION_FILE, chain_matches, first_answer_tokens, predicted_tau,
-                                replayed_acceptance, replayed_tau)
+from eyas.evaluate.replay import chain_matches
+from eyas.train.predict import (PREDICTION_FILE, first_answer_tokens, predicted_tau, replayed_acceptance,
+                                replayed_tau)
 
 # Fields that must match between a run and its resume (they fix the data order and the objective).
 # Checkpoint keys (on disk), not setting names: "heldout_fraction" is the --heldout of the run.
