@@ -162,3 +162,38 @@ def test_answer_spans_split_at_documents_and_skip_an_answer_without_a_prompt():
     assert answer_spans(mask, doc) == [(0, 3, 5)]
     doc2 = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 0]])
     assert answer_spans(torch.tensor([[0, 1, 1, 0, 1, 1, 1, 0]], dtype=torch.bool), doc2) == [(0, 1, 3), (0, 4, 7)]
+
+
+def test_tau_measured_while_training_is_what_evaluate_replay_gives(setup, tmp_path, monkeypatch):
+    """`eyas train --tau`: at every --tau-every mark and at the end, the draft is replayed on the
+    prompts; the last figure (in prediction.json, summary.json and metrics.jsonl) equals `eyas
+    evaluate --engine replay` on the final draft at each k (float32: exact), the target's answers
+    are kept in eyas's cache, and a second run decodes nothing."""
+    from eyas.train.trainer import TrainConfig, train
+
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    target, _, _, draft_dir = setup
+    questions = evalkit.write_questions(tmp_path / "q.jsonl", 4)
+    kw = dict(target=str(target.path), data=str(draft_dir.parents[1] / "data"), online=True, layers=evalkit.AUX,
+              ttt_steps=3, tokens_per_batch=512, max_steps=30, warmup=5, lr=3e-3, save_every=0, eval_every=0,
+              eval_batches=1, heldout=0.05, progress=False, tau=True, tau_prompts=questions, tau_per_category=0,
+              tau_max_new_tokens=24, tau_k=[3, 5, 7], tau_every="1s")
+    run = tmp_path / "run"
+    draft = train(TrainConfig(out=str(run), **kw))
+    recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    tau = [r for r in recs if r["split"] == "tau"]
+    assert tau[-1]["step"] == 30 and tau[-1]["turns"] == 8
+    assert [r["train_s"] for r in tau] == sorted(r["train_s"] for r in tau)
+    measured = json.loads((draft / "prediction.json").read_text())["measured_tau"]
+    assert measured["tau"] == tau[-1]["tau"] == json.loads((run / "summary.json").read_text())["tau"]["tau"]
+    assert (run / "tau.png").is_file()
+    _evaluate((target, None, None, draft), questions, tmp_path / "e", "--engine", "replay", "-k", "3",
+              "--also-k", "5,7", "--max-new-tokens", "24")
+    for k, sub in ((3, ""), (5, "k5/"), (7, "k7/")):
+        rep = json.loads((tmp_path / f"e/{sub}replay/report.json").read_text())
+        assert measured["tau"][str(k)] == pytest.approx(rep["overall"]["tau"], abs=1e-12), k
+    assert max(measured["tau"].values()) > 1.0  # the draft accepts something: the comparison means something
+    [refs] = (tmp_path / "cache" / "replay").glob("*.jsonl")
+    stamp = refs.stat().st_mtime_ns
+    train(TrainConfig(out=str(tmp_path / "run2"), **{**kw, "max_steps": 2, "tau_every": None}))
+    assert refs.stat().st_mtime_ns == stamp

@@ -410,26 +410,72 @@ def test_muon_optimizer_resumes_exactly_and_differs_from_adamw(tiny_target, data
     assert {names[id(p)] for p in rest} >= {"lm_head.weight", "norm.weight"}
 
 
-def test_max_train_seconds_stops_early_and_writes_the_draft(tiny_target, data, tmp_path):
-    """A wall-clock budget (for equal-budget comparisons): training stops after the given seconds
-    counted from the first step, the draft and a resumable checkpoint are written, and the summary
-    says where it stopped."""
+def test_a_budget_plans_the_steps_so_the_lr_reaches_its_floor_at_the_last_step(tiny_target, data, tmp_path):
+    """--budget: no step count given, the first steps are timed, and the run is planned so that the
+    decay ends with the budget: the last step applies the floor LR, the summary has the plan and
+    the steps' time near the budget, and the data wraps into as many epochs as it takes."""
     from eyas.draft.model import Eagle3Draft
-    from eyas.train.checkpoint import checkpoint_dirs
-    from eyas.train.trainer import train
 
     run = tmp_path / "run"
-    t0 = time.perf_counter()
-    train(_cfg(tiny_target, data, run, max_steps=100_000, max_train_seconds=2.0, save_every=0, eval_every=0))
-    assert time.perf_counter() - t0 < 120
+    lr, floor = 1e-3, 0.1
+    train(_cfg(tiny_target, data, run, max_steps=None, budget="3s", lr=lr, min_lr_ratio=floor, warmup=2,
+               save_every=0, eval_every=0))
     summary = json.loads((run / "summary.json").read_text())
+    recs = _records(run)
     steps = summary["steps"]
-    assert summary["stopped_by_time"] is True and summary["planned_steps"] == 100_000
-    assert 1 < steps < 100_000
-    assert [r["step"] for r in _records(run)] == list(range(1, steps + 1))
-    assert _records(run, "heldout")[-1]["step"] == steps
+    plan = summary["plan"]
+    assert plan["replan"]["steps"] == steps and summary["budget_s"] == 3.0  # checked at half the budget
+    assert plan["plan"]["at_step"] < plan["replan"]["at_step"] < steps and steps > 10
+    assert [r["step"] for r in recs] == list(range(1, steps + 1))
+    assert recs[-1]["lr"] == pytest.approx(lr * floor, rel=1e-6)  # the annealed draft
+    assert recs[1]["lr"] == pytest.approx(lr)  # after warmup, the peak until the plan
+    assert all(a["lr"] >= b["lr"] - 1e-12 for a, b in zip(recs[2:], recs[3:]))  # then only down
+    # the steps' time is the budget's: the plan from the timed steps, give or take their jitter
+    assert 1.5 < summary["steps_s"] < 6.0, summary
+    assert summary["epochs"] > 1  # the tiny split is passed over more than once
     Eagle3Draft.from_pretrained(run / "draft")
-    assert int(checkpoint_dirs(run)[-1].name.split("-")[1]) == steps  # --resume continues from here
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear", "wsd"])
+def test_each_schedule_warms_up_then_ends_at_the_floor_on_the_last_step(kind):
+    """Schedule: linear warmup to the peak, the decay of its kind, the floor exactly on the last step
+    (step total - 1), never below it; wsd holds the peak until its last decay_fraction of steps."""
+    from eyas.train.optim import Schedule
+
+    total, warmup, floor = 100, 10, 0.1
+    f = Schedule(kind, warmup, total, floor, decay_fraction=0.2)
+    vals = [f(s) for s in range(total)]
+    assert vals[0] == pytest.approx(1 / warmup) and vals[warmup - 1] == pytest.approx(1.0)
+    assert vals[-1] == pytest.approx(floor) and min(vals[warmup:]) == pytest.approx(floor)
+    assert all(a >= b for a, b in zip(vals[warmup:], vals[warmup + 1:]))
+    if kind == "wsd":
+        assert vals[total - 20] == 1.0 and vals[total - 15] < 1.0
+    # a plan made later (--budget) decays from the plan's step to the new end
+    g = Schedule(kind, warmup, 1 << 62, floor, decay_from=1 << 62)
+    assert g(50) == 1.0
+    g.plan(80, at_step=40)
+    assert g(39) == 1.0 and g(79) == pytest.approx(floor) and g(78) < 1.0
+
+
+def test_a_budget_run_killed_and_resumed_keeps_its_plan(tiny_target, data, tmp_path):
+    """The plan lives in the checkpoint (the scheduler's state): a run resumed after its plan
+    ends at the same step with the same LR at every step, whatever the resumed run's timing."""
+    run = tmp_path / "run"
+    kw = dict(max_steps=None, budget="2s", warmup=2, save_every=5, eval_every=0, keep_checkpoints=0)
+    train(_cfg(tiny_target, data, run, **kw))
+    full = _records(run)
+    steps = json.loads((run / "summary.json").read_text())["steps"]
+    planned_at = json.loads((run / "summary.json").read_text())["plan"]["replan"]["at_step"]
+    # keep a checkpoint after the plan, drop the later ones and the draft: a run killed there
+    kept = [c for c in checkpoint_dirs(run) if int(c.name.split("-")[1]) > planned_at][0]
+    for c in checkpoint_dirs(run):
+        if c != kept:
+            shutil.rmtree(c)
+    shutil.rmtree(run / "draft")
+    train(_cfg(tiny_target, data, run, resume=True, **kw))
+    again = _records(run)
+    assert json.loads((run / "summary.json").read_text())["steps"] == steps
+    assert [r["lr"] for r in again] == [r["lr"] for r in full]
 
 
 def test_fused_loss_trains_like_the_unfused_loss_single_and_ddp(tiny_target, data, tmp_path):

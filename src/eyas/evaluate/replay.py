@@ -229,5 +229,32 @@ def replay(model, draft, references: list[dict[str, Any]], ks: list[int], max_ne
     return out
 
 
+def reference_settings(target_id: str, max_new_tokens: int, dtype: str, prompts: str, device: str,
+                       ks: list[int]) -> dict[str, Any]:
+    """What the target's answers depend on (not the draft, nor k beyond the tail they carry): the
+    header of a references file, which is reused only where it matches."""
+    out = {"target_id": target_id, "max_new_tokens": max_new_tokens, "dtype": dtype, "prompts": prompts}
+    if device != "cpu":  # only off the CPU, as evaluate's records
+        out["device"] = device.split(":")[0]
+    return {**out, "engine": "replay references", "tail": tail_for(ks)}
+
+
+def target_references(model, tokenizer, questions: list[Question], stop_ids: set[int], max_new_tokens: int,
+                      path: Path, settings: dict[str, Any], batch_size: int, progress: bool) -> list[dict[str, Any]]:
+    """The target's greedy answers to every turn of ``questions``: read from ``path`` where it has
+    them, the rest decoded and added. Processes that share ``path`` take turns (one writes, the
+    others wait and then read)."""
+    import fcntl
+
+    from eyas.evaluate.runner import run_questions
+
+    pool = ReferencePool(model, tokenizer, max_new_tokens, stop_ids, settings["tail"], batch_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, path, settings, progress,
+                             pool=pool)
+
+
 def references_path(out: Path) -> Path:
     return Path(out) / "replay" / REFERENCES

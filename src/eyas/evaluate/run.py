@@ -168,28 +168,20 @@ def _run_replay(target, draft_dir, questions, tokenizer, stop_ids, ks, max_new_t
                 refs_path: Path, settings_base, progress, batch_size):
     """The replay engine: the target's greedy answers (made once, kept in ``refs_path``), then every k
     of ``ks`` from one unroll of the draft over them; returns ({k: records}, report extras)."""
-    import fcntl
     import time
 
     import torch
 
     from eyas.draft.model import Eagle3Draft
-    from eyas.evaluate.replay import ReferencePool, replay, tail_for
-    from eyas.evaluate.runner import run_questions
+    from eyas.evaluate.replay import reference_settings, replay, target_references
 
     torch_dtype = getattr(torch, dtype)
     start = time.perf_counter()
     model = target.load_model(dtype=torch_dtype, device=device)
-    # what the answers depend on: not the draft, nor k beyond the tail they carry
-    ref_settings = {key: settings_base[key] for key in ("target_id", "max_new_tokens", "dtype", "prompts", "device")
-                    if key in settings_base}
-    ref_settings.update(engine="replay references", tail=tail_for(ks))
-    pool = ReferencePool(model, tokenizer, max_new_tokens, stop_ids, ref_settings["tail"], batch_size)
-    refs_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(refs_path.with_name(refs_path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # drafts evaluated at once share the file: one writes, the rest wait
-        refs = run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, refs_path, ref_settings,
-                             progress, pool=pool)
+    ref_settings = reference_settings(settings_base["target_id"], max_new_tokens, dtype, settings_base["prompts"],
+                                      device, ks)
+    refs = target_references(model, tokenizer, questions, stop_ids, max_new_tokens, refs_path, ref_settings,
+                             batch_size, progress)
     answered = time.perf_counter()
     draft = Eagle3Draft.from_pretrained(Path(draft_dir), device=device, dtype=torch_dtype, target_dir=target.path)
     by_k = replay(model, draft, refs, ks, max_new_tokens, stop_ids, progress)

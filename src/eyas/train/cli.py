@@ -25,6 +25,12 @@ def _run(cfg: TrainConfig) -> None:
     pred = Path(draft) / PREDICTION_FILE
     if pred.is_file():
         rec = json.loads(pred.read_text())
+        if "measured_tau" in rec:
+            m = rec["measured_tau"]
+            console.print(f"tau by replay on {m['turns']} turns of {m['prompts']} ({m['max_new_tokens']} tokens, "
+                          f"step {m['step']}): " + ", ".join(f"k={k} {t:.3f}" for k, t in m["tau"].items() if t))
+        if "predicted_tau" not in rec:
+            return
         console.print("predicted tau (held-out agreement, chain): "
                       + ", ".join(f"k={k} {t:.2f}" for k, t in rec["predicted_tau"].items()))
         if "predicted_tau_first" in rec:

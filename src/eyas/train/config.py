@@ -4,10 +4,12 @@ section is one field here (:mod:`eyas.settings`), with its one default, help and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from eyas.checks import Range, at_least, fraction, positive
+from eyas.checks import Range, at_least, fraction, int_list, positive, seconds
 from eyas.errors import EyasError
+from eyas.evaluate.prompts import DEFAULT_PROMPTS
 from eyas.settings import setting
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
@@ -97,21 +99,29 @@ class TrainConfig:
     step_decay: float = setting(0.8, "Loss weight of TTT step j is step_decay**j.",
                                 check=positive("loss weight ratio between TTT steps", "e.g. 0.8"))
     lr: float = setting(1e-4, "Peak learning rate.", check=positive("peak learning rate", "e.g. 1e-4"))
-    min_lr_ratio: float = setting(0.1, "Final learning rate of the cosine decay, as a fraction of the peak.",
+    min_lr_ratio: float = setting(0.1, "Learning rate at the last step, as a fraction of the peak.",
                                   check=fraction("final LR as a fraction of the peak"))
     weight_decay: float = setting(0.0, "Weight decay (AdamW, and Muon with --optimizer muon).",
                                   check=at_least(0))
     betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas.",
                                          check=Range(lo=0, hi=1, hi_open=True, what="AdamW beta",
                                                      hint="e.g. 0.9 0.95"))
-    epochs: int = setting(1, "Passes over the training split (ignored with --max-steps).", check=at_least(1))
-    max_steps: int | None = setting(None, "Optimizer steps to run (overrides --epochs).",
-                                    check=at_least(1, "optimizer steps", "leave it out to run --epochs"))
-    # set-up and compilation are not counted; a resumed run counts afresh
-    max_train_seconds: float | None = setting(
-        None, "Stop once this many seconds of training have passed after the first step (set-up and "
-              "compilation not counted) and write the draft; the LR schedule is still the one of "
-              "--max-steps/--epochs.", check=positive("training time budget"))
+    epochs: int | None = setting(
+        None, "Passes over the training split (default 1; with --budget, as many as the budget takes, at "
+              "most this many if given). --max-steps overrides it.", check=at_least(1))
+    max_steps: int | None = setting(None, "Optimizer steps to run (overrides --epochs; with --budget, at most this "
+                                          "many).", check=at_least(1, "optimizer steps", "leave it out to run --epochs"))
+    budget: float | str | None = setting(
+        None, "Train for this long, e.g. 10m, 90s, 1h30m or seconds: after the compiled first step the steps "
+              "are timed and the step count set so that the LR schedule (warmup, decay to its floor) ends "
+              "when the budget does. Counts the optimizer steps' time (not set-up, the first step's "
+              "compilation, evaluations, checkpoints or tau measurements; summary.json has them all).",
+        check=positive("training time budget"), parse=seconds, cli_type=str)
+    schedule: str = setting("cosine", "LR decay after warmup: cosine, linear, or wsd (held at the peak, then "
+                                      "linear over the last --decay-fraction of the steps); each ends at "
+                                      "--min-lr-ratio on the last step.")
+    decay_fraction: float = setting(0.2, "With --schedule wsd: the fraction of the steps spent decaying.",
+                                    check=Range(lo=0, hi=1, lo_open=True, what="fraction of steps decaying"))
     # a pack of fewer than 3 tokens has no position with both an input and a next-token target
     # left after the shift, and the first backward fails
     tokens_per_batch: int = setting(2048, "Tokens per pack (documents packed, no cross-attention).",
@@ -120,7 +130,7 @@ class TrainConfig:
     batch_size: int = setting(1, "Packs per micro-batch.", check=at_least(1, "packs per micro-batch"))
     grad_accum: int = setting(1, "Micro-batches per optimizer step (per process).",
                               check=at_least(1, "micro-batches per optimizer step"))
-    warmup: int = setting(50, "Linear warmup steps, then cosine decay.", check=at_least(0, "warmup steps"))
+    warmup: int = setting(50, "Linear warmup steps, then --schedule's decay.", check=at_least(0, "warmup steps"))
     clip: float = setting(0.5, "Gradient-norm clip (0 = off).",
                           check=at_least(0, "gradient-norm clip", "0 turns clipping off"))
     max_nonfinite_steps: int = setting(
@@ -140,6 +150,24 @@ class TrainConfig:
     predict_horizon: int = setting(256, "Held-out agreement (and predicted tau) also over the first N tokens "
                                    "of each answer, as an evaluation with --max-new-tokens N sees them; 0: off.",
                                    check=at_least(0, "answer tokens of the capped held-out agreement", "0 is off"))
+    tau: bool | None = setting(
+        None, "Measure the draft's tau while it trains: greedy acceptance by replay (`eyas evaluate --engine "
+              "replay`) on --tau-prompts, at the end and every --tau-every, the target's answers made once "
+              "and kept in eyas's cache; logged, plotted (tau.png) and written into the draft's "
+              "prediction.json. Default: on where the target runs in this job on a GPU (--features online "
+              "on CUDA), off elsewhere.", "--tau/--no-tau")
+    tau_every: float | str | None = setting(
+        None, "With --tau: also measure every this much training time, e.g. 2m (default: only at the end).",
+        check=positive("training time between tau measurements"), parse=seconds, cli_type=str)
+    tau_prompts: Path = setting(DEFAULT_PROMPTS, "With --tau: MT-bench style question.jsonl.")
+    tau_per_category: int | None = setting(
+        5, "With --tau: the first N questions of each category of --tau-prompts (MT-bench's 80 questions "
+           "give 40: the fixed part eyas measures on); 0: all.",
+        check=at_least(0, "questions per category", "0 takes them all"))
+    tau_max_new_tokens: int = setting(256, "With --tau: tokens per answer, as `eyas evaluate --max-new-tokens`.",
+                                      check=at_least(1, "tokens per answer"))
+    tau_k: list[int] = setting([3, 5, 7], "With --tau: the numbers of draft tokens per step to report, e.g. 3,5,7.",
+                               parse=int_list("--tau-k", "3,5,7"), cli_type=str)
     log_every: int = setting(1, "Write a training record (metrics.jsonl, TensorBoard) every N steps.",
                              check=at_least(1, "steps between training records"))
     resume: bool = setting(False, "Continue from the latest checkpoint in --out.", "--resume")
@@ -185,7 +213,15 @@ class TrainConfig:
         from eyas.train import optim, parallel
         from eyas.train.trainer import autocast_dtype
 
+        # durations may come as text (YAML `budget: 10m`); the field then holds seconds
+        self.budget, self.tau_every = seconds(self.budget), seconds(self.tau_every)
         check_dataclass(self, "train")  # types and ranges, before anything loads
+        optim.Schedule(self.schedule, 0, 1, 0.0)  # the name only
+        if any(k < 1 for k in self.tau_k) or not self.tau_k:
+            raise EyasError(f"--tau-k {self.tau_k}: give one or more numbers of draft tokens per step, each >= 1")
+        if self.budget is not None and self.features == "vllm":
+            raise EyasError("--budget with --features vllm: the engine is fed the run's planned batches ahead "
+                            "of training, so the step count must be known up front; use --max-steps or --epochs")
         parallel.check_mode(self.parallel)
         optim.check_kind(self.optimizer)
         flex.check_kind(self.attention)

@@ -47,7 +47,7 @@ class StepLog:
     :meth:`push` takes a step's device tensors and writes the previous step's record: tokens seen,
     loss, per-TTT-step accuracies, the true rate, and the guard's verdict (which may stop the run)."""
 
-    def __init__(self, logger: "Logger", guard: Any, clock: StepClock, total: int, log_every: int,
+    def __init__(self, logger: "Logger", guard: Any, clock: StepClock, total: int | None, log_every: int,
                  global_micro: int, tokens_seen: int, start: int, t_start: float, progress: bool):
         self.logger, self.guard, self.clock = logger, guard, clock
         self.total, self.log_every, self.global_micro = total, log_every, global_micro
@@ -60,6 +60,13 @@ class StepLog:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+    def set_total(self, total: int) -> None:
+        """The run's step count, once known (a --budget run plans it after its first steps)."""
+        self.total = total
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.refresh()
 
     def push(self, record: dict[str, Any]) -> None:
         """This step's numbers (device tensors) in; the previous step's record out."""
@@ -171,6 +178,37 @@ def plot_losses(run_dir: Path) -> Path | None:
     fig.tight_layout()
     out = run_dir / "loss.png"
     tmp = run_dir / ".loss.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, out)
+    return out
+
+
+def plot_tau(run_dir: Path) -> Path | None:
+    """tau.png: tau measured by replay while training (--tau) against training time, one line per k."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    path = run_dir / "metrics.jsonl"
+    recs = [json.loads(ln) for ln in path.read_text().split("\n") if ln.strip()] if path.is_file() else []
+    tau = [r for r in recs if r["split"] == "tau"]
+    if not tau:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for k in tau[-1]["tau"]:
+        pts = [(r["train_s"] / 60, r["tau"][k]) for r in tau if r["tau"].get(k) is not None]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"k={k}")
+    ax.set(xlabel="training time (min, steps only)", ylabel="tau (replay, greedy)",
+           title=f"tau while training: {tau[-1]['turns']} turns of {Path(tau[-1]['prompts']).parent.name}")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = run_dir / "tau.png"
+    tmp = run_dir / ".tau.tmp.png"
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     os.replace(tmp, out)

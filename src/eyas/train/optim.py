@@ -6,7 +6,7 @@ usual split keeps vectors (norm weights) and the output head on AdamW. With
 
 AdamW alone is a plain ``torch.optim.AdamW`` (checkpoints as before); Muon + AdamW are driven as
 one :class:`Optimizers` (step, zero_grad, a state dict ``{"optimizers": [...]}``), each with its
-own warmup + cosine schedule (:class:`Schedules`).
+own scheduler over one :class:`Schedule` (:class:`Schedules`).
 """
 
 from __future__ import annotations
@@ -24,14 +24,56 @@ OPTIMIZERS = ("adamw", "muon")
 ADAMW_MATRICES = ("lm_head",)
 
 
-def lr_lambda(warmup: int, total: int, min_ratio: float) -> Callable[[int], float]:
-    """Linear warmup to 1, then cosine decay to ``min_ratio`` at ``total``."""
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        frac = (step - warmup) / max(1, total - warmup)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
-    return f
+SCHEDULES = ("cosine", "linear", "wsd")  # --schedule
+
+
+class Schedule:
+    """The LR multiplier of each optimizer step: linear warmup to 1 over ``warmup`` steps, then a decay
+    to ``min_ratio`` that reaches it at the last step (``total - 1``): cosine, linear, or wsd (held at
+    the peak, then linear over the last ``decay_fraction`` of the steps).
+
+    A callable object, not a function: LambdaLR checkpoints its attributes, so a plan made by
+    :meth:`plan` (``--budget``) is resumed with the scheduler's state. Until then ``decay_from`` may
+    be past every step (the schedule holds at the peak after warmup)."""
+
+    def __init__(self, kind: str, warmup: int, total: int, min_ratio: float, decay_fraction: float = 0.2,
+                 decay_from: int | None = None):
+        if kind not in SCHEDULES:
+            raise EyasError(f"--schedule {kind!r}: choose one of {', '.join(SCHEDULES)}")
+        self.kind, self.warmup, self.total, self.min_ratio = kind, warmup, total, min_ratio
+        self.decay_fraction = decay_fraction
+        self.decay_from = warmup if decay_from is None else decay_from
+        self.top = 1.0         # the multiplier the decay starts from
+        self.anchored = False  # a re-plan restarted the decay from the step it was made at
+        self.planned_at: int | None = None    # the steps --budget planned the run at, if it did
+        self.replanned_at: int | None = None
+
+    def decay_start(self) -> int:
+        if self.kind == "wsd" and not self.anchored:
+            last = self.total - 1
+            return max(self.decay_from, last - round(self.decay_fraction * max(0, last - self.warmup)))
+        return self.decay_from
+
+    def plan(self, total: int, at_step: int) -> None:
+        """End the schedule at ``total`` steps, decaying from ``at_step`` on (the steps before it have run)."""
+        self.total, self.decay_from, self.planned_at = total, max(self.warmup, at_step), at_step
+
+    def replan(self, total: int, at_step: int) -> None:
+        """Move the end to ``total`` after ``at_step`` steps have run: a decay under way goes on from
+        the rate it has reached, so the LR does not jump."""
+        if at_step > self.decay_start():
+            self.top, self.decay_from, self.anchored = self(at_step), at_step, True
+        self.total, self.replanned_at = total, at_step
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        start = self.decay_start()
+        if step < start:
+            return self.top
+        frac = min(1.0, (step - start) / max(1, self.total - 1 - start))
+        shape = 0.5 * (1 + math.cos(math.pi * frac)) if self.kind == "cosine" else 1 - frac
+        return self.min_ratio + (self.top - self.min_ratio) * shape
 
 
 class Optimizers:

@@ -123,6 +123,11 @@ class EpochPlan:
                                                    seed=self.seed * 100003 + epoch))
         return self._counts[epoch] // (self.batch * self.global_micro)
 
+    def epochs_at(self, steps: int) -> float:
+        """Passes over the training split that ``steps`` optimizer steps make (fractional)."""
+        epoch, off = self.locate(steps)
+        return epoch + off / max(1, self.steps_in(epoch))
+
     def locate(self, step: int) -> tuple[int, int]:
         epoch = 0
         while step >= self.steps_in(epoch):

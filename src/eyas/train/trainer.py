@@ -31,8 +31,9 @@ from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.fsio import atomic_write_text
 from eyas.train import checkpoint as ckpt
+from eyas.train.budget import BudgetPlanner, TrainClock
 from eyas.train.guard import NonFiniteGuard
-from eyas.train.metrics import Logger, StepClock, StepLog, plot_losses
+from eyas.train.metrics import Logger, StepClock, StepLog, plot_losses, plot_tau
 from eyas.train import optim as optim_mod
 from eyas.train import parallel
 from eyas.train.config import TrainConfig
@@ -40,6 +41,12 @@ from eyas.train.packing import EpochPlan, pack_indices, split_indices
 from eyas.evaluate.replay import chain_matches
 from eyas.train.predict import (PREDICTION_FILE, first_answer_tokens, predicted_tau, replayed_acceptance,
                                 replayed_tau)
+
+# The step count of a --budget run before its plan: no end (the plan sets one).
+UNPLANNED = 1 << 62
+# Under torchrun, the budget's plan and the tau timing are decided on rank 0's clock and shared every
+# this many steps (one host sync each; a single process decides after every step without one).
+DECIDE_EVERY = 10
 
 # Fields that must match between a run and its resume (they fix the data order and the objective).
 # Checkpoint keys (on disk), not setting names: "heldout_fraction" is the --heldout of the run.
@@ -143,8 +150,17 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2, default=str))
         self._build_step()
+        state = resumed["trainer"] if resumed else {}
+        self.clock = TrainClock(float(state.get("steps_s", 0.0)))  # a resumed budget goes on where it was
+        self.plan_info: dict[str, Any] = dict(state.get("budget_plan") or {})
+        cap = None if self.total == UNPLANNED or self.lr_schedule.planned_at is not None else self.total
+        self.planner = BudgetPlanner(cfg.budget, cap) if cfg.budget else None
+        self.tau_probe = self._build_tau_probe(target)
+        # the first --tau-every mark past the steps' seconds so far (a resumed run's included)
+        self.next_tau_s = cfg.tau_every and (self.clock.offset // cfg.tau_every + 1) * cfg.tau_every
         self.logger = Logger(self.run_dir, self.start, self.is_main)
-        self.log = StepLog(self.logger, self.guard, StepClock(self.device), self.total, cfg.log_every,
+        self.log = StepLog(self.logger, self.guard, StepClock(self.device),
+                           None if self.total == UNPLANNED else self.total, cfg.log_every,
                            self.global_micro, int(resumed["trainer"].get("tokens_seen", 0)) if resumed else 0,
                            self.start, self.t_start, self.is_main and cfg.progress)
         if hasattr(self.source, "start"):  # --features vllm: the engine is fed this run's calls, in order
@@ -158,9 +174,13 @@ class Trainer:
         train_idx, held_idx = split_indices(len(dataset), cfg.heldout)
         self.plan = EpochPlan(train_idx, dataset.lengths, cfg.tokens_per_batch, cfg.batch_size,
                               self.global_micro, cfg.seed)
-        epoch_steps = [self.plan.steps_in(e) for e in range(cfg.epochs)]
-        self.total = cfg.max_steps if cfg.max_steps is not None else sum(epoch_steps)
-        if self.total <= 0 or epoch_steps[0] == 0:
+        if cfg.max_steps is not None:
+            self.total = cfg.max_steps
+        elif cfg.budget is not None and cfg.epochs is None:
+            self.total = UNPLANNED  # as many epochs as the budget takes
+        else:
+            self.total = sum(self.plan.steps_in(e) for e in range(cfg.epochs or 1))
+        if self.total <= 0 or self.plan.steps_in(0) == 0:
             raise EyasError(f"dataset {cfg.data}: {len(train_idx)} training samples make "
                             f"{len(self.plan.packs(0))} packs of {cfg.tokens_per_batch} tokens, fewer than one "
                             f"global batch of {cfg.batch_size * self.global_micro}; lower --tokens-per-batch or "
@@ -208,12 +228,17 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optim = optim_mod.build(model, cfg.optimizer, cfg.lr, cfg.betas, cfg.weight_decay,
                                      fused=device.type == "cuda", sharded=self.sharded)
-        self.sched = optim_mod.schedule(self.optim, optim_mod.lr_lambda(cfg.warmup, self.total, cfg.min_lr_ratio))
+        # a --budget run holds at the peak after warmup until its plan sets the end
+        self.lr_schedule = optim_mod.Schedule(cfg.schedule, cfg.warmup, self.total, cfg.min_lr_ratio,
+                                              cfg.decay_fraction, self.total if cfg.budget else None)
+        self.sched = optim_mod.schedule(self.optim, self.lr_schedule)
         self.guard = NonFiniteGuard(self.optim, cfg.max_nonfinite_steps)
         self.start = 0
         if resumed:
             parallel.load_optim_state(model, self.optim, resumed["optimizer"])
-            self.sched.load_state_dict(resumed["scheduler"])
+            self.sched.load_state_dict(resumed["scheduler"])  # with a --budget run's plan
+            if self.lr_schedule.planned_at is not None:
+                self.total = self.lr_schedule.total
             self.start = int(resumed["trainer"]["step"])
             if resumed["rng"] is not None:
                 ckpt.set_rng_state(resumed["rng"])
@@ -234,6 +259,23 @@ class Trainer:
         self.ce = torch.compile(soft_cross_entropy, dynamic=True) if cfg.compile else soft_cross_entropy
         self.matmul_dtype = autocast_dtype(self.device, cfg.precision)  # also the fused loss's lm_head dtype
         self.autocast = _autocast(self.device, self.matmul_dtype)
+
+    def _build_tau_probe(self, target):
+        """The --tau probe on rank 0 (default: on where the target is in this job on a GPU)."""
+        cfg = self.cfg
+        on = cfg.tau if cfg.tau is not None else (feature_kind(cfg) == "online" and self.device.type == "cuda")
+        if not on:
+            return None
+        if self.sharded:
+            if cfg.tau:
+                raise EyasError("--tau with --parallel fsdp2: the draft's weights are sharded over the ranks, and "
+                                "the replay runs on one; use --parallel ddp, or --no-tau and `eyas evaluate`")
+            return None
+        if not self.is_main:
+            return None
+        from eyas.train.tau import TauProbe
+
+        return TauProbe(cfg, target, getattr(self.source, "model", None), self.device, self.autocast, cfg.progress)
 
     def _check_resume(self, resumed: dict[str, Any]) -> None:
         old = resumed["trainer"]["run"]
@@ -281,7 +323,7 @@ class Trainer:
         """(name, packs) of every batch this rank will ask its feature source for, in order, from the
         resumed step on: the micro-batches of each step and the held-out batches of each evaluation
         (names from :func:`eyas.train.stream.unit_name`, which sort in this order). A run stopped early
-        by --max-train-seconds leaves the plan before its end."""
+        by a failure leaves the plan before its end."""
         from eyas.train.stream import unit_name
 
         cfg, held = self.cfg, self.heldout_calls()
@@ -361,11 +403,12 @@ class Trainer:
         per_step = _reduce_stats(step_stats, self.dist, device).view(3, -1, cfg.ttt_steps).sum(1)  # [3, K]
         # torch.full, not torch.tensor: a fill kernel, where a copy of a host scalar would wait
         totals = self.dist.all_sum(torch.stack([loss_acc, torch.full((), float(step_tokens), device=device)]))
+        lr = self.sched.get_last_lr()[0]  # the rate this step applies
         finite = self.guard.step(totals[0], parallel.local_norm(grad_norm))  # optim.step() unless non-finite
         self.sched.step()
         self.optim.zero_grad(set_to_none=True)
         return {"step": step + 1, "epoch": epoch, "per_step": per_step, "totals": totals, "finite": finite,
-                "grad_norm": grad_norm, "lr": self.sched.get_last_lr()[0], "packs": step_packs,
+                "grad_norm": grad_norm, "lr": lr, "packs": step_packs,
                 "end": self.log.clock.mark()}
 
     # ------------------------------------------------------------------ the loop
@@ -384,32 +427,74 @@ class Trainer:
                 close(ok)
 
     def _train(self) -> Path:
-        cfg, total = self.cfg, self.total
+        cfg = self.cfg
         self.model.train()
-        last_eval, t_first, finished, stopped_by_time = None, None, total, False
-        for step in range(self.start, total):
+        last_eval, step = None, self.start
+        while step < self.total:  # a --budget plan may set the end on the way
             done = step + 1
             self.log.push(self.train_step(step))  # writes the previous step's record
-            if cfg.eval_every and done % cfg.eval_every == 0 and done < total:
+            tau_due = self._decide(done)
+            if cfg.eval_every and done % cfg.eval_every == 0 and done < self.total:
                 self.log.flush()
-                last_eval = self.evaluate(done)
-            if (cfg.save_every and done % cfg.save_every == 0) or done == total:
+                with self.clock.pause():
+                    last_eval = self.evaluate(done)
+            if (cfg.save_every and done % cfg.save_every == 0) or done == self.total:
                 self.log.flush()  # tokens_seen goes into the checkpoint
-                self.save(done)  # the last one makes a finished run's --resume a no-op
-            if cfg.max_train_seconds and done < total:
-                now = time.perf_counter()
-                t_first = now if t_first is None else t_first
-                over = now - t_first >= cfg.max_train_seconds
-                if self.dist.on:  # every rank stops at the same step
-                    over = self.dist.all_sum(torch.full((), float(over), device=self.device)).item() > 0
-                if over:
-                    self.log.flush()
-                    finished, stopped_by_time = done, True
-                    if not (cfg.save_every and done % cfg.save_every == 0):
-                        self.save(done)
-                    break
-        self.log.close()
-        return self.finish(finished, stopped_by_time, self.evaluate(finished) or last_eval)
+                with self.clock.pause():
+                    self.save(done)  # the last one makes a finished run's --resume a no-op
+            if tau_due and done < self.total:
+                self.log.flush()
+                self.measure_tau(done)
+            step = done
+        self.log.close()  # waits for the last step
+        self.clock.stop()
+        last_eval = self.evaluate(self.total) or last_eval
+        return self.finish(self.total, last_eval, self.measure_tau(self.total))
+
+    def _decide(self, done: int) -> bool:
+        """After step ``done``: start the training clock (once the compiled first step is behind),
+        plan a --budget run's end, and say whether a --tau-every measurement is due. Decided on rank
+        0's clock; under torchrun every DECIDE_EVERY steps, shared by all ranks."""
+        if not self.clock.started and done - self.start >= 2:  # step 1 compiles; step 2 may still recompile
+            self.clock.start(done)
+        if self.dist.on and done % DECIDE_EVERY:
+            return False
+        what = self.planner.due(self.clock, self.lr_schedule) if self.planner is not None else None
+        plan = self.planner.total(done, self.clock) if what else None
+        kind = {"plan": 1, "replan": 2}.get(what, 0) if plan else 0
+        tau_due = self.next_tau_s is not None and self.clock.started and self.clock.steps_s() >= self.next_tau_s
+        if self.dist.on:  # rank 0's decision for everyone
+            mine = [float(plan or 0), float(kind), float(tau_due)] if self.is_main else [0.0, 0.0, 0.0]
+            plan, kind, tau_due = self.dist.all_sum(torch.tensor(mine, device=self.device, dtype=torch.float64)).tolist()
+            plan, kind, tau_due = int(plan), int(kind), bool(tau_due)
+        if kind:
+            (self.lr_schedule.plan if kind == 1 else self.lr_schedule.replan)(plan, done)
+            self.total = plan
+            self.log.set_total(plan)
+            self.plan_info["plan" if kind == 1 else "replan"] = {
+                "at_step": done, "at_s": round(self.clock.steps_s(), 2), "steps": plan,
+                "step_s": self.planner.step_s if self.is_main else None}
+        if tau_due:
+            self.next_tau_s += self.cfg.tau_every
+        return tau_due
+
+    def measure_tau(self, step: int) -> dict[str, Any] | None:
+        """Tau of the draft as it is now (--tau), on rank 0 while the others wait; logged and printed."""
+        rec = None
+        if self.tau_probe is not None:
+            with self.clock.pause():
+                got = self.tau_probe.measure(self.model)
+                self.model.train()
+            rec = {"split": "tau", "step": step, "train_s": round(self.clock.steps_s(), 2),
+                   **{f"tau_k{k}": t for k, t in got["tau"].items()}, **got}
+            self.logger.log(rec)
+            if self.cfg.progress:
+                from tqdm import tqdm
+
+                tqdm.write(f"step {step}: tau " + ", ".join(f"k={k} {t:.3f}" for k, t in got["tau"].items() if t)
+                           + f" ({got['turns']} turns, {got['seconds']:.1f} s)")
+        self.dist.barrier()
+        return rec
 
     def evaluate(self, step: int) -> dict[str, Any] | None:
         """Held-out loss and top-1 agreement per TTT step (the acceptance proxy), logged."""
@@ -462,35 +547,34 @@ class Trainer:
             epoch = self.plan.locate(step)[0] if step < self.total else None
             ckpt.finish(run_dir, tmp, step, model_state, optim_state, self.sched.state_dict(),
                         {"step": step, "tokens_seen": self.log.tokens_seen, "epoch": epoch,
-                         "world_size": dist.world, "run": self.run_info},
+                         "world_size": dist.world, "run": self.run_info, "steps_s": self.clock.steps_s(),
+                         "budget_plan": self.plan_info},
                         self.draft_cfg.to_dict(), self.cfg.keep_checkpoints)
         dist.barrier()
 
-    def finish(self, finished: int, stopped_by_time: bool, last_eval: dict[str, Any] | None) -> Path:
-        """The draft (never with a non-finite weight), loss.png and summary.json."""
+    def finish(self, finished: int, last_eval: dict[str, Any] | None, tau: dict[str, Any] | None) -> Path:
+        """The draft (never with a non-finite weight) with what it should deliver (prediction.json),
+        loss.png, tau.png and summary.json."""
         out = self.run_dir / "draft"
         final_state = parallel.full_model_state(self.model)  # collective under FSDP2
         if self.is_main:
             check_finite_state(final_state, f"the draft of {self.run_dir}")
             self.model.save_pretrained(out, state=final_state)
-            if last_eval is not None:  # what the draft should deliver, before anyone serves it
-                pred = {"heldout_step": last_eval["step"], "acc": last_eval["acc"],
-                        "predicted_tau": {str(k + 1): t for k, t in enumerate(last_eval["predicted_tau"])},
-                        "method": "1 + sum_i prod_{j<=i} acc_j (eyas.train.predict)"}
-                for key in ("replayed_tau", "replayed_tau_first"):  # the loop walked over held-out answers
-                    if key in last_eval:
-                        pred[key] = {str(k + 1): t for k, t in enumerate(last_eval[key])}
-                if "horizon" in last_eval:  # over the first `horizon` tokens of each answer only
-                    pred.update(horizon=last_eval["horizon"], acc_first=last_eval["acc_first"],
-                                predicted_tau_first={str(k + 1): t for k, t in
-                                                     enumerate(last_eval["predicted_tau_first"])})
+            pred = self._prediction(last_eval, tau)
+            if pred:
                 atomic_write_text(out / PREDICTION_FILE, json.dumps(pred, indent=2))
             plot_losses(self.run_dir)
+            plot_tau(self.run_dir)
             mode = ("fsdp2" if self.sharded else "ddp") if self.dist.on else "single"
-            summary = {"steps": finished, "planned_steps": self.total, "stopped_by_time": stopped_by_time,
-                       "skipped_nonfinite_steps": self.guard.skipped, "first_step_s": self.log.first_step_s,
-                       "tokens_seen": self.log.tokens_seen, "heldout": last_eval, "draft": str(out),
-                       "world_size": self.dist.world, "parallel": mode, "attention": self.attention}
+            summary = {"steps": finished, "skipped_nonfinite_steps": self.guard.skipped,
+                       "first_step_s": self.log.first_step_s, "tokens_seen": self.log.tokens_seen,
+                       "epochs": round(self.plan.epochs_at(finished), 3), "heldout": last_eval,
+                       "tau": tau and {k: tau[k] for k in ("step", "tau", "turns", "prompts", "max_new_tokens")},
+                       "draft": str(out), "world_size": self.dist.world, "parallel": mode, "attention": self.attention,
+                       # the time budget's account: steps timed from the end of the first compiled step(s)
+                       "budget_s": self.cfg.budget, "plan": self.plan_info or None,
+                       "steps_s": round(self.clock.steps_s(), 2), "paused_s": round(self.clock.paused, 2),
+                       "timed_from_step": self.clock.start_step}
             report = getattr(self.source, "report", None)
             if report is not None:  # --features vllm: the engine, the buffer, later epochs, the waits
                 from eyas.train.stream import REPORT_FILE
@@ -501,6 +585,26 @@ class Trainer:
         self.logger.close()
         self.dist.barrier()
         return out
+
+    @staticmethod
+    def _prediction(last_eval: dict[str, Any] | None, tau: dict[str, Any] | None) -> dict[str, Any]:
+        """What the draft should deliver, before anyone serves it: tau measured by replay (--tau), and
+        the held-out figures."""
+        pred: dict[str, Any] = {}
+        if tau is not None:
+            pred["measured_tau"] = {k: tau[k] for k in ("step", "tau", "turns", "questions", "prompts",
+                                                        "max_new_tokens")}
+        if last_eval is not None:
+            pred.update({"heldout_step": last_eval["step"], "acc": last_eval["acc"],
+                         "predicted_tau": {str(k + 1): t for k, t in enumerate(last_eval["predicted_tau"])},
+                         "method": "1 + sum_i prod_{j<=i} acc_j (eyas.train.predict)"})
+            for key in ("replayed_tau", "replayed_tau_first"):  # the loop walked over held-out answers
+                if key in last_eval:
+                    pred[key] = {str(k + 1): t for k, t in enumerate(last_eval[key])}
+            if "horizon" in last_eval:  # over the first `horizon` tokens of each answer only
+                pred.update(horizon=last_eval["horizon"], acc_first=last_eval["acc_first"],
+                            predicted_tau_first={str(k + 1): t for k, t in enumerate(last_eval["predicted_tau_first"])})
+        return pred
 
 
 def train(cfg: TrainConfig) -> Path:

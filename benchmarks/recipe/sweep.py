@@ -1,0 +1,151 @@
+"""The recipe sweep (issue 30): `eyas train` configurations at one time budget, each draft's tau by
+`eyas evaluate --engine replay` on MT-bench and on HumanEval (the second prompt set, tuned on by
+nothing), at k = 3, 5, 7.
+
+Runs as a user would, with eyas's own commands: every training is `eyas train --online --budget B
+...` alone on the GPU (equal wall-clock per configuration, the steps' time), the evaluations after
+the call's trainings (they do not depend on timing, so several run at once). Resumable over device
+calls: a finished configuration has its line in RESULTS and is not run again; one whose training
+was cut off is started afresh. `--deadline-s`: no training starts that would not end before it.
+
+    python benchmarks/recipe/sweep.py --data PREPARED --runs DIR --results results.jsonl \\
+        --budget 120 --deadline-s 540 --configs benchmarks/recipe/sweep1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT_SETS = {"mt_bench": REPO / "data/mt_bench/question.jsonl", "humaneval": REPO / "data/humaneval/question.jsonl"}
+KS = (3, 5, 7)
+# What a training adds to its budget (start, target load, first compiled step, the final
+# evaluation and tau), for the deadline; the first run also decodes the tau references.
+TRAIN_OVERHEAD_S = 60
+
+
+def log(msg: str) -> None:
+    print(f"[sweep {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run(cmd: list[str], log_path: Path) -> int:
+    log(" ".join(shlex.quote(c) for c in cmd))
+    with open(log_path, "a") as fh:
+        return subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+
+
+def train(name: str, args: list[str], a, out: Path) -> bool:
+    if (out / "summary.json").is_file() and (out / "draft" / "model.safetensors").is_file():
+        return True
+    shutil.rmtree(out, ignore_errors=True)  # cut off by an earlier call: again from the start
+    out.mkdir(parents=True)
+    cmd = ["eyas", "train", "--data", a.data, "--online", "--out", str(out), "--budget", str(a.budget),
+           "--tau-every", str(a.tau_every), "--quiet", *shlex.split(a.common), *args]
+    t = time.perf_counter()
+    rc = run(cmd, out / "train.log")
+    log(f"{name}: train exit {rc} after {time.perf_counter() - t:.0f} s")
+    return rc == 0
+
+
+def evaluate(name: str, out: Path, a) -> dict:
+    """Replay on each prompt set, k = 3, 5, 7 from one pass; the target's answers shared per set."""
+    got = {}
+    for pset, prompts in PROMPT_SETS.items():
+        dest = out / f"eval-{pset}"
+        report = dest / "replay" / "report.json"
+        if not report.is_file():
+            cmd = ["eyas", "evaluate", "--engine", "replay", "--draft", str(out / "draft"), "--prompts", str(prompts),
+                   "-k", str(KS[1]), "--also-k", ",".join(str(k) for k in KS if k != KS[1]),
+                   "--max-new-tokens", str(a.max_new_tokens), "--references", str(Path(a.runs) / f"references-{pset}.jsonl"),
+                   "--out", str(dest), "--quiet", *shlex.split(a.evaluate)]
+            rc = run(cmd, out / f"eval-{pset}.log")
+            if rc:
+                log(f"{name}: evaluate {pset} exit {rc}")
+                continue
+        got[pset] = {}
+        for k in KS:
+            sub = dest if k == KS[1] else dest / f"k{k}"
+            rep = json.loads((sub / "replay" / "report.json").read_text())
+            got[pset][str(k)] = {"tau": rep["overall"]["tau"], "turns": rep["overall"]["prompts"]}
+    return got
+
+
+def result(name: str, args: list[str], out: Path, taus: dict, a) -> dict:
+    summary = json.loads((out / "summary.json").read_text())
+    pred_path = out / "draft" / "prediction.json"
+    pred = json.loads(pred_path.read_text()) if pred_path.is_file() else {}
+    recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    last = [r for r in recs if r["split"] == "train"][-1]
+    return {"name": name, "args": " ".join(args), "common": a.common, "budget_s": a.budget,
+            "steps": summary["steps"], "steps_s": summary["steps_s"], "first_step_s": summary["first_step_s"],
+            "epochs": summary["epochs"], "tokens_seen": summary["tokens_seen"], "final_loss": last["loss"],
+            "finite": all(r.get("finite", True) for r in recs if r["split"] == "train"),
+            "tau": taus, "train_tau": summary.get("tau"),
+            "train_tau_curve": [{"train_s": r["train_s"], "step": r["step"], "tau": r["tau"]}
+                                for r in recs if r["split"] == "tau"],
+            "predicted_tau": pred.get("predicted_tau"), "predicted_tau_first": pred.get("predicted_tau_first"),
+            "replayed_heldout_tau": pred.get("replayed_tau"), "replayed_heldout_tau_first": pred.get("replayed_tau_first"),
+            "max_new_tokens": a.max_new_tokens, "commit": a.commit,
+            "date": time.strftime("%Y-%m-%d"), "machine": a.machine}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="prepared dataset (eyas prepare)")
+    ap.add_argument("--runs", required=True, help="directory of the runs (and the shared reference answers)")
+    ap.add_argument("--results", required=True, help="JSONL: one line per finished configuration")
+    ap.add_argument("--configs", required=True, help="JSON: [[name, 'eyas train args'], ...], run in order")
+    ap.add_argument("--budget", type=float, default=120, help="seconds of steps per training (--budget)")
+    ap.add_argument("--tau-every", default="30s", help="eyas train --tau-every")
+    ap.add_argument("--common", default="", help="train args every configuration shares")
+    ap.add_argument("--evaluate", default="", help="extra eyas evaluate args (device, dtype)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--deadline-s", type=float, default=None, help="seconds from now: no training starts that "
+                                                                    "would end after it")
+    ap.add_argument("--eval-reserve-s", type=float, default=60, help="kept before the deadline for evaluations")
+    ap.add_argument("--parallel-evals", type=int, default=4)
+    ap.add_argument("--only", default=None, help="comma-separated names: run just these")
+    ap.add_argument("--commit", default="?")
+    ap.add_argument("--machine", default="?")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    runs, results = Path(a.runs), Path(a.results)
+    runs.mkdir(parents=True, exist_ok=True)
+    done = {json.loads(ln)["name"] for ln in results.read_text().splitlines() if ln.strip()} if results.is_file() else set()
+    configs = [(n, shlex.split(x)) for n, x in json.loads(Path(a.configs).read_text())]
+    if a.only:
+        keep = set(a.only.split(","))
+        configs = [c for c in configs if c[0] in keep]
+    trained = []
+    for name, args in configs:
+        if name in done:
+            continue
+        left = (a.deadline_s - (time.perf_counter() - t0)) if a.deadline_s else float("inf")
+        if left < a.budget + TRAIN_OVERHEAD_S + a.eval_reserve_s:
+            log(f"{name}: {left:.0f} s left before the deadline, not started")
+            break
+        if train(name, args, a, runs / name):
+            trained.append((name, args))
+    # the evaluations of this call's drafts, several at once (timing does not matter to replay)
+    with ThreadPoolExecutor(a.parallel_evals) as pool:
+        taus = list(pool.map(lambda c: evaluate(c[0], runs / c[0], a), trained))
+    with open(results, "a") as fh:
+        for (name, args), got in zip(trained, taus):
+            if len(got) == len(PROMPT_SETS):
+                fh.write(json.dumps(result(name, args, runs / name, got, a)) + "\n")
+                log(f"{name}: " + "; ".join(f"{p} " + " ".join(f"k{k}={v['tau']:.3f}" for k, v in t.items())
+                                            for p, t in got.items()))
+    log(f"done in {time.perf_counter() - t0:.0f} s: {len(trained)} trained this call")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Training to a time budget (``--budget``): time the first steps, then fix the step count so that
+the LR schedule's warmup and decay end when the budget does, and the draft at the stop is the
+annealed one.
+
+The budget counts the optimizer steps' time only. Set-up and the first step (its compilation) come
+before the clock starts; evaluations, checkpoints and tau measurements pause it (:meth:`pause`),
+so the plan is not thrown off by them and they are reported beside it. The plan is made once and
+kept in the scheduler's checkpointed state (:class:`eyas.train.optim.Schedule`): a resumed run
+keeps it, so kill and resume stay exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+# How long the steps are timed before the plan: long enough to average over step-to-step jitter,
+# short next to the budget (the steps before the plan run at the peak LR after warmup).
+MEASURE_FRACTION = 0.03
+MEASURE_MIN_S, MEASURE_MAX_S = 1.0, 20.0
+MEASURE_MIN_STEPS = 3
+
+
+# The plan is checked once more at this fraction of the budget, against the pace so far.
+REPLAN_AT = 0.5
+
+
+class TrainClock:
+    """Seconds spent in training steps since the first steps ended, with pauses left out; a resumed
+    run starts from the seconds its checkpoint recorded (``offset``)."""
+
+    def __init__(self, offset: float = 0.0) -> None:
+        self.t0: float | None = None
+        self.start_step: int | None = None  # the step count when the clock started
+        self.offset, self.paused = offset, 0.0
+        self._pausing: float | None = None  # when the pause under way began
+        self._stopped: float | None = None  # the steps' seconds once the last step ran
+
+    def start(self, done: int) -> None:
+        if self.t0 is None:
+            self.t0, self.start_step = time.perf_counter(), done
+
+    @property
+    def started(self) -> bool:
+        return self.t0 is not None
+
+    def steps_s(self) -> float:
+        """The steps' seconds, this process's and those before a resume."""
+        if self._stopped is not None:
+            return self._stopped
+        if self.t0 is None:
+            return self.offset
+        now = time.perf_counter()
+        return self.offset + now - self.t0 - self.paused - (now - self._pausing if self._pausing else 0.0)
+
+    def stop(self) -> None:
+        """The last step has run: the seconds stay as they are now."""
+        self._stopped = self.steps_s()
+
+    def this_run_s(self) -> float:
+        return self.steps_s() - self.offset
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Leave what runs inside out of the step time (evaluations, checkpoints, tau)."""
+        if self._pausing is not None:  # nested: the outer pause counts it
+            yield
+            return
+        self._pausing = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.t0 is not None:
+                self.paused += time.perf_counter() - self._pausing
+            self._pausing = None
+
+
+class BudgetPlanner:
+    """How many steps fit in ``budget_s`` of step time: planned once the first steps are timed, and
+    checked again at REPLAN_AT of the budget against the pace so far."""
+
+    def __init__(self, budget_s: float, cap: int | None):
+        self.budget_s, self.cap = budget_s, cap
+        self.step_s: float | None = None  # the measured seconds per step, at the last (re)plan
+
+    def measure_s(self) -> float:
+        return min(MEASURE_MAX_S, max(MEASURE_MIN_S, MEASURE_FRACTION * self.budget_s))
+
+    def due(self, clock: TrainClock, schedule) -> str | None:
+        """"plan", "replan" or None: what the run's state and clock call for now."""
+        if not clock.started or schedule.replanned_at is not None:
+            return None
+        if schedule.planned_at is None:
+            return "plan" if clock.this_run_s() >= min(self.measure_s(), self.budget_s) else None
+        return "replan" if clock.steps_s() >= REPLAN_AT * self.budget_s else None
+
+    def total(self, done: int, clock: TrainClock) -> int | None:
+        """The step count that ends the steps' time at the budget, at this run's pace so far (None
+        until MEASURE_MIN_STEPS are timed)."""
+        timed = done - clock.start_step
+        if timed < MEASURE_MIN_STEPS:
+            return None
+        self.step_s = clock.this_run_s() / timed
+        total = done + max(0, int((self.budget_s - clock.steps_s()) / self.step_s))
+        total = max(total, done + 1)  # the last step anneals: at least one more, at the floor
+        return min(total, self.cap) if self.cap else total
