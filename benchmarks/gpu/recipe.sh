@@ -24,12 +24,12 @@ if [ ! -f "$PREP/manifest.json" ] || [ ! -s "$GGUF" ] || [ ! -f /tmp/site/.done 
 fi
 COMMIT=$(cat /root/snap/COMMIT 2>/dev/null || echo "${EYAS_COMMIT:-?}")
 echo "recipe: eyas $COMMIT; $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader)"
-python3 benchmarks/recipe/sweep.py --data "$PREP" --runs "$R" --results "$R/results.jsonl" \
+timeout -s INT -k 20 "${BUDGET_S:-540}" python3 benchmarks/recipe/sweep.py --mirror "$OUT/results.jsonl" --data "$PREP" --runs "$R" --results "$R/results.jsonl" \
   --configs "${CONFIGS:-benchmarks/recipe/sweep1.json}" --budget "${TRAIN_BUDGET:-120}" \
   --deadline-s "${BUDGET_S:-540}" ${ONLY:+--only "$ONLY"} --commit "$COMMIT" --machine "1x H200 (lent)" \
   --common "--tokens-per-batch 2048 --warmup 50 --device cuda --precision bf16 --save-every 0 --eval-every 0" \
-  --evaluate "--device cuda --dtype bfloat16"
-cp "$R/results.jsonl" "$OUT/" 2>/dev/null
+  --evaluate "--device cuda --dtype bfloat16 --batch-size 256" --tau-every "${TAU_EVERY:-60s}"
+cp "$R/results.jsonl" "$OUT/all-results.jsonl" 2>/dev/null
 ( cd "$R" && tar -czf "$OUT/recipe.tgz" --exclude='*.safetensors' --exclude='checkpoints' --exclude='records.jsonl' \
     --exclude='references*' --exclude='tensorboard' --exclude='draft-vllm' . 2>/dev/null )
 ls -la "$OUT"

@@ -3,10 +3,11 @@
 nothing), at k = 3, 5, 7.
 
 Runs as a user would, with eyas's own commands: every training is `eyas train --online --budget B
-...` alone on the GPU (equal wall-clock per configuration, the steps' time), the evaluations after
-the call's trainings (they do not depend on timing, so several run at once). Resumable over device
-calls: a finished configuration has its line in RESULTS and is not run again; one whose training
-was cut off is started afresh. `--deadline-s`: no training starts that would not end before it.
+...` alone on the GPU (equal wall-clock per configuration, the steps' time), then its two
+evaluations at once (replay does not depend on timing), and its line is written to RESULTS (and
+`--mirror`) at once. Resumable over device calls: a finished configuration has its line and is not
+run again; one whose training was cut off is started afresh. `--deadline-s`: no configuration
+starts that would not end before it.
 
     python benchmarks/recipe/sweep.py --data PREPARED --runs DIR --results results.jsonl \\
         --budget 120 --deadline-s 540 --configs benchmarks/recipe/sweep1.json
@@ -29,7 +30,7 @@ PROMPT_SETS = {"mt_bench": REPO / "data/mt_bench/question.jsonl", "humaneval": R
 KS = (3, 5, 7)
 # What a training adds to its budget (start, target load, first compiled step, the final
 # evaluation and tau), for the deadline; the first run also decodes the tau references.
-TRAIN_OVERHEAD_S = 60
+TRAIN_OVERHEAD_S = 45
 
 
 def log(msg: str) -> None:
@@ -56,25 +57,29 @@ def train(name: str, args: list[str], a, out: Path) -> bool:
 
 
 def evaluate(name: str, out: Path, a) -> dict:
-    """Replay on each prompt set, k = 3, 5, 7 from one pass; the target's answers shared per set."""
+    """Replay on each prompt set (both at once), k = 3, 5, 7 from one pass; the target's answers
+    shared per set."""
+    with ThreadPoolExecutor(len(PROMPT_SETS)) as pool:
+        got = dict(pool.map(lambda p: (p, evaluate_set(name, out, a, p)), PROMPT_SETS))
+    return {p: t for p, t in got.items() if t is not None}
+
+
+def evaluate_set(name: str, out: Path, a, pset: str) -> dict | None:
+    dest = out / f"eval-{pset}"
+    if not (dest / "replay" / "report.json").is_file():
+        cmd = ["eyas", "evaluate", "--engine", "replay", "--draft", str(out / "draft"), "--prompts",
+               str(PROMPT_SETS[pset]), "-k", str(KS[1]), "--also-k", ",".join(str(k) for k in KS if k != KS[1]),
+               "--max-new-tokens", str(a.max_new_tokens), "--references", str(Path(a.runs) / f"references-{pset}.jsonl"),
+               "--out", str(dest), "--quiet", *shlex.split(a.evaluate)]
+        rc = run(cmd, out / f"eval-{pset}.log")
+        if rc:
+            log(f"{name}: evaluate {pset} exit {rc}")
+            return None
     got = {}
-    for pset, prompts in PROMPT_SETS.items():
-        dest = out / f"eval-{pset}"
-        report = dest / "replay" / "report.json"
-        if not report.is_file():
-            cmd = ["eyas", "evaluate", "--engine", "replay", "--draft", str(out / "draft"), "--prompts", str(prompts),
-                   "-k", str(KS[1]), "--also-k", ",".join(str(k) for k in KS if k != KS[1]),
-                   "--max-new-tokens", str(a.max_new_tokens), "--references", str(Path(a.runs) / f"references-{pset}.jsonl"),
-                   "--out", str(dest), "--quiet", *shlex.split(a.evaluate)]
-            rc = run(cmd, out / f"eval-{pset}.log")
-            if rc:
-                log(f"{name}: evaluate {pset} exit {rc}")
-                continue
-        got[pset] = {}
-        for k in KS:
-            sub = dest if k == KS[1] else dest / f"k{k}"
-            rep = json.loads((sub / "replay" / "report.json").read_text())
-            got[pset][str(k)] = {"tau": rep["overall"]["tau"], "turns": rep["overall"]["prompts"]}
+    for k in KS:
+        sub = dest if k == KS[1] else dest / f"k{k}"
+        rep = json.loads((sub / "replay" / "report.json").read_text())
+        got[str(k)] = {"tau": rep["overall"]["tau"], "turns": rep["overall"]["prompts"]}
     return got
 
 
@@ -110,8 +115,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--deadline-s", type=float, default=None, help="seconds from now: no training starts that "
                                                                     "would end after it")
-    ap.add_argument("--eval-reserve-s", type=float, default=60, help="kept before the deadline for evaluations")
-    ap.add_argument("--parallel-evals", type=int, default=4)
+    ap.add_argument("--eval-s", type=float, default=90, help="a configuration's evaluations, for the deadline")
+    ap.add_argument("--mirror", default=None, help="a second copy of RESULTS, written with it (the call's $OUT)")
     ap.add_argument("--only", default=None, help="comma-separated names: run just these")
     ap.add_argument("--commit", default="?")
     ap.add_argument("--machine", default="?")
@@ -124,26 +129,27 @@ def main() -> int:
     if a.only:
         keep = set(a.only.split(","))
         configs = [c for c in configs if c[0] in keep]
-    trained = []
+    n = 0
     for name, args in configs:
         if name in done:
             continue
         left = (a.deadline_s - (time.perf_counter() - t0)) if a.deadline_s else float("inf")
-        if left < a.budget + TRAIN_OVERHEAD_S + a.eval_reserve_s:
+        if left < a.budget + TRAIN_OVERHEAD_S + a.eval_s:
             log(f"{name}: {left:.0f} s left before the deadline, not started")
             break
-        if train(name, args, a, runs / name):
-            trained.append((name, args))
-    # the evaluations of this call's drafts, several at once (timing does not matter to replay)
-    with ThreadPoolExecutor(a.parallel_evals) as pool:
-        taus = list(pool.map(lambda c: evaluate(c[0], runs / c[0], a), trained))
-    with open(results, "a") as fh:
-        for (name, args), got in zip(trained, taus):
-            if len(got) == len(PROMPT_SETS):
-                fh.write(json.dumps(result(name, args, runs / name, got, a)) + "\n")
-                log(f"{name}: " + "; ".join(f"{p} " + " ".join(f"k{k}={v['tau']:.3f}" for k, v in t.items())
-                                            for p, t in got.items()))
-    log(f"done in {time.perf_counter() - t0:.0f} s: {len(trained)} trained this call")
+        if not train(name, args, a, runs / name):
+            continue
+        got = evaluate(name, runs / name, a)
+        if len(got) != len(PROMPT_SETS):
+            continue
+        line = json.dumps(result(name, args, runs / name, got, a)) + "\n"
+        for path in [results] + ([Path(a.mirror)] if a.mirror else []):
+            with open(path, "a") as fh:
+                fh.write(line)
+        n += 1
+        log(f"{name}: " + "; ".join(f"{p} " + " ".join(f"k{k}={v['tau']:.3f}" for k, v in t.items())
+                                    for p, t in got.items()))
+    log(f"done in {time.perf_counter() - t0:.0f} s: {n} configurations this call")
     return 0
 
 

@@ -20,7 +20,8 @@ import torch
 
 from eyas.evaluate.prompts import read_questions
 
-TAU_FILE = "tau.json"  # beside the draft: the last measurement
+# questions whose answers are decoded together: the default part of MT-bench in one batch
+REFERENCE_BATCH = 64
 
 
 class TauProbe:
@@ -48,7 +49,8 @@ class TauProbe:
         self.references_path = cache_dir() / "replay" / f"{key}.jsonl"
         t = time.perf_counter()
         self.references = target_references(self.model, tokenizer, self.questions, self.stop_ids,
-                                            self.max_new_tokens, self.references_path, settings, 32, progress)
+                                            self.max_new_tokens, self.references_path, settings, REFERENCE_BATCH,
+                                            progress)
         self.references_s = time.perf_counter() - t
 
     def measure(self, draft) -> dict[str, Any]:
