@@ -23,6 +23,17 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
 
 
 def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
+    """:func:`run_evaluation` with ``out`` checked first (a folder this process can write, apart from
+    the inputs) and held by this process alone while it is written."""
+    from eyas.outdir import check_out, writer_lock
+
+    check_out(cfg.out, inputs={"the --draft": cfg.draft, "the --prompts file": cfg.prompts,
+                               "the --target": cfg.target, "the --vllm-draft": cfg.vllm_draft})
+    with writer_lock(cfg.out, command="eyas evaluate"):
+        return run_evaluation(cfg)
+
+
+def run_evaluation(cfg: EvaluateConfig) -> dict[str, Any]:
     """Evaluate; writes OUT/<engine>/report.json + plots (and OUT/comparison.json for both).
     Returns {engine: report} (plus "comparison").
 
@@ -83,7 +94,9 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     settings_base = {"target_id": target.id, "draft": str(Path(draft_dir).resolve()),
                      "draft_sha256": sha256_file(Path(draft_dir) / "model.safetensors"), "k": k,
                      "temperature": temperature, "max_new_tokens": max_new_tokens, "dtype": dtype,
-                     "seed": seed, "prompts": str(Path(prompts).resolve())}
+                     "seed": seed, "prompts": str(Path(prompts).resolve()),
+                     # the prompts' content too: a file rewritten in place never reuses old answers
+                     "prompts_sha256": sha256_file(Path(prompts))}
     if device != "cpu":  # only off the CPU, so records written before --device existed still resume
         settings_base["device"] = device.split(":")[0]
     reports: dict[str, Any] = {}
@@ -123,7 +136,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         reports["comparison"] = _compare(reports["builtin"], reports["vllm"], Path(out))
     for other in dict.fromkeys(cfg.also_k):  # each k on its own, into OUT/k<N>/, resumable as -k is
         if other != k and engine != "replay":
-            reports[f"k{other}"] = evaluate(replace(cfg, k=other, also_k=[], speed_concurrency=[],
+            reports[f"k{other}"] = run_evaluation(replace(cfg, k=other, also_k=[], speed_concurrency=[],
                                                     out=Path(out) / f"k{other}"))
     return reports
 
@@ -181,8 +194,8 @@ def _run_replay(target, draft_dir, questions, tokenizer, stop_ids, ks, max_new_t
     start = time.perf_counter()
     model = target.load_model(dtype=torch_dtype, device=device)
     # what the answers depend on: not the draft, nor k beyond the tail they carry
-    ref_settings = {key: settings_base[key] for key in ("target_id", "max_new_tokens", "dtype", "prompts", "device")
-                    if key in settings_base}
+    ref_settings = {key: settings_base[key] for key in ("target_id", "max_new_tokens", "dtype", "prompts",
+                                                        "prompts_sha256", "device") if key in settings_base}
     ref_settings.update(engine="replay references", tail=tail_for(ks))
     pool = ReferencePool(model, tokenizer, max_new_tokens, stop_ids, ref_settings["tail"], batch_size)
     refs_path.parent.mkdir(parents=True, exist_ok=True)
