@@ -32,6 +32,8 @@ class Range:
     def problem(self, v: float) -> str | None:
         if isinstance(v, float) and math.isnan(v):
             return "is not a number"
+        if isinstance(v, float) and math.isinf(v):
+            return "is not finite"
         if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
             return f"must be {'>' if self.lo_open else '>='} {_num(self.lo)}"
         if self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)):
@@ -116,14 +118,15 @@ def coerce(value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():
+        # an integral float up to 2^53 (exact in a float): 1e30 is no count anyone meant
+        if isinstance(value, float) and value.is_integer() and abs(value) <= 2 ** 53:
             return int(value)
         if isinstance(value, str):
             try:
                 f = float(value.strip())
             except ValueError:
                 raise _Mismatch from None
-            if f.is_integer():
+            if f.is_integer() and abs(f) <= 2 ** 53:
                 return int(f)
         raise _Mismatch
     if tp is str:
@@ -177,7 +180,8 @@ def check_values(values: Mapping[str, Any], types_: Mapping[str, Any], ranges: M
         try:
             v = coerce(value, tp)
         except _Mismatch:
-            raise EyasError(f"{name(key)}{sep}{value!r} is {_kind(value)}; expected {describe(tp)}") from None
+            raise EyasError(f"{name(key)}{sep}{value!r} is {_kind(value)}; expected {describe(tp)}"
+                            + _too_large(value, tp)) from None
         out[key] = v
         rule = ranges.get(key)
         for x in (v if isinstance(v, tuple) else (v,)):
@@ -189,6 +193,17 @@ def check_values(values: Mapping[str, Any], types_: Mapping[str, Any], ranges: M
                 hint = f"; {rule.hint}" if rule.hint else ""
                 raise EyasError(f"{name(key)}{sep}{value!r}{what} {problem}: change it{hint}")
     return out
+
+
+def _too_large(value: Any, tp: Any) -> str:
+    """A note for an integral number too large to be a count (``max_steps: 1e30``)."""
+    if int not in (tp, *typing.get_args(tp)) or isinstance(value, bool):
+        return ""
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return ""
+    return " up to 2^53; this one is too large to be meant" if math.isfinite(f) and abs(f) > 2 ** 53 else ""
 
 
 def _kind(value: Any) -> str:

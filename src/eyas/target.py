@@ -42,8 +42,14 @@ _SAMPLE = 1 << 20  # bytes read at the head, middle and tail of each .bin weight
 
 
 def cache_dir() -> Path:
-    """Where eyas keeps converted targets and downloaded packages (``EYAS_CACHE`` overrides)."""
-    return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas")).expanduser()
+    """Where eyas keeps converted targets and downloaded packages (``EYAS_CACHE`` overrides); a
+    path that exists and is not a folder is refused here, before a stage writes under it."""
+    path = Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas")).expanduser()
+    if path.exists() and not path.is_dir():
+        var = "EYAS_CACHE" if os.environ.get("EYAS_CACHE") else "the default cache"
+        raise EyasError(f"{var} {path} is a file, not a folder; point EYAS_CACHE at a folder (or unset it "
+                        "for ~/.cache/eyas)")
+    return path
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,12 @@ def resolve_target(spec: str | os.PathLike, cache: Path | None = None) -> Target
             f"target {text!r}: not a model directory, a .gguf file or a built-in name; "
             f"built-in names are {sorted(BUILTIN_TARGETS)}"
         )
-    return Target(spec=text, path=hf_dir.resolve(), identity=target_identity(hf_dir))
+    identity = target_identity(hf_dir)
+    from eyas.target_check import check_weights
+
+    # the identity samples the tensors: the full checksums catch bytes damaged between the samples
+    check_weights(hf_dir, _weight_files(hf_dir), identity["weights"], text)
+    return Target(spec=text, path=hf_dir.resolve(), identity=identity)
 
 
 # ---------------------------------------------------------------------------------- identity

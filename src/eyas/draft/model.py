@@ -78,6 +78,7 @@ class DraftConfig:
     kind: str = CONFIG_KIND
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.fc_norm and self.norm_before_fc:
             raise EyasError("draft config: fc_norm (a norm per aux layer) and norm_before_fc (one norm "
                             "over their concatenation) exclude each other; set one of them")
@@ -133,6 +134,40 @@ class DraftConfig:
     @property
     def num_aux(self) -> int:
         return len(self.aux_layer_ids)
+
+
+# Fields that size a tensor: each a positive integer (an integral float such as 2048.0 is taken).
+_SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+          "vocab_size", "draft_vocab_size", "target_hidden_size", "max_position_embeddings")
+
+
+def check_fields(cfg: "DraftConfig") -> None:
+    """Types and ranges of a draft config's numbers, whether they come from ``--draft-config`` or a
+    draft's config.json: one line naming the field and the value, before any tensor is made."""
+    def bad(name: str, value: Any, want: str) -> EyasError:
+        return EyasError(f"draft config: {name} = {value!r} {want} (set by --draft-config, or in the config.json "
+                         "of the draft or checkpoint read); change it")
+
+    for name in _SIZES + ("target_num_layers",):
+        v = getattr(cfg, name)
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            v = int(v)
+            setattr(cfg, name, v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad(name, v, "is not an integer; expected a positive integer")
+        if v < (0 if name == "target_num_layers" else 1):
+            raise bad(name, v, "must be >= 1" if name != "target_num_layers" else "must be >= 0")
+    for name in ("rms_norm_eps", "rope_theta"):
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise bad(name, v, "must be a finite number > 0")
+    ids = cfg.aux_layer_ids
+    if not isinstance(ids, list) or not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                   for i in ids):
+        raise bad("aux_layer_ids", ids, "must be a non-empty list of layer ids >= 0")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise bad("num_key_value_heads", cfg.num_key_value_heads,
+                  f"must divide num_attention_heads ({cfg.num_attention_heads})")
 
 
 class RMSNorm(nn.Module):

@@ -15,12 +15,25 @@ from eyas.train.predict import PREDICTION_FILE
 
 def _run(cfg: TrainConfig) -> None:
     """Train an EAGLE-3 draft with training-time test (offline from a store, or --online)."""
+    import os
+
     from rich.console import Console
 
+    from eyas.outdir import check_out, writer_lock
+    from eyas.train import checkpoint as ckpt
     from eyas.train.trainer import train
 
-    draft = train(cfg)
     console = Console(stderr=True)
+    check_out(cfg.out, inputs={"the prepared dataset --data": cfg.data, "the --store": cfg.store,
+                               "the --target": cfg.target})
+    if cfg.resume and not ckpt.checkpoint_dirs(Path(cfg.out)):
+        console.print(ckpt.no_checkpoint_note(Path(cfg.out)), markup=False, highlight=False)
+    # one writer per run directory; under torchrun the ranks of one run share it: rank 0 holds it
+    if os.environ.get("RANK", "0") == "0":
+        with writer_lock(cfg.out, command="eyas train"):
+            draft = train(cfg)
+    else:
+        draft = train(cfg)
     console.print(f"draft -> {draft}")
     pred = Path(draft) / PREDICTION_FILE
     if pred.is_file():
