@@ -180,8 +180,8 @@ def check_values(values: Mapping[str, Any], types_: Mapping[str, Any], ranges: M
         try:
             v = coerce(value, tp)
         except _Mismatch:
-            raise EyasError(f"{name(key)}{sep}{value!r} is {_kind(value)}; expected {describe(tp)}"
-                            + _too_large(value, tp)) from None
+            what = "a number too large to be a count (above 2^53)" if _too_large(value, tp) else _kind(value)
+            raise EyasError(f"{name(key)}{sep}{value!r} is {what}; expected {describe(tp)}") from None
         out[key] = v
         rule = ranges.get(key)
         for x in (v if isinstance(v, tuple) else (v,)):
@@ -195,15 +195,15 @@ def check_values(values: Mapping[str, Any], types_: Mapping[str, Any], ranges: M
     return out
 
 
-def _too_large(value: Any, tp: Any) -> str:
-    """A note for an integral number too large to be a count (``max_steps: 1e30``)."""
+def _too_large(value: Any, tp: Any) -> bool:
+    """An integer setting given a number too large to be a count (``max_steps: 1e30``)."""
     if int not in (tp, *typing.get_args(tp)) or isinstance(value, bool):
-        return ""
+        return False
     try:
         f = float(value)
     except (TypeError, ValueError):
-        return ""
-    return " up to 2^53; this one is too large to be meant" if math.isfinite(f) and abs(f) > 2 ** 53 else ""
+        return False
+    return math.isfinite(f) and abs(f) > 2 ** 53
 
 
 def _kind(value: Any) -> str:

@@ -27,7 +27,7 @@ def _run(cfg: TrainConfig) -> None:
     check_out(cfg.out, inputs={"the prepared dataset --data": cfg.data, "the --store": cfg.store,
                                "the --target": cfg.target})
     if cfg.resume and not ckpt.checkpoint_dirs(Path(cfg.out)):
-        console.print(ckpt.no_checkpoint_note(Path(cfg.out)), markup=False, highlight=False)
+        console.print(ckpt.no_checkpoint_note(Path(cfg.out)), markup=False, highlight=False, soft_wrap=True)
     # one writer per run directory; under torchrun the ranks of one run share it: rank 0 holds it
     if os.environ.get("RANK", "0") == "0":
         with writer_lock(cfg.out, command="eyas train"):
