@@ -1316,3 +1316,17 @@ def test_bad_input_disk_full_is_one_line():
     line, code = error_line(e.value)
     assert code == 2 and line.startswith("no space left on the device holding /data/store/shard-000007")
     assert "re-run the same command; it resumes" in line
+
+
+def test_bad_input_evaluate_prompt_longer_than_the_context(tmp_path, export_target):
+    """An evaluate prompts file with a 700-token question for a target of 512 positions: a warning naming
+    the question, its tokens and the target's context before it runs (was: it ran with no warning)."""
+    import test_export
+
+    draft = test_export._draft(export_target, tmp_path / "draft")
+    q = tmp_path / "question.jsonl"
+    q.write_text(json.dumps({"question_id": 7, "category": "writing", "turns": ["the lazy dog " * 230]}) + "\n")
+    code, msg = eyas("evaluate", "--draft", draft, "--target", export_target.path, "--prompts", q, "--out",
+                     tmp_path / "ev", "-k", "2", "--max-new-tokens", "2", "--no-plain", "--device", "cpu", "--quiet")
+    assert code == 0, msg
+    assert "exceeds the target's context of 512 tokens" in msg and "question 7:" in msg

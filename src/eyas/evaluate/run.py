@@ -84,6 +84,7 @@ def run_evaluation(cfg: EvaluateConfig) -> dict[str, Any]:
     questions = read_questions(prompts, max_prompts, max_per_category)
     tokenizer = target.load_tokenizer()
     stop_ids = set(stop_token_ids(tokenizer, target.path))
+    _warn_past_context(questions, tokenizer, target.config(), max_new_tokens, prompts)
     meta = {**_predicted(Path(draft_dir), k), "target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
             "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
             "dtype": dtype, "device": device, "seed": seed, "max_prompts": max_prompts,
@@ -139,6 +140,28 @@ def run_evaluation(cfg: EvaluateConfig) -> dict[str, Any]:
             reports[f"k{other}"] = run_evaluation(replace(cfg, k=other, also_k=[], speed_concurrency=[],
                                                     out=Path(out) / f"k{other}"))
     return reports
+
+
+def _warn_past_context(questions, tokenizer, target_config: dict[str, Any], max_new_tokens: int, prompts) -> None:
+    """Say so when first turns, with the tokens to generate, exceed the target's context
+    (``max_position_embeddings``): their answers would be cut off or wrong, and later turns longer
+    still. Only first turns can be measured before the model answers."""
+    import sys
+
+    from eyas.evaluate.prompts import render_turn
+
+    tc = target_config.get("text_config", target_config)
+    ctx = tc.get("max_position_embeddings")
+    if not isinstance(ctx, int) or ctx <= 0:
+        return
+    over = [(q.question_id, n) for q in questions
+            if (n := len(render_turn(tokenizer, q, 0, []))) + max_new_tokens > ctx]
+    if over:
+        qid, n = max(over, key=lambda x: x[1])
+        print(f"warning: prompts {prompts}: the first turn of {len(over)} of {len(questions)} questions, with "
+              f"--max-new-tokens {max_new_tokens}, exceeds the target's context of {ctx:,} tokens "
+              f"(max_position_embeddings), e.g. question {qid}: {n:,} tokens; their answers are cut off or "
+              "wrong. Shorten those questions or leave them out", file=sys.stderr, flush=True)
 
 
 def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
