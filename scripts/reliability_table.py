@@ -26,7 +26,10 @@ docstrings and parameters); `tests/test_reliability_table.py` fails when this fi
 Each row is a test that asserts the behaviour (exit code or exception, message, files intact) and
 fails on the code before issue 19 (each was run against the `src/` of 2fd3e3b, where the issue was
 filed: all failed); the fp8-store and disk-plan rows test what issue 21 added, which that code
-lacks. Run them with
+lacks. The rows from `test_bad_input_second_writer_into_one_out` on (and `lr_inf`,
+`max_steps_1e30`) are issue 34's: each was run against the `src/` of df47963, where that issue was
+filed, and all failed (the YAML alias bomb was not run there: it takes the machine's memory, as the
+issue reports). Run them with
 `pytest -m "not slow and not vllm" -k bad_input`.
 
 """

@@ -6,7 +6,9 @@ The docstring of each test is its row in benchmarks/reliability.md (scripts/reli
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -141,7 +143,8 @@ def test_bad_input_config_lr_1e_4_is_a_number(tmp_path):
     ("train:\n  layers: 2,3\n", "train.layers = '2,3' is a string; expected a list of integers"),
     ("evaluate:\n  k: 2.5\n", "evaluate.k = 2.5 is a number; expected an integer"),
     ("prepare:\n  regenerate:\n    top_p: high\n", "prepare.regenerate.top_p = 'high' is a string"),
-], ids=["lr_fast", "compile_yes_string", "layers_string", "k_2.5", "regenerate_top_p_high"])
+    ("train:\n  max_steps: 1e30\n", "train.max_steps = '1e30' is a number too large to be a count (above 2^53)"),
+], ids=["lr_fast", "compile_yes_string", "layers_string", "k_2.5", "regenerate_top_p_high", "max_steps_1e30"])
 def test_bad_input_config_value_of_the_wrong_type(tmp_path, text, match):
     """A YAML value of the wrong type: exit 2 naming the key, the value and the expected type,
     before any stage runs."""
@@ -169,8 +172,9 @@ def _train_args(tmp_path: Path, *extra: str) -> list[str]:
     ("--grad-accum", "0", "--grad-accum 0 (micro-batches per optimizer step) must be >= 1"),
     ("--eval-batches", "0", "--eval-batches 0"),
     ("--warmup", "-1", "--warmup -1 (warmup steps) must be >= 0"),
+    ("--lr", "inf", "--lr inf (peak learning rate) is not finite"),
 ], ids=["ttt_steps_0", "tokens_per_batch_1", "lr_negative", "lr_0", "max_steps_0", "heldout_1",
-        "grad_accum_0", "eval_batches_0", "warmup_negative"])
+        "grad_accum_0", "eval_batches_0", "warmup_negative", "lr_inf"])
 def test_bad_input_train_flag_out_of_range(tmp_path, flag, value, match):
     """`eyas train` with a numeric flag out of range: exit 2 naming the flag, the value and the
     allowed range before the target loads (was: an autograd/torch traceback after it loaded, or a
@@ -646,3 +650,683 @@ def test_bad_input_prompts_file_not_utf8(tmp_path):
     at = len(good) + bad.index(b"\xe9")
     with pytest.raises(EyasError, match=rf"prompts {f}:2: byte 0xe9 at byte {at} of the file is not valid UTF-8"):
         read_questions(f)
+
+
+# ============================================================= issue 34: outputs, locks, content
+#
+# Output folders are checked before a stage runs and held by one writer at a time; what a manifest
+# names stays inside its folder; inputs are identified by their content; a draft's config is checked
+# against its weights; every error is one line (a traceback only with --debug).
+
+
+def _stage_args(stage: str, tmp_path: Path, out: Path) -> tuple[list, str]:
+    """Arguments of `eyas <stage>` writing ``out`` with inputs that do not exist (the output is
+    checked before any input is read), and the flag that names ``out`` in messages."""
+    missing = tmp_path / "missing"
+    if stage == "pipeline":
+        cfg = tmp_path / "job.yaml"
+        cfg.write_text(f"target: {missing}\nworkdir: {out}\n")
+        return ["pipeline", cfg], "workdir"
+    return {"prepare": ["prepare", "--data", missing / "c.jsonl", "--target", missing, "--out", out],
+            "extract": ["extract", "--data", missing, "--target", missing, "--out", out],
+            "train": ["train", "--data", missing, "--target", missing, "--out", out, "--online"],
+            "export": ["export", missing, "--out", out],
+            "evaluate": ["evaluate", "--draft", missing, "--target", missing, "--out", out]}[stage], "--out"
+
+
+@contextlib.contextmanager
+def _held_by_another_process(folder: Path):
+    """Another process holding the writer lock of ``folder``; yields its pid."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom eyas.outdir import writer_lock\n"
+            "with writer_lock(sys.argv[1], command='eyas train'):\n"
+            "    print('held', flush=True)\n    sys.stdin.read()\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        yield p.pid
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
+
+
+@pytest.mark.parametrize("stage", ["prepare", "extract", "train", "export", "evaluate", "pipeline"])
+def test_bad_input_second_writer_into_one_out(tmp_path, stage):
+    """A second `eyas <stage>` writing into the --out (or the pipeline workdir) that another eyas process
+    is writing: exit 2 naming the folder and the holder's pid, before anything is read or written (was:
+    a second train died inside the first's temp dir with metrics.jsonl holding steps 1-2 twice; two
+    evaluates recorded each turn twice)."""
+    out = tmp_path / "out"
+    args, flag = _stage_args(stage, tmp_path, out)
+    with _held_by_another_process(out) as pid:
+        code, msg = eyas(*args)
+    assert code == 2, msg
+    assert f"{flag} {out} is being written by another eyas process (pid {pid}, `eyas train`" in msg
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("stage", ["prepare", "extract", "train", "export", "evaluate", "pipeline"])
+def test_bad_input_out_is_a_file(tmp_path, stage):
+    """`--out` (or the pipeline workdir) that is an existing file, for every stage: exit 2 naming it and
+    saying to pass a folder, before any input is read; the file is untouched (was: a traceback)."""
+    out = tmp_path / "out"
+    out.write_text("keep me")
+    args, flag = _stage_args(stage, tmp_path, out)
+    code, msg = eyas(*args)
+    assert code == 2 and f"{flag} {out} is a file, not a folder" in msg
+    assert out.read_text() == "keep me"
+
+
+@pytest.fixture
+def unwritable(tmp_path):
+    """A folder this user cannot create files in: mode 0555, or (as root, whom modes do not stop) /sys."""
+    import tempfile
+
+    if os.geteuid() != 0:
+        d = tmp_path / "ro"
+        d.mkdir()
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)
+        return
+    try:
+        fd, name = tempfile.mkstemp(dir="/sys")
+    except OSError:
+        yield Path("/sys")
+        return
+    os.close(fd)
+    os.unlink(name)
+    pytest.skip("no folder here refuses files to this user")
+
+
+@pytest.mark.parametrize("stage", ["prepare", "extract", "extract_plan", "train", "export", "evaluate", "pipeline"])
+def test_bad_input_out_not_writable(tmp_path, unwritable, stage):
+    """`--out` (or the pipeline workdir) under a folder this user cannot write (or on a read-only
+    filesystem), for every stage and `extract --plan`: exit 2 naming the folder and saying to choose a
+    writable --out, before any input is read (was: tracebacks; `--plan` called the place writable)."""
+    out = unwritable / "out"
+    args, flag = _stage_args(stage.removesuffix("_plan"), tmp_path, out)
+    code, msg = eyas(*args, *(["--plan"] if stage == "extract_plan" else []))
+    assert code == 2 and f"{flag} {out}: the folder {unwritable} is not writable" in msg
+
+
+def test_bad_input_export_out_dot_with_overwrite(tmp_path, monkeypatch):
+    """`eyas export DRAFT --out . --overwrite` run inside the folder to replace: exit 2 saying --out is the
+    current folder, nothing replaced (was: a traceback from renaming `.`)."""
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "notes.txt").write_text("mine")
+    monkeypatch.chdir(here)
+    code, msg = eyas("export", tmp_path / "draft", "--out", ".", "--overwrite")
+    assert code == 2 and "--out . is the current folder" in msg
+    assert (here / "notes.txt").read_text() == "mine"
+
+
+def test_bad_input_eyas_cache_is_a_file(tmp_path, tiny_llama_dir, monkeypatch):
+    """`EYAS_CACHE` pointing at a file: `eyas prepare` exits 2 naming EYAS_CACHE and saying to point it
+    at a folder (was: a traceback)."""
+    f = tmp_path / "cache"
+    f.write_text("")
+    monkeypatch.setenv("EYAS_CACHE", str(f))
+    data = tmp_path / "c.jsonl"
+    data.write_text(json.dumps(_conv(0)) + "\n")
+    code, msg = eyas(*_prepare_args(tiny_llama_dir, data, tmp_path / "out"))
+    assert code == 2 and f"EYAS_CACHE {f} is a file, not a folder" in msg
+
+
+# ---------------------------------------------------------------------------- prepare's inputs
+
+
+@pytest.mark.parametrize("encoding, match", [
+    ("utf-16", "encoded as UTF-16-LE (it starts with that byte-order mark)"),
+    ("utf-16-le", "encoded as UTF-16-LE (no byte-order mark; every other byte is 0)"),
+    ("latin-1", ":3: byte 0xe9 at byte"),
+], ids=["utf16_bom", "utf16_no_bom", "latin1"])
+def test_bad_input_jsonl_in_another_encoding(tmp_path, tiny_llama_dir, encoding, match):
+    """A JSONL file of 6 conversations in UTF-16 (with or without a byte-order mark) or Latin-1 to
+    `eyas prepare`: exit 2 naming the encoding (or the first byte that is not UTF-8, with its line) and
+    the conversion to run; nothing is written (was: exit 0, "read 7" for 6, the first line dropped as
+    malformed JSON)."""
+    convs = [_conv(i) for i in range(6)]
+    convs[2]["conversations"][1]["value"] = "un café"
+    f = tmp_path / "chats.jsonl"
+    f.write_bytes("".join(json.dumps(c, ensure_ascii=False) + "\n" for c in convs).encode(encoding))
+    code, msg = eyas(*_prepare_args(tiny_llama_dir, f, tmp_path / "out"))
+    assert code == 2 and match in msg and "iconv" in msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_input_json_array_with_utf8_bom(tmp_path):
+    """A `.json` array starting with a UTF-8 byte-order mark (as Windows editors save it): read like the
+    same file without it, as JSONL lines and prompts files are (was: refused, with advice to run
+    `python -m json.tool`, which refuses a BOM too)."""
+    from eyas.data.formats import open_source
+
+    f = tmp_path / "chats.json"
+    f.write_bytes(b"\xef\xbb\xbf" + json.dumps([_conv(i) for i in range(3)]).encode())
+    _, recs = open_source(str(f))
+    assert [r.data["id"] for r in recs] == ["c0", "c1", "c2"]
+
+
+def _parquet(path: Path, rows) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([_conv(i) for i in rows]), path)
+
+
+def test_bad_input_parquet_folder_gained_a_file(tmp_path, tiny_llama_dir):
+    """A parquet input folder that gained a file after `eyas prepare`, prepared again into the same --out:
+    exit 2 naming data_sha256 (the folder is identified by its content), the dataset untouched (was:
+    "already complete ... nothing to do", exit 0, with 6 of 12 rows)."""
+    src = tmp_path / "pq"
+    src.mkdir()
+    _parquet(src / "a.parquet", range(6))
+    out = tmp_path / "out"
+    code, msg = eyas(*_prepare_args(tiny_llama_dir, src, out))
+    assert code == 0, msg
+    manifest = (out / "manifest.json").read_bytes()
+    _parquet(src / "b.parquet", range(6, 12))
+    code, msg = eyas(*_prepare_args(tiny_llama_dir, src, out))
+    assert code == 2 and "finished prepared dataset made with other settings (data_sha256:" in msg
+    assert (out / "manifest.json").read_bytes() == manifest
+
+
+def test_bad_input_parquet_file_damaged(tmp_path, tiny_llama_dir):
+    """A `.parquet` input cut in half: `eyas prepare` exits 2 naming the file and saying it is damaged,
+    before the target loads; nothing is written (was: an ArrowInvalid traceback)."""
+    f = tmp_path / "chats.parquet"
+    _parquet(f, range(6))
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    code, msg = eyas(*_prepare_args(tiny_llama_dir, f, tmp_path / "out"))
+    assert code == 2 and f"{f} is not a readable parquet file" in msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_input_unfinished_prepare_with_a_cut_shard(tmp_path, tiny_llama_dir):
+    """An unfinished prepare (no manifest yet) one of whose shards was cut in half, resumed: the shard is
+    named and encoded again, and the dataset equals an uninterrupted one (was: a traceback not naming
+    the shard)."""
+    f = tmp_path / "chats.jsonl"
+    f.write_text("".join(json.dumps(_conv(i)) + "\n" for i in range(6)))
+    out = tmp_path / "out"
+    args = _prepare_args(tiny_llama_dir, f, out, "--chunk-size", "2")
+    assert eyas(*args)[0] == 0
+    done = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").unlink()  # as a run stopped before its last step leaves it
+    (out / ".prepare-state.json").write_text(json.dumps(done["settings"]))
+    shard = out / "shard-00001.parquet"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    code, msg = eyas(*args)
+    assert code == 0, msg
+    assert json.loads((out / "manifest.json").read_text())["id"] == done["id"]
+
+
+def test_bad_input_duplicate_conversations(tmp_path, tiny_llama_dir):
+    """A JSONL of 6 conversations plus 2 exact repeats: `eyas prepare` keeps them and says how many, with
+    an example and `--dedupe`; with `--dedupe` they are dropped and counted as "duplicate" (was: kept
+    silently)."""
+    from eyas.data.prepare import summary_lines
+
+    f = tmp_path / "chats.jsonl"
+    f.write_text("".join(json.dumps(_conv(i)) + "\n" for i in [0, 1, 2, 3, 1, 4, 5, 3]))
+    code, msg = eyas(*_prepare_args(tiny_llama_dir, f, tmp_path / "kept"))
+    m = json.loads((tmp_path / "kept" / "manifest.json").read_text())
+    assert code == 0 and m["counts"]["samples"] == 8 and m["counts"]["duplicates"] == 2
+    line = next(x for x in summary_lines(m) if "duplicates" in x)
+    assert "kept 2 duplicates" in line and f"{f}:5 repeats {f}:2" in line and "--dedupe" in line
+    code, msg = eyas(*_prepare_args(tiny_llama_dir, f, tmp_path / "dedup", "--dedupe"))
+    m = json.loads((tmp_path / "dedup" / "manifest.json").read_text())
+    assert code == 0 and m["counts"]["samples"] == 6 and m["counts"]["dropped"] == {"duplicate": 2}
+
+
+# ----------------------------------------------------------------------- what manifests name
+
+
+@pytest.mark.parametrize("name", ["../d12/shard-00000.parquet", "/etc/passwd"], ids=["dotdot", "absolute"])
+def test_bad_input_prepared_manifest_names_a_file_outside(tmp_path, tiny_target, train_data, name):
+    """A prepared manifest whose shard is `../d12/shard-00000.parquet` (another dataset's) or `/etc/passwd`,
+    given to `eyas extract`: exit 2 naming the entry as no plain file name of the folder; nothing
+    outside it is read (was: followed, extract exit 0 with another dataset's rows under this one's id)."""
+    import shutil
+
+    d = tmp_path / "d"
+    shutil.copytree(train_data, d)
+    (tmp_path / "d12").mkdir()
+    shutil.copy(d / "shard-00000.parquet", tmp_path / "d12")
+    m = json.loads((d / "manifest.json").read_text())
+    m["shards"][0]["file"] = name
+    (d / "manifest.json").write_text(json.dumps(m))
+    code, msg = eyas("extract", "--target", tiny_target.path, "--data", d, "--out", tmp_path / "st",
+                     "--layers", "1,4,6", "--device", "cpu")
+    assert code == 2 and f"names the file {name!r}, which is not a plain file name inside that folder" in msg
+    assert not (tmp_path / "st").exists()
+
+
+@pytest.mark.parametrize("name", ["../../../../etc/passwd", "/etc/passwd"], ids=["dotdot", "absolute"])
+def test_bad_input_store_manifest_names_a_file_outside(tmp_path, tiny_target, train_data, store, name):
+    """A store manifest whose first shard is `../../../../etc/passwd` or `/etc/passwd`: `eyas extract
+    --verify` names the entry (exit 1) and training stops at the store's opening naming it; the file is
+    never opened (was: opened, and train called it "shard-000000 is corrupt")."""
+    import test_train_run
+    from eyas.manifest import read_manifest, write_manifest
+    from eyas.train.trainer import train
+
+    m = read_manifest(store)
+    m["shards"][0]["file"] = name
+    write_manifest(store, m)
+    code, out = eyas("extract", "--verify", store)
+    assert code == 1 and f"names the file {name!r}, which is not a plain file name" in out
+    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", online=False, store=str(store),
+                              max_steps=2, eval_every=0)
+    with pytest.raises(EyasError, match="not a plain file name inside that folder"):
+        train(cfg)
+
+
+# ------------------------------------------------------------------------------- the target
+
+
+def test_bad_input_target_weights_damaged_in_place(tmp_path, tiny_llama_dir, train_data):
+    """1 KB flipped inside a target's model.safetensors between the values its identity samples (same
+    size, the old mtime put back): `eyas extract` exits 2 naming the file and its changed checksum,
+    nothing extracted (was: exit 0, garbage states under the unchanged target id)."""
+    import shutil
+
+    from eyas.features.format import read_header
+    from eyas.target import _weights_fingerprint, resolve_target
+
+    tgt = tmp_path / "target"
+    shutil.copytree(tiny_llama_dir, tgt, ignore=shutil.ignore_patterns(".eyas*"))
+    before = resolve_target(tgt).identity  # the first use records the weight files' checksums
+    f = tgt / "model.safetensors"
+    st = f.stat()
+    start, header = read_header(f)
+    big = max((v for k, v in header.items() if k != "__metadata__"),
+              key=lambda v: v["data_offsets"][1] - v["data_offsets"][0])
+    at = start + big["data_offsets"][0] + 64  # after the tensor's first sampled value, well before its second
+    with open(f, "r+b") as fh:
+        fh.seek(at)
+        chunk = fh.read(1024)
+        fh.seek(at)
+        fh.write(bytes(b ^ 0xFF for b in chunk))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert _weights_fingerprint(tgt)[:16] == before["weights"]  # the sampled identity does not see it
+    code, msg = eyas("extract", "--target", tgt, "--data", train_data, "--out", tmp_path / "st",
+                     "--layers", "1,4,6", "--device", "cpu")
+    assert code == 2 and "weight file model.safetensors (checksum" in msg
+    assert "changed since eyas recorded it" in msg and "damaged" in msg
+    assert not (tmp_path / "st").exists()
+
+
+def test_bad_input_gguf_cut_off(tmp_path):
+    """A `.gguf` target cut off after its first bytes: exit 2 naming the file as cut off or damaged, and
+    nothing kept of the conversion (was: a struct.error traceback)."""
+    from eyas.target import resolve_target
+
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF\x03\x00\x00\x00\x05")
+    with pytest.raises(EyasError, match=r"the GGUF file cannot be read .* cut off or damaged"):
+        resolve_target(f, cache=tmp_path / "cache")
+    assert not list((tmp_path / "cache").rglob("config.json"))
+
+
+# ------------------------------------------------------------------------------------ drafts
+
+
+@pytest.mark.parametrize("field, value, stage", [
+    ("intermediate_size", 2_000_000_000, "export_with_target"),
+    ("intermediate_size", 2_000_000_000, "export"),
+    ("draft_vocab_size", 60_000, "export"),
+    ("intermediate_size", 2_000_000_000, "evaluate"),
+], ids=["intermediate_2e9_export_target", "intermediate_2e9_export", "draft_vocab_60000_export",
+        "intermediate_2e9_evaluate"])
+def test_bad_input_draft_config_does_not_fit_weights(tmp_path, export_target, field, value, stage):
+    """A draft whose config.json does not fit its weights (`intermediate_size` 2e9 over weights 256 wide,
+    `draft_vocab_size` 60,000 over 200 rows), exported with or without `--target`, or evaluated: exit 2
+    naming the tensor, both shapes and the field, before any tensor is loaded or allocated (was: exit 0
+    with the config's value in the vLLM config, or a 4.6 TB allocation)."""
+    import test_export
+
+    draft = test_export._draft(export_target, tmp_path / "draft")
+    cfg = json.loads((draft / "config.json").read_text())
+    cfg[field] = value
+    (draft / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    if stage.startswith("export"):
+        args = ["export", draft, "--out", out, *(["--target", export_target.path] if "target" in stage else [])]
+    else:
+        args = ["evaluate", "--draft", draft, "--target", export_target.path, "--out", out, "--max-new-tokens", "4",
+                "--device", "cpu"]
+    code, msg = eyas(*args)
+    assert code == 2 and "config.json does not fit model.safetensors" in msg and f"{field}={value}" in msg
+    assert not out.exists()
+
+
+def _rewrite_header(f: Path, edit) -> None:
+    """Rewrite the safetensors header of ``f`` through ``edit(header) -> header | bytes``."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = edit(json.loads(raw[8:8 + n]))
+    data = raw[8 + n:]
+    if isinstance(header, bytes):  # a raw length prefix: the header as it claims to be
+        f.write_bytes(header + raw[8:])
+        return
+    text = json.dumps(header).encode()
+    f.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def _offsets_past_end(h: dict) -> dict:
+    h["fc.weight"]["data_offsets"][1] += 1 << 30
+    return h
+
+
+def _overlapping(h: dict) -> dict:
+    a, b = h["norm.weight"]["data_offsets"]
+    c, _ = h["fc.weight"]["data_offsets"]
+    h["norm.weight"]["data_offsets"] = [c, c + b - a]  # norm now lies on top of fc
+    return h
+
+
+@pytest.mark.parametrize("damage, match", [
+    ("cut", "it is cut off, damaged or not a safetensors file"),
+    ("huge_header", "its header claims 1,099,511,627,776 bytes"),
+    ("offsets_past_end", "tensor 'fc.weight' spans bytes"),
+    ("overlapping", "overlap"),
+], ids=["cut_in_half", "header_length_1tb", "offsets_past_the_end", "overlapping_tensors"])
+def test_bad_input_draft_weights_damaged(tmp_path, export_target, damage, match):
+    """A draft's model.safetensors cut in half, with a header length of 1 TB, a tensor's offsets past the
+    end, or two tensors' bytes overlapping, to `eyas export`: exit 2 naming the file and what is wrong
+    with it, before anything is allocated (was: a SafetensorError traceback, or an allocation of the
+    claimed size)."""
+    import test_export
+
+    draft = test_export._draft(export_target, tmp_path / "draft")
+    f = draft / "model.safetensors"
+    if damage == "cut":
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif damage == "huge_header":
+        _rewrite_header(f, lambda h: (1 << 40).to_bytes(8, "little"))
+    else:
+        _rewrite_header(f, {"offsets_past_end": _offsets_past_end, "overlapping": _overlapping}[damage])
+    code, msg = eyas("export", draft, "--out", tmp_path / "out")
+    assert code == 2 and str(f) in msg and match in msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_input_evaluate_draft_cut_off(tmp_path, export_target):
+    """A draft's model.safetensors cut in half, to `eyas evaluate`: exit 2 naming the file, before the
+    target runs (was: a traceback)."""
+    import test_export
+
+    draft = test_export._draft(export_target, tmp_path / "draft")
+    f = draft / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    code, msg = eyas("evaluate", "--draft", draft, "--target", export_target.path, "--out", tmp_path / "out",
+                     "--device", "cpu")
+    assert code == 2 and str(f) in msg and "cut off, damaged or not a safetensors file" in msg
+
+
+@pytest.mark.parametrize("value, match", [
+    ("abc", "intermediate_size = 'abc' is not an integer"),
+    ("-5", "intermediate_size = -5 must be >= 1"),
+], ids=["abc", "minus_5"])
+def test_bad_input_train_draft_config_value(tmp_path, tiny_target, train_data, value, match):
+    """`eyas train --draft-config intermediate_size=abc` or `=-5`: exit 2 naming the field and the value
+    (was: a TypeError or RuntimeError traceback from building the layer)."""
+    code, msg = eyas("train", "--target", tiny_target.path, "--data", train_data, "--out", tmp_path / "run",
+                     "--online", "--layers", "1,4,6", "--max-steps", "1", "--draft-config", f"intermediate_size={value}",
+                     "--quiet")
+    assert code == 2 and match in msg
+
+
+def test_bad_input_export_overwrite_of_a_folder_that_is_not_an_export(tmp_path, export_target):
+    """`eyas export DRAFT --out X --overwrite` where X is a folder of other files (not an earlier export):
+    exit 2 saying --overwrite replaces only an export; every file intact (was: the folder deleted)."""
+    import test_export
+
+    draft = test_export._draft(export_target, tmp_path / "draft")
+    out = tmp_path / "photos"
+    out.mkdir()
+    (out / "cat.jpg").write_bytes(b"\xff\xd8 a cat")
+    code, msg = eyas("export", draft, "--out", out, "--overwrite")
+    assert code == 2 and f"--out {out} exists and is not an eyas export" in msg
+    assert (out / "cat.jpg").read_bytes() == b"\xff\xd8 a cat"
+    assert eyas("export", draft, "--out", tmp_path / "exp")[0] == 0
+    assert eyas("export", draft, "--out", tmp_path / "exp", "--overwrite")[0] == 0  # an export it replaces
+
+
+def test_bad_input_export_readable_by_others_under_umask_022(tmp_path, export_target):
+    """`eyas export` under umask 022: the export folder 0755 and its files 0644, as any file the user
+    writes, so that the user who serves it can read it (was: 0700 and 0600)."""
+    import stat
+
+    import test_export
+
+    draft = test_export._draft(export_target, tmp_path / "draft")
+    old = os.umask(0o022)
+    try:
+        assert eyas("export", draft, "--out", tmp_path / "exp")[0] == 0
+    finally:
+        os.umask(old)
+    exp = tmp_path / "exp"
+    assert stat.S_IMODE(exp.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in exp.iterdir()} == {0o644}
+
+
+# ------------------------------------------------------------------------------------ train
+
+
+def test_bad_input_checkpoint_trainer_state_step_edited(tmp_path, tiny_target, train_data, finished_run, capfd):
+    """`trainer_state.json` of the latest checkpoint edited to step 10^9, `--resume`: the file is named,
+    the checkpoint moved aside, and training resumes from the previous one to the same draft and
+    summary (was: exit 0 with the step-2 draft and a summary of 6 steps)."""
+    import torch
+
+    run = _copy_run(finished_run, tmp_path)
+    f = run / "checkpoints" / "step-00000004" / "trainer_state.json"
+    state = json.loads(f.read_text())
+    state["step"] = 10 ** 9
+    f.write_text(json.dumps(state))
+    want = _draft_weights(finished_run)
+    _resume(tiny_target, train_data, run)
+    err = capfd.readouterr().err
+    assert f"checkpoint step-00000004 is unreadable ({f}: says step 1000000000" in err
+    assert "step-00000002" in err
+    got = _draft_weights(run)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+
+
+@pytest.mark.parametrize("file, key, value, match", [
+    ("trainer_state.json", "step", "abc", "step 'abc' is not a step number"),
+    ("trainer_state.json", "step", 2, "says step 2, but it is the checkpoint of step 4"),
+    ("config.json", "intermediate_size", 999, "config.json does not fit it: midlayer.mlp"),
+], ids=["step_abc", "step_of_another_checkpoint", "config_intermediate_999"])
+def test_bad_input_checkpoint_does_not_match_its_own_record(tmp_path, finished_run, file, key, value, match):
+    """A checkpoint whose trainer_state.json says another step ("abc", or an earlier checkpoint's) or
+    whose config.json does not fit its weights (`intermediate_size` 999 over weights 128 wide): refused
+    as unreadable naming the file, so `--resume` moves it aside and resumes from the previous one (was:
+    a ValueError or size-mismatch traceback, or the wrong step resumed)."""
+    from eyas.train import checkpoint as ckpt
+
+    run = _copy_run(finished_run, tmp_path)
+    c = run / "checkpoints" / "step-00000004"
+    data = json.loads((c / file).read_text())
+    data[key] = value
+    (c / file).write_text(json.dumps(data))
+    with pytest.raises(ckpt.Unreadable, match=match):
+        ckpt.load(c, 0)
+    ckpt.load(run / "checkpoints" / "step-00000002", 0)  # the previous one reads back
+
+
+def test_bad_input_finished_run_resumed_with_fewer_max_steps(finished_run):
+    """A finished 4-step run resumed with `--max-steps 2` (`checkpoint.check_resume_step`, which the trainer
+    calls once it knows its planned steps): refused naming the checkpoint's step, the planned steps and
+    what to do (was: exit 0, the later step's draft written with a summary of the fewer steps)."""
+    from eyas.train import checkpoint as ckpt
+
+    resumed = ckpt.load_latest(finished_run, 0)
+    with pytest.raises(EyasError, match=r"step-00000004: it is at step 4, past the 2 steps this run plans"):
+        ckpt.check_resume_step(resumed, 2)
+    ckpt.check_resume_step(resumed, 4)  # the same plan: a no-op resume
+
+
+def test_bad_input_train_resume_without_a_checkpoint(tmp_path):
+    """`eyas train --resume` into a --out that holds no checkpoint: a warning naming the folder and saying
+    training starts at step 0 (was: silently trained from scratch)."""
+    code, msg = eyas(*_train_args(tmp_path, "--resume"))
+    assert f"--resume: {tmp_path / 'run'} holds no checkpoint" in msg and "starts at step 0" in msg
+
+
+def test_bad_input_pipeline_layers_out_of_range(tmp_path, tiny_llama_dir):
+    """Pipeline `train.layers: [2, 2, 99]` for an 8-layer target: exit 2 naming the key and the ids out of
+    range before prepare runs (was: found only after prepare and extract, with the wrong reason)."""
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(f"target: {tiny_llama_dir}\nworkdir: {tmp_path / 'work'}\ntrain:\n  layers: [2, 2, 99]\n")
+    code, msg = eyas("pipeline", cfg)
+    assert code == 2 and "train.layers = [2, 2, 99]: layer ids [99] out of range" in msg
+    assert not (tmp_path / "work" / "prepared").exists()
+
+
+def test_bad_input_six_layer_target_default_layers():
+    """A 6-layer target with no --layers given: distinct default aux ids spread over its layers (was:
+    refused for the default ids [2, 3, 3] the user never gave)."""
+    from eyas.features.layers import resolve_layers
+
+    assert resolve_layers(6) == ([1, 2, 4], 6)
+    assert resolve_layers(32) == ([2, 16, 29], 32)  # deep targets keep EAGLE-3's choice
+
+
+# --------------------------------------------------------------------------------- evaluate
+
+
+def test_bad_input_evaluate_k_more_than_max_new_tokens(tmp_path):
+    """`eyas evaluate -k 1000 --max-new-tokens 8`, and the same in a pipeline config: exit 2 before any
+    model loads, saying k is more than the tokens a turn generates (was: nothing recorded in 300 s)."""
+    code, msg = eyas("evaluate", "--draft", tmp_path / "draft", "--target", tmp_path / "no-target",
+                     "-k", "1000", "--max-new-tokens", "8")
+    assert code == 2 and "-k 1000 is more than --max-new-tokens 8" in msg
+    code, msg = eyas("pipeline", _yaml(tmp_path, "evaluate:\n  k: 1000\n  max_new_tokens: 8\n"))
+    assert code == 2 and "evaluate.k 1000 is more than evaluate.max_new_tokens 8" in msg
+    assert not (tmp_path / "work").exists()
+
+
+def test_bad_input_prompts_file_rewritten_in_place(tmp_path, export_target):
+    """The prompts file of `eyas evaluate` rewritten in place (same path, other questions) and evaluated
+    again into the same --out: exit 2 naming prompts_sha256, the earlier records untouched (was: exit 0,
+    the old answers reused and the report rebuilt from them)."""
+    import evalkit
+    import test_export
+
+    draft = test_export._draft(export_target, tmp_path / "draft")
+    prompts = evalkit.write_questions(tmp_path / "question.jsonl", 1, turns=1)
+    args = ["evaluate", "--draft", draft, "--target", export_target.path, "--prompts", prompts,
+            "--out", tmp_path / "ev", "-k", "2", "--max-new-tokens", "4", "--no-plain", "--device", "cpu", "--quiet"]
+    code, msg = eyas(*args)
+    assert code == 0, msg
+    records = tmp_path / "ev" / "builtin" / "records.jsonl"
+    before = records.read_bytes()
+    evalkit.write_questions(prompts, 1, seed=1, turns=1)
+    code, msg = eyas(*args)
+    assert code == 2 and "prompts_sha256" in msg
+    assert records.read_bytes() == before
+
+
+# ------------------------------------------------------------------------- config, CLI, help
+
+
+def test_bad_input_config_yaml_alias_bomb(tmp_path):
+    """A pipeline config whose aliases under `prepare.data` expand to 3.5 billion values (ten levels of
+    nine aliases): exit 2 within seconds saying the aliases expand past the limit, nothing run (was: 93 s
+    of CPU, then a MemoryError at a 6 GB ulimit; without one it can take the machine)."""
+    import time
+
+    levels = ["&a0 [" + ", ".join(["lol"] * 9) + "]"]
+    levels += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    cfg = _yaml(tmp_path, "prepare:\n  data: [" + ", ".join(levels) + "]\n")
+    t = time.perf_counter()
+    code, msg = eyas("pipeline", cfg)
+    assert code == 2 and "its aliases (*name) expand to more than 100,000 values" in msg
+    assert time.perf_counter() - t < 10
+    assert not (tmp_path / "work").exists()
+
+
+def test_bad_input_extract_data_is_a_conversations_file(tmp_path, tiny_target):
+    """`eyas extract --data chats.jsonl` (conversations, not a prepared folder): exit 2 saying it is the
+    input of `eyas prepare --data` (was: advice to run `eyas prepare --out chats.jsonl`)."""
+    f = tmp_path / "chats.jsonl"
+    f.write_text(json.dumps(_conv(0)) + "\n")
+    code, msg = eyas("extract", "--target", tiny_target.path, "--data", f, "--out", tmp_path / "st")
+    assert code == 2 and f"eyas prepare --data {f} --out DIR" in msg and f"--out {f}`" not in msg
+
+
+def test_bad_input_extract_out_is_its_data(tmp_path, tiny_target, train_data):
+    """`eyas extract --out` equal to its `--data`: exit 2 saying --out is the prepared dataset, the dataset
+    untouched (was: a 10-field settings diff)."""
+    before = _snapshot(train_data)
+    code, msg = eyas("extract", "--target", tiny_target.path, "--data", train_data, "--out", train_data)
+    assert code == 2 and f"--out {train_data} is the prepared dataset --data" in msg
+    assert _snapshot(train_data) == before
+
+
+def test_bad_input_train_help_keeps_brackets():
+    """`eyas train --help`: "[tokens, vocab]" in the --fused-loss help is printed as written (was: eaten
+    as rich markup)."""
+    from eyas.cli import app
+
+    res = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0 and "no [tokens, vocab] tensors kept" in res.output
+
+
+def test_bad_input_unexpected_error_is_one_line(tmp_path, monkeypatch, capsys):
+    """An error eyas does not foresee (here an export that fails with a RuntimeError) as the `eyas`
+    command ends in it: one line naming it and saying to re-run with --debug, exit 1, no traceback;
+    with `--debug` the traceback too (was: a traceback always)."""
+    from eyas.cli import main
+    from eyas.export import run
+
+    def boom(cfg, torch_dtype):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(run, "_export", boom)
+    monkeypatch.delenv("EYAS_DEBUG", raising=False)
+    for debug in ([], ["--debug"]):
+        with pytest.raises(SystemExit) as e:
+            main([*debug, "export", str(tmp_path / "draft"), "--out", str(tmp_path / "exp")])
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and "unexpected RuntimeError: boom" in err and "--debug" in err
+        assert ("Traceback" in err) == bool(debug)
+    monkeypatch.delenv("EYAS_DEBUG", raising=False)
+
+
+def test_bad_input_disk_full_is_one_line():
+    """A write that finds the disk full (here /dev/full) as the `eyas` command reports it: one line
+    naming the file, the cause and that a re-run resumes (was: an ENOSPC traceback)."""
+    from eyas.cli import error_line
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    with pytest.raises(OSError) as e:
+        with open("/dev/full", "w") as fh:
+            fh.write("x")
+    e.value.filename = "/data/store/shard-000007.safetensors"
+    line, code = error_line(e.value)
+    assert code == 2 and line.startswith("no space left on the device holding /data/store/shard-000007")
+    assert "re-run the same command; it resumes" in line
+
+
+def test_bad_input_evaluate_prompt_longer_than_the_context(tmp_path, export_target):
+    """An evaluate prompts file with a 700-token question for a target of 512 positions: a warning naming
+    the question, its tokens and the target's context before it runs (was: it ran with no warning)."""
+    import test_export
+
+    draft = test_export._draft(export_target, tmp_path / "draft")
+    q = tmp_path / "question.jsonl"
+    q.write_text(json.dumps({"question_id": 7, "category": "writing", "turns": ["the lazy dog " * 230]}) + "\n")
+    code, msg = eyas("evaluate", "--draft", draft, "--target", export_target.path, "--prompts", q, "--out",
+                     tmp_path / "ev", "-k", "2", "--max-new-tokens", "2", "--no-plain", "--device", "cpu", "--quiet")
+    assert code == 0, msg
+    assert "exceeds the target's context of 512 tokens" in msg and "question 7:" in msg

@@ -163,7 +163,8 @@ def test_export_cli(target, tmp_path):
     assert CliRunner().invoke(app, args + ["--overwrite"]).exit_code == 0
     res = CliRunner().invoke(app, args[:2] + ["--format", "onnx"] + args[4:] + ["--overwrite"])
     assert res.exit_code != 0 and "--format 'onnx'" in str(res.exception)
-    res = CliRunner().invoke(app, ["export", str(tmp_path), "--out", str(tmp_path / "x"),
+    (tmp_path / "not-a-draft").mkdir()
+    res = CliRunner().invoke(app, ["export", str(tmp_path / "not-a-draft"), "--out", str(tmp_path / "x"),
                                    "--target", str(target.path)])
     assert res.exit_code != 0 and "needs config.json and model.safetensors" in str(res.exception)
 

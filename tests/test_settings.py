@@ -94,8 +94,7 @@ def test_cli_defaults_are_the_dataclass_defaults_and_flags_keep_their_names():
     assert TrainConfig(data="d", out="o").compile is None and TrainConfig(data="d", out="o").fused_loss is None
 
 
-@pytest.mark.parametrize("kw, flagname", [({"optimizer": "muon"}, "--optimizer muon"),
-                                          ({"compile_scope": "regions"}, "--compile-scope regions"),
+@pytest.mark.parametrize("kw, flagname", [({"compile_scope": "regions"}, "--compile-scope regions"),
                                           ({"compile_mode": "reduce-overhead"}, "--compile-mode reduce-overhead"),
                                           ({"draft_config": {"fc_norm": True}}, "--draft-config fc_norm=true")])
 def test_settings_that_measured_no_gain_need_experimental(kw, flagname):

@@ -32,6 +32,8 @@ class Range:
     def problem(self, v: float) -> str | None:
         if isinstance(v, float) and math.isnan(v):
             return "is not a number"
+        if isinstance(v, float) and math.isinf(v):
+            return "is not finite"
         if self.lo is not None and (v < self.lo or (self.lo_open and v == self.lo)):
             return f"must be {'>' if self.lo_open else '>='} {_num(self.lo)}"
         if self.hi is not None and (v > self.hi or (self.hi_open and v == self.hi)):
@@ -150,14 +152,15 @@ def coerce(value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():
+        # an integral float up to 2^53 (exact in a float): 1e30 is no count anyone meant
+        if isinstance(value, float) and value.is_integer() and abs(value) <= 2 ** 53:
             return int(value)
         if isinstance(value, str):
             try:
                 f = float(value.strip())
             except ValueError:
                 raise _Mismatch from None
-            if f.is_integer():
+            if f.is_integer() and abs(f) <= 2 ** 53:
                 return int(f)
         raise _Mismatch
     if tp is str:
@@ -211,7 +214,8 @@ def check_values(values: Mapping[str, Any], types_: Mapping[str, Any], ranges: M
         try:
             v = coerce(value, tp)
         except _Mismatch:
-            raise EyasError(f"{name(key)}{sep}{value!r} is {_kind(value)}; expected {describe(tp)}") from None
+            what = "a number too large to be a count (above 2^53)" if _too_large(value, tp) else _kind(value)
+            raise EyasError(f"{name(key)}{sep}{value!r} is {what}; expected {describe(tp)}") from None
         out[key] = v
         rule = ranges.get(key)
         for x in (v if isinstance(v, tuple) else (v,)):
@@ -223,6 +227,17 @@ def check_values(values: Mapping[str, Any], types_: Mapping[str, Any], ranges: M
                 hint = f"; {rule.hint}" if rule.hint else ""
                 raise EyasError(f"{name(key)}{sep}{value!r}{what} {problem}: change it{hint}")
     return out
+
+
+def _too_large(value: Any, tp: Any) -> bool:
+    """An integer setting given a number too large to be a count (``max_steps: 1e30``)."""
+    if int not in (tp, *typing.get_args(tp)) or isinstance(value, bool):
+        return False
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(f) and abs(f) > 2 ** 53
 
 
 def _kind(value: Any) -> str:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
+import os
 import sys
+import traceback
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from eyas.errors import EyasError
@@ -18,8 +22,11 @@ console = Console(stderr=True)
 
 
 @app.callback()
-def _root() -> None:
+def _root(debug: bool = typer.Option(False, "--debug", help="On an error, also print its traceback "
+                                     "(or set EYAS_DEBUG=1).")) -> None:
     """eyas: prepare -> extract -> train -> export -> evaluate."""
+    if debug:
+        os.environ["EYAS_DEBUG"] = "1"
 
 # Each stage module exposes register(app); listed here in pipeline order.
 STAGE_MODULES = [
@@ -67,12 +74,50 @@ for _mod in STAGE_MODULES:
     importlib.import_module(_mod).register(app)
 
 
-def main() -> None:
+def _os_error_line(e: OSError) -> str:
+    """One line for an OSError a stage did not foresee: the file, what the system said, what to do."""
+    where = e.filename or "a file"
+    if e.filename2:
+        where = f"{e.filename} -> {e.filename2}"
+    if e.errno == errno.ENOSPC:
+        return (f"no space left on the device holding {where}: free space there (or choose an --out on "
+                "another filesystem) and re-run the same command; it resumes where it stopped")
+    if e.errno == errno.EROFS:
+        return f"{where} is on a read-only filesystem; choose an --out on a writable one"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"{where}: permission denied ({e.strerror}); choose a path this user may write, or fix its permissions"
+    if e.errno == errno.EDQUOT:
+        return f"{where}: disk quota exceeded; free space within your quota and re-run the same command"
+    name = errno.errorcode.get(e.errno or 0, type(e).__name__)
+    return f"{where}: {e.strerror or e} ({name})"
+
+
+def error_line(e: BaseException) -> tuple[str, int]:
+    """(the one line the user sees, the exit code) for an exception that ended a command: an
+    EyasError's own message; an OSError's file and cause; anything else named as unexpected."""
+    if isinstance(e, EyasError):
+        return str(e), 2
+    if isinstance(e, OSError):
+        return _os_error_line(e), 2
+    if isinstance(e, MemoryError):
+        return ("out of memory; lower the batch size (--batch-tokens, --tokens-per-batch, --batch-size) "
+                "or free memory, and re-run"), 2
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return (f"unexpected {type(e).__name__}{': ' + first if first else ''}. This is a bug in eyas or an "
+            "input it does not check yet: re-run with --debug for the traceback and report it"), 1
+
+
+def main(argv: list[str] | None = None) -> None:
     try:
-        app()
-    except EyasError as e:
-        console.print(f"[bold red]error:[/bold red] {e}")
-        sys.exit(2)
+        app(args=argv)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except Exception as e:  # noqa: BLE001 - every error ends in one line; the traceback under --debug
+        if os.environ.get("EYAS_DEBUG") not in (None, "", "0"):
+            traceback.print_exception(e)
+        line, code = error_line(e)
+        console.print(f"[bold red]error:[/bold red] {escape(line)}", soft_wrap=True)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -72,13 +72,70 @@ def load_config(path: str | Path | None = None) -> PipelineConfig:
         p = Path(path)
         if not p.is_file():
             raise EyasError(f"config {p}: no such file")
-        try:
-            raw, source = yaml.safe_load(p.read_text()), str(p)
-        except yaml.YAMLError as e:
-            raise EyasError(f"config {p}: not valid YAML ({e})") from e
+        raw, source = load_yaml(p), str(p)
     if not isinstance(raw, dict):
         raise EyasError(f"config {source}: expected a mapping of sections, got {type(raw).__name__}")
     return validate(raw, source)
+
+
+# A pipeline config is a few hundred bytes; these bound what a file can make the loader build (an
+# "alias bomb": a few lines of anchors whose aliases expand into billions of values).
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_NODES = 100_000  # values after every alias is expanded
+
+
+def load_yaml(path: Path) -> Any:
+    """``yaml.safe_load`` of ``path``, refused (one line, fast) when the file is over
+    :data:`MAX_CONFIG_BYTES` or would expand into more than :data:`MAX_CONFIG_NODES` values through
+    its aliases; counting walks the composed node graph once per node, not per expansion."""
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise EyasError(f"config {path}: {size:,} bytes; a pipeline config is a few hundred, this reads at "
+                        f"most {MAX_CONFIG_BYTES:,}: pass the YAML config, not a data file")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise EyasError(f"config {path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None:
+            n = _expanded_size(node, {}, set())
+            if n > MAX_CONFIG_NODES:
+                raise EyasError(f"config {path}: its aliases (*name) expand to more than {MAX_CONFIG_NODES:,} "
+                                "values, the most a config may hold; write the values out or use fewer "
+                                "aliases (nothing was loaded)")
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise EyasError(f"config {path}: not valid YAML ({str(e)[:500]})") from None
+    except RecursionError:
+        raise EyasError(f"config {path}: nested too deeply to read; a config is a few levels deep") from None
+
+
+def _expanded_size(node: Any, memo: dict[int, int], active: set[int]) -> int:
+    """Values ``node`` stands for with every alias expanded (an alias is the very node it names, so
+    ``memo`` counts each node once); stops counting past the limit. A node that contains itself is
+    refused."""
+    key = id(node)
+    if key in memo:
+        return memo[key]
+    if key in active:
+        raise EyasError("config: an alias refers to a value that contains it (a recursive alias); "
+                        "write the values out")
+    active.add(key)
+    total = 1
+    if isinstance(node, yaml.MappingNode):
+        children = [x for kv in node.value for x in kv]
+    elif isinstance(node, yaml.SequenceNode):
+        children = list(node.value)
+    else:
+        children = []
+    for child in children:
+        total += _expanded_size(child, memo, active)
+        if total > MAX_CONFIG_NODES:
+            break
+    active.discard(key)
+    memo[key] = total
+    return total
 
 
 def _check_section(name: str, section: dict[str, Any], source: str) -> dict[str, Any]:
@@ -142,6 +199,12 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
             raise EyasError(f"config {source}: section {name!r} has unknown keys {bad}; "
                             f"allowed: {sorted(allowed)}")
         sections[name] = _check_section(name, section, source)
+    from eyas.evaluate.config import EvaluateConfig, check_k
+    from eyas.settings import default_of
+
+    ev, ev_fields = sections["evaluate"], {f.name: f for f in fields(EvaluateConfig)}
+    check_k(*(ev.get(k, default_of(ev_fields[k])) for k in ("k", "also_k", "max_new_tokens")),
+            where=f"config {source}: ", names=("evaluate.k", "evaluate.also_k", "evaluate.max_new_tokens"))
     launcher = raw.get("launcher") or {}
     bad = sorted(set(launcher) - {"nproc_per_node", "nnodes", "rdzv_endpoint", "node_rank"})
     if bad:

@@ -23,6 +23,37 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def inside(folder: Path, name: object, what: str) -> Path:
+    """``folder / name`` for a file name read from a manifest or record in ``folder``: a plain name
+    in that folder, never an absolute path, a path with folders or ``..`` (a manifest edited or
+    made elsewhere must not make a stage read, or call corrupt, a file outside its folder)."""
+    if not isinstance(name, str) or not name or name in (".", "..") or name != Path(name).name \
+            or "\\" in name or "\0" in name:
+        raise EyasError(f"{what} {folder}: its manifest names the file {name!r}, which is not a plain "
+                        "file name inside that folder; the manifest was edited or damaged. Nothing "
+                        "outside the folder is read: re-run the stage that wrote it into a new folder")
+    return Path(folder) / name
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def open_to_umask(root: Path) -> None:
+    """Give ``root`` and everything under it the modes a plain mkdir/open would have under the
+    process umask: ``tempfile.mkdtemp`` makes 0700 folders, and an export or a converted target
+    must be readable by the user who serves it, as any other file the user writes."""
+    mask = _umask()
+    for dirpath, _dirs, files in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for f in files:
+            p = os.path.join(dirpath, f)
+            if not os.path.islink(p):
+                os.chmod(p, 0o666 & ~mask)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to a temp name beside ``path`` and rename: readers never see half a file."""
     path = Path(path)
@@ -68,6 +99,7 @@ def atomic_dir(out: Path, inputs: dict[str, Path | str | None] | None = None) ->
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         yield tmp
+        open_to_umask(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)

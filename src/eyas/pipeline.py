@@ -229,18 +229,42 @@ def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     from the recorded ones is refused naming the fields, before anything runs; changed export or
     evaluate settings redo those stages. Each stage consumes the one before: train the prepared data
     (or extract's store), export train's draft, evaluate that export (vllm engine) and draft."""
+    from eyas.outdir import check_out, writer_lock
+
+    check_out(cfg.workdir, flag="workdir", inputs={"the target": cfg.target})
+    with writer_lock(cfg.workdir, flag="workdir", command="eyas pipeline"):
+        return _run_pipeline(cfg)
+
+
+def _check_layers(cfg: PipelineConfig, target) -> None:
+    """The layer ids of the extract and train sections against the target, before prepare runs (they
+    were found wrong only when extract or train started, after prepare)."""
+    from eyas.features.layers import parse_layers, resolve_layers
+
+    tc = target.config()
+    n = int(tc.get("text_config", tc)["num_hidden_layers"])
+    for section in ("extract", "train"):
+        layers = cfg.section(section).get("layers")
+        if layers:
+            try:
+                resolve_layers(n, parse_layers(layers))
+            except EyasError as e:
+                raise EyasError(f"config {cfg.source}: {section}.layers = {layers!r}: {e}. Nothing was run") from None
+
+
+def _run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     from eyas.target import resolve_target
 
     work = cfg.workdir
     records = stage_records(cfg)
     redo = check_stale(cfg, records)  # before anything is written or run
+    _check_layers(cfg, resolve_target(cfg.target))  # converts a built-in target once, up front
     work.mkdir(parents=True, exist_ok=True)
     rec = _Records(cfg, records, redo)
     if "evaluate" in redo:
         aside = work / f"eval.stale-{(rec.old.get('evaluate') or {}).get('fingerprint', 'unrecorded')}"
         os.replace(work / "eval", aside)
         console.print(f"evaluate: settings or draft changed; the earlier evaluation moved to {aside}")
-    resolve_target(cfg.target)  # converts a built-in target once, up front
     console.rule(f"eyas pipeline: target {cfg.target} -> {work}")
     prepared = work / "prepared"
     with rec.stage("prepare"):

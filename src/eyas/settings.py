@@ -79,13 +79,20 @@ def _option(f: dataclasses.Field, tp: Any, positional: bool, required: bool) -> 
         default = None  # the CLI text of a parsed setting; None means "the field's default"
     if default is None and not _optional(annotation):
         annotation = annotation | None
-    help_ = md.get("help") or ""
+    help_ = _literal(md.get("help") or "")
     # spelled out, not left to typer: a nested field's parameter is named "<outer>__<field>"
     name = "--" + f.name.replace("_", "-")
     decls = md.get("flags") or ((f"{name}/--no-{name[2:]}",) if tp is bool else (name,))
     info = (typer.Argument(default, help=help_, show_default=default is not None) if positional else
             typer.Option(default, *decls, help=help_))
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation)
+
+
+def _literal(text: str) -> str:
+    """Help text as written: typer renders help as rich markup, where "[tokens, vocab]" is a tag."""
+    from rich.markup import escape
+
+    return escape(text)
 
 
 def _optional(tp: Any) -> bool:
@@ -150,7 +157,7 @@ def command(app: Any, name: str, cls: type, run: Callable[..., Any], *, position
 
     callback.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     callback.__annotations__ = {}
-    callback.__doc__ = doc or (run.__doc__ or "").strip().split("\n\n")[0]
+    callback.__doc__ = _literal(doc or (run.__doc__ or "").strip().split("\n\n")[0])
     callback.__name__ = name.replace("-", "_")
     app.command(name)(callback)
 

@@ -42,8 +42,14 @@ _SAMPLE = 1 << 20  # bytes read at the head, middle and tail of each .bin weight
 
 
 def cache_dir() -> Path:
-    """Where eyas keeps converted targets and downloaded packages (``EYAS_CACHE`` overrides)."""
-    return Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas")).expanduser()
+    """Where eyas keeps converted targets and downloaded packages (``EYAS_CACHE`` overrides); a
+    path that exists and is not a folder is refused here, before a stage writes under it."""
+    path = Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas")).expanduser()
+    if path.exists() and not path.is_dir():
+        var = "EYAS_CACHE" if os.environ.get("EYAS_CACHE") else "the default cache"
+        raise EyasError(f"{var} {path} is a file, not a folder; point EYAS_CACHE at a folder (or unset it "
+                        "for ~/.cache/eyas)")
+    return path
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ def resolve_target(spec: str | os.PathLike, cache: Path | None = None) -> Target
     if text in BUILTIN_TARGETS:
         hf_dir = _builtin_to_hf(text, cache)
     elif path.is_file() and path.suffix == ".gguf":
-        hf_dir = _gguf_to_hf(path, cache / "targets" / f"gguf-{sha256_file(path)[:16]}")
+        hf_dir = _convert_gguf(path, cache / "targets" / f"gguf-{sha256_file(path)[:16]}", text)
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise EyasError(
@@ -98,7 +104,12 @@ def resolve_target(spec: str | os.PathLike, cache: Path | None = None) -> Target
             f"target {text!r}: not a model directory, a .gguf file or a built-in name; "
             f"built-in names are {sorted(BUILTIN_TARGETS)}"
         )
-    return Target(spec=text, path=hf_dir.resolve(), identity=target_identity(hf_dir))
+    identity = target_identity(hf_dir)
+    from eyas.target_check import check_weights
+
+    # the identity samples the tensors: the full checksums catch bytes damaged between the samples
+    check_weights(hf_dir, _weight_files(hf_dir), identity["weights"], text)
+    return Target(spec=text, path=hf_dir.resolve(), identity=identity)
 
 
 # ---------------------------------------------------------------------------------- identity
@@ -499,6 +510,24 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
         )
         (tmp / ".eyas-complete").write_text("ok\n")
     return out
+
+
+def _convert_gguf(gguf: Path, out: Path, spec: str) -> Path:
+    """:func:`_gguf_to_hf`, with a file the GGUF readers cannot read (cut off, damaged, not GGUF)
+    named in one line; nothing is kept of a conversion that failed."""
+    try:
+        with open(gguf, "rb") as fh:
+            magic = fh.read(4)
+        if magic != b"GGUF":
+            raise EyasError(f"target {spec!r}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass "
+                            "a .gguf model, a Hugging Face model directory or a built-in name")
+        return _gguf_to_hf(gguf, out)
+    except (EyasError, KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as e:  # noqa: BLE001 - gguf and transformers raise many types for a bad file
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise EyasError(f"target {spec!r}: the GGUF file cannot be read ({type(e).__name__}: {first}); it is "
+                        f"cut off or damaged ({gguf.stat().st_size:,} bytes): download it again") from None
 
 
 def _gguf_special_tokens(gguf: Path, tok) -> dict[str, str]:

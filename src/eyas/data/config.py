@@ -61,6 +61,8 @@ class PrepareOptions:
                                     check=at_least(1, "tokens in the draft vocabulary"))
     chat_template: Path | None = setting(None, "Jinja chat template file to use instead of the tokenizer's.")
     strict: bool = setting(False, "Turn skipped conversations into errors.", "--strict")
+    dedupe: bool = setting(False, "Drop a conversation whose messages repeat an earlier one's exactly "
+                                  "(without it they are kept and counted).", "--dedupe")
     workers: int = setting(0, "Tokenizer processes (0: auto, 1 on <= 2 cores).",
                            check=at_least(0, "tokenizer processes", "0 picks automatically"))
     chunk_size: int = setting(512, "Conversations per shard (a resumed run redoes at most one).",

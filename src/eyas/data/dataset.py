@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 import torch
 
 from eyas.errors import EyasError
+from eyas.fsio import inside
 from eyas.manifest import MANIFEST, read_manifest, write_manifest
 
 KIND = "eyas-prepared"
@@ -211,7 +212,7 @@ class PreparedDataset:
         self.manifest = manifest
         ids_parts, mask_parts, src_parts, len_parts = [], [], [], []
         for s in manifest["shards"]:
-            f = self.path / s["file"]
+            f = inside(self.path, s.get("file"), "prepared dataset")
             if not f.is_file():
                 raise EyasError(f"prepared dataset {self.path}: shard {s['file']} is missing; "
                                 "re-run `eyas prepare` into a new directory")
@@ -253,7 +254,7 @@ class PreparedDataset:
     def draft_vocab(self) -> tuple[torch.Tensor, torch.Tensor]:
         from safetensors.torch import load_file
 
-        f = self.path / self.manifest.get("draft_vocab_file", VOCAB_FILE)
+        f = inside(self.path, self.manifest.get("draft_vocab_file", VOCAB_FILE), "prepared dataset")
         if not f.is_file():
             raise EyasError(f"prepared dataset {self.path}: {f.name} is missing; re-run `eyas prepare`")
         tensors = load_file(str(f))
@@ -263,6 +264,10 @@ class PreparedDataset:
 def open_prepared(path: str | os.PathLike, target=None) -> PreparedDataset:
     """Open a prepared dataset; with ``target``, refuse one made for another model/tokenizer."""
     path = Path(path)
+    if path.is_file():
+        raise EyasError(f"prepared dataset {path} is a file; pass the folder `eyas prepare --out DIR` wrote. "
+                        f"Conversations ({path.suffix or 'this file'}) are the input of `eyas prepare --data "
+                        f"{path} --out DIR`")
     if not path.is_dir():
         raise EyasError(f"prepared dataset {path}: no such directory; run `eyas prepare --out {path}` first")
     if not (path / MANIFEST).is_file():

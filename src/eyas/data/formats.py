@@ -58,6 +58,7 @@ SKIP_REASONS = {
     "template_error": "the chat template refused the conversation",
     "template_not_incremental": "the chat template renders earlier turns differently once later turns follow",
     "no_trained_tokens": "no assistant token left inside --max-length",
+    "duplicate": "its messages repeat an earlier conversation's exactly (--dedupe)",
     "empty_answer": "regenerated answer was empty",
     "length_limited_answer": "regenerated answer hit --max-new-tokens (dropped by --drop-length-limited)",
 }
@@ -142,25 +143,132 @@ def open_source(spec: str, cache: Path | None = None) -> tuple[SourceInfo, Itera
         raise EyasError(f"--data {spec!r}: no such file or directory, and not a built-in dataset "
                         f"(built-in: {sorted(BUILTIN_DATASETS)})")
     info = SourceInfo(name=path.stem if path.is_file() else path.name, spec=spec, path=str(path.resolve()))
+    # every input is identified by its content, so that a prepared folder is never called complete
+    # for an input that changed since (a file edited, a folder that gained or lost a file)
     if path.is_dir():
         if any((path / n).is_file() for n in ("dataset_info.json", "state.json", "dataset_dict.json")):
+            info.sha256 = tree_sha256(path, sorted(p for p in path.rglob("*") if p.is_file()))
             return info, _read_hf_disk(info, path)
         parquet = sorted(path.glob("**/*.parquet"))
         if parquet:
+            _check_parquet(spec, parquet)
+            info.sha256 = tree_sha256(path, parquet)
             return info, _read_parquet(info, parquet)
         raise EyasError(f"--data {spec!r}: directory is neither a saved HF dataset (save_to_disk) "
                         "nor holds .parquet files")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
+        _check_parquet(spec, [path])
+        info.sha256 = sha256_file(path)
         return info, _read_parquet(info, [path])
     if suffix in (".json", ".jsonl", ".ndjson"):
-        info.sha256 = sha256_file(path)
+        array = _is_json_array(path)
+        # a file in another encoding is refused here, named (an array's bad byte is named by its parse)
+        info.sha256 = _sha256_of_utf8(path, scan=not array)
         info.known_truncated = info.sha256 in KNOWN_TRUNCATED_SHA256
-        if _is_json_array(path) and not info.known_truncated:
+        if array and not info.known_truncated:
             _check_json_array(path)  # a damaged array is an error now, before any work starts
         return info, _read_json_file(info, path)
     raise EyasError(f"--data {spec!r}: unsupported file type {suffix!r}; use .json (array), "
                     ".jsonl, .parquet, a saved HF dataset directory, or a built-in name")
+
+
+def tree_sha256(root: Path, files: list[Path]) -> str:
+    """One sha256 over ``files`` (under ``root``): each one's path relative to ``root``, size and bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.relative_to(root).as_posix()}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(16 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_parquet(spec: str, files: list[Path]) -> None:
+    """Read each file's footer (cheap): a damaged one is named before any work starts."""
+    import pyarrow.parquet as pq
+
+    for f in files:
+        try:
+            pq.ParquetFile(f).schema_arrow
+        except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... for a bad file
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise EyasError(f"--data {spec}: {f} is not a readable parquet file ({type(e).__name__}: "
+                            f"{first}); it is damaged or cut off: write it again, or move it out of the "
+                            "folder") from None
+
+
+# Byte-order marks of the encodings JSON may come in besides UTF-8 (longest first: UTF-32 LE
+# starts with UTF-16 LE's mark).
+_FOREIGN_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32-LE"), (b"\x00\x00\xfe\xff", "UTF-32-BE"),
+                 (b"\xff\xfe", "UTF-16-LE"), (b"\xfe\xff", "UTF-16-BE"))
+
+
+def foreign_encoding(head: bytes) -> str | None:
+    """The encoding of JSON text starting with ``head`` when it is not UTF-8 but UTF-16 or UTF-32
+    (by its byte-order mark, or by the NUL bytes that ASCII characters carry in them), else None."""
+    for bom, name in _FOREIGN_BOMS:
+        if head.startswith(bom):
+            return f"{name} (it starts with that byte-order mark)"
+    sample = head[:256]
+    if len(sample) < 4 or b"\x00" not in sample:
+        return None
+    even, odd = sample[0::2], sample[1::2]
+    if sample[1:4] == b"\x00\x00\x00":
+        return "UTF-32-LE (no byte-order mark; each character takes four bytes, three of them 0)"
+    if sample[:3] == b"\x00\x00\x00":
+        return "UTF-32-BE (no byte-order mark; each character takes four bytes, three of them 0)"
+    if odd.count(0) * 2 >= len(odd) and even.count(0) * 4 < len(even):
+        return "UTF-16-LE (no byte-order mark; every other byte is 0)"
+    if even.count(0) * 2 >= len(even) and odd.count(0) * 4 < len(odd):
+        return "UTF-16-BE (no byte-order mark; every other byte is 0)"
+    return None
+
+
+def _sha256_of_utf8(path: Path, scan: bool = True) -> str:
+    """The file's sha256, read once; refuses a file in UTF-16 or UTF-32 naming the encoding and, with
+    ``scan``, any other that is not UTF-8 (Latin-1, ...) naming its first bad byte and line: a JSONL
+    line that does not decode is an encoding problem of the whole file, not one malformed line."""
+    import codecs
+    import hashlib
+
+    with open(path, "rb") as fh:
+        head = fh.read(4096)
+    enc = foreign_encoding(head)
+    if enc:
+        codec = enc.split(" ")[0]
+        raise EyasError(f"--data {path}: the file is encoded as {enc}; eyas reads JSON and JSONL as UTF-8. "
+                        f"Convert it, e.g. `iconv -f {codec} -t UTF-8 {path} > {path.stem}.utf8{path.suffix}`, "
+                        "and pass that (nothing was read)")
+    h = hashlib.sha256()
+    dec = codecs.getincrementaldecoder("utf-8")()
+    done = lines = 0
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(16 << 20), b""):
+            h.update(chunk)
+            if not scan:
+                continue
+            pending = dec.getstate()[0]  # the start of a character split across two reads
+            try:
+                dec.decode(chunk)
+            except UnicodeDecodeError as e:
+                data = pending + chunk
+                at = done - len(pending) + e.start
+                line = lines + data[len(pending):max(e.start, len(pending))].count(b"\n") + 1
+                raise EyasError(f"--data {path}:{line}: byte 0x{data[e.start]:02x} at byte {at:,} is not valid "
+                                f"UTF-8 ({e.reason}); the file is in another encoding (Latin-1 or Windows-1252 "
+                                f"are common): convert it, e.g. `iconv -f WINDOWS-1252 -t UTF-8 {path} > "
+                                f"{path.stem}.utf8{path.suffix}`, and pass that (nothing was read)") from None
+            done += len(chunk)
+            lines += chunk.count(b"\n")
+        try:
+            dec.decode(b"", final=True) if scan else None
+        except UnicodeDecodeError as e:
+            raise EyasError(f"--data {path}: the file ends inside a UTF-8 character ({e.reason}); it is cut "
+                            "off or in another encoding (nothing was read)") from None
+    return h.hexdigest()
 
 
 def _is_json_array(path: Path) -> bool:
@@ -169,6 +277,11 @@ def _is_json_array(path: Path) -> bool:
     if head.startswith(b"\xef\xbb\xbf"):
         head = head[3:].lstrip()
     return head.startswith(b"[")
+
+
+def _skip_bom(fh) -> None:
+    if fh.read(3) != b"\xef\xbb\xbf":
+        fh.seek(0)
 
 
 class _CountingReader:
@@ -225,6 +338,7 @@ def _check_json_array(path: Path) -> None:
     items = 0
     depth = 0
     with open(path, "rb") as fh:
+        _skip_bom(fh)
         reader = _CountingReader(fh)
         try:
             for event, _ in ijson.basic_parse(reader, use_float=True):
@@ -240,6 +354,7 @@ def _check_json_array(path: Path) -> None:
 def _read_json_file(info: SourceInfo, path: Path) -> Iterator[RawRecord]:
     if _is_json_array(path):
         with open(path, "rb") as fh:
+            _skip_bom(fh)  # the JSON parser refuses one; JSONL lines and prompts files accept it too
             yield from _stream_json_array(info, fh, str(path), path)
     else:
         yield from _read_jsonl(info, path)
@@ -306,8 +421,16 @@ def _read_parquet(info: SourceInfo, files: list[Path]) -> Iterator[RawRecord]:
 
     i = 0
     for f in files:
-        pf = pq.ParquetFile(f)
-        for batch in pf.iter_batches(batch_size=1024):
+        batches = pq.ParquetFile(f).iter_batches(batch_size=1024)
+        while True:
+            try:
+                batch = next(batches, None)
+            except Exception as e:  # noqa: BLE001 - a damaged page deep in the file
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                raise EyasError(f"--data {info.spec}: {f} cannot be read past row {i} ({type(e).__name__}: "
+                                f"{first}); it is damaged: write it again, or move it out of the folder") from None
+            if batch is None:
+                break
             for row in batch.to_pylist():
                 info.records = i + 1
                 yield RawRecord(info.name, i, f"{f}[{i}]", data=row)

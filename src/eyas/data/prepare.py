@@ -90,15 +90,40 @@ def _encode_chunk(items: list[tuple[str, str, Any]], max_length: int):
 # ------------------------------------------------------------------------------- main side
 
 
-def _iter_items(sources: list[tuple[SourceInfo, Iterator]], max_samples: int | None
-                ) -> Iterator[tuple[str, str, Any]]:
+class Duplicates:
+    """Conversations whose messages repeat an earlier one's exactly: counted (with a first example)
+    as the records stream by; with ``drop`` each becomes a "duplicate" skip."""
+
+    def __init__(self, drop: bool):
+        self.drop, self.count, self.example = drop, 0, ""
+        self._first: dict[bytes, str] = {}  # digest of the messages -> where they first came
+
+    def check(self, location: str, messages: Any) -> Any:
+        if isinstance(messages, Skip):
+            return messages
+        import hashlib
+
+        key = hashlib.blake2b(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode(),
+                              digest_size=16).digest()
+        first = self._first.setdefault(key, location)
+        if first == location:
+            return messages
+        self.count += 1
+        if not self.example:
+            self.example = f"{location} repeats {first}"
+        return Skip("duplicate", f"repeats {first}") if self.drop else messages
+
+
+def _iter_items(sources: list[tuple[SourceInfo, Iterator]], max_samples: int | None,
+                dups: Duplicates | None = None) -> Iterator[tuple[str, str, Any]]:
     n = 0
     for _info, records in sources:
         for rec in records:
             if max_samples is not None and n >= max_samples:
                 return
             n += 1
-            yield rec.source_id, rec.location, normalize(rec)
+            msgs = normalize(rec)
+            yield rec.source_id, rec.location, (dups.check(rec.location, msgs) if dups else msgs)
 
 
 def _chunks(items: Iterator, size: int) -> Iterator[list]:
@@ -158,7 +183,19 @@ def _check_out_dir(out: Path, settings: dict[str, Any]) -> str:
 
 
 def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
-    """Run the prepare stage; returns the manifest (which holds the summary counts)."""
+    """Run the prepare stage; returns the manifest (which holds the summary counts). ``--out`` is
+    checked first (a folder this process can write, apart from the inputs) and held by this process
+    alone while it is written."""
+    from eyas.outdir import check_out, writer_lock
+
+    inputs = {f"the --data input {d}": d for d in opts.data}
+    inputs.update({"the --chat-template": opts.chat_template, "the --target": opts.target})
+    check_out(opts.out, inputs=inputs)
+    with writer_lock(opts.out, command="eyas prepare"):
+        return _prepare(opts, log)
+
+
+def _prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
     from eyas.data.chat import ChatEncoder, stop_token_ids
     from eyas.manifest import write_manifest
     from eyas.target import resolve_target
@@ -187,6 +224,7 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         "chat_template_sha256": encoder.template_sha256,
         "chunk_size": opts.chunk_size,
         "strict": opts.strict,
+        **({"dedupe": True} if opts.dedupe else {}),  # absent when off: older outputs still resume
         "regenerate": ({**opts.regenerate.settings(), "drop_length_limited": opts.regenerate.drop_length_limited,
                         "max_turns": opts.regenerate.max_turns}
                        if opts.regenerate else None),
@@ -203,7 +241,8 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
     else:
         log(f"{out}: resuming an unfinished prepare")
 
-    items: Iterator = _iter_items(sources, opts.max_samples)
+    dups = Duplicates(opts.dedupe)
+    items: Iterator = _iter_items(sources, opts.max_samples, dups)
     regen_info = None
     if opts.regenerate:
         from eyas.data.regenerate import regenerate
@@ -220,7 +259,7 @@ def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         if info.truncated and opts.strict and not info.known_truncated:
             raise EyasError(f"--strict: {info.truncated['message']}")
     manifest = _finalize(out, target, encoder, settings, n_shards, vocab_size, sources,
-                         regen_info, opts, time.time() - t_start)
+                         regen_info, opts, time.time() - t_start, dups)
     return manifest
 
 
@@ -229,7 +268,7 @@ def _encode_shards(items: Iterator, out: Path, encoder, opts: PrepareOptions) ->
     processes or, on <= 2 cores, a thread pair; returns the number of shards."""
     from tqdm import tqdm
 
-    from eyas.data.dataset import read_shard_metadata, shard_name, write_shard
+    from eyas.data.dataset import shard_name, write_shard
 
     cores = os.cpu_count() or 1
     # auto: on <= 2 cores one process with a render thread + Rust encode threads measured
@@ -275,8 +314,8 @@ def _encode_shards(items: Iterator, out: Path, encoder, opts: PrepareOptions) ->
         for k, chunk in enumerate(_chunks(items, opts.chunk_size)):
             n_shards = k + 1
             f = out / shard_name(k)
-            if f.is_file():  # done in an earlier run
-                meta = read_shard_metadata(f) or {}
+            meta = _earlier_shard(f) if f.is_file() else None
+            if meta is not None:  # done in an earlier run
                 if meta.get("read") != len(chunk) or meta.get("ids_sha256") != _ids_sha256(chunk):
                     raise EyasError(f"{f}: holds other records ({meta.get('read')}) than this run's "
                                     f"chunk {k} ({len(chunk)}); the input changed since the first "
@@ -302,6 +341,27 @@ def _encode_shards(items: Iterator, out: Path, encoder, opts: PrepareOptions) ->
     return n_shards
 
 
+def _earlier_shard(f: Path) -> dict[str, Any] | None:
+    """An earlier run's shard metadata; None (the shard is deleted, to be encoded again) when the
+    file does not read back: shards are renamed into place whole, so such a file was damaged since."""
+    import sys
+
+    from eyas.data.dataset import read_shard_metadata
+
+    try:
+        import pyarrow.parquet as pq
+
+        meta = read_shard_metadata(f) or {}
+        pq.ParquetFile(f).metadata  # the footer: a cut-off file fails here
+        return meta
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged file vary
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        print(f"eyas prepare: {f} from the earlier run is unreadable ({type(e).__name__}: {first}); "
+              "it is encoded again", file=sys.stderr, flush=True)
+        f.unlink()
+        return None
+
+
 def _raise_first_skip(items: list[tuple[str, str, Any]]) -> None:
     for _sid, loc, payload in items:
         if isinstance(payload, Skip):
@@ -311,7 +371,8 @@ def _raise_first_skip(items: list[tuple[str, str, Any]]) -> None:
 
 
 def _finalize(out: Path, target, encoder, settings: dict[str, Any], n_shards: int, vocab_size: int,
-              sources, regen_info, opts: PrepareOptions, seconds: float) -> dict[str, Any]:
+              sources, regen_info, opts: PrepareOptions, seconds: float,
+              dups: Duplicates | None = None) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from eyas.data.dataset import finalize_manifest, read_shard_metadata, save_draft_vocab, shard_name
@@ -363,7 +424,10 @@ def _finalize(out: Path, target, encoder, settings: dict[str, Any], n_shards: in
             "dropped_total": sum(total["dropped"].values()),
             "tokens": total["tokens"], "trained_tokens": total["trained_tokens"],
             "truncated_samples": total["truncated_samples"],
+            # conversations repeating an earlier one exactly (kept unless --dedupe dropped them)
+            "duplicates": dups.count if dups else 0,
         },
+        "duplicate_example": dups.example if dups else "",
         "skip_examples": total["examples"],
         "sources": source_info,
         "regenerate": regen_info,
@@ -404,6 +468,9 @@ def summary_lines(manifest: dict[str, Any]) -> list[str]:
         ex = (manifest.get("skip_examples", {}).get(reason) or [""])[0]
         lines.append(f"  dropped {n:,} x {reason} ({SKIP_REASONS.get(reason, '')})"
                      + (f", e.g. {ex[:160]}" if ex else ""))
+    if c.get("duplicates") and not c["dropped"].get("duplicate"):
+        lines.append(f"  kept {c['duplicates']:,} duplicates (messages repeating an earlier conversation's "
+                     f"exactly, e.g. {manifest.get('duplicate_example', '')[:160]}); --dedupe drops them")
     lines.append(f"tokens {c['tokens']:,}, trained on {c['trained_tokens']:,} "
                  f"({c['truncated_samples']:,} samples cut at --max-length {manifest['max_length']})")
     lines.append(f"draft vocab {manifest['draft_vocab_size']:,} tokens covers "

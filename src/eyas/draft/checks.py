@@ -6,7 +6,6 @@ vLLM would otherwise fail with a shape error at best, or serve garbage drafts at
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,23 +30,24 @@ REQUIRED = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "midlayer.hidde
             "midlayer.mlp.down_proj.weight")
 
 
+FIX = ("Pass an intact draft: RUN_DIR/draft as `eyas train` wrote it, or train --resume to write it again "
+       "from the run's last checkpoint")
+
+
 def load_checkpoint(path: str | Path) -> DraftCheckpoint:
     """Read ``config.json`` + ``model.safetensors`` of an eyas draft (``RUN_DIR/draft``)."""
-    from safetensors.torch import load_file
-
     from eyas.draft.io import check_finite_state
-    from eyas.draft.model import DraftConfig
+    from eyas.draft.shapes import check_draft_files
+    from eyas.tensorfile import load_tensors
 
     path = Path(path)
     cfg_path, w_path = path / "config.json", path / "model.safetensors"
     if not cfg_path.is_file() or not w_path.is_file():
         raise EyasError(f"checkpoint {path}: needs config.json and model.safetensors; pass the draft "
                         "directory written by `eyas train` (RUN_DIR/draft)")
-    try:
-        cfg = DraftConfig.from_dict(json.loads(cfg_path.read_text()))
-    except json.JSONDecodeError as e:
-        raise EyasError(f"checkpoint {cfg_path}: not valid JSON ({e})") from e
-    tensors = load_file(str(w_path))
+    # the config against the weights' header first: nothing is loaded from a file that does not fit
+    cfg, _ = check_draft_files(path, "checkpoint", FIX)
+    tensors = load_tensors(w_path, "checkpoint", FIX)
     check_finite_state(tensors, f"checkpoint {w_path}")
     missing = [k for k in REQUIRED if k not in tensors]
     if missing:

@@ -106,17 +106,19 @@ def save_draft(model, directory: str | os.PathLike, state: dict[str, torch.Tenso
 def load_draft(directory: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = None, target_dir: str | os.PathLike | None = None):
     """The draft in ``directory`` (``RUN_DIR/draft``), its embedding from ``target_dir`` or the recorded target."""
-    from safetensors.torch import load_file
-
-    from eyas.draft.model import DraftConfig, Eagle3Draft
+    from eyas.draft.checks import FIX
+    from eyas.draft.model import Eagle3Draft
+    from eyas.draft.shapes import check_draft_files
+    from eyas.tensorfile import load_tensors
 
     directory = Path(directory)
     cfg_path, w_path = directory / "config.json", directory / "model.safetensors"
     if not cfg_path.is_file() or not w_path.is_file():
         raise EyasError(f"draft checkpoint {directory}: needs config.json and model.safetensors "
                         "(the RUN_DIR/draft directory written by `eyas train`)")
-    model = Eagle3Draft(DraftConfig.from_dict(json.loads(cfg_path.read_text())))
-    state = load_file(str(w_path))
+    cfg, _ = check_draft_files(directory, "draft checkpoint", FIX)  # before the model is made
+    model = Eagle3Draft(cfg)
+    state = load_tensors(w_path, "draft checkpoint", FIX)
     check_finite_state(state, f"draft checkpoint {w_path}")
     load_state(model, state, f"draft checkpoint {w_path}", target_dir)
     if dtype is not None:

@@ -78,6 +78,7 @@ class DraftConfig:
     kind: str = CONFIG_KIND
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.fc_norm and self.norm_before_fc:
             raise EyasError("draft config: fc_norm (a norm per aux layer) and norm_before_fc (one norm "
                             "over their concatenation) exclude each other; set one of them")
@@ -133,6 +134,53 @@ class DraftConfig:
     @property
     def num_aux(self) -> int:
         return len(self.aux_layer_ids)
+
+
+# Fields that size a tensor: each a positive integer (an integral float such as 2048.0 is taken).
+_SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+          "vocab_size", "draft_vocab_size", "target_hidden_size", "max_position_embeddings")
+
+
+def _value_problem(name: str, v: Any) -> tuple[Any, str | None]:
+    """(the value, an integral float made an int; what is wrong with it or None) for a checked field."""
+    if name in _SIZES or name == "target_num_layers":
+        if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            return v, "is not an integer; expected a positive integer"
+        if v < (0 if name == "target_num_layers" else 1):
+            return v, "must be >= 0" if name == "target_num_layers" else "must be >= 1"
+    elif name in ("rms_norm_eps", "rope_theta"):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            return v, "must be a finite number > 0"
+    elif name == "aux_layer_ids":
+        if not isinstance(v, list) or not v or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                                   for i in v):
+            return v, "must be a non-empty list of layer ids >= 0"
+    return v, None
+
+
+def check_fields(cfg: "DraftConfig") -> None:
+    """Types and ranges of a draft config's numbers, whether they come from ``--draft-config`` or a
+    draft's config.json: one line naming the field and the value, before any tensor is made."""
+    for name in (*_SIZES, "target_num_layers", "rms_norm_eps", "rope_theta", "aux_layer_ids"):
+        v, problem = _value_problem(name, getattr(cfg, name))
+        if problem:
+            raise EyasError(f"draft config: {name} = {v!r} {problem} (set by --draft-config, or in the "
+                            "config.json of the draft or checkpoint read); change it")
+        setattr(cfg, name, v)
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise EyasError(f"draft config: num_key_value_heads = {cfg.num_key_value_heads} must divide "
+                        f"num_attention_heads ({cfg.num_attention_heads}); change it")
+
+
+def check_override_values(overrides: dict[str, Any]) -> None:
+    """``--draft-config`` values checked as :func:`check_fields` checks a whole config, before any
+    target loads (``intermediate_size=abc``, ``=-5``)."""
+    for name, v in overrides.items():
+        _, problem = _value_problem(name, v)
+        if problem:
+            raise EyasError(f"--draft-config: {name} = {v!r} {problem}; change it")
 
 
 class RMSNorm(nn.Module):

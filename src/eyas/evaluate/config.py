@@ -73,3 +73,19 @@ class EvaluateConfig:
         from eyas.checks import check_dataclass
 
         check_dataclass(self, "evaluate")
+        check_k(self.k, self.also_k, self.max_new_tokens, "evaluate: ")
+
+
+def check_k(k: int, also_k: list[int], max_new_tokens: int, where: str = "",
+            names: tuple[str, str, str] = ("-k", "--also-k", "--max-new-tokens")) -> None:
+    """Refuse draft tokens per step beyond the tokens a turn generates: a step never accepts more than
+    are left to generate, so such a k only multiplies the draft's work (``-k 1000 --max-new-tokens 8``
+    drafted a thousand tokens for every eight kept)."""
+    from eyas.errors import EyasError
+
+    k_name, also_name, max_name = names
+    for flag, value in [(k_name, k), *((also_name, n) for n in also_k or [])]:
+        if isinstance(value, int) and isinstance(max_new_tokens, int) and value > max_new_tokens:
+            raise EyasError(f"{where}{flag} {value} is more than {max_name} {max_new_tokens}: a step never "
+                            f"accepts more draft tokens than a turn generates. Choose {flag} <= "
+                            f"{max_new_tokens} (3 to 7 is usual), or raise {max_name}")

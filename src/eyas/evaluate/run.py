@@ -23,6 +23,17 @@ def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = Non
 
 
 def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
+    """:func:`run_evaluation` with ``out`` checked first (a folder this process can write, apart from
+    the inputs) and held by this process alone while it is written."""
+    from eyas.outdir import check_out, writer_lock
+
+    check_out(cfg.out, inputs={"the --draft": cfg.draft, "the --prompts file": cfg.prompts,
+                               "the --target": cfg.target, "the --vllm-draft": cfg.vllm_draft})
+    with writer_lock(cfg.out, command="eyas evaluate"):
+        return run_evaluation(cfg)
+
+
+def run_evaluation(cfg: EvaluateConfig) -> dict[str, Any]:
     """Evaluate; writes OUT/<engine>/report.json + plots (and OUT/comparison.json for both).
     Returns {engine: report} (plus "comparison").
 
@@ -73,6 +84,7 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     questions = read_questions(prompts, max_prompts, max_per_category)
     tokenizer = target.load_tokenizer()
     stop_ids = set(stop_token_ids(tokenizer, target.path))
+    _warn_past_context(questions, tokenizer, target.config(), max_new_tokens, prompts)
     meta = {**_predicted(Path(draft_dir), k), "target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
             "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
             "dtype": dtype, "device": device, "seed": seed, "max_prompts": max_prompts,
@@ -83,7 +95,9 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     settings_base = {"target_id": target.id, "draft": str(Path(draft_dir).resolve()),
                      "draft_sha256": sha256_file(Path(draft_dir) / "model.safetensors"), "k": k,
                      "temperature": temperature, "max_new_tokens": max_new_tokens, "dtype": dtype,
-                     "seed": seed, "prompts": str(Path(prompts).resolve())}
+                     "seed": seed, "prompts": str(Path(prompts).resolve()),
+                     # the prompts' content too: a file rewritten in place never reuses old answers
+                     "prompts_sha256": sha256_file(Path(prompts))}
     if device != "cpu":  # only off the CPU, so records written before --device existed still resume
         settings_base["device"] = device.split(":")[0]
     reports: dict[str, Any] = {}
@@ -123,9 +137,31 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         reports["comparison"] = _compare(reports["builtin"], reports["vllm"], Path(out))
     for other in dict.fromkeys(cfg.also_k):  # each k on its own, into OUT/k<N>/, resumable as -k is
         if other != k and engine != "replay":
-            reports[f"k{other}"] = evaluate(replace(cfg, k=other, also_k=[], speed_concurrency=[],
+            reports[f"k{other}"] = run_evaluation(replace(cfg, k=other, also_k=[], speed_concurrency=[],
                                                     out=Path(out) / f"k{other}"))
     return reports
+
+
+def _warn_past_context(questions, tokenizer, target_config: dict[str, Any], max_new_tokens: int, prompts) -> None:
+    """Say so when first turns, with the tokens to generate, exceed the target's context
+    (``max_position_embeddings``): their answers would be cut off or wrong, and later turns longer
+    still. Only first turns can be measured before the model answers."""
+    import sys
+
+    from eyas.evaluate.prompts import render_turn
+
+    tc = target_config.get("text_config", target_config)
+    ctx = tc.get("max_position_embeddings")
+    if not isinstance(ctx, int) or ctx <= 0:
+        return
+    over = [(q.question_id, n) for q in questions
+            if (n := len(render_turn(tokenizer, q, 0, []))) + max_new_tokens > ctx]
+    if over:
+        qid, n = max(over, key=lambda x: x[1])
+        print(f"warning: prompts {prompts}: the first turn of {len(over)} of {len(questions)} questions, with "
+              f"--max-new-tokens {max_new_tokens}, exceeds the target's context of {ctx:,} tokens "
+              f"(max_position_embeddings), e.g. question {qid}: {n:,} tokens; their answers are cut off or "
+              "wrong. Shorten those questions or leave them out", file=sys.stderr, flush=True)
 
 
 def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
@@ -179,7 +215,7 @@ def _run_replay(target, draft_dir, questions, tokenizer, stop_ids, ks, max_new_t
     start = time.perf_counter()
     model = target.load_model(dtype=torch_dtype, device=device)
     ref_settings = reference_settings(settings_base["target_id"], max_new_tokens, dtype, settings_base["prompts"],
-                                      device, ks)
+                                      device, ks, settings_base.get("prompts_sha256"))
     refs = target_references(model, tokenizer, questions, stop_ids, max_new_tokens, refs_path, ref_settings,
                              batch_size, progress)
     answered = time.perf_counter()

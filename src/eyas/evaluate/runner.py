@@ -109,7 +109,7 @@ def _load_records(path: Path, settings: dict[str, Any]) -> tuple[list[dict], boo
     if header.get("settings") != settings:
         diff = sorted(k for k in set(settings) | set(header.get("settings", {}))
                       if settings.get(k) != header.get("settings", {}).get(k))
-        raise EyasError(f"{path}: partial results from an evaluation with other settings ({', '.join(diff)} "
+        raise EyasError(f"{path}: results of an evaluation with other settings or inputs ({', '.join(diff)} "
                         "differ); use another --out, or delete the file to start over")
     out = []
     for line in lines[1:]:

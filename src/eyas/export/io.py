@@ -19,15 +19,29 @@ def write_model_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.
     from safetensors.torch import save_file
 
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise EyasError(f"--out {out}: exists and is not empty; pass --overwrite to replace it or "
-                        "choose a new directory")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise EyasError(f"--out {out}: exists and is not empty; pass --overwrite to replace it or "
+                            "choose a new directory")
+        if not is_export(out):
+            raise EyasError(f"--out {out} exists and is not an eyas export (no config.json that `eyas export` "
+                            "wrote); --overwrite replaces only an earlier export, never another folder. "
+                            "Choose another --out, or move that folder away yourself (nothing was written)")
     with atomic_dir(out, inputs) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
     return out
+
+
+def is_export(folder: Path) -> bool:
+    """``folder`` holds what :func:`write_model_dir` wrote for ``eyas export`` (its config records it)."""
+    try:
+        info = json.loads((Path(folder) / "config.json").read_text()).get("eyas")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(info, dict) and "format" in info
 
 
 def dtype_name(tensors: dict[str, torch.Tensor]) -> str:

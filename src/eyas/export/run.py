@@ -9,6 +9,7 @@ from typing import Any
 from eyas.errors import EyasError
 from eyas.export.config import FORMATS, ExportConfig
 from eyas.fsio import refuse_overlap
+from eyas.outdir import check_out, writer_lock
 
 DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
@@ -27,18 +28,27 @@ def export(cfg: ExportConfig) -> Path:
     """
     import torch
 
-    from eyas.draft.checks import check_against_target, load_checkpoint
-    from eyas.export.sglang import export_sglang
-    from eyas.export.vllm import export_vllm
-    from eyas.target import resolve_target
-
     ckpt_dir, fmt, out, target_spec, dtype, verifier = cfg.ckpt, cfg.format, cfg.out, cfg.target, cfg.dtype, cfg.verifier
     if fmt not in FORMATS:
         raise EyasError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise EyasError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     torch_dtype = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None
-    # --out never is, holds or lies inside an input, with or without --overwrite
+    # --out never is, holds or lies inside an input, with or without --overwrite; it is a folder this
+    # process can write (and replace: not the current folder), held by this process alone
+    check_out(out, inputs={"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier},
+              replaces=True)
+    with writer_lock(out, command="eyas export"):
+        return _export(cfg, torch_dtype)
+
+
+def _export(cfg: ExportConfig, torch_dtype) -> Path:
+    from eyas.draft.checks import check_against_target, load_checkpoint
+    from eyas.export.sglang import export_sglang
+    from eyas.export.vllm import export_vllm
+    from eyas.target import resolve_target
+
+    ckpt_dir, fmt, out, target_spec, verifier = cfg.ckpt, cfg.format, cfg.out, cfg.target, cfg.verifier
     ckpt = load_checkpoint(ckpt_dir)
     inputs = {"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier}
     refuse_overlap(out, inputs)

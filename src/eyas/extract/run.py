@@ -275,8 +275,19 @@ def extract(cfg: ExtractConfig) -> dict[str, Any]:
 
     Before any work it plans the bytes to write and the time (printed when ``progress``) and
     refuses when the filesystem of ``out`` has less free space. ``plan_only``: return the plan
-    (``{"plan": ...}``), write nothing.
+    (``{"plan": ...}``), write nothing. ``out`` is checked first (a folder this process can write,
+    apart from the inputs) and held by this process alone while it is written.
     """
+    from eyas.outdir import check_out, writer_lock
+
+    check_out(cfg.out, inputs={"the prepared dataset --data": cfg.data, "the --target": cfg.target})
+    if cfg.plan_only:
+        return _extract(cfg)
+    with writer_lock(cfg.out, command="eyas extract"):
+        return _extract(cfg)
+
+
+def _extract(cfg: ExtractConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
     from eyas.data.dataset import open_prepared

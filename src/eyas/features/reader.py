@@ -22,6 +22,7 @@ from eyas.errors import EyasError
 from eyas.features.format import KIND, dequantize, layout_of, read_header, shard_file
 from eyas.features.verify import scale_problem, shard_problem
 from eyas.features.writer import tables
+from eyas.fsio import inside
 from eyas.manifest import MANIFEST, read_manifest
 
 
@@ -64,6 +65,11 @@ class StoreReader:
         self._mu = threading.Lock()
         # each shard's checksum is checked the first time this reader opens it (once per process)
         self._records = {int(r["shard"]): r for r in manifest.get("shards", [])}
+        for sid, r in self._records.items():  # every name up front: nothing outside the store is opened
+            if inside(self.path, r.get("file"), "store").name != shard_file(sid):
+                raise EyasError(f"store {self.path}: its manifest names {r['file']!r} for shard {sid}, whose "
+                                f"file is {shard_file(sid)}; the manifest was edited or damaged: re-run "
+                                "`eyas extract` into a new --out")
 
     def __len__(self) -> int:
         return int(self.indices.shape[0])

@@ -10,13 +10,15 @@ import numpy as np
 
 from eyas.errors import EyasError
 from eyas.features.format import KIND, file_checksum, hasher_for, layout_of, read_header
+from eyas.fsio import inside
 from eyas.manifest import MANIFEST, read_manifest
 
 
 def shard_problem(path: Path, record: dict[str, Any]) -> str | None:
     """What is wrong with the shard file ``record`` describes (missing, size, checksum), or None.
-    Reads the whole file once (xxh3: GB/s)."""
-    f = Path(path) / record["file"]
+    Reads the whole file once (xxh3: GB/s). A ``file`` that is not a plain name in the store is an
+    EyasError: nothing outside the store is opened."""
+    f = inside(Path(path), record.get("file"), "store")
     if not f.is_file():
         return "missing"
     size = f.stat().st_size
@@ -107,7 +109,11 @@ def verify_store(path: str | os.PathLike, progress: bool = False) -> list[str]:
 
         it = tqdm(shards, desc="verify", unit="shard")
     for s in it:
-        f = path / s["file"]
+        try:
+            f = inside(path, s.get("file"), "store")
+        except EyasError as e:
+            problems.append(str(e))
+            continue
         if not f.is_file():
             problems.append(f"{s['file']}: missing")
             continue

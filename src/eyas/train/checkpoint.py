@@ -144,17 +144,82 @@ def load(ckpt: Path, rank: int) -> dict[str, Any]:
 
     state = read(STATE, lambda p: json.loads(p.read_text()))
     config = read("config.json", lambda p: json.loads(p.read_text()))
+    if not isinstance(state, dict):
+        raise Unreadable(f"{ckpt / STATE}: not a JSON object")
+    for key in ("step", "run"):
+        if key not in state:
+            raise Unreadable(f"{ckpt / STATE}: has no {key!r}")
+    check_own_record(ckpt, state)
+    read("model.safetensors", lambda p: _check_fits(config, p))  # before the tensors are read
     model = read("model.safetensors", lambda p: load_file(str(p)))
     opt = read("optimizer.pt", lambda p: torch.load(p, weights_only=True, map_location="cpu"))
     rng = read(f"rng-{rank}.json" if (ckpt / f"rng-{rank}.json").is_file() else f"rng-{rank}.pt",
                lambda _p: _load_rng(ckpt, rank))
-    for key in ("step", "run"):
-        if key not in state:
-            raise Unreadable(f"{ckpt / STATE}: has no {key!r}")
     if not isinstance(opt, dict) or "optimizer" not in opt or "scheduler" not in opt:
         raise Unreadable(f"{ckpt / 'optimizer.pt'}: not an eyas optimizer file")
+    last = opt["scheduler"].get("last_epoch") if isinstance(opt["scheduler"], dict) else None
+    if isinstance(last, int) and last != state["step"]:
+        raise Unreadable(f"{ckpt / 'optimizer.pt'}: its schedule is at step {last}, {STATE} says "
+                         f"{state['step']}; the files are not of one checkpoint")
     return {"trainer": state, "config": config, "model": model, "optimizer": opt["optimizer"],
             "scheduler": opt["scheduler"], "rng": rng, "path": ckpt}
+
+
+def step_of(ckpt: Path) -> int | None:
+    """The step a checkpoint folder's name says (``step-00000004`` -> 4)."""
+    try:
+        return int(Path(ckpt).name.split("-")[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def check_own_record(ckpt: Path, state: dict[str, Any]) -> None:
+    """A checkpoint's trainer_state.json against the checkpoint itself: its step an integer, the
+    step the folder is named for (an edited or misplaced file would otherwise set where training
+    resumes, and what the summary says, from the wrong weights); raises Unreadable."""
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise Unreadable(f"{ckpt / STATE}: step {step!r} is not a step number")
+    named = step_of(ckpt)
+    if named is not None and step != named:
+        raise Unreadable(f"{ckpt / STATE}: says step {step}, but it is the checkpoint of step {named} "
+                         f"({ckpt.name}); the file was edited or comes from another checkpoint")
+    for key in ("tokens_seen", "world_size"):
+        v = state.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise Unreadable(f"{ckpt / STATE}: {key} {v!r} is not a count")
+
+
+def _check_fits(config: Any, weights: Path) -> None:
+    from eyas.draft.model import DraftConfig
+    from eyas.draft.shapes import shape_problems
+    from eyas.tensorfile import tensor_shapes
+
+    if not isinstance(config, dict):
+        raise ValueError("config.json is not a JSON object")
+    cfg = DraftConfig.from_dict(config)
+    problems = shape_problems(cfg, tensor_shapes(weights, "checkpoint weights", ""))
+    if problems:
+        raise ValueError("config.json does not fit it: " + "; ".join(problems[:4]))
+
+
+def check_resume_step(resumed: dict[str, Any], total: int, flag: str = "--max-steps") -> None:
+    """Refuse to resume a checkpoint past the run's planned ``total`` steps: its weights are of a
+    later step than the run would end at, so the draft, the summary and the metrics would disagree
+    (a finished 6-step run resumed with --max-steps 4 wrote the step-6 draft as a 4-step run)."""
+    step = int(resumed["trainer"]["step"])
+    if step > total:
+        path = Path(resumed["path"])
+        raise EyasError(f"cannot resume {path}: it is at step {step}, past the {total} steps this run plans "
+                        f"({flag} or the epochs); a run cannot be shortened after the fact. Resume with "
+                        f"{flag} >= {step}, use the draft this run already wrote ({path.parents[1] / 'draft'}), "
+                        "or start a new --out")
+
+
+def no_checkpoint_note(run_dir: Path) -> str:
+    """What ``--resume`` says when ``run_dir`` holds no checkpoint to resume: training starts at step 0."""
+    return (f"warning: --resume: {run_dir} holds no checkpoint (checkpoints/step-*), so training starts at "
+            "step 0; check --out if you meant to continue a run")
 
 
 def load_latest(run_dir: Path, rank: int, log=None) -> dict[str, Any]:

@@ -19,8 +19,8 @@ def _run(cfg: TrainConfig) -> None:
 
     from eyas.train.trainer import train
 
-    draft = train(cfg)
     console = Console(stderr=True)
+    draft = train(cfg)
     console.print(f"draft -> {draft}")
     pred = Path(draft) / PREDICTION_FILE
     if pred.is_file():

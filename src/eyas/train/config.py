@@ -20,8 +20,6 @@ EXPERIMENTAL = {
                                   "benchmarks/train_bench.md)",
     ("compile_mode", "reduce-overhead"): "+0.3% / -6% tokens/s at 16 packs (benchmarks/train_bench.md)",
     ("compile_mode", "max-autotune-no-cudagraphs"): "never measured faster",
-    ("optimizer", "muon"): "not better than AdamW at equal steps on the CPU proxy "
-                           "(benchmarks/draft_options_cpu.md)",
 }
 FEATURES = ("offline", "online", "vllm")  # --features
 EXPERIMENTAL_HEAD = {"fc_norm", "norm_before_fc", "norm_output"}  # --draft-config keys (same measurement)
@@ -93,12 +91,13 @@ class TrainConfig:
     layers: list[int] | None = setting(
         None, "Aux layer ids (default 2,N/2,N-3 online; offline: the store's, checked if given).",
         parse=_layers, cli_type=str)
-    ttt_steps: int = setting(7, "Training-time-test steps unrolled per position.",
+    ttt_steps: int = setting(3, "Training-time-test steps unrolled per position.",
                              check=at_least(1, "training-time-test steps unrolled",
                                             "use 1 for plain next-token training"))
     step_decay: float = setting(0.8, "Loss weight of TTT step j is step_decay**j.",
                                 check=positive("loss weight ratio between TTT steps", "e.g. 0.8"))
-    lr: float = setting(1e-4, "Peak learning rate.", check=positive("peak learning rate", "e.g. 1e-4"))
+    lr: float = setting(1e-3, "Peak learning rate (Muon's is RMS-matched to AdamW's).",
+                        check=positive("peak learning rate", "e.g. 1e-3"))
     min_lr_ratio: float = setting(0.1, "Learning rate at the last step, as a fraction of the peak.",
                                   check=fraction("final LR as a fraction of the peak"))
     weight_decay: float = setting(0.0, "Weight decay (AdamW, and Muon with --optimizer muon).",
@@ -127,7 +126,8 @@ class TrainConfig:
     tokens_per_batch: int = setting(2048, "Tokens per pack (documents packed, no cross-attention).",
                                     check=at_least(3, "tokens per pack",
                                                    "use at least the dataset's max_length, e.g. 2048"))
-    batch_size: int = setting(1, "Packs per micro-batch.", check=at_least(1, "packs per micro-batch"))
+    batch_size: int | None = setting(None, "Packs per micro-batch (default 4 on CUDA, 1 on the CPU).",
+                                     check=at_least(1, "packs per micro-batch"))
     grad_accum: int = setting(1, "Micro-batches per optimizer step (per process).",
                               check=at_least(1, "micro-batches per optimizer step"))
     warmup: int = setting(50, "Linear warmup steps, then --schedule's decay.", check=at_least(0, "warmup steps"))
@@ -152,7 +152,7 @@ class TrainConfig:
                                    check=at_least(0, "answer tokens of the capped held-out agreement", "0 is off"))
     tau: bool | None = setting(
         None, "Measure the draft's tau while it trains: greedy acceptance by replay (`eyas evaluate --engine "
-              "replay`) on --tau-prompts, at the end and every --tau-every, the target's answers made once "
+              "replay`, the draft in the target's dtype) on --tau-prompts, at the end and every --tau-every, the target's answers made once "
               "and kept in eyas's cache; logged, plotted (tau.png) and written into the draft's "
               "prediction.json. Default: on where the target runs in this job on a GPU (--features online "
               "on CUDA), off elsewhere.", "--tau/--no-tau")
@@ -160,9 +160,9 @@ class TrainConfig:
         None, "With --tau: also measure every this much training time, e.g. 2m (default: only at the end).",
         check=positive("training time between tau measurements"), parse=seconds, cli_type=str)
     tau_prompts: Path = setting(DEFAULT_PROMPTS, "With --tau: MT-bench style question.jsonl.")
-    tau_per_category: int | None = setting(
-        5, "With --tau: the first N questions of each category of --tau-prompts (MT-bench's 80 questions "
-           "give 40: the fixed part eyas measures on); 0: all.",
+    tau_per_category: int = setting(
+        0, "With --tau: only the first N questions of each category of --tau-prompts; 0: all (the default: "
+           "MT-bench's first questions of each category read high, benchmarks/recipe/README.md).",
         check=at_least(0, "questions per category", "0 takes them all"))
     tau_max_new_tokens: int = setting(256, "With --tau: tokens per answer, as `eyas evaluate --max-new-tokens`.",
                                       check=at_least(1, "tokens per answer"))
@@ -194,16 +194,16 @@ class TrainConfig:
               "off on the CPU).", "--fused-loss/--no-fused-loss")
     loss_chunk: int = setting(4096, "With --fused-loss: rows per chunk (each chunk's fp32 temporaries are "
                                     "[rows, draft vocab]).", check=at_least(1, "rows per chunk of the fused loss"))
-    optimizer: str = setting("adamw", "adamw, or with --experimental muon: Muon (torch.optim.Muon, "
-                                      "RMS-matched to AdamW's lr) for the layer's and fc's matrices, AdamW "
-                                      "for lm_head and norms.")
+    optimizer: str | None = setting(
+        None, "muon: Muon (torch.optim.Muon, RMS-matched to AdamW's lr) for the layer's and fc's matrices, "
+              "AdamW for lm_head and norms; or adamw. Default muon (adamw under --parallel fsdp2).")
     parallel: str = setting("ddp", "ddp or fsdp2 (sharded params, grads and optimizer state); only used "
                                    "when torchrun starts more than one process.")
     attention: str = setting("auto", "TTT attention kernel: dense, flex (block-sparse flex_attention, "
                                      "compiled; CUDA only for training) or auto (flex on CUDA, dense elsewhere).")
     experimental: bool = setting(
         False, "Allow the settings that measured no gain: --compile-scope regions, --compile-mode "
-               "reduce-overhead / max-autotune-no-cudagraphs, --optimizer muon, --draft-config "
+               "reduce-overhead / max-autotune-no-cudagraphs, --draft-config "
                "fc_norm / norm_before_fc / norm_output.", "--experimental")
     progress: bool = setting(True, "Show the progress bar.", "--progress/--quiet")
 
@@ -223,7 +223,8 @@ class TrainConfig:
             raise EyasError("--budget with --features vllm: the engine is fed the run's planned batches ahead "
                             "of training, so the step count must be known up front; use --max-steps or --epochs")
         parallel.check_mode(self.parallel)
-        optim.check_kind(self.optimizer)
+        if self.optimizer is not None:
+            optim.check_kind(self.optimizer)
         flex.check_kind(self.attention)
         autocast_dtype("cpu", self.precision)  # the name only
         if self.compile_scope not in ("regions", "model"):
@@ -255,3 +256,6 @@ def _check_draft_config(overrides: dict[str, Any]) -> None:
     bad = sorted(set(overrides) - allowed)
     if bad:
         raise EyasError(f"--draft-config: unknown or fixed fields {bad}; settable: {sorted(allowed)}")
+    from eyas.draft.model import check_override_values
+
+    check_override_values(overrides)

@@ -125,8 +125,13 @@ class Trainer:
         # unset --compile / --fused-loss: the measured fast, correct configuration on CUDA
         # (benchmarks/numerics/README.md), today's eager loss on the CPU
         on_cuda = self.device.type == "cuda"
+        # unset --optimizer / --batch-size: the recipe measured best (benchmarks/recipe/README.md):
+        # Muon (AdamW under FSDP2, which shards the matrices Muon orthogonalises), 4 packs a step on CUDA
+        sharded = cfg.parallel == "fsdp2" and self.dist.on
         self.cfg = cfg = replace(cfg, compile=on_cuda if cfg.compile is None else cfg.compile,
-                                 fused_loss=on_cuda if cfg.fused_loss is None else cfg.fused_loss)
+                                 fused_loss=on_cuda if cfg.fused_loss is None else cfg.fused_loss,
+                                 optimizer=cfg.optimizer or ("adamw" if sharded else "muon"),
+                                 batch_size=cfg.batch_size or (4 if on_cuda else 1))
         if on_cuda or cfg.compile:
             # inductor's and Triton's caches (flex attention is compiled on every CUDA run) under eyas's
             # cache: a second run of the same shapes reuses the first one's kernels and graphs
@@ -205,6 +210,8 @@ class Trainer:
         d2t, t2d = dataset.draft_vocab()
         tcfg = target.config()
         existing = ckpt.checkpoint_dirs(self.run_dir)
+        if cfg.resume and not existing and self.is_main:
+            warnings.warn(ckpt.no_checkpoint_note(self.run_dir), stacklevel=1)
         if existing and not cfg.resume:
             raise EyasError(f"run directory {self.run_dir} already has checkpoints (latest {existing[-1].name}); "
                             "pass --resume to continue it, or choose a new --out")
@@ -239,6 +246,7 @@ class Trainer:
             self.sched.load_state_dict(resumed["scheduler"])  # with a --budget run's plan
             if self.lr_schedule.planned_at is not None:
                 self.total = self.lr_schedule.total
+            ckpt.check_resume_step(resumed, self.total)
             self.start = int(resumed["trainer"]["step"])
             if resumed["rng"] is not None:
                 ckpt.set_rng_state(resumed["rng"])
@@ -275,7 +283,7 @@ class Trainer:
             return None
         from eyas.train.tau import TauProbe
 
-        return TauProbe(cfg, target, getattr(self.source, "model", None), self.device, self.autocast, cfg.progress)
+        return TauProbe(cfg, target, getattr(self.source, "model", None), self.device, cfg.progress)
 
     def _check_resume(self, resumed: dict[str, Any]) -> None:
         old = resumed["trainer"]["run"]
@@ -484,7 +492,6 @@ class Trainer:
         if self.tau_probe is not None:
             with self.clock.pause():
                 got = self.tau_probe.measure(self.model)
-                self.model.train()
             rec = {"split": "tau", "step": step, "train_s": round(self.clock.steps_s(), 2),
                    **{f"tau_k{k}": t for k, t in got["tau"].items()}, **got}
             self.logger.log(rec)
@@ -608,5 +615,13 @@ class Trainer:
 
 
 def train(cfg: TrainConfig) -> Path:
-    """Run (or resume) training; returns RUN_DIR/draft."""
-    return Trainer(cfg).train()
+    """Run (or resume) training; returns RUN_DIR/draft. The run directory is checked, and held by one
+    writer (rank 0 holds it for every rank of a torchrun run)."""
+    from eyas.outdir import check_out, writer_lock
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return Trainer(cfg).train()
+    check_out(cfg.out, inputs={"the prepared dataset --data": cfg.data, "the --store": cfg.store,
+                               "the --target": cfg.target})
+    with writer_lock(cfg.out, command="eyas train"):
+        return Trainer(cfg).train()
