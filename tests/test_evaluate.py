@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,6 +263,11 @@ def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
     from eyas.evaluate.cli import register
 
     target, draft_dir = setup[0], setup[3]
+    # a draft with the tau `eyas train --tau` measured beside it (tau.json)
+    draft_dir = Path(shutil.copytree(draft_dir, tmp_path / "draft"))
+    trained = {"step": 9, "tau": {"3": 1.234, "5": 1.3}, "turns": 8, "questions": 4, "prompts": "q.jsonl",
+               "max_new_tokens": 24}
+    (draft_dir / "tau.json").write_text(json.dumps(trained))
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 4)
     app = typer.Typer()
     register(app)
@@ -272,9 +279,9 @@ def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
     assert res.exit_code == 0, res.output
     assert "builtin: tau" in res.output
     rep = json.loads((out / "builtin" / "report.json").read_text())
-    # the report carries what training predicted for this k (evalkit's draft trains TTT >= 3)
-    pred = json.loads((draft_dir / "prediction.json").read_text())["predicted_tau"]["3"]
-    assert rep["predicted_tau"] == pytest.approx(pred) and f"predicted by training: {pred:.3f}" in res.output
+    # the report carries the tau training measured at this k, and says what it was measured on
+    assert rep["training_tau"] == 1.234 and rep["training_tau_on"]["turns"] == 8
+    assert "measured while training: 1.234, on 8 turns of q.jsonl, 24 tokens" in res.output
     assert (out / "builtin" / "acceptance_per_position.png").stat().st_size > 1000
     assert (out / "builtin" / "tau_per_category.png").stat().st_size > 1000
     pp = rep["per_prompt"]

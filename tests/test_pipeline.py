@@ -77,23 +77,28 @@ def test_pipeline_cli_refuses_bad_config(tmp_path):
 def test_pipeline_passes_the_device_and_the_export_to_evaluate(tmp_path, tiny_llama_dir):
     """No device in the evaluate section: the train section's (cpu here) reaches evaluate and is
     recorded; the same device written into the evaluate section is the same setting (nothing redone).
-    The export stage's output is an export of the trained draft, as the vllm engine checks."""
+    The export stage's output is an export of the trained draft, as the vllm engine checks. The tau
+    measured while training takes evaluate's answer length, so it is the tau evaluate then measures."""
     from eyas.evaluate.run import check_export_of
 
     cfg_path = _config(tmp_path, tiny_llama_dir, "online")
     cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["train"].update(tau=True, tau_prompts=cfg["evaluate"]["prompts"], tau_k=[2])
+    cfg_path.write_text(yaml.safe_dump(cfg))
     assert cfg["train"]["device"] == "cpu" and "device" not in cfg["evaluate"]
     run_pipeline(load_config(cfg_path))
     run = tmp_path / "run"
     rec = json.loads((run / "pipeline-config.json").read_text())
     assert rec["stages"]["evaluate"]["settings"]["device"] == "cpu"
     assert rec["sections"]["evaluate"]["device"] == "cpu"
-    # training predicts the evaluation it feeds: its horizon is evaluate's max_new_tokens, a derived
-    # setting kept out of train's record (a changed evaluate section must not make the draft stale)
-    pred = json.loads((run / "train" / "draft" / "prediction.json").read_text())
-    assert "predict_horizon" not in cfg["train"] and pred["horizon"] == 6
-    assert "predict_horizon" not in rec["stages"]["train"]["settings"]
+    # training measures the evaluation it feeds: evaluate's max_new_tokens, a derived setting kept
+    # out of train's record (a changed evaluate section must not make the draft stale)
+    measured = json.loads((run / "train" / "draft" / "tau.json").read_text())
+    assert "tau_max_new_tokens" not in cfg["train"] and measured["max_new_tokens"] == 6
+    assert "tau_max_new_tokens" not in rec["stages"]["train"]["settings"]
     report = json.loads((run / "eval" / "builtin" / "report.json").read_text())
+    assert measured["turns"] == report["overall"]["prompts"] == 3
+    assert measured["tau"]["2"] == pytest.approx(report["overall"]["tau"], rel=1e-6)
     assert report["device"] == "cpu" and report["dtype"] == "float32"
     check_export_of(run / "export-vllm", run / "train" / "draft")
 

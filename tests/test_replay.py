@@ -110,63 +110,9 @@ def test_replay_cli_reports_every_k_as_the_builtin_engine_does(setup, tmp_path):
 
 
 
-def test_trainings_heldout_replay_is_the_replay_engines_walk(setup):
-    """`eyas train`'s replayed tau (the loop walked over held-out answers, from the TTT forward of a
-    packed batch) counts exactly the rounds and accepted positions that the replay engine finds on the
-    same prompts and answers, over whole answers and over their first tokens."""
-    from eyas.evaluate.replay import ReplayScorer, walk
-    from eyas.features.capture import HiddenStateCapture
-    from eyas.evaluate.replay import chain_matches
-    from eyas.train.predict import replayed_acceptance, replayed_tau
-
-    target, model, draft, _ = setup
-    prompts = evalkit.chat_prompts(target.load_tokenizer(), evalkit.PROMPTS[:3])
-    answers = greedy_answers(model, prompts, 24, batch_size=3)
-    k_max, horizon = 3, 10
-    # one packed row, as training reads it: documents back to back, positions restarting
-    ids = torch.tensor([sum((p + a for p, a in zip(prompts, answers)), [])])
-    doc = torch.tensor([sum(([d] * (len(p) + len(a)) for d, (p, a) in enumerate(zip(prompts, answers))), [])])
-    mask = torch.tensor([sum(([False] * len(p) + [True] * len(a) for p, a in zip(prompts, answers)), [])])
-    pos = torch.cat([torch.arange(len(p) + len(a)) for p, a in zip(prompts, answers)])[None]
-    cap = HiddenStateCapture(model, list(draft.config.aux_layer_ids))
-    aux = torch.cat([cap.capture(torch.tensor([p + a]))[0].flatten(2) for p, a in zip(prompts, answers)], dim=1)
-    cap.remove()
-    with torch.no_grad():
-        logits = draft(aux, ids, pos, doc, k_max, attention="dense")
-    chains = chain_matches(logits, ids, mask, doc, draft.target_ids())
-    scorer = ReplayScorer(model, draft)
-    for h in (0, horizon):
-        got = replayed_acceptance(chains, mask, doc, k_max, h)
-        want = torch.zeros_like(got)
-        for p, a in zip(prompts, answers):
-            n = min(len(a), h) if h else len(a)
-            lengths = scorer.lengths(p, a, k_max)[:n]
-            for k in range(1, k_max + 1):
-                for gained in walk(lengths, k, n)[1:]:
-                    want[k - 1, 0] += 1
-                    want[k - 1, 1:gained] += 1
-        assert torch.equal(got, want), h
-        assert got[:, 1:].sum() > 0, "the draft is accepted somewhere"
-    scorer.close()
-    taus = replayed_tau(got)
-    assert all(1.0 <= t <= 1.0 + k for k, t in enumerate(taus, 1))
-
-
-def test_answer_spans_split_at_documents_and_skip_an_answer_without_a_prompt():
-    from eyas.train.predict import answer_spans
-
-    mask = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 0]], dtype=torch.bool)
-    doc = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1]])
-    # the first run starts the row (no prompt before it); the second is cut where document 1 begins,
-    # whose answer opens its document
-    assert answer_spans(mask, doc) == [(0, 3, 5)]
-    doc2 = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 0]])
-    assert answer_spans(torch.tensor([[0, 1, 1, 0, 1, 1, 1, 0]], dtype=torch.bool), doc2) == [(0, 1, 3), (0, 4, 7)]
-
-
 def test_tau_measured_while_training_is_what_evaluate_replay_gives(setup, tmp_path, monkeypatch):
     """`eyas train --tau`: at every --tau-every mark and at the end, the draft is replayed on the
-    prompts; the last figure (in prediction.json, summary.json and metrics.jsonl) equals `eyas
+    prompts; the last figure (in the draft's tau.json, summary.json and metrics.jsonl) equals `eyas
     evaluate --engine replay` on the final draft at each k (float32: exact), the target's answers
     are kept in eyas's cache, and a second run decodes nothing."""
     from eyas.train.trainer import TrainConfig, train
@@ -184,7 +130,7 @@ def test_tau_measured_while_training_is_what_evaluate_replay_gives(setup, tmp_pa
     tau = [r for r in recs if r["split"] == "tau"]
     assert tau[-1]["step"] == 30 and tau[-1]["turns"] == 8
     assert [r["train_s"] for r in tau] == sorted(r["train_s"] for r in tau)
-    measured = json.loads((draft / "prediction.json").read_text())["measured_tau"]
+    measured = json.loads((draft / "tau.json").read_text())
     assert measured["tau"] == tau[-1]["tau"] == json.loads((run / "summary.json").read_text())["tau"]["tau"]
     assert (run / "tau.png").is_file()
     _evaluate((target, None, None, draft), questions, tmp_path / "e", "--engine", "replay", "-k", "3",

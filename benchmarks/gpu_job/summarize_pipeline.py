@@ -21,6 +21,7 @@ b = records(d / "builtin-records.jsonl")
 v = records(d / "vllm-records-partial.jsonl")
 by = {(r["question_id"], r["turn"]): r for r in b}
 same = [by[(r["question_id"], r["turn"])] for r in v]
+# the held-out prediction of the eyas that ran this job (since removed from eyas train)
 pred = json.loads((d / "prediction.json").read_text())["predicted_tau"]
 out = {"k": 5, "builtin_turns": len(b), "builtin_tau": tau(b),
        "builtin_acceptance_per_pos": [sum(r["accepted_per_pos"][j] for r in b) / sum(r["rounds"] for r in b)

@@ -5,7 +5,7 @@ with a 95% bootstrap interval over questions (both turns of a question resampled
 
     python3 benchmarks/quality/add_summary.py --records RECORDS.jsonl|REPORT.json --name NAME --target T \
         --trainer eyas --budget-s S --steps N --data-conversations C --prompt-set mt_bench \
-        [--prediction DRAFT/prediction.json] [--source FILE] [--note TEXT]
+        [--train-tau DRAFT/tau.json] [--source FILE] [--note TEXT]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, required=True)
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--data-conversations", type=int, required=True)
-    ap.add_argument("--prediction")
+    ap.add_argument("--train-tau", help="the draft's tau.json (eyas train --tau)")
     ap.add_argument("--source", default="")
     ap.add_argument("--note", default="")
     a = ap.parse_args()
@@ -52,18 +52,13 @@ def main() -> None:
         recs, engine = [json.loads(x) for x in path.read_text().splitlines()[1:]], None
     k = len(recs[0]["accepted_per_pos"])
     lo, hi = bootstrap(recs)
-    rec = json.loads(Path(a.prediction).read_text()) if a.prediction else {}
-    pred = rec.get("predicted_tau", {}).get(str(k))
-    first = rec.get("predicted_tau_first", {}).get(str(k))  # eyas train's, over each answer's first tokens
+    trained = json.loads(Path(a.train_tau).read_text()) if a.train_tau else {}
     entry = {"name": a.name, "target": a.target, "trainer": a.trainer, "budget_s": a.budget_s, "steps": a.steps,
              "data_conversations": a.data_conversations, "k": k, "prompt_set": a.prompt_set,
              "turns": len(recs), "questions": len({r["question_id"] for r in recs}), "tau": tau(recs),
-             "tau_ci_low": lo, "tau_ci_high": hi, "predicted_tau": pred, "source": a.source, "note": a.note}
-    if first is not None:
-        entry["predicted_tau_first"], entry["predict_horizon"] = first, rec.get("horizon")
-    for key in ("replayed_tau", "replayed_tau_first"):  # eyas train's loop walked over held-out answers
-        if rec.get(key, {}).get(str(k)) is not None:
-            entry[key] = rec[key][str(k)]
+             "tau_ci_low": lo, "tau_ci_high": hi, "source": a.source, "note": a.note}
+    if trained.get("tau", {}).get(str(k)) is not None:  # what eyas train measured on its own prompts
+        entry["training_tau"] = trained["tau"][str(k)]
     if engine:
         entry["engine"] = engine
     rows = json.loads(SUMMARY.read_text()) if SUMMARY.is_file() else []

@@ -85,8 +85,6 @@ def evaluate_set(name: str, out: Path, a, pset: str) -> dict | None:
 
 def result(name: str, args: list[str], out: Path, taus: dict, a) -> dict:
     summary = json.loads((out / "summary.json").read_text())
-    pred_path = out / "draft" / "prediction.json"
-    pred = json.loads(pred_path.read_text()) if pred_path.is_file() else {}
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     last = [r for r in recs if r["split"] == "train"][-1]
     return {"name": name, "args": " ".join(args), "common": a.common, "budget_s": a.budget,
@@ -96,8 +94,6 @@ def result(name: str, args: list[str], out: Path, taus: dict, a) -> dict:
             "tau": taus, "train_tau": summary.get("tau"),
             "train_tau_curve": [{"train_s": r["train_s"], "step": r["step"], "tau": r["tau"]}
                                 for r in recs if r["split"] == "tau"],
-            "predicted_tau": pred.get("predicted_tau"), "predicted_tau_first": pred.get("predicted_tau_first"),
-            "replayed_heldout_tau": pred.get("replayed_tau"), "replayed_heldout_tau_first": pred.get("replayed_tau_first"),
             "max_new_tokens": a.max_new_tokens, "commit": a.commit,
             "date": time.strftime("%Y-%m-%d"), "machine": a.machine}
 

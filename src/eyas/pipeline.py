@@ -56,14 +56,14 @@ def evaluate_settings(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def train_settings(cfg: PipelineConfig) -> dict[str, Any]:
-    """The train section, with ``predict_horizon``: the section's own, else the evaluate section's
-    ``max_new_tokens``, so that training predicts the evaluation this pipeline runs. The derived
-    horizon is not part of train's record: it changes no weight, so a changed evaluate section must
-    not make the draft stale (the prediction names the horizon it used)."""
+    """The train section, with ``tau_max_new_tokens``: the section's own, else the evaluate section's
+    ``max_new_tokens``, so that the tau measured while training is that of the evaluation this
+    pipeline runs. The derived length is not part of train's record: it changes no weight, so a
+    changed evaluate section must not make the draft stale (tau.json names the length it used)."""
     tr = cfg.section("train")
     new_tokens = cfg.section("evaluate").get("max_new_tokens")
-    if "predict_horizon" not in tr and new_tokens is not None:
-        tr["predict_horizon"] = new_tokens
+    if "tau_max_new_tokens" not in tr and new_tokens is not None:
+        tr["tau_max_new_tokens"] = new_tokens
     return tr
 
 

@@ -151,12 +151,10 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
         rates = ", ".join(f"{r:.3f}" for r in o["acceptance_rate_per_pos"] if r is not None)
         tau = "n/a (no draft rounds)" if o["tau"] is None else f"{o['tau']:.3f}"
         line = f"{label}{name}: tau {tau}, acceptance per position [{rates}]"
-        if rep.get("predicted_tau") is not None:
-            first, walked = rep.get("predicted_tau_first"), rep.get("replayed_heldout_tau_first")
-            line += (f" (predicted by training: {rep['predicted_tau']:.3f}"
-                     + (f"; over the first {rep.get('predicted_horizon')} tokens of each answer: {first:.3f}"
-                        if first is not None else "")
-                     + (f"; the loop replayed over them: {walked:.3f}" if walked is not None else "") + ")")
+        if rep.get("training_tau") is not None:
+            on = rep.get("training_tau_on") or {}
+            line += (f" (measured while training: {rep['training_tau']:.3f}, on {on.get('turns')} turns of "
+                     f"{on.get('prompts')}, {on.get('max_new_tokens')} tokens)")
         if o.get("tokens_per_s"):
             line += f", {o['tokens_per_s']:.1f} tok/s"
         if o.get("speedup"):

@@ -85,7 +85,7 @@ def run_evaluation(cfg: EvaluateConfig) -> dict[str, Any]:
     tokenizer = target.load_tokenizer()
     stop_ids = set(stop_token_ids(tokenizer, target.path))
     _warn_past_context(questions, tokenizer, target.config(), max_new_tokens, prompts)
-    meta = {**_predicted(Path(draft_dir), k), "target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
+    meta = {**_training_tau(Path(draft_dir), k), "target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
             "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
             "dtype": dtype, "device": device, "seed": seed, "max_prompts": max_prompts,
             "max_per_category": max_per_category}
@@ -115,7 +115,7 @@ def run_evaluation(cfg: EvaluateConfig) -> dict[str, Any]:
                                       settings_base, progress, cfg.batch_size)
             records = by_k[k]
             for other in ks[1:]:  # every k from the one pass, each into OUT/k<N>/ as --also-k lays out
-                rep = build_report(by_k[other], other, {"engine": name, **meta, **_predicted(Path(draft_dir), other),
+                rep = build_report(by_k[other], other, {"engine": name, **meta, **_training_tau(Path(draft_dir), other),
                                                         **extra})
                 write_report(Path(out) / f"k{other}" / name, rep)
                 reports[f"k{other}"] = {name: rep}
@@ -306,22 +306,17 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
     return records, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall}
 
 
-def _predicted(draft_dir: Path, k: int) -> dict[str, Any]:
-    """What `eyas train` predicted for ``k`` draft tokens: ``predicted_tau`` over whole answers and,
-    where recorded, ``predicted_tau_first`` over the first ``predicted_horizon`` tokens of each
-    answer; ``replayed_heldout_tau`` (``_first``), the loop walked over the held-out answers
-    (None: not recorded, or k > TTT steps)."""
-    from eyas.train.predict import PREDICTION_FILE
+def _training_tau(draft_dir: Path, k: int) -> dict[str, Any]:
+    """The tau `eyas train --tau` measured for ``k`` draft tokens, with what it was measured on
+    (None: not measured, or not at this k)."""
+    from eyas.train.tau import TAU_FILE
 
     try:
-        rec = json.loads((draft_dir / PREDICTION_FILE).read_text())
-        return {"predicted_tau": rec["predicted_tau"].get(str(k)),
-                "predicted_tau_first": (rec.get("predicted_tau_first") or {}).get(str(k)),
-                "replayed_heldout_tau": (rec.get("replayed_tau") or {}).get(str(k)),
-                "replayed_heldout_tau_first": (rec.get("replayed_tau_first") or {}).get(str(k)),
-                "predicted_horizon": rec.get("horizon")}
+        rec = json.loads((draft_dir / TAU_FILE).read_text())
+        return {"training_tau": rec["tau"].get(str(k)),
+                "training_tau_on": {key: rec[key] for key in ("step", "turns", "prompts", "max_new_tokens")}}
     except (OSError, ValueError, KeyError, AttributeError):
-        return {"predicted_tau": None}
+        return {"training_tau": None}
 
 
 def check_export_of(exported: Path, draft_dir: Path) -> None:

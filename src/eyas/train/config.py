@@ -140,21 +140,18 @@ class TrainConfig:
                               check=at_least(0, "steps between checkpoints", "0 saves only at the end"))
     keep_checkpoints: int = setting(2, "Checkpoints kept (the newest; 0 keeps all).",
                                     check=at_least(0, "checkpoints kept", "0 keeps all"))
-    eval_every: int = setting(200, "Held-out acceptance proxy every N steps (0 = only at the end).",
+    eval_every: int = setting(200, "Held-out loss and top-1 agreement every N steps (0 = only at the end).",
                               check=at_least(0, "steps between held-out evaluations",
                                              "0 evaluates only at the end"))
     eval_batches: int = setting(8, "Held-out micro-batches per evaluation.",
                                 check=at_least(1, "held-out micro-batches per evaluation"))
     heldout: float = setting(0.02, "Fraction of samples held out (by index hash).",
                              check=fraction("fraction of samples held out", hi_open=True))
-    predict_horizon: int = setting(256, "Held-out agreement (and predicted tau) also over the first N tokens "
-                                   "of each answer, as an evaluation with --max-new-tokens N sees them; 0: off.",
-                                   check=at_least(0, "answer tokens of the capped held-out agreement", "0 is off"))
     tau: bool | None = setting(
         None, "Measure the draft's tau while it trains: greedy acceptance by replay (`eyas evaluate --engine "
-              "replay`, the draft in the target's dtype) on --tau-prompts, at the end and every --tau-every, the target's answers made once "
-              "and kept in eyas's cache; logged, plotted (tau.png) and written into the draft's "
-              "prediction.json. Default: on where the target runs in this job on a GPU (--features online "
+              "replay`, the draft in the target's dtype) on --tau-prompts, at the end and every --tau-every, "
+              "the target's answers made once and kept in eyas's cache; logged, plotted (tau.png) and "
+              "written beside the draft (tau.json). Default: on where the target runs in this job on a GPU (--features online "
               "on CUDA), off elsewhere.", "--tau/--no-tau")
     tau_every: float | str | None = setting(
         None, "With --tau: also measure every this much training time, e.g. 2m (default: only at the end).",

@@ -21,6 +21,9 @@ import torch
 
 from eyas.evaluate.prompts import read_questions
 
+TAU_FILE = "tau.json"  # beside the draft's weights: the last measurement, TAU_KEYS of it
+TAU_KEYS = ("step", "tau", "turns", "questions", "prompts", "max_new_tokens")
+
 # questions whose answers are decoded together: the default part of MT-bench in one batch
 REFERENCE_BATCH = 64
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import time
 import warnings
 from dataclasses import asdict, replace
@@ -38,9 +39,7 @@ from eyas.train import optim as optim_mod
 from eyas.train import parallel
 from eyas.train.config import TrainConfig
 from eyas.train.packing import EpochPlan, pack_indices, split_indices
-from eyas.evaluate.replay import chain_matches
-from eyas.train.predict import (PREDICTION_FILE, first_answer_tokens, predicted_tau, replayed_acceptance,
-                                replayed_tau)
+from eyas.train.tau import TAU_FILE, TAU_KEYS
 
 # The step count of a --budget run before its plan: no end (the plan sets one).
 UNPLANNED = 1 << 62
@@ -210,8 +209,6 @@ class Trainer:
         d2t, t2d = dataset.draft_vocab()
         tcfg = target.config()
         existing = ckpt.checkpoint_dirs(self.run_dir)
-        if cfg.resume and not existing and self.is_main:
-            warnings.warn(ckpt.no_checkpoint_note(self.run_dir), stacklevel=1)
         if existing and not cfg.resume:
             raise EyasError(f"run directory {self.run_dir} already has checkpoints (latest {existing[-1].name}); "
                             "pass --resume to continue it, or choose a new --out")
@@ -349,20 +346,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ one batch, one step
 
-    def forward_loss(self, packs: list[list[int]], grad: bool, horizon: int = 0,
-                     ) -> tuple[torch.Tensor, list, int, list | None, torch.Tensor | None]:
-        """(loss, per-TTT-step stats, real tokens, with ``horizon`` the stats over only the first
-        ``horizon`` tokens of each answer, and without ``grad`` the loop's rounds replayed over the
-        answers, [whole, first horizon] x :func:`~eyas.train.predict.replayed_acceptance`) of one
-        micro-batch, all from one forward. Under FSDP2 no replay (lm_head is sharded): None."""
+    def forward_loss(self, packs: list[list[int]], grad: bool) -> tuple[torch.Tensor, list, int]:
+        """(loss, per-TTT-step stats, real tokens) of one micro-batch."""
         cfg = self.cfg
         batch = self.source.batch(packs)
-        host_masks = [batch.layout.loss_mask]
-        if horizon:
-            host_masks.append(first_answer_tokens(batch.layout.loss_mask, horizon))
         # the fused loss's positions from the host's copy of the layout, before the forward is
         # queued: found on the device, they would wait for it
-        scored = ([fused_positions(m, batch.layout.doc_ids, cfg.ttt_steps) for m in host_masks]
+        scored = (fused_positions(batch.layout.loss_mask, batch.layout.doc_ids, cfg.ttt_steps)
                   if cfg.fused_loss else None)
         # built here, outside the compiled forward: inside its graph they made flex compute wrong
         # attention on CUDA (flex.ttt_block_masks)
@@ -371,28 +361,15 @@ class Trainer:
             out = (self.fwd if grad else self.model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
                                                      cfg.ttt_steps, attention=self.attention,
                                                      return_normed=cfg.fused_loss, block_masks=masks)
-        tgt = None
-        if not cfg.fused_loss:
+        if cfg.fused_loss:
+            loss, stats = fused_ttt_loss(out, self.model.lm_head.weight, self.head, batch.final, batch.loss_mask,
+                                         batch.doc_ids, cfg.step_decay, chunk=cfg.loss_chunk,
+                                         dtype=self.matmul_dtype, compiled=cfg.compile, scored=scored)
+        else:
             with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
                 tgt = self.head(batch.final)
-        results = []
-        for i, m in enumerate(host_masks):
-            mask = batch.loss_mask if i == 0 else m.to(self.device, non_blocking=True)
-            if cfg.fused_loss:
-                results.append(fused_ttt_loss(out, self.model.lm_head.weight, self.head, batch.final, mask,
-                                              batch.doc_ids, cfg.step_decay, chunk=cfg.loss_chunk,
-                                              dtype=self.matmul_dtype, compiled=cfg.compile, scored=scored[i]))
-            else:
-                results.append(ttt_loss(out, tgt, mask, batch.doc_ids, cfg.step_decay, self.ce))
-        (loss, stats), capped = results[0], (results[1][1] if horizon else None)
-        walked = None
-        if not grad and not self.sharded:
-            chains = chain_matches(out, batch.input_ids, batch.loss_mask, batch.doc_ids, self.model.target_ids(),
-                                   self.model.lm_head.weight if cfg.fused_loss else None).cpu()
-            lay = batch.layout
-            walked = torch.stack([replayed_acceptance(chains, lay.loss_mask, lay.doc_ids, cfg.ttt_steps, h)
-                                  for h in (0, horizon)])
-        return loss, stats, batch.num_tokens, capped, walked
+            loss, stats = ttt_loss(out, tgt, batch.loss_mask, batch.doc_ids, cfg.step_decay, self.ce)
+        return loss, stats, batch.num_tokens
 
     def train_step(self, step: int) -> dict[str, Any]:
         """Optimizer step ``step`` (0-based), queued on the device; returns its numbers, still there."""
@@ -400,7 +377,7 @@ class Trainer:
         step_stats, loss_acc, step_tokens, step_packs = [], torch.zeros((), device=device), 0, []
         for a, epoch, packs in self.micro_batches(step):
             with parallel.grad_sync(self.net, a == cfg.grad_accum - 1):
-                loss, stats, ntok, _, _ = self.forward_loss(packs, grad=True)
+                loss, stats, ntok = self.forward_loss(packs, grad=True)
                 (loss / cfg.grad_accum).backward()
             step_stats.extend(stats)
             loss_acc += loss.detach()
@@ -504,39 +481,23 @@ class Trainer:
         return rec
 
     def evaluate(self, step: int) -> dict[str, Any] | None:
-        """Held-out loss and top-1 agreement per TTT step (the acceptance proxy), logged."""
+        """Held-out loss and top-1 agreement per TTT step, logged."""
         cfg, dist = self.cfg, self.dist
         n_chunks = len(range(0, len(self.held_packs), cfg.batch_size)[:cfg.eval_batches])
         if not n_chunks:
             return None
         self.model.eval()
-        horizon = cfg.predict_horizon
-        acc = torch.zeros(2, 3, cfg.ttt_steps, device=self.device)  # [whole answers, first tokens]
-        walked = torch.zeros(2, cfg.ttt_steps, 1 + cfg.ttt_steps, dtype=torch.float64)
+        acc = torch.zeros(3, cfg.ttt_steps, device=self.device)
         with torch.no_grad():
             for idx, packs in self.heldout_calls():
-                _, stats, _, capped, walk = self.forward_loss(packs, grad=False, horizon=horizon)
-                if idx >= n_chunks:
-                    continue
-                for j, st in enumerate([stats, capped] if horizon else [stats]):
-                    acc[j] += torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in st], 1).to(self.device)
-                if walk is not None:
-                    walked += walk
+                _, stats, _ = self.forward_loss(packs, grad=False)
+                if idx < n_chunks:
+                    acc += torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in stats], 1).to(self.device)
         acc = dist.all_sum(acc).cpu()
-        if not self.sharded:
-            walked = dist.all_sum(walked.to(self.device)).cpu()
         self.model.train()
-        cnt = acc[:, 2].clamp_min(1)
-        rec = {"split": "heldout", "step": step, "acc": (acc[0, 1] / cnt[0]).tolist(),
-               "loss": (acc[0, 0] / cnt[0]).tolist(), "positions": acc[0, 2].tolist()}
-        rec["predicted_tau"] = predicted_tau(rec["acc"])  # for k = 1 .. ttt_steps
-        if not self.sharded:  # the loop's rounds walked over the held-out answers, k = 1 .. ttt_steps
-            rec["replayed_tau"], rec["replayed_rounds"] = replayed_tau(walked[0]), walked[0, :, 0].tolist()
-        if horizon:  # as an evaluation capped at `horizon` new tokens sees the answers
-            rec.update(horizon=horizon, acc_first=(acc[1, 1] / cnt[1]).tolist(), positions_first=acc[1, 2].tolist())
-            rec["predicted_tau_first"] = predicted_tau(rec["acc_first"])
-            if not self.sharded:
-                rec["replayed_tau_first"] = replayed_tau(walked[1])
+        cnt = acc[2].clamp_min(1)
+        rec = {"split": "heldout", "step": step, "acc": (acc[1] / cnt).tolist(), "loss": (acc[0] / cnt).tolist(),
+               "positions": acc[2].tolist()}
         self.logger.log(rec)
         return rec
 
@@ -560,23 +521,22 @@ class Trainer:
         dist.barrier()
 
     def finish(self, finished: int, last_eval: dict[str, Any] | None, tau: dict[str, Any] | None) -> Path:
-        """The draft (never with a non-finite weight) with what it should deliver (prediction.json),
-        loss.png, tau.png and summary.json."""
+        """The draft (never with a non-finite weight) with its measured tau (tau.json), loss.png,
+        tau.png and summary.json."""
         out = self.run_dir / "draft"
         final_state = parallel.full_model_state(self.model)  # collective under FSDP2
         if self.is_main:
             check_finite_state(final_state, f"the draft of {self.run_dir}")
             self.model.save_pretrained(out, state=final_state)
-            pred = self._prediction(last_eval, tau)
-            if pred:
-                atomic_write_text(out / PREDICTION_FILE, json.dumps(pred, indent=2))
+            if tau is not None:
+                atomic_write_text(out / TAU_FILE, json.dumps({k: tau[k] for k in TAU_KEYS}, indent=2))
             plot_losses(self.run_dir)
             plot_tau(self.run_dir)
             mode = ("fsdp2" if self.sharded else "ddp") if self.dist.on else "single"
             summary = {"steps": finished, "skipped_nonfinite_steps": self.guard.skipped,
                        "first_step_s": self.log.first_step_s, "tokens_seen": self.log.tokens_seen,
                        "epochs": round(self.plan.epochs_at(finished), 3), "heldout": last_eval,
-                       "tau": tau and {k: tau[k] for k in ("step", "tau", "turns", "prompts", "max_new_tokens")},
+                       "tau": tau and {k: tau[k] for k in TAU_KEYS},
                        "draft": str(out), "world_size": self.dist.world, "parallel": mode, "attention": self.attention,
                        # the time budget's account: steps timed from the end of the first compiled step(s)
                        "budget_s": self.cfg.budget, "plan": self.plan_info or None,
@@ -593,26 +553,6 @@ class Trainer:
         self.dist.barrier()
         return out
 
-    @staticmethod
-    def _prediction(last_eval: dict[str, Any] | None, tau: dict[str, Any] | None) -> dict[str, Any]:
-        """What the draft should deliver, before anyone serves it: tau measured by replay (--tau), and
-        the held-out figures."""
-        pred: dict[str, Any] = {}
-        if tau is not None:
-            pred["measured_tau"] = {k: tau[k] for k in ("step", "tau", "turns", "questions", "prompts",
-                                                        "max_new_tokens")}
-        if last_eval is not None:
-            pred.update({"heldout_step": last_eval["step"], "acc": last_eval["acc"],
-                         "predicted_tau": {str(k + 1): t for k, t in enumerate(last_eval["predicted_tau"])},
-                         "method": "1 + sum_i prod_{j<=i} acc_j (eyas.train.predict)"})
-            for key in ("replayed_tau", "replayed_tau_first"):  # the loop walked over held-out answers
-                if key in last_eval:
-                    pred[key] = {str(k + 1): t for k, t in enumerate(last_eval[key])}
-            if "horizon" in last_eval:  # over the first `horizon` tokens of each answer only
-                pred.update(horizon=last_eval["horizon"], acc_first=last_eval["acc_first"],
-                            predicted_tau_first={str(k + 1): t for k, t in enumerate(last_eval["predicted_tau_first"])})
-        return pred
-
 
 def train(cfg: TrainConfig) -> Path:
     """Run (or resume) training; returns RUN_DIR/draft. The run directory is checked, and held by one
@@ -623,5 +563,7 @@ def train(cfg: TrainConfig) -> Path:
         return Trainer(cfg).train()
     check_out(cfg.out, inputs={"the prepared dataset --data": cfg.data, "the --store": cfg.store,
                                "the --target": cfg.target})
+    if cfg.resume and not ckpt.checkpoint_dirs(Path(cfg.out)):  # said before the target loads
+        print(ckpt.no_checkpoint_note(Path(cfg.out)), file=sys.stderr, flush=True)
     with writer_lock(cfg.out, command="eyas train"):
         return Trainer(cfg).train()
