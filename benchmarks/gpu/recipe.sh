@@ -8,7 +8,9 @@
 # calls: its runs and the shared reference answers stay in /root/recipe on the warm machine, and
 # every call brings back results.jsonl and the runs' small files (recipe.tgz).
 # Settings: CONFIGS (default benchmarks/recipe/sweep1.json), TRAIN_BUDGET (seconds of steps per
-# training, 120), PREP (the prepared data, default the carried prep-regen), ONLY (names).
+# training, 120), PREP (the prepared data, default the carried prep-regen), ONLY (names), SAVE_EVERY
+# (steps between checkpoints: a training longer than one call is stopped at the deadline and resumed
+# by the next call on the same warm machine).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/out}
@@ -26,7 +28,7 @@ COMMIT=$(cat /root/snap/COMMIT 2>/dev/null || echo "${EYAS_COMMIT:-?}")
 echo "recipe: eyas $COMMIT; $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader)"
 timeout -s INT -k 20 "${BUDGET_S:-540}" python3 benchmarks/recipe/sweep.py --mirror "$OUT/results.jsonl" --data "$PREP" --runs "$R" --results "$R/results.jsonl" \
   --configs "${CONFIGS:-benchmarks/recipe/sweep1.json}" --budget "${TRAIN_BUDGET:-120}" \
-  --deadline-s "${BUDGET_S:-540}" ${ONLY:+--only "$ONLY"} --commit "$COMMIT" --machine "1x H200 (lent)" \
+  --deadline-s "${BUDGET_S:-540}" ${ONLY:+--only "$ONLY"} ${SAVE_EVERY:+--save-every "$SAVE_EVERY"} --commit "$COMMIT" --machine "1x H200 (lent)" \
   --common "--tokens-per-batch 2048 --warmup 50 --device cuda --precision bf16 --save-every 0 --eval-every 0" \
   --evaluate "--device cuda --dtype bfloat16 --batch-size 256" --tau-every "${TAU_EVERY:-60s}"
 cp "$R/results.jsonl" "$OUT/all-results.jsonl" 2>/dev/null

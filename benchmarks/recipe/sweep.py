@@ -6,8 +6,11 @@ Runs as a user would, with eyas's own commands: every training is `eyas train --
 ...` alone on the GPU (equal wall-clock per configuration, the steps' time), then its two
 evaluations at once (replay does not depend on timing), and its line is written to RESULTS (and
 `--mirror`) at once. Resumable over device calls: a finished configuration has its line and is not
-run again; one whose training was cut off is started afresh. `--deadline-s`: no configuration
-starts that would not end before it.
+run again; one whose training was cut off is started afresh, or, with `--save-every N` (budgets
+longer than a device call), continued from its last checkpoint (`eyas train --resume`: the budget's
+clock goes on where the checkpoint left it). `--deadline-s`: no configuration starts that would not
+end before it; with `--save-every`, a training is instead stopped at the deadline and resumed by the
+next call.
 
     python benchmarks/recipe/sweep.py --data PREPARED --runs DIR --results results.jsonl \\
         --budget 120 --deadline-s 540 --configs benchmarks/recipe/sweep1.json
@@ -37,22 +40,33 @@ def log(msg: str) -> None:
     print(f"[sweep {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run(cmd: list[str], log_path: Path) -> int:
+def run(cmd: list[str], log_path: Path, timeout_s: float | None = None) -> int | None:
+    """The command's exit code; None if it was stopped at ``timeout_s``."""
     log(" ".join(shlex.quote(c) for c in cmd))
     with open(log_path, "a") as fh:
-        return subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return None
 
 
-def train(name: str, args: list[str], a, out: Path) -> bool:
+def train(name: str, args: list[str], a, out: Path, timeout_s: float | None) -> bool:
     if (out / "summary.json").is_file() and (out / "draft" / "model.safetensors").is_file():
         return True
-    shutil.rmtree(out, ignore_errors=True)  # cut off by an earlier call: again from the start
-    out.mkdir(parents=True)
+    resume = bool(a.save_every) and bool(list(out.glob("checkpoints/step-*")))
+    if not resume:  # cut off by an earlier call without checkpoints: again from the start
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
     cmd = ["eyas", "train", "--data", a.data, "--online", "--out", str(out), "--budget", str(a.budget),
-           "--tau-every", str(a.tau_every), "--quiet", *shlex.split(a.common), *args]
+           "--tau-every", str(a.tau_every), "--quiet", *shlex.split(a.common), *args,
+           *(["--save-every", str(a.save_every)] if a.save_every else []), *(["--resume"] if resume else [])]
     t = time.perf_counter()
-    rc = run(cmd, out / "train.log")
-    log(f"{name}: train exit {rc} after {time.perf_counter() - t:.0f} s")
+    rc = run(cmd, out / "train.log", timeout_s if a.save_every else None)
+    log(f"{name}: train " + ("stopped at the deadline: the next call resumes it" if rc is None else f"exit {rc}")
+        + f" after {time.perf_counter() - t:.0f} s")
     return rc == 0
 
 
@@ -112,6 +126,8 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=None, help="seconds from now: no training starts that "
                                                                     "would end after it")
     ap.add_argument("--eval-s", type=float, default=90, help="a configuration's evaluations, for the deadline")
+    ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps and resume a training "
+                                                                "cut off by the deadline (budgets past one call)")
     ap.add_argument("--mirror", default=None, help="a second copy of RESULTS, written with it (the call's $OUT)")
     ap.add_argument("--only", default=None, help="comma-separated names: run just these")
     ap.add_argument("--commit", default="?")
@@ -130,10 +146,14 @@ def main() -> int:
         if name in done:
             continue
         left = (a.deadline_s - (time.perf_counter() - t0)) if a.deadline_s else float("inf")
-        if left < a.budget + TRAIN_OVERHEAD_S + a.eval_s:
+        # without checkpoints a training must fit whole; with them, a minute of progress is worth a start
+        need = (60 if a.save_every else a.budget) + TRAIN_OVERHEAD_S + a.eval_s
+        if left < need:
             log(f"{name}: {left:.0f} s left before the deadline, not started")
             break
-        if not train(name, args, a, runs / name):
+        if not train(name, args, a, runs / name, left - a.eval_s):
+            if a.save_every:
+                break  # stopped at the deadline (or failed): nothing else fits in this call
             continue
         got = evaluate(name, runs / name, a)
         if len(got) != len(PROMPT_SETS):
