@@ -11,7 +11,8 @@ scripts/setup_vllm_env.sh, runs the version-dependent tests against exactly that
 and records one row in benchmarks/compat_matrix.json: the backend ``--backend auto`` chose, each
 check's pass / fail / not-supported with vLLM's own message (the xfail reason, or the failure's
 last lines), and the time taken. A version whose row is complete is skipped unless --force.
-After each version the README table between the compat-matrix markers is rewritten from the JSON.
+After each version the table between the compat-matrix markers in docs/vllm-compatibility.md is
+rewritten from the JSON.
 
 --checks NAME[,NAME...] (keys of CHECKS) re-measures only those checks, always (no --force
 needed): only their tests run, and their results replace just those checks in the version's row,
@@ -20,7 +21,7 @@ check so re-measured carries its own ``commit`` and ``measured``; the checks kep
 run get that run's row-level ``commit`` and ``measured`` copied in (where it had them), so every
 check says which eyas commit measured it. The row-level ``measured``, ``commit``, ``env`` and
 times are the latest run's, and ``checks_run`` lists what that run measured (absent after a full
-run); the README's time column names those checks. Without --checks a run replaces the whole row.
+run); the table's time column names those checks. Without --checks a run replaces the whole row.
 
 Environments live in $EYAS_VLLM_VENVS (or --venvs; default the repo's .venvs/).
 """
@@ -43,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "compat_matrix.json"
 LOGS = ROOT / "benchmarks" / "compat_matrix"  # *.log stay out of git (.gitignore)
-README = ROOT / "README.md"
+README = ROOT / "docs" / "vllm-compatibility.md"  # the page that holds the table
 START, END = "<!-- compat-matrix:start -->", "<!-- compat-matrix:end -->"
 OLDEST_MINOR = (0, 12)
 
@@ -251,7 +252,7 @@ def merge(old: dict | None, new: dict, checks: list[str]) -> dict:
     return row
 
 
-# ------------------------------------------------------------------ the README table
+# ------------------------------------------------------------------ the table (docs/vllm-compatibility.md)
 
 CELL = {"pass": "pass", "fail": "**fail**", "not-supported": "not supported", "skipped": "skipped",
         "missing": "no result", "not-run": "not run"}
@@ -346,7 +347,7 @@ def main() -> int:
     ap.add_argument("--force", action="store_true", help="re-measure versions whose row is complete")
     ap.add_argument("--venvs", default=os.environ.get("EYAS_VLLM_VENVS") or str(ROOT / ".venvs"))
     ap.add_argument("--timeout", type=int, default=3600, help="seconds for one version's tests")
-    ap.add_argument("--table-only", action="store_true", help="only rewrite the README table")
+    ap.add_argument("--table-only", action="store_true", help="only rewrite the table in docs/vllm-compatibility.md")
     ap.add_argument("--checks", metavar="NAME[,NAME...]",
                     help=f"re-measure only these, merged into the row: {','.join(CHECKS)}")
     args = ap.parse_args()

