@@ -26,9 +26,8 @@ AttentionKind = Literal["auto", "dense", "flex"]
 # Settings that measured no gain (benchmarks/): usable only with --experimental, so that the
 # default path is the one that is measured and tested. value -> where it was measured.
 EXPERIMENTAL = {
-    ("compile_scope", "regions"): "steps 1.7x slower than scope model (94.8k vs 164.2k tokens/s, H200; "
-                                  "benchmarks/train_bench.md)",
-    ("compile_mode", "reduce-overhead"): "+0.3% / -6% tokens/s at 16 packs (benchmarks/train_bench.md)",
+    ("compile_scope", "regions"): "slower steps than --compile-scope model: benchmarks/train_bench.md",
+    ("compile_mode", "reduce-overhead"): "benchmarks/train_bench.md",
     ("compile_mode", "max-autotune-no-cudagraphs"): "never measured faster",
 }
 EXPERIMENTAL_HEAD = {"fc_norm", "norm_before_fc", "norm_output"}  # --draft-config keys (same measurement)
@@ -190,7 +189,8 @@ class TrainConfig:
         "--compile/--no-compile")
     compile_scope: CompileScope = setting(
         "model", "With --compile: model (the whole TTT forward in one graph) or, with --experimental, "
-                 "regions (each TTT step's two dense regions: 30 s cold on an H200, 1.7x slower steps).")
+                 "regions (each TTT step's two dense regions; its start-up and step times are in "
+                 "benchmarks/compile_time.md and train_bench.md).")
     compile_mode: CompileMode = setting(
         "default", "With --compile: torch.compile's mode: default or, with --experimental, "
                    "reduce-overhead (CUDA graphs) or max-autotune-no-cudagraphs.")
