@@ -29,7 +29,10 @@ filed: all failed); the fp8-store and disk-plan rows test what issue 21 added, w
 lacks. The rows from `test_bad_input_second_writer_into_one_out` on (and `lr_inf`,
 `max_steps_1e30`) are issue 34's: each was run against the `src/` of df47963, where that issue was
 filed, and all failed (the YAML alias bomb was not run there: it takes the machine's memory, as the
-issue reports). Run them with
+issue reports). The `not_one_of_its_choices` rows are issue 33's: each was run against the `src/` of
+31547ef and all failed; there the config cases were accepted at load, while the two `eyas train`
+flags were already refused, by hand-written checks with other messages, which the settings'
+declared values replaced. Run them with
 `pytest -m "not slow and not vllm" -k bad_input`.
 
 """

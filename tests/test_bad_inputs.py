@@ -153,6 +153,26 @@ def test_bad_input_config_value_of_the_wrong_type(tmp_path, text, match):
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.parametrize("text, match", [
+    ("evaluate:\n  engine: bogus\n", "evaluate.engine = 'bogus' is not one of 'builtin', 'vllm', 'both', 'replay'"),
+    ("evaluate:\n  dtype: fp7\n", "evaluate.dtype = 'fp7' is not one of 'auto', 'float32', 'bfloat16', 'float16'"),
+    ("train:\n  optimizer: bogus\n", "train.optimizer = 'bogus' is not one of 'muon', 'adamw'"),
+    ("train:\n  attention: sdpa\n", "train.attention = 'sdpa' is not one of 'auto', 'dense', 'flex'"),
+    ("export:\n  format: onnx\n", "export.format = 'onnx' is not one of 'vllm', 'sglang'"),
+    ("extract:\n  dtype: int8\n", "extract.dtype = 'int8' is not one of 'bf16', 'fp16', 'fp32', 'fp8'"),
+    ("prepare:\n  regenerate:\n    backend: sglang\n",
+     "prepare.regenerate.backend = 'sglang' is not one of 'auto', 'hf', 'vllm'"),
+], ids=["evaluate_engine_bogus", "evaluate_dtype_fp7", "train_optimizer_bogus", "train_attention_sdpa",
+        "export_format_onnx", "extract_dtype_int8", "regenerate_backend_sglang"])
+def test_bad_input_config_value_not_one_of_its_choices(tmp_path, text, match):
+    """A YAML value outside its setting's fixed set of values, in any stage: exit 2 naming the key,
+    the value and the values allowed, before any stage runs (was: accepted at load, refused only
+    when the stage reading it ran, after the stages before it)."""
+    code, msg = eyas("pipeline", _yaml(tmp_path, text))
+    assert code == 2 and match in msg and "choose one of them" in msg
+    assert not (tmp_path / "work").exists()
+
+
 # ----------------------------------------------------------------------------- settings: ranges
 
 
@@ -181,6 +201,21 @@ def test_bad_input_train_flag_out_of_range(tmp_path, flag, value, match):
     silent run)."""
     code, msg = eyas(*_train_args(tmp_path, flag, value))
     assert code == 2 and match in msg and "change it" in msg
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag, value, match", [
+    ("--optimizer", "bogus", "'bogus' is not one of 'muon', 'adamw'"),
+    ("--schedule", "step", "'step' is not one of 'cosine', 'linear', 'wsd'"),
+], ids=["optimizer_bogus", "schedule_step"])
+def test_bad_input_train_flag_not_one_of_its_choices(tmp_path, flag, value, match):
+    """`eyas train` with a flag outside its fixed set of values: exit 2 naming the flag, the value and
+    the values allowed, before the target loads."""
+    import re
+
+    code, msg = eyas(*_train_args(tmp_path, flag, value))
+    msg = " ".join(re.sub(r"[│╭╮╰╯─]", " ", msg).split())  # typer's error box, unwrapped
+    assert code == 2 and f"Invalid value for '{flag}'" in msg and match in msg
     assert not (tmp_path / "run").exists()
 
 

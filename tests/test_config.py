@@ -46,7 +46,7 @@ def test_seed_case_config():
     ({"target": "x", "extract": {"out": "/tmp/x"}}, r"unknown keys \['out'\]"),  # wired by the pipeline
     ({"target": "x", "trian": {}}, r"unknown top-level keys \['trian'\]"),
     ({"train": {}}, "'target' is required"),
-    ({"target": "x", "features": "disk"}, "features must be"),
+    ({"target": "x", "features": "disk"}, "features = 'disk' is not one of 'offline', 'online', 'vllm'"),
 ])
 def test_bad_configs_are_named(raw, match):
     with pytest.raises(EyasError, match=match):

@@ -101,3 +101,65 @@ def test_settings_that_measured_no_gain_need_experimental(kw, flagname):
     with pytest.raises(EyasError, match=rf"{re.escape(flagname)}.*measured no gain.*--experimental"):
         TrainConfig(data="d", out="o", **kw)
     TrainConfig(data="d", out="o", experimental=True, **kw)  # allowed with the switch
+
+
+def _choice_settings(wired: bool = False) -> list[tuple[str, str, str, tuple]]:
+    """(stage, YAML key, flag, allowed values) of every setting declared with ``Literal[...]`` (also
+    those the pipeline wires itself, which are no YAML keys, with ``wired``)."""
+    from eyas.checks import choices
+
+    out = []
+    for stage in STAGES:
+        cls = stage_settings(stage)
+        for owner, f in _fields(cls):
+            allowed = choices(typing.get_type_hints(owner)[f.name])
+            if allowed and (wired or owner is not cls or f.name not in WIRED[stage]):
+                key = f.name if owner is cls else f"regenerate.{f.name}"
+                out.append((stage, key, flag(owner, f.name), allowed))
+    return out
+
+
+def test_the_settings_with_a_fixed_set_of_values_are_declared_so():
+    """The settings whose values are a fixed set carry it in their annotation (one list, eyas.checks)."""
+    declared = {(s, k) for s, k, _, _ in _choice_settings(wired=True)}
+    assert {("train", k) for k in ("features", "schedule", "precision", "compile_scope", "compile_mode",
+                                   "optimizer", "parallel", "attention")} <= declared
+    assert {("evaluate", "engine"), ("evaluate", "dtype"), ("export", "format"), ("export", "dtype"),
+            ("extract", "backend"), ("extract", "dtype"), ("extract", "model_dtype"),
+            ("prepare", "regenerate.backend"), ("prepare", "regenerate.dtype")} <= declared
+
+
+@pytest.mark.parametrize("stage, key, flagname, allowed", _choice_settings(),
+                         ids=[f"{s}.{k}" for s, k, _, _ in _choice_settings()])
+def test_a_value_outside_a_settings_choices_is_refused_at_load_and_on_the_cli(stage, key, flagname, allowed):
+    """The YAML, the CLI and the constructor refuse the same values, naming the allowed ones."""
+    listed = ", ".join(map(repr, allowed))
+    with pytest.raises(EyasError, match=re.escape(f"t.yaml: {stage}.{key} = 'nope' is not one of {listed}; "
+                                                  "choose one of them")):
+        validate({"target": "x", stage: _nested(key, "nope")}, "t.yaml")
+    validate({"target": "x", stage: _nested(key, allowed[0])}, "t.yaml")  # each allowed value loads
+    validate({"target": "x", stage: _nested(key, allowed[-1])}, "t.yaml")
+    from eyas.cli import app
+
+    args = [stage, "--regenerate"] if key.startswith("regenerate.") else [stage]
+    res = CliRunner().invoke(app, [*args, flagname, "nope"], terminal_width=250)
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", res.output).split())
+    assert res.exit_code == 2 and f"'nope' is not one of {listed}" in text, text
+    assert f"<{'|'.join(allowed)}>" in " ".join(_help(stage).split())  # --help lists them
+
+
+def _nested(key: str, value: object) -> dict:
+    head, _, rest = key.partition(".")
+    return {head: _nested(rest, value) if rest else value}
+
+
+def test_the_tables_keyed_by_a_settings_values_cover_exactly_them():
+    """Where code keeps a table per value (extract's backends, the stores' dtypes), its keys are the
+    declared values: a value added to one is added to the other."""
+    from eyas.extract.config import Backend, ModelDtype, StoreDtype
+    from eyas.extract.run import BACKENDS
+    from eyas.features.format import FLOAT_DTYPES, FP8, STORE_DTYPES
+
+    assert set(BACKENDS) | {"auto"} == set(typing.get_args(Backend))
+    assert set(FLOAT_DTYPES) == set(typing.get_args(ModelDtype))
+    assert set(STORE_DTYPES) == set(typing.get_args(StoreDtype)) == {*FLOAT_DTYPES, FP8}

@@ -337,5 +337,5 @@ def test_a_buffer_smaller_than_one_micro_batch_is_refused(tiny_target, tmp_path)
     with pytest.raises(EyasError, match="--features vllm does not go with --store"):
         train(TrainConfig(target=str(tiny_target.path), data=str(data), out=str(tmp_path / "run"),
                           features="vllm", store=str(tmp_path), max_steps=1, progress=False))
-    with pytest.raises(EyasError, match="--features 'disk': use one of offline, online, vllm"):
+    with pytest.raises(EyasError, match="--features 'disk' is not one of 'offline', 'online', 'vllm'"):
         TrainConfig(target="x", data="d", out="o", features="disk")

@@ -1,7 +1,8 @@
 """Typed, range-checked settings, the same for YAML configs, CLI flags and the Python API.
 
 Every stage's settings are the fields of one dataclass (:mod:`eyas.settings`). Their annotations
-give the type; each field's ``check`` (a :class:`Range`) gives the allowed range of a number.
+give the type, and a setting with a fixed set of values declares them there (``Literal["ddp",
+"fsdp2"]``); each field's ``check`` (a :class:`Range`) gives the allowed range of a number.
 :func:`check_values` checks a mapping of them (a config section) and returns it with numbers YAML
 left as strings (``lr: 1e-4``) read as numbers; :func:`check_dataclass` applies the same checks
 where the settings are constructed, before any model loads.
@@ -95,9 +96,21 @@ class _Mismatch(Exception):
     pass
 
 
+def choices(tp: Any) -> tuple[Any, ...]:
+    """The values a ``Literal[...]`` annotation allows (also inside ``Literal[...] | None``); () for
+    any other type."""
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return tuple(v for a in typing.get_args(tp) for v in choices(a))
+    return ()
+
+
 def describe(tp: Any) -> str:
     """A type as a user reads it: 'a number', 'an integer', 'a list of integers', ..."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
         parts = [describe(a) for a in args if a is not type(None)]
         return " or ".join(parts) + (" (or null)" if type(None) in args else "")
@@ -125,6 +138,10 @@ def coerce(value: Any, tp: Any) -> Any:
     if tp is Any or tp is inspect.Parameter.empty:
         return value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:  # one of the declared values, of its type (True is not 1)
+        if any(type(value) is type(a) and value == a for a in args):
+            return value
+        raise _Mismatch
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
@@ -214,6 +231,10 @@ def check_values(values: Mapping[str, Any], types_: Mapping[str, Any], ranges: M
         try:
             v = coerce(value, tp)
         except _Mismatch:
+            allowed = choices(tp)
+            if any(type(value) is type(c) for c in allowed):  # the right kind, not one of the values
+                raise EyasError(f"{name(key)}{sep}{value!r} is not one of {', '.join(map(repr, allowed))}; "
+                                "choose one of them") from None
             what = "a number too large to be a count (above 2^53)" if _too_large(value, tp) else _kind(value)
             raise EyasError(f"{name(key)}{sep}{value!r} is {what}; expected {describe(tp)}") from None
         out[key] = v
@@ -227,6 +248,13 @@ def check_values(values: Mapping[str, Any], types_: Mapping[str, Any], ranges: M
                 hint = f"; {rule.hint}" if rule.hint else ""
                 raise EyasError(f"{name(key)}{sep}{value!r}{what} {problem}: change it{hint}")
     return out
+
+
+def check_choice(value: Any, tp: Any, name: str) -> Any:
+    """``value`` where it is one of the ``Literal`` ``tp``'s values, else the settings' error naming
+    ``name`` (a flag): for functions handed a setting's value directly rather than through its
+    dataclass (``flex.resolve(attention, ...)``)."""
+    return check_values({name: value}, {name: tp}, {}, lambda k: k, sep=" ")[name]
 
 
 def _too_large(value: Any, tp: Any) -> bool:

@@ -139,8 +139,9 @@ def _expanded_size(node: Any, memo: dict[int, int], active: set[int]) -> int:
 
 
 def _check_section(name: str, section: dict[str, Any], source: str) -> dict[str, Any]:
-    """Each value against its field's type and range (eyas.checks), so that a bad value stops the
-    pipeline before prepare runs; returns the section with numbers YAML read as strings converted."""
+    """Each value against its field's type, range and allowed values (eyas.checks), so that a bad
+    value stops the pipeline before prepare runs; returns the section with numbers YAML read as
+    strings converted."""
     from eyas.checks import check_values, hints, ranges_of
     from eyas.settings import nested_class
 
@@ -181,9 +182,11 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
                         f"allowed: {sorted(TOP_LEVEL)}")
     if "target" not in raw:
         raise EyasError(f"config {source}: 'target' is required (a model dir, .gguf or built-in name)")
-    features = raw.get("features", "online")
-    if features not in ("online", "offline", "vllm"):
-        raise EyasError(f"config {source}: features must be 'online', 'offline' or 'vllm', not {features!r}")
+    from eyas.checks import check_values
+    from eyas.train.config import FeatureSource
+
+    features = check_values({"features": raw.get("features", "online")}, {"features": FeatureSource}, {},
+                            lambda k: f"config {source}: {k}")["features"]
     sections: dict[str, dict[str, Any]] = {}
     for name in STAGES:
         section = raw.get(name) or {}

@@ -1,13 +1,13 @@
 """One declaration per setting: each stage's settings are the fields of one dataclass.
 
-A field made with :func:`setting` carries everything about that setting: its type (the annotation),
-its one default, its help text, its allowed range, and, only where the flag is not simply
-``--field-name``, its CLI spelling. From those fields
+A field made with :func:`setting` carries everything about that setting: its type (the annotation;
+``Literal[...]`` where its values are a fixed set), its one default, its help text, its allowed
+range, and, only where the flag is not simply ``--field-name``, its CLI spelling. From those fields
 
 - :func:`command` generates the stage's typer command (``eyas <stage> --help`` lists them all);
 - :mod:`eyas.config` checks the pipeline's YAML section against the same fields;
-- ``__post_init__`` (:func:`eyas.checks.check_dataclass`) checks types and ranges on construction,
-  whichever way the settings came in (CLI, YAML or Python), before any model loads.
+- ``__post_init__`` (:func:`eyas.checks.check_dataclass`) checks types, ranges and values on
+  construction, whichever way the settings came in (CLI, YAML or Python), before any model loads.
 
 typer stays the CLI library (its parsing, help and errors are what users, scripts and tests know);
 this module is the generic bridge from a dataclass to a typer command, written once.

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from eyas.checks import Range, at_least
 from eyas.settings import setting
+
+# the settings with a fixed set of values (checked against these by eyas.checks)
+GenBackend = Literal["auto", "hf", "vllm"]
+GenDtype = Literal["auto", "bf16", "fp16", "fp32"]
 
 
 @dataclass(kw_only=True)
@@ -30,10 +34,11 @@ class RegenerateOptions:
     device: str = setting("auto", "--regenerate device (auto: cuda if available).")
     drop_length_limited: bool = setting(False, "--regenerate: drop conversations whose answer hit "
                                                "--max-new-tokens.", "--drop-length-limited")
-    backend: str = setting("auto", "--regenerate engine: hf, vllm, or auto (vLLM where found).", "--gen-backend")
+    backend: GenBackend = setting("auto", "--regenerate engine: hf, vllm, or auto (vLLM where found).",
+                                  "--gen-backend")
     vllm_python: str | None = setting(None, "--regenerate: Python of an environment with vLLM.", "--vllm-python")
     # auto: HF bf16 on CUDA, fp32 on CPU; vLLM the model's dtype
-    dtype: str = setting("auto", "--regenerate weights dtype: auto, bf16, fp16, fp32.", "--gen-dtype")
+    dtype: GenDtype = setting("auto", "--regenerate weights dtype: auto, bf16, fp16, fp32.", "--gen-dtype")
     max_turns: int = setting(0, "--regenerate at most N assistant turns per conversation (the rest of it is "
                                 "cut; 0: all).", check=at_least(0, "assistant turns answered", "0 answers all"))
 

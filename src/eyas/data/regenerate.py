@@ -184,8 +184,6 @@ def _pick_engine(opts) -> str:
     """``hf`` or ``vllm``; ``auto`` takes vLLM where eyas can find it (it is much faster)."""
     if opts.backend in ("hf", "vllm"):
         return opts.backend
-    if opts.backend != "auto":
-        raise EyasError(f"--gen-backend {opts.backend!r}: expected hf, vllm or auto")
     from eyas.vllm.find import find_vllm_python
 
     try:

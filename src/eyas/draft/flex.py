@@ -16,21 +16,18 @@ that the tests compare against the dense path.
 
 from __future__ import annotations
 
+import typing
+
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from eyas.errors import EyasError
+from eyas.train.config import AttentionKind
 
-KINDS = ("auto", "dense", "flex")
+ATTENTION = typing.get_args(AttentionKind)  # --attention's values (its declaration there)
 TILE = 128  # flex_attention's default block size
 _compiled = None
 _compiled_mask = None
-
-
-def check_kind(attention: str) -> str:
-    if attention not in KINDS:
-        raise EyasError(f"--attention {attention!r}: use one of {', '.join(KINDS)}")
-    return attention
 
 
 def resolve(attention: str, device: torch.device, backward: bool = False) -> str:
@@ -38,7 +35,11 @@ def resolve(attention: str, device: torch.device, backward: bool = False) -> str
 
     ``backward``: gradients are needed; torch's flex attention has none on CPU (torch 2.13 raises
     "FlexAttention does not support backward on CPU"), so flex is refused there."""
-    if check_kind(attention) == "auto":
+    if attention not in ATTENTION:  # a plain test: this runs inside the compiled forward
+        from eyas.checks import check_choice
+
+        check_choice(attention, AttentionKind, "--attention")  # raises, with the settings' message
+    if attention == "auto":
         return "flex" if device.type == "cuda" else "dense"
     if attention == "flex" and backward and device.type != "cuda":
         raise EyasError(f"--attention flex on {device.type}: torch's flex attention has no backward "

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from eyas.checks import at_least, int_list
 from eyas.evaluate.prompts import DEFAULT_PROMPTS
 from eyas.settings import setting
 
-ENGINES = ("builtin", "vllm", "both", "replay")
-
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the settings with a fixed set of values (checked against these by eyas.checks)
+Engine = Literal["builtin", "vllm", "both", "replay"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @dataclass(kw_only=True)
@@ -21,9 +21,9 @@ class EvaluateConfig:
     draft: Path = setting(help="Draft checkpoint directory (RUN_DIR/draft from `eyas train`).")
     prompts: Path = setting(DEFAULT_PROMPTS, "MT-bench style question.jsonl.")
     out: Path = setting(Path("runs/evaluate"), "Output directory (reports, plots, resumable records).")
-    engine: str = setting("builtin", "builtin (HF target + draft here), vllm (vLLM's own metrics), both "
-                                     "(and compare), or replay (greedy acceptance for -k and every --also-k "
-                                     "from one pass over the target's own answers, no speed).")
+    engine: Engine = setting("builtin", "builtin (HF target + draft here), vllm (vLLM's own metrics), both "
+                                        "(and compare), or replay (greedy acceptance for -k and every --also-k "
+                                        "from one pass over the target's own answers, no speed).")
     k: int = setting(3, "Draft tokens per step.", "-k", "--num-speculative-tokens",
                      check=at_least(1, "draft tokens per step"))
     also_k: list[int] = setting([], "Also evaluate with these numbers of draft tokens per step, each into "
@@ -38,8 +38,8 @@ class EvaluateConfig:
                                            check=at_least(1, "questions per category", "leave it out to use all"))
     max_new_tokens: int = setting(256, "Tokens generated per turn at most.",
                                   check=at_least(1, "tokens generated per turn", "e.g. 256"))
-    dtype: str = setting("auto", "Target/draft dtype for both engines: auto (bfloat16 on CUDA, float32 on "
-                                 "the CPU), float32, bfloat16 or float16.")
+    dtype: Dtype = setting("auto", "Target/draft dtype for both engines: auto (bfloat16 on CUDA, float32 on "
+                                   "the CPU), float32, bfloat16 or float16.")
     device: str = setting("auto", "builtin: where the HF target and the draft run: auto (cuda when there is "
                                   "a GPU, else cpu), cuda, cuda:N or cpu.")
     vllm: str | None = setting(None, "vLLM env: version (.venvs/vllm-VERSION), venv dir or python path "

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from eyas.checks import at_least
 from eyas.settings import setting
 
-FORMATS = ("vllm", "sglang")
+# the settings with a fixed set of values (checked against these by eyas.checks)
+Format = Literal["vllm", "sglang"]
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 
 
 @dataclass(kw_only=True)
@@ -18,9 +21,9 @@ class ExportConfig:
     target: str | None = setting(
         None, "The target the draft serves: checked against the draft's layer ids, hidden size, vocab and "
               "identity. Default: none; the draft's record of its target is used and nothing is resolved.")
-    format: str = setting("vllm", "vllm (speculators-style, `vllm serve DIR`) or sglang "
-                                  "(LlamaForCausalLMEagle3, also loaded by vLLM).", "--format")
-    dtype: str = setting("auto", "auto (keep), bfloat16, float16 or float32.")
+    format: Format = setting("vllm", "vllm (speculators-style, `vllm serve DIR`) or sglang "
+                                     "(LlamaForCausalLMEagle3, also loaded by vLLM).", "--format")
+    dtype: Dtype = setting("auto", "auto (keep), bfloat16, float16 or float32.")
     verifier: str | None = setting(None, "name_or_path recorded as the verifier (vllm format; default: the "
                                          "--target's local path, else the target path recorded in the draft "
                                          "at train time).")

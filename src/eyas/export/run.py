@@ -7,11 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
-from eyas.export.config import FORMATS, ExportConfig
+from eyas.export.config import ExportConfig
 from eyas.fsio import refuse_overlap
 from eyas.outdir import check_out, writer_lock
-
-DTYPES = {"auto": None, "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
 def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str | None = None,
@@ -28,12 +26,8 @@ def export(cfg: ExportConfig) -> Path:
     """
     import torch
 
-    ckpt_dir, fmt, out, target_spec, dtype, verifier = cfg.ckpt, cfg.format, cfg.out, cfg.target, cfg.dtype, cfg.verifier
-    if fmt not in FORMATS:
-        raise EyasError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
-    if dtype not in DTYPES:
-        raise EyasError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    torch_dtype = getattr(torch, DTYPES[dtype]) if DTYPES[dtype] else None
+    ckpt_dir, out, target_spec, dtype, verifier = cfg.ckpt, cfg.out, cfg.target, cfg.dtype, cfg.verifier
+    torch_dtype = None if dtype == "auto" else getattr(torch, dtype)  # ExportConfig's dtype names are torch's
     # --out never is, holds or lies inside an input, with or without --overwrite; it is a folder this
     # process can write (and replace: not the current folder), held by this process alone
     check_out(out, inputs={"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier},

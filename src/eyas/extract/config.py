@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from eyas.checks import at_least
 from eyas.settings import setting
 
-BACKEND_NAMES = ("hf", "vllm", "vllm-hooks")
+# the settings with a fixed set of values (checked against these by eyas.checks); a new backend
+# adds its name here and its function to eyas.extract.run.BACKENDS
+Backend = Literal["hf", "vllm", "vllm-hooks", "auto"]
+StoreDtype = Literal["bf16", "fp16", "fp32", "fp8"]  # eyas.features.format's STORE_DTYPES
+ModelDtype = Literal["bf16", "fp16", "fp32"]
 
 
 def _layers(text: str | None) -> list[int] | None:
@@ -29,10 +34,10 @@ class ExtractConfig:
     layers: list[int] | None = setting(
         None, "Aux layer ids (vLLM convention), e.g. 2,15,27; default 2,N/2,N-3. The final state (id N) "
               "is always stored.", parse=_layers, cli_type=str)
-    backend: str = setting("hf", f"Extraction backend: {', '.join(BACKEND_NAMES)}, or auto (by the installed "
-                                 "vLLM version; hf without vLLM).")
-    dtype: str = setting("bf16", "Stored dtype: bf16, fp16, fp32, or fp8 (e4m3 with an fp32 scale per token "
-                                 "and state: about half the bytes of bf16).")
+    backend: Backend = setting("hf", "Extraction backend: hf, vllm, vllm-hooks, or auto (by the installed vLLM "
+                                     "version; hf without vLLM).")
+    dtype: StoreDtype = setting("bf16", "Stored dtype: bf16, fp16, fp32, or fp8 (e4m3 with an fp32 scale per "
+                                        "token and state: about half the bytes of bf16).")
     fp8_group_size: int | None = setting(
         None, "fp8 only: channels that share one scale (must divide H); unset or 0 = one scale per token "
               "and state.", "--fp8-group-size",
@@ -46,7 +51,7 @@ class ExtractConfig:
     writers: int | None = setting(None, "Shard writer threads; unset or 0 = auto.",
                                   check=at_least(1, "shard writer threads", "leave it out (0 on the CLI) for auto"),
                                   parse=_auto, cli_type=int)
-    model_dtype: str | None = setting(None, "Compute dtype; default bf16 on CUDA, fp32 on CPU.")
+    model_dtype: ModelDtype | None = setting(None, "Compute dtype; default bf16 on CUDA, fp32 on CPU.")
     vllm_python: str | None = setting(None, "Python of the environment that runs vLLM (default: this one, "
                                             "$EYAS_VLLM_PYTHON, or .venvs/vllm-*).", "--vllm-python")
     tensor_parallel_size: int = setting(1, "vLLM tensor parallelism.", "--tensor-parallel-size",

@@ -31,11 +31,12 @@ from eyas.device import resolve_device
 from eyas.errors import EyasError
 from eyas.extract.config import ExtractConfig
 from eyas.extract.plan import ExtractPlan, free_space, plan_meta_bytes, rate_estimate, shard_tokens
-from eyas.features.format import FLOAT_DTYPES, FP8, STORE_DTYPES, Layout, quantize
+from eyas.features.format import FLOAT_DTYPES, FP8, Layout, quantize
 from eyas.features.layers import CONVENTION, resolve_layers
 from eyas.features.writer import ShardItem, StoreWriter, check_finite
 
-# name -> "module:function"; the vLLM backends add their entries here.
+# name -> "module:function"; the vLLM backends add their entries here (and their names to --backend's
+# values, eyas.extract.config.Backend).
 BACKENDS: dict[str, str] = {"hf": "eyas.extract.run:fill_hf",
                             "vllm": "eyas.extract.vllm_backend:fill_vllm",
                             "vllm-hooks": "eyas.extract.vllm_backend:fill_vllm_hooks"}
@@ -214,11 +215,7 @@ def _load_backend(name: str) -> Callable[[ExtractJob], None]:
     return getattr(importlib.import_module(mod), fn)
 
 
-def _check_dtypes(dtype: str, model_dtype: str | None, fp8_group_size: int | None) -> None:
-    if dtype not in STORE_DTYPES:
-        raise EyasError(f"--dtype {dtype!r}: use one of {', '.join(STORE_DTYPES)}")
-    if model_dtype is not None and model_dtype not in FLOAT_DTYPES:
-        raise EyasError(f"--model-dtype {model_dtype!r}: use one of {sorted(FLOAT_DTYPES)}")
+def _check_dtypes(dtype: str, fp8_group_size: int | None) -> None:
     if fp8_group_size is not None and dtype != FP8:
         raise EyasError(f"--fp8-group-size {fp8_group_size}: only for --dtype fp8 (this run stores "
                         f"{dtype}); drop it or pass --dtype fp8")
@@ -297,7 +294,7 @@ def _extract(cfg: ExtractConfig) -> dict[str, Any]:
     target, data, out, layers, backend, dtype = cfg.target, cfg.data, cfg.out, cfg.layers, cfg.backend, cfg.dtype
     model_dtype, progress, vllm_python = cfg.model_dtype, cfg.progress, cfg.vllm_python
     fp8_group_size, plan_only, self_check = cfg.fp8_group_size, cfg.plan_only, cfg.self_check
-    _check_dtypes(dtype, model_dtype, fp8_group_size)
+    _check_dtypes(dtype, fp8_group_size)
     requested = backend
     backend, why, vllm_version = resolve_auto_backend(backend, vllm_python)
     if why and progress:

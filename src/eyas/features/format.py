@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from eyas.errors import EyasError
+from eyas.extract.config import StoreDtype
 
 KIND = "eyas-store"
 # 1: bf16/fp16/fp32 stores (the format every earlier eyas wrote, read unchanged); 2: fp8 stores,
@@ -48,9 +50,9 @@ SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
 CHECKED_FIELDS = ("target", "aux_layers", "final_layer", "convention", "dtype", "scale",
                   "hidden_size", "prepared_id", "num_samples", "backend", "plan")
 
-FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # = ModelDtype's values
 FP8 = "fp8"
-STORE_DTYPES = (*FLOAT_DTYPES, FP8)
+STORE_DTYPES: tuple[str, ...] = typing.get_args(StoreDtype)  # `eyas extract --dtype`'s values
 FP8_TORCH = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_TORCH).max)  # 448
 SCALE_TORCH = torch.float32

@@ -5,23 +5,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from eyas.checks import Range, at_least, fraction, int_list, positive, seconds
 from eyas.errors import EyasError
 from eyas.evaluate.prompts import DEFAULT_PROMPTS
 from eyas.settings import setting
 
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+# The settings with a fixed set of values: the annotation is the one list of them (the CLI, the
+# pipeline's YAML and the constructor all check against it, eyas.checks).
+FeatureSource = Literal["offline", "online", "vllm"]
+ScheduleKind = Literal["cosine", "linear", "wsd"]
+Precision = Literal["auto", "bf16", "fp32"]
+CompileScope = Literal["model", "regions"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
+OptimizerKind = Literal["muon", "adamw"]
+ParallelMode = Literal["ddp", "fsdp2"]
+AttentionKind = Literal["auto", "dense", "flex"]
+
 # Settings that measured no gain (benchmarks/): usable only with --experimental, so that the
 # default path is the one that is measured and tested. value -> where it was measured.
 EXPERIMENTAL = {
-    ("compile_scope", "regions"): "steps 1.7x slower than scope model (94.8k vs 164.2k tokens/s, H200; "
-                                  "benchmarks/train_bench.md)",
-    ("compile_mode", "reduce-overhead"): "+0.3% / -6% tokens/s at 16 packs (benchmarks/train_bench.md)",
+    ("compile_scope", "regions"): "slower steps than --compile-scope model: benchmarks/train_bench.md",
+    ("compile_mode", "reduce-overhead"): "benchmarks/train_bench.md",
     ("compile_mode", "max-autotune-no-cudagraphs"): "never measured faster",
 }
-FEATURES = ("offline", "online", "vllm")  # --features
 EXPERIMENTAL_HEAD = {"fc_norm", "norm_before_fc", "norm_output"}  # --draft-config keys (same measurement)
 
 
@@ -60,7 +68,7 @@ class TrainConfig:
     out: str = setting(help="Run directory: checkpoints/, draft/, metrics.jsonl, loss.png.")
     store: str | None = setting(None, "Extraction store (offline features, from `eyas extract`).")
     online: bool = setting(False, "Run the target in this job (no store).", "--online")
-    features: str | None = setting(
+    features: FeatureSource | None = setting(
         None, "Where features come from: offline (--store), online (--online), or vllm: a vLLM engine makes "
               "them while the draft trains, through a bounded buffer (--feature-buffer-gb); no store on disk.")
     feature_buffer_gb: float = setting(
@@ -116,9 +124,9 @@ class TrainConfig:
               "when the budget does. Counts the optimizer steps' time (not set-up, the first step's "
               "compilation, evaluations, checkpoints or tau measurements; summary.json has them all).",
         check=positive("training time budget"), parse=seconds, cli_type=str)
-    schedule: str = setting("cosine", "LR decay after warmup: cosine, linear, or wsd (held at the peak, then "
-                                      "linear over the last --decay-fraction of the steps); each ends at "
-                                      "--min-lr-ratio on the last step.")
+    schedule: ScheduleKind = setting(
+        "cosine", "LR decay after warmup: cosine, linear, or wsd (held at the peak, then linear over the last "
+                  "--decay-fraction of the steps); each ends at --min-lr-ratio on the last step.")
     decay_fraction: float = setting(0.2, "With --schedule wsd: the fraction of the steps spent decaying.",
                                     check=Range(lo=0, hi=1, lo_open=True, what="fraction of steps decaying"))
     # a pack of fewer than 3 tokens has no position with both an input and a next-token target
@@ -169,7 +177,7 @@ class TrainConfig:
                              check=at_least(1, "steps between training records"))
     resume: bool = setting(False, "Continue from the latest checkpoint in --out.", "--resume")
     device: str = setting("auto", "cuda, cpu or auto (torchrun: one GPU per process).")
-    precision: str = setting("auto", "bf16 (autocast), fp32, or auto (bf16 on GPU).")
+    precision: Precision = setting("auto", "bf16 (autocast), fp32, or auto (bf16 on GPU).")
     seed: int = setting(0, "Seed for init and data order.", check=at_least(0))
     draft_config: dict[str, Any] = setting(
         {}, "Draft overrides, e.g. 'intermediate_size=2048,rope_theta=1e6'.", "--draft-config",
@@ -179,10 +187,11 @@ class TrainConfig:
     compile: bool | None = setting(
         None, "torch.compile the draft's TTT forward and the loss (default: on CUDA, off on the CPU).",
         "--compile/--no-compile")
-    compile_scope: str = setting(
+    compile_scope: CompileScope = setting(
         "model", "With --compile: model (the whole TTT forward in one graph) or, with --experimental, "
-                 "regions (each TTT step's two dense regions: 30 s cold on an H200, 1.7x slower steps).")
-    compile_mode: str = setting(
+                 "regions (each TTT step's two dense regions; its start-up and step times are in "
+                 "benchmarks/compile_time.md and train_bench.md).")
+    compile_mode: CompileMode = setting(
         "default", "With --compile: torch.compile's mode: default or, with --experimental, "
                    "reduce-overhead (CUDA graphs) or max-autotune-no-cudagraphs.")
     fused_loss: bool | None = setting(
@@ -191,13 +200,14 @@ class TrainConfig:
               "off on the CPU).", "--fused-loss/--no-fused-loss")
     loss_chunk: int = setting(4096, "With --fused-loss: rows per chunk (each chunk's fp32 temporaries are "
                                     "[rows, draft vocab]).", check=at_least(1, "rows per chunk of the fused loss"))
-    optimizer: str | None = setting(
+    optimizer: OptimizerKind | None = setting(
         None, "muon: Muon (torch.optim.Muon, RMS-matched to AdamW's lr) for the layer's and fc's matrices, "
               "AdamW for lm_head and norms; or adamw. Default muon (adamw under --parallel fsdp2).")
-    parallel: str = setting("ddp", "ddp or fsdp2 (sharded params, grads and optimizer state); only used "
-                                   "when torchrun starts more than one process.")
-    attention: str = setting("auto", "TTT attention kernel: dense, flex (block-sparse flex_attention, "
-                                     "compiled; CUDA only for training) or auto (flex on CUDA, dense elsewhere).")
+    parallel: ParallelMode = setting("ddp", "ddp or fsdp2 (sharded params, grads and optimizer state); only "
+                                            "used when torchrun starts more than one process.")
+    attention: AttentionKind = setting(
+        "auto", "TTT attention kernel: dense, flex (block-sparse flex_attention, compiled; CUDA only for "
+                "training) or auto (flex on CUDA, dense elsewhere).")
     experimental: bool = setting(
         False, "Allow the settings that measured no gain: --compile-scope regions, --compile-mode "
                "reduce-overhead / max-autotune-no-cudagraphs, --draft-config "
@@ -206,31 +216,16 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         from eyas.checks import check_dataclass
-        from eyas.draft import flex
-        from eyas.train import optim, parallel
-        from eyas.train.trainer import autocast_dtype
 
         # durations may come as text (YAML `budget: 10m`); the field then holds seconds
         self.budget, self.tau_every = seconds(self.budget), seconds(self.tau_every)
-        check_dataclass(self, "train")  # types and ranges, before anything loads
-        optim.Schedule(self.schedule, 0, 1, 0.0)  # the name only
+        check_dataclass(self, "train")  # types, ranges and choices, before anything loads
         if any(k < 1 for k in self.tau_k) or not self.tau_k:
             raise EyasError(f"--tau-k {self.tau_k}: give one or more numbers of draft tokens per step, each >= 1")
         if self.budget is not None and self.features == "vllm":
             raise EyasError("--budget with --features vllm: the engine is fed the run's planned batches ahead "
                             "of training, so the step count must be known up front; use --max-steps or --epochs")
-        parallel.check_mode(self.parallel)
-        if self.optimizer is not None:
-            optim.check_kind(self.optimizer)
-        flex.check_kind(self.attention)
-        autocast_dtype("cpu", self.precision)  # the name only
-        if self.compile_scope not in ("regions", "model"):
-            raise EyasError(f"--compile-scope {self.compile_scope!r}: use 'model' or 'regions'")
-        if self.compile_mode not in COMPILE_MODES:
-            raise EyasError(f"--compile-mode {self.compile_mode!r}: use one of {', '.join(COMPILE_MODES)}")
         _check_draft_config(self.draft_config)
-        if self.features not in (None, *FEATURES):
-            raise EyasError(f"--features {self.features!r}: use one of {', '.join(FEATURES)}")
         if not self.experimental:
             for (key, value), why in EXPERIMENTAL.items():
                 if getattr(self, key) == value:

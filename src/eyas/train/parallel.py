@@ -39,8 +39,6 @@ from torch import nn
 
 from eyas.errors import EyasError
 
-MODES = ("ddp", "fsdp2")
-
 
 @dataclass
 class Dist:
@@ -82,12 +80,6 @@ def setup_dist(device_arg: str) -> tuple[Dist, torch.device]:
     return Dist(rank, world, local), device
 
 
-def check_mode(parallel: str) -> str:
-    if parallel not in MODES:
-        raise EyasError(f"--parallel {parallel!r}: use one of {', '.join(MODES)}")
-    return parallel
-
-
 def wrap(model: nn.Module, parallel: str, world: int, device: torch.device, fused_loss: bool = False) -> nn.Module:
     """The module to train through: ``model`` itself (one process or FSDP2, which shards in
     place) or a DDP wrapper. Build the optimizer from ``model.parameters()`` AFTER this call.
@@ -95,7 +87,7 @@ def wrap(model: nn.Module, parallel: str, world: int, device: torch.device, fuse
     docstring)."""
     if world <= 1:
         return model
-    if check_mode(parallel) == "ddp":
+    if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,

@@ -61,11 +61,7 @@ def autocast_dtype(device: torch.device | str, precision: str) -> torch.dtype | 
     """bf16 for bf16 autocast, None for plain fp32."""
     if precision == "auto":
         precision = "bf16" if torch.device(device).type == "cuda" else "fp32"
-    if precision == "bf16":
-        return torch.bfloat16
-    if precision == "fp32":
-        return None
-    raise EyasError(f"--precision {precision!r}: use auto, bf16 or fp32")
+    return torch.bfloat16 if precision == "bf16" else None
 
 
 def _autocast(device: torch.device, dtype: torch.dtype | None):
