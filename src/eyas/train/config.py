@@ -225,6 +225,11 @@ class TrainConfig:
         if self.budget is not None and self.features == "vllm":
             raise EyasError("--budget with --features vllm: the engine is fed the run's planned batches ahead "
                             "of training, so the step count must be known up front; use --max-steps or --epochs")
+        given = self.feature_flags()
+        if self.features is not None and given and self.features not in given:
+            raise EyasError(f"--features {self.features} does not go with "
+                            f"{' and '.join('--online' if g == 'online' else '--store' for g in given)}; "
+                            "pass one feature source")
         _check_draft_config(self.draft_config)
         if not self.experimental:
             for (key, value), why in EXPERIMENTAL.items():
@@ -236,6 +241,10 @@ class TrainConfig:
                 raise EyasError(f"--draft-config {', '.join(f'{k}=true' for k in heads)}: measured no gain on "
                                 "the CPU proxy (benchmarks/draft_options_cpu.md); pass --experimental "
                                 "(train.experimental: true) to use it anyway")
+
+    def feature_flags(self) -> list[str]:
+        """The feature sources --store (offline) and --online ask for."""
+        return [k for k, on in (("offline", bool(self.store)), ("online", self.online)) if on]
 
 
 def _check_draft_config(overrides: dict[str, Any]) -> None:

@@ -70,10 +70,7 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
 
 def feature_kind(cfg: TrainConfig) -> str:
     """offline, online or vllm, from --features, --store and --online (which must agree)."""
-    given = [k for k, on in (("offline", bool(cfg.store)), ("online", cfg.online)) if on]
-    if cfg.features is not None and cfg.features not in given and given:
-        raise EyasError(f"--features {cfg.features} does not go with {' and '.join('--' + g if g == 'online' else '--store' for g in given)}; "
-                        "pass one feature source")
+    given = cfg.feature_flags()  # a --features that contradicts them was refused by TrainConfig
     kind = cfg.features or (given[0] if len(given) == 1 else None)
     if kind is None or len(given) > 1 or (kind == "offline" and not cfg.store):
         raise EyasError("pass exactly one feature source: --store STORE (offline, from `eyas extract`), "
