@@ -1,12 +1,13 @@
-"""Serving speed at every k and the best k (issue 31, item 3), on the CPU.
+"""Serving speed at every k, the best k, and the export's model card (issue 31, item 3), on the CPU.
 
 vLLM's worker is stood in for by tests/fake_vllm.py (its speeds are given); the timing loop of the
 worker runs against a stand-in ``LLM``. Everything eyas does with them is its real code: the runs
-per k, the one baseline, the report, resume."""
+per k, the one baseline, the report, resume, the card."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -14,9 +15,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import typer
+from typer.testing import CliRunner
 
 import evalkit
 import fake_vllm
+from eyas.errors import EyasError
 
 # output tokens/s: (k, concurrent requests) -> with the draft; (None, c) -> without.
 # At 1 request k=2 is best (1.9x); at 4 no k pays (k=1 is the least slow, 0.95x).
@@ -161,3 +165,87 @@ def test_best_k_from_the_reports_of_each_k():
                              "32": {"k": 3, "speedup": 0.9, "pays": False}}
     assert [(r["concurrency"], r["k"]) for r in got["serving_speed_by_k"]][:3] == [(1, 1), (1, 3), (1, 5)]
     assert got["tau_by_k"] == {"1": 1.5, "3": 2.5, "5": 3.5}
+
+
+# --------------------------------------------------------------------------- the model card
+
+
+def _card_draft(drafted, tmp_path) -> Path:
+    """A copy of the trained run (its train_config.json names the prepared data), so a test can add
+    a tau.json beside the draft."""
+    _, work = drafted
+    shutil.copytree(work / "run", tmp_path / "run")
+    return tmp_path / "run" / "draft"
+
+
+def _serve_line(card: str) -> list[str]:
+    line = next(x for x in card.splitlines() if x.startswith("vllm serve "))
+    return shlex.split(line)
+
+
+def test_the_card_of_an_export_without_tau_or_speed(drafted, tmp_path):
+    from eyas.export.run import export_checkpoint
+
+    target, work = drafted
+    draft = _card_draft(drafted, tmp_path)
+    out = export_checkpoint(draft, "vllm", tmp_path / "exp", None, num_speculative_tokens=4)
+    card = (out / "README.md").read_text()
+    assert card.startswith(f"# EAGLE-3 draft for {target.path}\n")
+    assert f"- eyas target id: `{target.id}`" in card
+    manifest = json.loads((work / "data" / "manifest.json").read_text())
+    assert (f"- prepared dataset `{work / 'data'}` (id `{manifest['id']}`): 16 conversations, "
+            f"{manifest['counts']['trained_tokens']:,} trained-on tokens") in card
+    assert "- trained 2 steps," in card
+    assert "Not measured: no tau.json beside the draft" in card
+    assert "## Serving speed (vLLM, output tokens/s)\n\nNot measured: `eyas evaluate --engine vllm" in card
+    args = _serve_line(card)
+    assert args[:4] == ["vllm", "serve", str(target.path), "--speculative-config"]
+    # the keys eyas's own vLLM worker passes as speculative_config
+    assert json.loads(args[4]) == {"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": 4}
+    assert "k = 4: the export's num_speculative_tokens" in card
+
+
+def test_the_card_with_tau_and_the_measured_speedups(drafted, evaluated, tmp_path):
+    from eyas.export.cli import register
+    from eyas.train.tau import TAU_FILE
+
+    _, out_eval, _ = evaluated
+    draft = _card_draft(drafted, tmp_path)
+    (draft / TAU_FILE).write_text(json.dumps({"step": 2, "tau": {"1": 1.25, "3": 1.5, "5": 1.75}, "turns": 6,
+                                              "questions": 3, "prompts": "q.jsonl", "max_new_tokens": 8}))
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    report = out_eval / "vllm" / "report.json"
+    res = CliRunner().invoke(app, ["export", str(draft), "--out", str(tmp_path / "exp"), "-k", "4",
+                                   "--speed-report", str(report)])
+    assert res.exit_code == 0, res.output
+    card = (tmp_path / "exp" / "README.md").read_text()
+    # tau per k: while training (tau.json) and in evaluate (vLLM), "not measured" where one has no k
+    assert "| 1 | 1.25 | 2.00 |" in card and "| 2 | not measured | 3.00 |" in card
+    assert "| 5 | 1.75 | not measured |" in card
+    assert "While training: greedy, at step 2, on 6 turns of q.jsonl, 8 new tokens each." in card
+    assert "| 1 | 2 | 190 | 100 | 1.90x |" in card and "| 4 | 3 | 300 | 400 | 0.75x |" in card
+    assert "- 1 concurrent: best k = 2, 1.90x" in card
+    assert "- 4 concurrent: no k speeds serving up (the least slow: k = 1, 0.95x)" in card
+    assert f"; report {report}." in card
+    assert json.loads(_serve_line(card)[4])["num_speculative_tokens"] == 2  # the best at 1 request
+    assert "k = 2: the best measured at 1 concurrent request (1.90x)." in card
+
+
+def test_a_speed_report_of_another_draft_or_without_speed_is_refused(drafted, evaluated, tmp_path):
+    from eyas.export.run import export_checkpoint
+
+    _, out_eval, _ = evaluated
+    draft = _card_draft(drafted, tmp_path)
+    rep = json.loads((out_eval / "vllm" / "report.json").read_text())
+    cases = {"another draft": {**rep, "draft_sha256": "0" * 64},
+             "no serving speed": {**rep, "serving_speed": None},
+             "not the vllm engine's report": {**rep, "engine": "builtin"}}
+    for i, (message, bad) in enumerate(cases.items()):
+        path = tmp_path / f"report{i}.json"
+        path.write_text(json.dumps(bad))
+        with pytest.raises(EyasError, match=message):
+            export_checkpoint(draft, "vllm", tmp_path / f"exp{i}", None, speed_report=path)
+        assert not (tmp_path / f"exp{i}").exists()  # refused before anything is written
+
