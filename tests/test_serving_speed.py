@@ -249,3 +249,24 @@ def test_a_speed_report_of_another_draft_or_without_speed_is_refused(drafted, ev
             export_checkpoint(draft, "vllm", tmp_path / f"exp{i}", None, speed_report=path)
         assert not (tmp_path / f"exp{i}").exists()  # refused before anything is written
 
+
+
+def test_the_benchmark_table_takes_the_rows_of_each_targets_run(evaluated, tmp_path):
+    """scripts/serving_speed.py: benchmarks/serving_speed.json's rows are the reports' own; a target
+    measured again replaces its rows."""
+    import subprocess
+    import sys
+
+    _, out_eval, _ = evaluated
+    table = tmp_path / "serving_speed.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "serving_speed.py"
+    for _ in range(2):
+        res = subprocess.run([sys.executable, str(script), "--out", str(table), str(out_eval)],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+    got = json.loads(table.read_text())
+    rep = json.loads((out_eval / "vllm" / "report.json").read_text())
+    target = rep["target_name"]
+    assert got["rows"] == [{"target": target, **r} for r in rep["serving_speed_by_k"]]  # once, not twice
+    assert got["best_k"] == {target: rep["best_k"]}
+    assert got["runs"][target]["min_waves"] == 3 and got["runs"][target]["min_seconds"] == 0.5
