@@ -165,3 +165,46 @@ def test_a_job_done_in_stopped_runs_reports_its_time_per_stage(tmp_path, tiny_ll
     assert second["runs"] == {"prepare": 2, "train": 1, "export": 2, "evaluate": 2}
     assert second["seconds"]["evaluate"] > first["seconds"]["evaluate"]
     assert set(second["done"]) == {"prepare", "train", "export", "evaluate"}
+
+
+def test_the_pipeline_puts_the_measured_serving_speed_into_the_exports_card(tmp_path, tiny_llama_dir, monkeypatch):
+    """The export stage writes the model card (README.md) without a serving speed; once evaluate has
+    timed vLLM serving (vLLM stood in for by tests/fake_vllm.py), the pipeline writes the card again,
+    into the export's folder, with the speedups and the best k in its `vllm serve` line. The card
+    names the data the prepare stage made and the tau measured while training."""
+    import shlex
+
+    import fake_vllm
+    import eyas.pipeline as pipeline
+
+    cfg_path = _config(tmp_path, tiny_llama_dir, "online")
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["train"].update(tau=True, tau_prompts=cfg["evaluate"]["prompts"], tau_k=[1, 2])
+    cfg["evaluate"].update(engine="vllm", also_k=[1], speed_concurrency=[1], speed_min_seconds=0)
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    fake_vllm.use(monkeypatch, {(None, 1): 100.0, (1, 1): 130.0, (2, 1): 120.0})
+    run = tmp_path / "run"
+    card_path = run / "export-vllm" / "README.md"
+    before = []
+    evaluate = pipeline._evaluate
+
+    def spied(*args, **kwargs):
+        before.append(card_path.read_text())  # what the export stage wrote
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_evaluate", spied)
+    run_pipeline(load_config(cfg_path))
+    assert "## Serving speed (vLLM, output tokens/s)\n\nNot measured" in before[0]
+    assert "k = 3: the export's num_speculative_tokens" in before[0]  # export's default
+    card = card_path.read_text()
+    manifest = json.loads((run / "prepared" / "manifest.json").read_text())
+    assert f"(id `{manifest['id']}`): {manifest['counts']['samples']} conversations" in card
+    assert "- source `convs`" in card and "24 records" in card
+    assert "While training: greedy, at step 3, on 3 turns" in card
+    assert "| 1 | 1 | 130 | 100 | 1.30x |" in card and "| 1 | 2 | 120 | 100 | 1.20x |" in card
+    assert "- 1 concurrent: best k = 1, 1.30x" in card
+    line = next(x for x in card.splitlines() if x.startswith("vllm serve "))
+    config = json.loads(shlex.split(line)[4])
+    assert config == {"method": "eagle3", "model": str((run / "export-vllm").resolve()), "num_speculative_tokens": 1}
+    assert not list((run / "eval").rglob("README.md"))  # evaluate wrote no card in its own folder
+    assert json.loads((run / "eval" / "vllm" / "report.json").read_text())["best_k"]["1"]["k"] == 1

@@ -178,14 +178,17 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     target, draft_dir, _, _ = setup
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 3)
     reps = evaluate_draft(str(target.path), draft_dir, qfile, tmp_path / "eval", engine="both", k=K,
-                          max_new_tokens=32, vllm="0.32.0", progress=False, speed_concurrency=[1, 2])
+                          max_new_tokens=32, vllm="0.32.0", progress=False, speed_concurrency=[1, 2],
+                          speed_min_seconds=0)
     b, v, c = reps["builtin"], reps["vllm"], reps["comparison"]
     sp = v["serving_speed"]  # the same first turns served with and without the draft
     assert [r["concurrency"] for r in sp["draft"]] == [r["concurrency"] for r in sp["plain"]] == [1, 2]
     for d, p in zip(sp["draft"], sp["plain"]):
-        assert d["requests"] == p["requests"] == 3 and d["seconds"] > 0 and p["seconds"] > 0
+        # 3 waves of `concurrency` requests (--speed-min-seconds 0), the 3 prompts round and round
+        assert d["waves"] == p["waves"] == 3 and d["requests"] == p["requests"] == 3 * d["concurrency"]
+        assert d["seconds"] > 0 and p["seconds"] > 0
         assert d["tokens"] == p["tokens"] > 0  # greedy: the draft changes the speed, not the tokens
-    assert set(sp["speedup"]) == {"1", "2"}
+    assert set(sp["speedup"]) == {"1", "2"} and set(v["best_k"]) == {"1", "2"}
     assert v["vllm_version"] == "0.32.0" and len(v["per_prompt"]) == 6
     assert c["identical_outputs"] == 6  # greedy: the two engines emit the same tokens
     # all 6 turns in one batch; the acceptance read from the tokens per step is vLLM's own, per request
@@ -203,7 +206,8 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     logs = {p: p.stat().st_mtime_ns for p in (tmp_path / "eval" / "vllm").glob("vllm*.log")}
     assert len(logs) == 2
     again = evaluate_draft(str(target.path), draft_dir, qfile, tmp_path / "eval", engine="both", k=K,
-                           max_new_tokens=32, vllm="0.32.0", progress=False, speed_concurrency=[1, 2])
+                           max_new_tokens=32, vllm="0.32.0", progress=False, speed_concurrency=[1, 2],
+                           speed_min_seconds=0)
     assert {p: p.stat().st_mtime_ns for p in logs} == logs
     assert again["vllm"]["serving_speed"] == sp and again["vllm"]["wall_seconds_this_run"] == 0.0
     assert again["vllm"]["overall"] == v["overall"] and again["vllm"]["vllm_version"] == "0.32.0"

@@ -30,7 +30,7 @@ WIRED: dict[str, set[str]] = {
     "prepare": {"target", "out", "progress"},
     "extract": {"target", "data", "out", "progress", "plan_only"},
     "train": {"target", "data", "store", "out", "online", "features", "progress", "resume"},
-    "export": {"ckpt", "target", "out", "overwrite"},
+    "export": {"ckpt", "target", "out", "overwrite", "speed_report"},  # the card: after evaluate
     "evaluate": {"target", "draft", "out", "progress", "vllm_draft"},
 }
 # Keys an older eyas spelled otherwise: named in the error, so an old config is fixed in one edit.

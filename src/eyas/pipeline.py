@@ -292,6 +292,7 @@ def _run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     console.rule("evaluate")
     with rec.stage("evaluate"):
         report = _evaluate(cfg, draft, exported if vllm_ready else None)
+        _card(exported, draft, report, work / "eval")
     timings = rec.write_timings()
     console.print(f"pipeline done in {sum(timings.values()):.0f} s over its runs: "
                   + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
@@ -341,6 +342,18 @@ def _evaluate(cfg: PipelineConfig, draft: Path, vllm_draft: Path | None) -> dict
     if vllm_draft is not None:
         ev["vllm_draft"] = vllm_draft
     return evaluate_draft(cfg.target, draft, out=cfg.workdir / "eval", **ev)
+
+
+def _card(exported: Path, draft: Path, reports: dict[str, Any], eval_dir: Path) -> None:
+    """The export's model card again, now with the evaluation's serving speed and best k, where the
+    vllm engine timed it. Each stage writes only its own folder; the pipeline owns both, so it is
+    the one that puts evaluate's result into the export stage's card (through the export module)."""
+    from eyas.evaluate.report import REPORT_NAME
+    from eyas.export.card import write_card
+
+    if ((reports.get("vllm") or {}).get("serving_speed") or {}).get("plain"):
+        path = write_card(exported, draft, eval_dir / "vllm" / REPORT_NAME)
+        console.print(f"export: model card {path} with the serving speed of {eval_dir / 'vllm' / REPORT_NAME}")
 
 
 def _train(cfg: PipelineConfig, prepared: Path, store: Path | None, run_dir: Path) -> None:

@@ -27,8 +27,9 @@ class EvaluateConfig:
     k: int = setting(3, "Draft tokens per step.", "-k", "--num-speculative-tokens",
                      check=at_least(1, "draft tokens per step"))
     also_k: list[int] = setting([], "Also evaluate with these numbers of draft tokens per step, each into "
-                                    "OUT/k<N>/ (the same engines and questions; serving speed only at -k; "
-                                    "replay takes them from its one pass), e.g. 3,7.", "--also-k",
+                                    "OUT/k<N>/ (the same engines, questions and serving speed, the serving "
+                                    "baseline without the draft timed once, in the -k run; replay takes them "
+                                    "from its one pass), e.g. 3,7.", "--also-k",
                                 parse=int_list("--also-k", "3,7"), cli_type=str)
     temperature: float = setting(0.0, "0 = greedy; > 0 samples with rejection sampling.",
                                  check=at_least(0, "sampling temperature", "0 is greedy"))
@@ -66,7 +67,13 @@ class EvaluateConfig:
                                         "(--no-plain skips that baseline).", "--plain/--no-plain")
     speed_concurrency: list[int] = setting(
         [], "vllm: also time serving with and without the draft at these numbers of concurrent requests, "
-            "e.g. 1,32.", "--speed-concurrency", parse=int_list("--speed-concurrency", "1,32"), cli_type=str)
+            "e.g. 1,8,32; with --also-k at every k, and OUT/vllm/report.json names the k of the best "
+            "speedup at each (best_k).", "--speed-concurrency", parse=int_list("--speed-concurrency", "1,32"),
+        cli_type=str)
+    speed_min_seconds: float = setting(
+        20.0, "vllm --speed-concurrency: time each point (a k or no draft, at a concurrency) over waves of "
+              "requests until at least this many seconds of generation and at least 3 waves.",
+        check=at_least(0, "seconds of generation per serving-speed point", "0 times 3 waves only"))
     progress: bool = setting(True, "Show the progress bar.", "--progress/--quiet")
 
     def __post_init__(self) -> None:

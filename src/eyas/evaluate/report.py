@@ -62,6 +62,33 @@ def build_report(records: list[dict[str, Any]], k: int, meta: dict[str, Any]) ->
     }
 
 
+def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The vllm reports of each k (k -> report, each with its ``serving_speed``) side by side:
+
+    - ``serving_speed_by_k``: one row per k and concurrency, output tokens/s with and without the
+      draft and their ratio (``speedup``);
+    - ``best_k``: per concurrency, the k of the highest measured speedup with that speedup, and
+      ``pays``: whether it is above 1 (where no k speeds serving up, the least slow is named, unpaid);
+      on a tie the smaller k (fewer draft tokens to propose);
+    - ``tau_by_k``: each k's tau in its evaluation."""
+    rows = []
+    for k, rep in sorted(reports.items()):
+        speed = rep.get("serving_speed") or {}
+        for d, p in zip(speed.get("draft", []), speed.get("plain", [])):
+            with_, without = d.get("tokens_per_s"), p.get("tokens_per_s")
+            rows.append({"k": k, "concurrency": d["concurrency"], "tokens_per_s_draft": with_,
+                         "tokens_per_s_plain": without,
+                         "speedup": with_ / without if with_ and without else None})
+    rows.sort(key=lambda r: (r["concurrency"], r["k"]))
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        b = best.get(str(r["concurrency"]))
+        if r["speedup"] is not None and (b is None or r["speedup"] > b["speedup"]):
+            best[str(r["concurrency"])] = {"k": r["k"], "speedup": r["speedup"], "pays": r["speedup"] > 1.0}
+    return {"serving_speed_by_k": rows, "best_k": best,
+            "tau_by_k": {str(k): rep["overall"]["tau"] for k, rep in sorted(reports.items())}}
+
+
 def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
     """Write report.json atomically, then the two plots beside it."""
     out_dir = Path(out_dir)
@@ -140,7 +167,8 @@ def _save(fig, path: Path) -> Path:
 
 def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[str]:
     """What `eyas evaluate` and `eyas pipeline` print of ``evaluate``'s reports: tau and acceptance per
-    engine, the two engines compared, vLLM's serving speed, then each ``also_k`` run's own."""
+    engine, the two engines compared, vLLM's serving speed, then each ``also_k`` run's own, then the
+    best k at each concurrency."""
     lines = []
     ks = [reports[n].get("num_speculative_tokens") for n in ENGINE_NAMES if n in reports]
     label = f"k={ks[0]} " if ks else ""
@@ -165,12 +193,25 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
         lines.append(f"{label}tau builtin vs vllm: relative difference {c['tau_relative_difference']:.3f}, "
                      f"identical outputs {c['identical_outputs']}/{c['prompts']}")
     speed = reports.get("vllm", {}).get("serving_speed")
-    for d, p in zip(speed["draft"], speed["plain"]) if speed else ():
+    for d, p in zip(speed["draft"], speed.get("plain", [])) if speed else ():
         lines.append(f"{label}vllm serving, {d['concurrency']} concurrent: {d['tokens_per_s']:.0f} tok/s with "
                      f"the draft, {p['tokens_per_s']:.0f} without ({d['tokens_per_s'] / p['tokens_per_s']:.2f}x)")
     for key, rep in reports.items():
         if key.startswith("k") and key[1:].isdigit():  # also_k: that k's own reports, in OUT/k<N>/
             lines += summary_lines(rep, Path(out) / key, top=False)
+    lines += best_k_lines(reports.get("vllm", {}).get("best_k") or {})
     if top:
         lines.append(f"reports (report.json, acceptance_per_position.png, tau_per_category.png) in {out}")
+    return lines
+
+
+def best_k_lines(best: dict[str, dict[str, Any]]) -> list[str]:
+    """The best k per concurrency (:func:`serving_summary`), a line each."""
+    lines = []
+    for c, b in sorted(best.items(), key=lambda kv: int(kv[0])):
+        if b["pays"]:
+            lines.append(f"vllm serving, {c} concurrent: best k={b['k']}, {b['speedup']:.2f}x")
+        else:
+            lines.append(f"vllm serving, {c} concurrent: no k speeds it up (the least slow: k={b['k']}, "
+                         f"{b['speedup']:.2f}x); serve without the draft at this load")
     return lines

@@ -33,9 +33,9 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         return run_evaluation(cfg)
 
 
-def run_evaluation(cfg: EvaluateConfig) -> dict[str, Any]:
+def run_evaluation(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Evaluate; writes OUT/<engine>/report.json + plots (and OUT/comparison.json for both).
-    Returns {engine: report} (plus "comparison").
+    Returns {engine: report} (plus "comparison", and "k<N>" for each ``also_k``).
 
     ``device`` (auto: cuda when there is a GPU, else cpu) is where the builtin engine runs the HF
     target and the draft; vLLM runs where its build runs. ``dtype`` auto is bfloat16 on CUDA and
@@ -43,7 +43,8 @@ def run_evaluation(cfg: EvaluateConfig) -> dict[str, Any]:
     of ``draft_dir`` (the pipeline's export stage), checked to be an export of that draft; without
     it the vllm engine exports one into OUT/vllm/draft-vllm. ``speed_concurrency`` (vllm engine):
     also time vLLM serving the first turns with and without the draft at each of these numbers of
-    concurrent requests (report's ``serving_speed``)."""
+    concurrent requests (report's ``serving_speed``), at -k and every ``also_k`` (:func:`_also_k`:
+    ``plain_speed`` hands those runs the -k run's serving without the draft)."""
     from eyas.data.chat import stop_token_ids
     from eyas.evaluate.prompts import read_questions
     from eyas.draft.checks import check_against_target, load_checkpoint
@@ -88,8 +89,10 @@ def run_evaluation(cfg: EvaluateConfig) -> dict[str, Any]:
     from eyas.fsio import sha256_file
 
     # the draft's content, not only its path: a draft retrained in place never reuses old records
+    # (and `eyas export --speed-report` checks that a report is of the draft it exports)
+    meta["draft_sha256"] = sha256_file(Path(draft_dir) / "model.safetensors")
     settings_base = {"target_id": target.id, "draft": str(Path(draft_dir).resolve()),
-                     "draft_sha256": sha256_file(Path(draft_dir) / "model.safetensors"), "k": k,
+                     "draft_sha256": meta["draft_sha256"], "k": k,
                      "temperature": temperature, "max_new_tokens": max_new_tokens, "dtype": dtype,
                      "seed": seed, "prompts": str(Path(prompts).resolve()),
                      # the prompts' content too: a file rewritten in place never reuses old answers
@@ -125,17 +128,36 @@ def run_evaluation(cfg: EvaluateConfig) -> dict[str, Any]:
             settings["acceptance_from"] = "engine steps"
             records, extra = _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
                                        max_new_tokens, dtype, seed, cfg.vllm, sub, settings, progress,
-                                       vllm_draft, speed_concurrency, cfg.in_flight)
+                                       vllm_draft, speed_concurrency, cfg.in_flight, cfg.speed_min_seconds,
+                                       plain_speed)
         report = build_report(records, k, {"engine": name, **meta, **extra})
         write_report(sub, report)
         reports[name] = report
     if "builtin" in reports and "vllm" in reports:
         reports["comparison"] = _compare(reports["builtin"], reports["vllm"], Path(out))
-    for other in dict.fromkeys(cfg.also_k):  # each k on its own, into OUT/k<N>/, resumable as -k is
-        if other != k and engine != "replay":
-            reports[f"k{other}"] = run_evaluation(replace(cfg, k=other, also_k=[], speed_concurrency=[],
-                                                    out=Path(out) / f"k{other}"))
+    if engine != "replay":
+        _also_k(cfg, reports, summarize=plain_speed is None)
     return reports
+
+
+def _also_k(cfg: EvaluateConfig, reports: dict[str, Any], summarize: bool = True) -> None:
+    """Each ``also_k`` on its own, into OUT/k<N>/, resumable as -k is; its serving speed (vllm) is
+    compared with the -k run's serving without the draft. Then (``summarize``: in the -k run, not in
+    an ``also_k`` one) OUT/vllm/report.json gains every k's serving speed and the best k at each
+    concurrency."""
+    from eyas.evaluate.report import serving_summary, write_report
+
+    vllm = reports.get("vllm")
+    plain = ((vllm or {}).get("serving_speed") or {}).get("plain")
+    for other in dict.fromkeys(cfg.also_k):
+        if other != cfg.k:
+            reports[f"k{other}"] = run_evaluation(replace(cfg, k=other, also_k=[], out=Path(cfg.out) / f"k{other}"),
+                                                  plain_speed=plain)
+    if plain and summarize:
+        by_k = {cfg.k: vllm, **{int(key[1:]): rep["vllm"] for key, rep in reports.items()
+                                if key.startswith("k") and key[1:].isdigit() and "vllm" in rep}}
+        vllm.update(serving_summary(by_k))
+        write_report(Path(cfg.out) / "vllm", vllm)
 
 
 def _warn_past_context(questions, tokenizer, target_config: dict[str, Any], max_new_tokens: int, prompts) -> None:
@@ -225,14 +247,18 @@ def _run_replay(target, draft_dir, questions, tokenizer, stop_ids, ks, max_new_t
     return by_k, extra
 
 
-SPEED_PROMPTS = 32  # first turns timed per concurrency (more when a concurrency is higher)
+SPEED_PROMPTS = 32  # first turns timed per concurrency (more when a concurrency is higher), round and round
+SPEED_MIN_WAVES = 3  # waves of `concurrency` requests that each serving-speed point runs at least
 
 
 RUN_STATE = "vllm-run.json"  # what a finished vLLM run found: a resumed one needs no engine
 
 
 def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
-              dtype, seed, vllm, sub, settings, progress, vllm_draft=None, speed_concurrency=(), in_flight=64):
+              dtype, seed, vllm, sub, settings, progress, vllm_draft=None, speed_concurrency=(), in_flight=64,
+              min_seconds=0.0, plain=None):
+    """The vllm engine's records, and its report extras: with ``speed_concurrency``, the serving speed
+    with the draft at each concurrency and, unless ``plain`` hands it in (the -k run's), without."""
     import json
     import time
     import warnings
@@ -247,7 +273,9 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
     speed_concurrency = list(speed_concurrency)
     # the speed prompts come from the whole prompt file, so --max-prompts limits the acceptance run only
     every = read_questions(Path(settings["prompts"]), None, None) if speed_concurrency else []
-    n_speed = min(len(every), max(SPEED_PROMPTS, *speed_concurrency)) if speed_concurrency else 0
+    plan = {"prompts": min(len(every), max(SPEED_PROMPTS, *speed_concurrency)), "max_new_tokens": max_new_tokens,
+            "min_seconds": min_seconds, "min_waves": SPEED_MIN_WAVES} if speed_concurrency else {}
+    prompts = [render_turn(tokenizer, q, 0, []) for q in every[:plan.get("prompts", 0)]]
     state_path = sub / RUN_STATE
     saved = json.loads(state_path.read_text()) if state_path.is_file() else {}
     if saved.get("settings") != settings:
@@ -255,14 +283,19 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
     speed = saved.get("serving_speed")
     if not speed_concurrency:
         speed = None
-    elif speed and ([d["concurrency"] for d in speed["draft"]] != speed_concurrency or speed["prompts"] != n_speed):
-        speed = None
-    if saved and (speed or not speed_concurrency) and not unanswered(questions, sub / "records.jsonl", settings):
+    elif speed and ([d["concurrency"] for d in speed["draft"]] != speed_concurrency
+                    or any(speed.get(key) != value for key, value in plan.items())):
+        speed = None  # measured with other prompts, lengths or durations (or by an older eyas)
+    elif speed and plain is None and speed.get("plain_from"):  # an -k run's baseline: time this run's own
+        speed = {key: v for key, v in speed.items() if key not in ("plain", "plain_from", "speedup")}
+    timed = not speed_concurrency or bool(speed and (plain is not None or "plain" in speed))
+    if saved and timed and not unanswered(questions, sub / "records.jsonl", settings):
         # every question answered and the serving speed measured by an earlier run: no engine to
         # start (a cold vLLM start is minutes on a GPU)
         records = run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, sub / "records.jsonl",
                                 settings, progress, pool=lambda todo: iter(()))
-        return records, {**saved["extra"], "serving_speed": speed, "wall_seconds_this_run": 0.0}
+        return records, {**saved["extra"], "serving_speed": _with_plain(speed, plain),
+                         "wall_seconds_this_run": 0.0}
     if vllm_draft is not None:  # checked up front, in evaluate_draft
         exported = Path(vllm_draft)
     else:
@@ -282,17 +315,17 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
                           "per-request counts; this evaluation's tau is not trustworthy on this version "
                           "(please report it with vLLM's version)", stacklevel=2)
         if speed_concurrency and not speed:
-            prompts = [render_turn(tokenizer, q, 0, []) for q in every[:n_speed]]
-            speed = {"prompts": n_speed, "max_new_tokens": max_new_tokens, "what": "first turns, greedy, "
-                     "wall clock, each wave of `concurrency` requests submitted together",
-                     "draft": [eng.speed(prompts, max_new_tokens, stop_ids, c) for c in speed_concurrency]}
-    if speed and "plain" not in speed:  # the same prompts without the draft, once the draft's engine is gone
+            speed = {**plan, "what": "first turns, greedy, wall clock, waves of `concurrency` requests "
+                     "submitted together (the next once one is done), each point at least min_waves waves "
+                     "and min_seconds", "draft": [eng.speed(prompts, max_new_tokens, stop_ids, c, min_seconds,
+                                                             SPEED_MIN_WAVES) for c in speed_concurrency]}
+    if speed and plain is None and "plain" not in speed:
+        # the same prompts without the draft, once the draft's engine is gone
         with VllmEngine(python, target.path, None, k=k, dtype=dtype, seed=seed,
-                        log_path=sub / "vllm-plain.log") as plain:
-            speed["plain"] = [plain.speed(prompts, max_new_tokens, stop_ids, c) for c in speed_concurrency]
-        speed["speedup"] = {str(d["concurrency"]): d["tokens_per_s"] / p["tokens_per_s"]
-                            for d, p in zip(speed["draft"], speed["plain"])
-                            if d["tokens_per_s"] and p["tokens_per_s"]}
+                        log_path=sub / "vllm-plain.log") as eng:
+            speed = _with_plain(speed, [eng.speed(prompts, max_new_tokens, stop_ids, c, min_seconds,
+                                                  SPEED_MIN_WAVES) for c in speed_concurrency], shared=False)
+    speed = _with_plain(speed, plain)
     extra = {"vllm_version": info.get("vllm"), "vllm_python": str(python), "exported_draft": str(exported),
              "in_flight": in_flight,
              # requests of this run compared with vLLM's own per-request acceptance (0.31+)
@@ -300,6 +333,19 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
     atomic_write_text(state_path, json.dumps({"settings": settings, "extra": extra, "serving_speed": speed},
                                              indent=1))
     return records, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall}
+
+
+def _with_plain(speed: dict[str, Any] | None, plain: list[dict[str, Any]] | None,
+                shared: bool = True) -> dict[str, Any] | None:
+    """``speed`` with ``plain`` as its serving without the draft and the speedup at each concurrency;
+    ``shared``: ``plain`` is the -k run's (timed once for every k), not this run's own."""
+    if not speed or plain is None:
+        return speed
+    speed = {**speed, "plain": plain, **({"plain_from": "the -k run"} if shared else {})}
+    speed["speedup"] = {str(d["concurrency"]): d["tokens_per_s"] / p["tokens_per_s"]
+                        for d, p in zip(speed["draft"], speed["plain"])
+                        if d["tokens_per_s"] and p["tokens_per_s"]}
+    return speed
 
 
 def _training_tau(draft_dir: Path, k: int) -> dict[str, Any]:

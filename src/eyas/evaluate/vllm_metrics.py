@@ -70,10 +70,12 @@ class VllmEngine:
                                             for key, ids, seed in items], "low_water": low_water})["outputs"]
 
     def speed(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-              concurrency: int) -> dict[str, Any]:
-        """Greedy wall-clock tokens/s over ``prompts`` with ``concurrency`` requests in flight."""
+              concurrency: int, min_seconds: float = 0.0, min_waves: int = 1) -> dict[str, Any]:
+        """Greedy wall-clock tokens/s with ``concurrency`` requests in flight, in waves over
+        ``prompts`` (round and round) until at least ``min_waves`` waves and ``min_seconds``."""
         return self.proc.request({"op": "speed", "prompts": prompts, "max_tokens": max_new_tokens,
-                                  "stop_token_ids": sorted(stop_ids), "concurrency": concurrency})
+                                  "stop_token_ids": sorted(stop_ids), "concurrency": concurrency,
+                                  "min_seconds": min_seconds, "min_waves": min_waves})
 
     def close(self) -> None:
         self.proc.close()

@@ -13,7 +13,7 @@ def _run(cfg: ExportConfig) -> None:
     from eyas.export.run import export
 
     path = export(cfg)
-    typer.echo(f"wrote {cfg.format} draft to {path}")
+    typer.echo(f"wrote {cfg.format} draft to {path}, with its model card {path / 'README.md'}")
 
 
 def register(app: typer.Typer) -> None:

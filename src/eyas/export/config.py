@@ -34,6 +34,11 @@ class ExportConfig:
                                          "the one the draft was trained on (--ignore-identity allows it).",
                                    "--check-identity/--ignore-identity")
     overwrite: bool = setting(False, "Replace --out if it exists.")
+    speed_report: Path | None = setting(
+        None, "OUT/vllm/report.json of `eyas evaluate --engine vllm --speed-concurrency ...` of this draft: "
+              "its serving speedups, best k per concurrency and tau go into the export's model card "
+              "(README.md), whose `vllm serve` line then uses the best k at 1 concurrent request. "
+              "Default: the card says the serving speed was not measured.", "--speed-report")
 
     def __post_init__(self) -> None:
         from eyas.checks import check_dataclass

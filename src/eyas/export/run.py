@@ -30,13 +30,24 @@ def export(cfg: ExportConfig) -> Path:
     torch_dtype = None if dtype == "auto" else getattr(torch, dtype)  # ExportConfig's dtype names are torch's
     # --out never is, holds or lies inside an input, with or without --overwrite; it is a folder this
     # process can write (and replace: not the current folder), held by this process alone
-    check_out(out, inputs={"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier},
-              replaces=True)
+    check_out(out, inputs={"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier,
+                           "the --speed-report": cfg.speed_report}, replaces=True)
     with writer_lock(out, command="eyas export"):
         return _export(cfg, torch_dtype)
 
 
 def _export(cfg: ExportConfig, torch_dtype) -> Path:
+    """The export directory, then its model card (README.md, :mod:`eyas.export.card`)."""
+    from eyas.export.card import read_speed_report, write_card
+
+    # the report is checked before anything is written
+    report = read_speed_report(cfg.speed_report, cfg.ckpt) if cfg.speed_report is not None else None
+    out = _write_export(cfg, torch_dtype)
+    write_card(out, cfg.ckpt, cfg.speed_report, report)
+    return out
+
+
+def _write_export(cfg: ExportConfig, torch_dtype) -> Path:
     from eyas.draft.checks import check_against_target, load_checkpoint
     from eyas.export.sglang import export_sglang
     from eyas.export.vllm import export_vllm
@@ -44,7 +55,8 @@ def _export(cfg: ExportConfig, torch_dtype) -> Path:
 
     ckpt_dir, fmt, out, target_spec, verifier = cfg.ckpt, cfg.format, cfg.out, cfg.target, cfg.verifier
     ckpt = load_checkpoint(ckpt_dir)
-    inputs = {"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier}
+    inputs = {"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier,
+              "the --speed-report": cfg.speed_report}
     refuse_overlap(out, inputs)
     dcfg = ckpt.config
     if target_spec is not None:

@@ -13,7 +13,7 @@ answers requests (``protocol.py``):
   ignore EOS: eyas cuts the answers itself, so that the round that reaches a stop token is counted
   whole, as the builtin loop and vLLM's counters count it. Where vLLM keeps per-request acceptance
   itself (``per_request_spec_decode_metrics``), its per-step counts come along as a check;
-- ``{"op": "speed", ...}``: wall-clock tokens/s (:func:`speed`).
+- ``{"op": "speed", ...}``: wall-clock tokens/s over waves of requests (:func:`speed`).
 """
 
 from __future__ import annotations
@@ -76,20 +76,29 @@ def ignored_head_options(draft_dir):
 
 
 def speed(llm, SamplingParams, req):
-    """Wall-clock tokens/s of greedy generation over ``prompts``, ``concurrency`` requests at a time
-    (each wave submitted together, the next once it is done), after one untimed warm-up request."""
+    """Wall-clock tokens/s of greedy generation, ``concurrency`` requests at a time: each wave of
+    ``concurrency`` prompts (taken in turn from ``prompts``, round and round) is submitted together
+    and the next once it is done, until at least ``min_waves`` waves and ``min_seconds`` of
+    generation; after one untimed warm-up wave."""
     params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0,
                             stop_token_ids=req.get("stop_token_ids") or None, detokenize=False)
     prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
-    llm.generate(prompts[:1], params, use_tqdm=False)
     c = int(req["concurrency"])
-    tokens = 0
+    min_waves, min_seconds = int(req.get("min_waves", 1)), float(req.get("min_seconds", 0.0))
+
+    def wave(i):
+        return [prompts[(i * c + j) % len(prompts)] for j in range(c)]
+
+    llm.generate(wave(0), params, use_tqdm=False)
+    tokens = waves = 0
     t = time.perf_counter()
-    for i in range(0, len(prompts), c):
-        outs = llm.generate(prompts[i:i + c], params, use_tqdm=False)
+    secs = 0.0
+    while waves < min_waves or secs < min_seconds:
+        outs = llm.generate(wave(waves), params, use_tqdm=False)
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-    secs = time.perf_counter() - t
-    return {"concurrency": c, "requests": len(prompts), "tokens": tokens, "seconds": secs,
+        waves += 1
+        secs = time.perf_counter() - t
+    return {"concurrency": c, "waves": waves, "requests": waves * c, "tokens": tokens, "seconds": secs,
             "tokens_per_s": tokens / secs if secs > 0 else None}
 
 

@@ -1,0 +1,239 @@
+"""The model card of an export: ``README.md`` beside the weights.
+
+It says which target the draft serves, what it was trained on, how far it drafts (tau per k), how
+much it speeds vLLM serving up where an evaluation measured it, and the exact ``vllm serve`` line.
+Everything comes from files: the export's ``config.json``, the draft's ``config.json`` and
+``tau.json``, what its training run recorded beside it (``train_config.json``, ``summary.json``,
+the prepared data's ``manifest.json``), and, when given, an ``eyas evaluate --engine vllm
+--speed-concurrency`` report (``OUT/vllm/report.json``): `eyas export --speed-report`, or the
+pipeline once its evaluate stage is done. Nothing is measured here.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from eyas.errors import EyasError
+
+CARD = "README.md"
+
+
+def read_speed_report(path: Path, draft_dir: Path) -> dict[str, Any]:
+    """The evaluation report at ``path``, refused unless it is an ``eyas evaluate --engine vllm``
+    report of exactly ``draft_dir``'s weights with the serving speed measured."""
+    from eyas.fsio import sha256_file
+
+    path = Path(path)
+    try:
+        rep = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise EyasError(f"--speed-report {path}: not a readable report ({e}); pass the report.json that "
+                        "`eyas evaluate --engine vllm --speed-concurrency 1,8,32` wrote in OUT/vllm/") from e
+    if not isinstance(rep, dict) or rep.get("kind") != "eyas-evaluation" or rep.get("engine") != "vllm":
+        raise EyasError(f"--speed-report {path}: not the vllm engine's report of `eyas evaluate`; pass "
+                        "OUT/vllm/report.json of `eyas evaluate --engine vllm` (or both)")
+    try:
+        draft_sha256 = sha256_file(Path(draft_dir) / "model.safetensors")
+    except OSError as e:
+        raise EyasError(f"draft {draft_dir}: no readable model.safetensors ({e})") from e
+    if rep.get("draft_sha256") != draft_sha256:
+        raise EyasError(f"--speed-report {path}: an evaluation of another draft than {draft_dir} (or by an "
+                        "older eyas that did not record which); evaluate this draft (a re-run of the same "
+                        "evaluation resumes from its records)")
+    if not (rep.get("serving_speed") or {}).get("plain"):
+        raise EyasError(f"--speed-report {path}: no serving speed in it; evaluate with --speed-concurrency "
+                        "(e.g. 1,8,32) to time vLLM serving with and without the draft")
+    return rep
+
+
+def write_card(export_dir: Path, draft_dir: Path, speed_report: Path | None = None,
+               report: dict[str, Any] | None = None) -> Path:
+    """Write ``export_dir``/README.md for the export of ``draft_dir``; ``report``: ``speed_report``
+    already read by :func:`read_speed_report` (else it is read and checked here)."""
+    from eyas.fsio import atomic_write_text
+
+    if speed_report is not None and report is None:
+        report = read_speed_report(speed_report, draft_dir)
+    path = Path(export_dir) / CARD
+    atomic_write_text(path, card_text(Path(export_dir), Path(draft_dir), report, speed_report))
+    return path
+
+
+def card_text(export_dir: Path, draft_dir: Path, report: dict[str, Any] | None = None,
+              report_path: Path | None = None) -> str:
+    export = _json(export_dir / "config.json") or {}
+    draft = _json(draft_dir / "config.json") or {}
+    fmt = (export.get("eyas") or {}).get("format", "vllm")
+    target = draft.get("target_spec") or draft.get("target_name_or_path") or "(not recorded)"
+    verifier = (((export.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+                or draft.get("target_name_or_path") or target)
+    lines = [f"# EAGLE-3 draft for {target}", "",
+             f"An EAGLE-3 draft model trained by eyas, exported in the {fmt} format "
+             f"({'vLLM speculators' if fmt == 'vllm' else 'SGLang LlamaForCausalLMEagle3, also loaded by vLLM'}).",
+             "", "## Target", "",
+             f"- name: `{target}`",
+             f"- loaded from: `{verifier}`",
+             f"- eyas target id: `{(draft.get('target') or {}).get('id', '(not recorded)')}` (weights and "
+             "tokenizer fingerprint; `eyas export --target` checks a target against it)",
+             f"- draft: one decoder layer over the target's hidden states at layers "
+             f"{', '.join(map(str, draft.get('aux_layer_ids') or []))}, draft vocabulary "
+             f"{_n(draft.get('draft_vocab_size'))} of {_n(draft.get('vocab_size'))} tokens"]
+    options = [o for o in ("fc_norm", "norm_before_fc", "norm_output") if export.get(o)]
+    if options:
+        lines.append(f"- head options {', '.join(options)}: vLLM 0.32 or later serves them (older vLLM "
+                     "ignores them and would serve a different draft)")
+    lines += ["", "## Training data", "", *_data_lines(draft_dir)]
+    lines += ["", "## Acceptance length (tau) per k", "", *_tau_lines(draft_dir, report)]
+    lines += ["", "## Serving speed (vLLM, output tokens/s)", "", *_speed_lines(report, report_path)]
+    k, why = _serving_k(export, report)
+    config = json.dumps({"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k})
+    lines += ["", "## Serve it", "", "```", f"vllm serve {shlex.quote(str(verifier))} --speculative-config "
+              f"{shlex.quote(config)}", "```", "", f"k = {k}: {why}.", ""]
+    return "\n".join(lines)
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _n(x: Any) -> str:
+    return f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def _data_lines(draft_dir: Path) -> list[str]:
+    """What the draft's training run recorded about its data: the run directory (the draft's
+    parent, as `eyas train` writes it) names the prepared dataset, whose manifest says the rest."""
+    run = draft_dir.resolve().parent
+    cfg = _json(run / "train_config.json")
+    if not isinstance(cfg, dict) or not cfg.get("data"):
+        return [f"Not recorded: no train_config.json of `eyas train` beside the draft (in {run})."]
+    lines = []
+    summary = _json(run / "summary.json") or {}
+    if summary.get("steps"):
+        lines.append(f"- trained {_n(summary['steps'])} steps, {_n(summary.get('tokens_seen'))} tokens seen "
+                     f"({summary.get('epochs')} epochs); the target's hidden states {_features(cfg)}")
+    data = Path(cfg["data"])
+    # a relative path is the training's working folder's: try it here, then beside the run (the
+    # pipeline's workdir holds prepared/ and train/)
+    found = [m for d in ([data] if data.is_absolute() else [data, run.parent / data.name])
+             if isinstance(m := _json(d / "manifest.json"), dict)]
+    manifest = found[0] if found else None
+    if manifest is None:
+        return lines + [f"- prepared dataset `{data}` (its manifest.json is no longer there)"]
+    trained_on = _dataset_id(run)
+    note = "" if trained_on in (None, manifest.get("id")) else (
+        f"; **changed since**: the draft was trained on dataset id `{trained_on}`")
+    c = manifest.get("counts") or {}
+    lines.append(f"- prepared dataset `{data}` (id `{manifest.get('id')}`{note}): {_n(c.get('samples'))} "
+                 f"conversations, {_n(c.get('trained_tokens'))} trained-on tokens, at most "
+                 f"{_n(manifest.get('max_length'))} tokens each")
+    for s in manifest.get("sources") or []:
+        said = [f"`{s['spec']}`" if s.get("spec") else "", f"{_n(s['records'])} records" if s.get("records") else "",
+                f"sha256 `{s['sha256'][:16]}`" if s.get("sha256") else ""]
+        lines.append(f"- source `{s.get('name')}`" + "".join(f", {x}" for x in said if x))
+    regen = manifest.get("regenerate")
+    if regen:
+        lines.append(f"- answers regenerated by the target: {_n(regen.get('answers'))} answers "
+                     f"({regen.get('engine', 'hf')}, {regen.get('settings')})")
+    return lines
+
+
+def _features(cfg: dict[str, Any]) -> str:
+    how = cfg.get("features") or ("online" if cfg.get("online") else "offline")
+    return {"online": "computed while training (online)",
+            "vllm": "made by a vLLM engine while training (--features vllm)",
+            "offline": "read from a store of `eyas extract` (offline)"}.get(how, str(how))
+
+
+def _dataset_id(run: Path) -> str | None:
+    """The dataset id the run's newest checkpoint recorded (None: no checkpoint left)."""
+    from eyas.train.checkpoint import STATE, checkpoint_dirs
+
+    dirs = checkpoint_dirs(run)
+    state = _json(dirs[-1] / STATE) if dirs else None
+    return ((state or {}).get("run") or {}).get("dataset_id")
+
+
+def _tau_lines(draft_dir: Path, report: dict[str, Any] | None) -> list[str]:
+    from eyas.train.tau import TAU_FILE
+
+    measured = _json(draft_dir / TAU_FILE)
+    measured = measured if isinstance(measured, dict) else None
+    training = (measured or {}).get("tau") or {}
+    evaluated = (report or {}).get("tau_by_k") or {}
+    if report and not evaluated:  # a report of one k
+        evaluated = {str(report.get("num_speculative_tokens")): (report.get("overall") or {}).get("tau")}
+    ks = sorted({*training, *evaluated}, key=int)
+    if not ks:
+        return [f"Not measured: no {TAU_FILE} beside the draft (`eyas train --tau` writes it) and no "
+                "evaluation given."]
+    lines = ["| k | tau while training | tau in evaluate (vLLM) |", "|---|---|---|"]
+    lines += [f"| {k} | {_f(training.get(k))} | {_f(evaluated.get(k))} |" for k in ks]
+    lines.append("")
+    if measured:
+        lines.append(f"While training: greedy, at step {measured.get('step')}, on {measured.get('turns')} turns "
+                     f"of {measured.get('prompts')}, {measured.get('max_new_tokens')} new tokens each.")
+    else:
+        lines.append(f"While training: not measured (no {TAU_FILE} beside the draft; `eyas train --tau` "
+                     "writes it).")
+    if report:
+        lines.append(f"In evaluate: vLLM {report.get('vllm_version')}, on {report.get('prompts')}, "
+                     f"temperature {report.get('temperature')}, {report.get('max_new_tokens')} new tokens.")
+    return lines
+
+
+def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> list[str]:
+    if not report:
+        return ["Not measured: `eyas evaluate --engine vllm --speed-concurrency 1,8,32 -k 1 --also-k 2,3,4,5` "
+                "times it; `eyas export --speed-report EVAL/vllm/report.json` puts it here."]
+    rows = report.get("serving_speed_by_k") or _one_k_rows(report)
+    speed = report.get("serving_speed") or {}
+    lines = ["| concurrent requests | k | with the draft | without | speedup |", "|---|---|---|---|---|"]
+    lines += [f"| {r['concurrency']} | {r['k']} | {_f(r['tokens_per_s_draft'], 0)} | "
+              f"{_f(r['tokens_per_s_plain'], 0)} | {_f(r['speedup'])}x |" for r in rows]
+    lines.append("")
+    for c, b in sorted((report.get("best_k") or {}).items(), key=lambda kv: int(kv[0])):
+        lines.append(f"- {c} concurrent: " + (f"best k = {b['k']}, {b['speedup']:.2f}x" if b["pays"] else
+                     f"no k speeds serving up (the least slow: k = {b['k']}, {b['speedup']:.2f}x); serve "
+                     "without the draft at this load"))
+    lines += ["", f"Measured by `eyas evaluate` with vLLM {report.get('vllm_version')} on {report.get('machine')}, "
+              f"{report.get('dtype')}: {speed.get('prompts')} first turns of {report.get('prompts')}, greedy, up "
+              f"to {speed.get('max_new_tokens')} new tokens, sent in waves of `concurrent requests` at once (the "
+              f"next wave once one is done), each point at least {speed.get('min_waves')} waves and "
+              f"{speed.get('min_seconds')} s of generation" + (f"; report {report_path}." if report_path else ".")]
+    return lines
+
+
+def _one_k_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of a report that has no ``serving_speed_by_k`` (one k, or an older eyas)."""
+    speed, k = report.get("serving_speed") or {}, report.get("num_speculative_tokens")
+    return [{"k": k, "concurrency": d["concurrency"], "tokens_per_s_draft": d.get("tokens_per_s"),
+             "tokens_per_s_plain": p.get("tokens_per_s"),
+             "speedup": d["tokens_per_s"] / p["tokens_per_s"] if d.get("tokens_per_s") and p.get("tokens_per_s")
+             else None} for d, p in zip(speed.get("draft", []), speed.get("plain", []))]
+
+
+def _serving_k(export: dict[str, Any], report: dict[str, Any] | None) -> tuple[int, str]:
+    """The k of the serve line, and why: the best measured at 1 concurrent request, else the export's."""
+    best = ((report or {}).get("best_k") or {}).get("1")
+    if best is None and report:
+        rows = [r for r in _one_k_rows(report) if r["concurrency"] == 1 and r["speedup"] is not None]
+        best = rows and {"k": rows[0]["k"], "speedup": rows[0]["speedup"], "pays": rows[0]["speedup"] > 1}
+    if best:
+        return int(best["k"]), (f"the best measured at 1 concurrent request ({best['speedup']:.2f}x"
+                                + ("" if best["pays"] else ", slower than without the draft") + ")")
+    methods = (export.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    k = methods[0].get("speculative_tokens")
+    if k is None:  # the sglang format records none
+        return 3, "eyas's default (serving speed not measured at 1 concurrent request)"
+    return int(k), "the export's num_speculative_tokens (serving speed not measured at 1 concurrent request)"
+
+
+def _f(x: Any, digits: int = 2) -> str:
+    return "not measured" if x is None else f"{x:,.{digits}f}"

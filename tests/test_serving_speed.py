@@ -1,0 +1,272 @@
+"""Serving speed at every k, the best k, and the export's model card (issue 31, item 3), on the CPU.
+
+vLLM's worker is stood in for by tests/fake_vllm.py (its speeds are given); the timing loop of the
+worker runs against a stand-in ``LLM``. Everything eyas does with them is its real code: the runs
+per k, the one baseline, the report, resume, the card."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+import evalkit
+import fake_vllm
+from eyas.errors import EyasError
+
+# output tokens/s: (k, concurrent requests) -> with the draft; (None, c) -> without.
+# At 1 request k=2 is best (1.9x); at 4 no k pays (k=1 is the least slow, 0.95x).
+SPEEDS = {(None, 1): 100.0, (None, 4): 400.0,
+          (1, 1): 150.0, (2, 1): 190.0, (3, 1): 170.0,
+          (1, 4): 380.0, (2, 4): 360.0, (3, 4): 300.0}
+
+
+# ------------------------------------------------------------------- the worker's timing loop
+
+
+class _LLM:
+    """``vllm.LLM.generate`` as the speed op calls it: records each wave's prompts; ``pause`` s a wave."""
+
+    def __init__(self, pause: float):
+        self.pause, self.waves = pause, []
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.waves.append([p["prompt_token_ids"][0] for p in prompts])
+        time.sleep(self.pause)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * 4)]) for _ in prompts]
+
+
+def test_a_speed_point_runs_at_least_its_waves_and_its_seconds():
+    from eyas.vllm.worker.serve import speed
+
+    req = {"op": "speed", "prompts": [[i] for i in range(5)], "max_tokens": 4, "concurrency": 2,
+           "min_seconds": 0.0, "min_waves": 3}
+    llm = _LLM(0.0)
+    got = speed(llm, lambda **kw: kw, req)
+    # an untimed warm-up wave, then 3 waves of 2, the prompts taken round and round
+    assert llm.waves == [[0, 1], [0, 1], [2, 3], [4, 0]]
+    assert (got["waves"], got["requests"], got["tokens"], got["concurrency"]) == (3, 6, 24, 2)
+
+    llm = _LLM(0.02)
+    got = speed(llm, lambda **kw: kw, {**req, "min_seconds": 0.2})
+    assert got["seconds"] >= 0.2 and got["waves"] > 3 and got["waves"] == len(llm.waves) - 1
+    assert got["tokens"] == 8 * got["waves"] and got["tokens_per_s"] == pytest.approx(got["tokens"] / got["seconds"])
+
+
+# ----------------------------------------------------------- evaluate: every k, one baseline
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory):
+    """(target, training work dir): a tiny target and a draft trained 2 steps by `eyas train`."""
+    from eyas.target import resolve_target
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    base = tmp_path_factory.mktemp("serving")
+    target = resolve_target(evalkit.make_eval_target(base / "target"))
+    evalkit.train_draft(target, base / "work", steps=2, n=16)
+    yield target, base / "work"
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def evaluated(drafted, tmp_path_factory):
+    """`eyas evaluate --engine vllm -k 2 --also-k 1,3 --speed-concurrency 1,4` of that draft."""
+    target, work = drafted
+    base = tmp_path_factory.mktemp("serving-eval")
+    qfile = evalkit.write_questions(base / "question.jsonl", 3)
+    mp = pytest.MonkeyPatch()
+    fake_vllm.use(mp, SPEEDS)
+    try:
+        yield _evaluate(target, work / "run" / "draft", qfile, base / "eval"), base / "eval", qfile
+    finally:
+        mp.undo()
+
+
+def _evaluate(target, draft: Path, qfile: Path, out: Path, **settings):
+    from eyas.evaluate.run import evaluate_draft
+
+    opts = {"engine": "vllm", "k": 2, "also_k": [1, 3], "speed_concurrency": [1, 4], "speed_min_seconds": 0.5,
+            "max_new_tokens": 8, "progress": False, **settings}
+    return evaluate_draft(str(target.path), draft, qfile, out, **opts)
+
+
+def test_evaluate_times_every_k_against_one_baseline_and_names_the_best_k(evaluated):
+    from eyas.evaluate.report import summary_lines
+
+    reports, out, _ = evaluated
+    assert fake_vllm.STARTED == [2, None, 1, 3]  # an engine per k; the one without the draft once
+    assert [(t["k"], t["concurrency"]) for t in fake_vllm.TIMED] == [
+        (2, 1), (2, 4), (None, 1), (None, 4), (1, 1), (1, 4), (3, 1), (3, 4)]
+    assert {(t["min_seconds"], t["min_waves"]) for t in fake_vllm.TIMED} == {(0.5, 3)}
+    saved = json.loads((out / "vllm" / "report.json").read_text())
+    assert saved["best_k"] == {"1": {"k": 2, "speedup": pytest.approx(1.9), "pays": True},
+                               "4": {"k": 1, "speedup": pytest.approx(0.95), "pays": False}}
+    rows = {(r["k"], r["concurrency"]): r for r in saved["serving_speed_by_k"]}
+    assert sorted(rows) == [(k, c) for k in (1, 2, 3) for c in (1, 4)]
+    assert rows[(3, 4)] == {"k": 3, "concurrency": 4, "tokens_per_s_draft": 300.0, "tokens_per_s_plain": 400.0,
+                            "speedup": pytest.approx(0.75)}
+    # every answer accepted whole by the stand-in: tau is k + 1 at each k
+    assert saved["tau_by_k"] == {"1": pytest.approx(2.0), "2": pytest.approx(3.0), "3": pytest.approx(4.0)}
+    assert reports["vllm"]["best_k"] == saved["best_k"]
+    also_report = json.loads((out / "k3" / "vllm" / "report.json").read_text())
+    assert "best_k" not in also_report  # named once, in the -k run's report, over every k
+    also = also_report["serving_speed"]
+    assert also["plain"] == saved["serving_speed"]["plain"] and also["plain_from"] == "the -k run"
+    assert also["speedup"] == {"1": pytest.approx(1.7), "4": pytest.approx(0.75)}
+    assert (also["min_seconds"], also["min_waves"]) == (0.5, 3)
+    lines = summary_lines(reports, out)
+    assert lines.count("vllm serving, 1 concurrent: best k=2, 1.90x") == 1
+    assert any(line.startswith("vllm serving, 4 concurrent: no k speeds it up (the least slow: k=1, 0.95x)")
+               for line in lines)
+    assert "k=3 vllm serving, 4 concurrent: 300 tok/s with the draft, 400 without (0.75x)" in lines
+
+
+def test_a_rerun_starts_no_engine_and_a_longer_minimum_times_again(drafted, evaluated, tmp_path, monkeypatch):
+    target, work = drafted
+    reports, first, qfile = evaluated
+    out, draft = tmp_path / "eval", work / "run" / "draft"
+    shutil.copytree(first, out)  # the records and speeds of the first run, resumed here
+    fake_vllm.use(monkeypatch, SPEEDS)
+    again = _evaluate(target, draft, qfile, out)
+    assert fake_vllm.STARTED == [] and again["vllm"]["best_k"] == reports["vllm"]["best_k"]
+    fake_vllm.use(monkeypatch, {**SPEEDS, (3, 1): 250.0})
+    longer = _evaluate(target, draft, qfile, out, speed_min_seconds=1.0)
+    assert fake_vllm.STARTED == [2, None, 1, 3]  # the answers are kept; the speed is timed again
+    assert longer["vllm"]["best_k"]["1"] == {"k": 3, "speedup": pytest.approx(2.5), "pays": True}
+
+
+def test_best_k_from_the_reports_of_each_k():
+    """:func:`serving_summary` on the reports `build_report` makes: the highest ratio per
+    concurrency, the smaller k on a tie, unpaid where none is above 1."""
+    from eyas.evaluate.report import build_report, serving_summary
+
+    def report(k, draft, plain):
+        speed = {"draft": [{"concurrency": c, "tokens_per_s": t} for c, t in draft],
+                 "plain": [{"concurrency": c, "tokens_per_s": t} for c, t in plain]}
+        rec = {"category": "writing", "rounds": 2, "accepted_per_pos": [1] * k, "new_tokens": 4}
+        return build_report([rec], k, {"engine": "vllm", "serving_speed": speed})
+
+    plain = [(1, 100.0), (8, 500.0), (32, 1000.0)]
+    got = serving_summary({3: report(3, [(1, 200.0), (8, 450.0), (32, 900.0)], plain),
+                           5: report(5, [(1, 200.0), (8, 600.0), (32, 700.0)], plain),
+                           1: report(1, [(1, 150.0), (8, 550.0), (32, None)], plain)})
+    assert got["best_k"] == {"1": {"k": 3, "speedup": 2.0, "pays": True},
+                             "8": {"k": 5, "speedup": 1.2, "pays": True},
+                             "32": {"k": 3, "speedup": 0.9, "pays": False}}
+    assert [(r["concurrency"], r["k"]) for r in got["serving_speed_by_k"]][:3] == [(1, 1), (1, 3), (1, 5)]
+    assert got["tau_by_k"] == {"1": 1.5, "3": 2.5, "5": 3.5}
+
+
+# --------------------------------------------------------------------------- the model card
+
+
+def _card_draft(drafted, tmp_path) -> Path:
+    """A copy of the trained run (its train_config.json names the prepared data), so a test can add
+    a tau.json beside the draft."""
+    _, work = drafted
+    shutil.copytree(work / "run", tmp_path / "run")
+    return tmp_path / "run" / "draft"
+
+
+def _serve_line(card: str) -> list[str]:
+    line = next(x for x in card.splitlines() if x.startswith("vllm serve "))
+    return shlex.split(line)
+
+
+def test_the_card_of_an_export_without_tau_or_speed(drafted, tmp_path):
+    from eyas.export.run import export_checkpoint
+
+    target, work = drafted
+    draft = _card_draft(drafted, tmp_path)
+    out = export_checkpoint(draft, "vllm", tmp_path / "exp", None, num_speculative_tokens=4)
+    card = (out / "README.md").read_text()
+    assert card.startswith(f"# EAGLE-3 draft for {target.path}\n")
+    assert f"- eyas target id: `{target.id}`" in card
+    manifest = json.loads((work / "data" / "manifest.json").read_text())
+    assert (f"- prepared dataset `{work / 'data'}` (id `{manifest['id']}`): 16 conversations, "
+            f"{manifest['counts']['trained_tokens']:,} trained-on tokens") in card
+    assert "- trained 2 steps," in card
+    assert "Not measured: no tau.json beside the draft" in card
+    assert "## Serving speed (vLLM, output tokens/s)\n\nNot measured: `eyas evaluate --engine vllm" in card
+    args = _serve_line(card)
+    assert args[:4] == ["vllm", "serve", str(target.path), "--speculative-config"]
+    # the keys eyas's own vLLM worker passes as speculative_config
+    assert json.loads(args[4]) == {"method": "eagle3", "model": str(out.resolve()), "num_speculative_tokens": 4}
+    assert "k = 4: the export's num_speculative_tokens" in card
+
+
+def test_the_card_with_tau_and_the_measured_speedups(drafted, evaluated, tmp_path):
+    from eyas.export.cli import register
+    from eyas.train.tau import TAU_FILE
+
+    _, out_eval, _ = evaluated
+    draft = _card_draft(drafted, tmp_path)
+    (draft / TAU_FILE).write_text(json.dumps({"step": 2, "tau": {"1": 1.25, "3": 1.5, "5": 1.75}, "turns": 6,
+                                              "questions": 3, "prompts": "q.jsonl", "max_new_tokens": 8}))
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    report = out_eval / "vllm" / "report.json"
+    res = CliRunner().invoke(app, ["export", str(draft), "--out", str(tmp_path / "exp"), "-k", "4",
+                                   "--speed-report", str(report)])
+    assert res.exit_code == 0, res.output
+    card = (tmp_path / "exp" / "README.md").read_text()
+    # tau per k: while training (tau.json) and in evaluate (vLLM), "not measured" where one has no k
+    assert "| 1 | 1.25 | 2.00 |" in card and "| 2 | not measured | 3.00 |" in card
+    assert "| 5 | 1.75 | not measured |" in card
+    assert "While training: greedy, at step 2, on 6 turns of q.jsonl, 8 new tokens each." in card
+    assert "| 1 | 2 | 190 | 100 | 1.90x |" in card and "| 4 | 3 | 300 | 400 | 0.75x |" in card
+    assert "- 1 concurrent: best k = 2, 1.90x" in card
+    assert "- 4 concurrent: no k speeds serving up (the least slow: k = 1, 0.95x)" in card
+    assert f"; report {report}." in card
+    assert json.loads(_serve_line(card)[4])["num_speculative_tokens"] == 2  # the best at 1 request
+    assert "k = 2: the best measured at 1 concurrent request (1.90x)." in card
+
+
+def test_a_speed_report_of_another_draft_or_without_speed_is_refused(drafted, evaluated, tmp_path):
+    from eyas.export.run import export_checkpoint
+
+    _, out_eval, _ = evaluated
+    draft = _card_draft(drafted, tmp_path)
+    rep = json.loads((out_eval / "vllm" / "report.json").read_text())
+    cases = {"another draft": {**rep, "draft_sha256": "0" * 64},
+             "no serving speed": {**rep, "serving_speed": None},
+             "not the vllm engine's report": {**rep, "engine": "builtin"}}
+    for i, (message, bad) in enumerate(cases.items()):
+        path = tmp_path / f"report{i}.json"
+        path.write_text(json.dumps(bad))
+        with pytest.raises(EyasError, match=message):
+            export_checkpoint(draft, "vllm", tmp_path / f"exp{i}", None, speed_report=path)
+        assert not (tmp_path / f"exp{i}").exists()  # refused before anything is written
+
+
+
+def test_the_benchmark_table_takes_the_rows_of_each_targets_run(evaluated, tmp_path):
+    """scripts/serving_speed.py: benchmarks/serving_speed.json's rows are the reports' own; a target
+    measured again replaces its rows."""
+    import subprocess
+    import sys
+
+    _, out_eval, _ = evaluated
+    table = tmp_path / "serving_speed.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "serving_speed.py"
+    for _ in range(2):
+        res = subprocess.run([sys.executable, str(script), "--out", str(table), str(out_eval)],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+    got = json.loads(table.read_text())
+    rep = json.loads((out_eval / "vllm" / "report.json").read_text())
+    target = rep["target_name"]
+    assert got["rows"] == [{"target": target, **r} for r in rep["serving_speed_by_k"]]  # once, not twice
+    assert got["best_k"] == {target: rep["best_k"]}
+    assert got["runs"][target]["min_waves"] == 3 and got["runs"][target]["min_seconds"] == 0.5
