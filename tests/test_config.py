@@ -22,7 +22,7 @@ def test_repo_has_configs():
 def test_every_config_validates(path):
     cfg = load_config(path)
     assert cfg.target and cfg.workdir
-    assert cfg.section("export").get("fmt", "vllm") in ("vllm", "sglang")
+    assert cfg.section("export").get("format", "vllm") in ("vllm", "sglang")
 
 
 def test_default_config_is_the_cpu_job():

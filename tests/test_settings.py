@@ -10,7 +10,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from eyas.config import RENAMED, STAGES, WIRED, stage_settings, validate
+from eyas.config import STAGES, WIRED, stage_settings, validate
 from eyas.errors import EyasError
 from eyas.settings import command, flag, nested_class
 from eyas.train.config import TrainConfig
@@ -64,12 +64,6 @@ def test_a_yaml_section_takes_exactly_the_dataclass_fields(stage):
             assert "unknown keys" not in str(e), (stage, key, e)
     with pytest.raises(EyasError, match=r"unknown keys \['no_such_setting'\]"):
         validate({"target": "x", stage: {"no_such_setting": 1}}, "t.yaml")
-
-
-@pytest.mark.parametrize("stage, old", [(s, o) for s, m in RENAMED.items() for o in m])
-def test_an_old_key_is_named_with_its_new_name(stage, old):
-    with pytest.raises(EyasError, match=rf"{old} is now called {RENAMED[stage][old]}"):
-        validate({"target": "x", stage: {old: 1}}, "t.yaml")
 
 
 def _parse(*args: str) -> TrainConfig:

@@ -33,9 +33,6 @@ WIRED: dict[str, set[str]] = {
     "export": {"ckpt", "target", "out", "overwrite", "speed_report"},  # the card: after evaluate
     "evaluate": {"target", "draft", "out", "progress", "vllm_draft"},
 }
-# Keys an older eyas spelled otherwise: named in the error, so an old config is fixed in one edit.
-RENAMED: dict[str, dict[str, str]] = {"train": {"heldout_fraction": "heldout", "draft_overrides": "draft_config"},
-                                      "export": {"fmt": "format"}}
 TOP_LEVEL = {"target", "workdir", "features", "launcher", *STAGES}
 
 
@@ -192,10 +189,6 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
         section = raw.get(name) or {}
         if not isinstance(section, dict):
             raise EyasError(f"config {source}: section {name!r} must be a mapping")
-        renamed = {k: new for k, new in RENAMED.get(name, {}).items() if k in section}
-        if renamed:
-            raise EyasError(f"config {source}: section {name!r}: " + "; ".join(
-                f"{old} is now called {new}" for old, new in renamed.items()) + "; rename the key")
         allowed = {f.name for f in fields(stage_settings(name))} - WIRED[name]
         bad = sorted(set(section) - allowed)
         if bad:
