@@ -368,8 +368,7 @@ def test_evaluate_cuda_without_a_gpu_is_refused_by_the_cli(tmp_path):
 
 def test_evaluate_device_cpu_equals_the_default_on_the_cpu(setup, tmp_path):
     """--device cpu gives today's CPU evaluation: float32, the same tokens and acceptance as the
-    default (auto, which is cpu here) and as the loop run directly, and records whose settings hold no
-    device (as an eyas without --device wrote them)."""
+    default (auto, which is cpu here) and as the loop run directly."""
     from eyas.evaluate.run import evaluate_draft
 
     target, model, draft, draft_dir = setup
@@ -384,10 +383,10 @@ def test_evaluate_device_cpu_equals_the_default_on_the_cpu(setup, tmp_path):
                      for r in default["per_prompt"]]
     assert cpu["overall"]["tau"] == default["overall"]["tau"]
     header = json.loads((tmp_path / "cpu" / "builtin" / "records.jsonl").read_text().splitlines()[0])
-    # no "device" on the CPU; the prompts' sha256 since issue 34 (older records are refused, naming it)
-    assert set(header["settings"]) == {"target_id", "draft", "draft_sha256", "k", "temperature",
-                                       "max_new_tokens", "dtype", "seed", "prompts", "prompts_sha256", "engine"}
-    assert header["settings"]["dtype"] == "float32"
+    assert set(header["settings"]) == {"target_id", "draft", "draft_sha256", "k", "temperature", "max_new_tokens",
+                                       "dtype", "seed", "prompts", "prompts_sha256", "device", "engine",
+                                       "plain_baseline"}
+    assert header["settings"]["dtype"] == "float32" and header["settings"]["device"] == "cpu"
     # the loop itself, on the float32 model of the fixture: the same tokens
     first = cpu["per_prompt"][0]
     tok = target.load_tokenizer()

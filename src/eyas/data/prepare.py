@@ -224,7 +224,7 @@ def _prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         "chat_template_sha256": encoder.template_sha256,
         "chunk_size": opts.chunk_size,
         "strict": opts.strict,
-        **({"dedupe": True} if opts.dedupe else {}),  # absent when off: older outputs still resume
+        "dedupe": opts.dedupe,
         "regenerate": ({**opts.regenerate.settings(), "drop_length_limited": opts.regenerate.drop_length_limited,
                         "max_turns": opts.regenerate.max_turns}
                        if opts.regenerate else None),

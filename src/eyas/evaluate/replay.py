@@ -233,11 +233,10 @@ def reference_settings(target_id: str, max_new_tokens: int, dtype: str, prompts:
                        ks: list[int], prompts_sha256: str | None = None) -> dict[str, Any]:
     """What the target's answers depend on (not the draft, nor k beyond the tail they carry): the
     header of a references file, which is reused only where it matches."""
-    out = {"target_id": target_id, "max_new_tokens": max_new_tokens, "dtype": dtype, "prompts": prompts}
+    out = {"target_id": target_id, "max_new_tokens": max_new_tokens, "dtype": dtype, "prompts": prompts,
+           "device": device.split(":")[0]}
     if prompts_sha256 is not None:
         out["prompts_sha256"] = prompts_sha256
-    if device != "cpu":  # only off the CPU, as evaluate's records
-        out["device"] = device.split(":")[0]
     return {**out, "engine": "replay references", "tail": tail_for(ks)}
 
 

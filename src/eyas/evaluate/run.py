@@ -96,17 +96,15 @@ def run_evaluation(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None
                      "temperature": temperature, "max_new_tokens": max_new_tokens, "dtype": dtype,
                      "seed": seed, "prompts": str(Path(prompts).resolve()),
                      # the prompts' content too: a file rewritten in place never reuses old answers
-                     "prompts_sha256": sha256_file(Path(prompts))}
-    if device != "cpu":  # only off the CPU, so records written before --device existed still resume
-        settings_base["device"] = device.split(":")[0]
+                     "prompts_sha256": sha256_file(Path(prompts)), "device": device.split(":")[0]}
     reports: dict[str, Any] = {}
     engines = ["builtin", "vllm"] if engine == "both" else [engine]
     for name in engines:
         sub = Path(out) / name
         sub.mkdir(parents=True, exist_ok=True)
         settings = {**settings_base, "engine": name}
-        if name == "builtin" and not cfg.compare_plain:  # records without the baseline are not mixed
-            settings["plain_baseline"] = False         # with those that have it (older ones do)
+        if name == "builtin":  # records without the baseline are not mixed with those that have it
+            settings["plain_baseline"] = cfg.compare_plain
         if name == "replay":
             ks = list(dict.fromkeys([k, *cfg.also_k]))
             by_k, extra = _run_replay(target, draft_dir, questions, tokenizer, stop_ids, ks, max_new_tokens,
@@ -285,7 +283,7 @@ def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
         speed = None
     elif speed and ([d["concurrency"] for d in speed["draft"]] != speed_concurrency
                     or any(speed.get(key) != value for key, value in plan.items())):
-        speed = None  # measured with other prompts, lengths or durations (or by an older eyas)
+        speed = None  # measured with other prompts, lengths or durations
     elif speed and plain is None and speed.get("plain_from"):  # an -k run's baseline: time this run's own
         speed = {key: v for key, v in speed.items() if key not in ("plain", "plain_from", "speedup")}
     timed = not speed_concurrency or bool(speed and (plain is not None or "plain" in speed))
