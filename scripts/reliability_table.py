@@ -32,8 +32,9 @@ filed, and all failed (the YAML alias bomb was not run there: it takes the machi
 issue reports). The `not_one_of_its_choices` rows are issue 33's: each was run against the `src/` of
 31547ef and all failed; there the config cases were accepted at load, while the two `eyas train`
 flags were already refused, by hand-written checks with other messages, which the settings'
-declared values replaced. Run them with
-`pytest -m "not slow and not vllm" -k bad_input`.
+declared values replaced. The `output_of_a_pre_release_eyas` rows are issue 33's too (the code
+that read those outputs was dropped): each was run against the `src/` of fcb6734 and all failed.
+Run them with `pytest -m "not slow and not vllm" -k bad_input`.
 
 """
 

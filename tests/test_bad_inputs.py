@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -383,33 +384,6 @@ def test_bad_input_checkpoint_pickle_payload_in_optimizer_pt(tmp_path, tiny_targ
     assert "optimizer.pt: UnpicklingError" in err and "step-00000002" in err
 
 
-def test_bad_input_checkpoint_pickle_payload_in_old_rng_file(tmp_path, finished_run):
-    """A checkpoint in the old layout (rng-0.pt, a torch.save pickle): loads with weights_only=True and
-    numpy's array types allowed; one whose rng-0.pt carries a code-running payload is refused, unrun."""
-    import torch
-
-    from eyas.train import checkpoint as ckpt
-
-    run = _copy_run(finished_run, tmp_path)
-    c = run / "checkpoints" / "step-00000004"
-    state = ckpt.load(c, 0)["rng"]
-    (c / "rng-0.json").unlink()
-    torch.save(ckpt.rng_from_json(ckpt.rng_to_json(state)), c / "rng-0.pt")  # what old eyas wrote
-    old = ckpt.load(c, 0)["rng"]
-    assert torch.equal(old["torch"], state["torch"]) and old["python"] == state["python"]
-    assert (old["numpy"][1] == state["numpy"][1]).all()
-    marker = tmp_path / "pwned"
-
-    class Payload:
-        def __reduce__(self):
-            return (Path.touch, (marker,))
-
-    torch.save({"torch": Payload()}, c / "rng-0.pt")
-    with pytest.raises(ckpt.Unreadable, match="rng-0.pt: UnpicklingError"):
-        ckpt.load(c, 0)
-    assert not marker.exists()
-
-
 def test_bad_input_checkpoint_all_unreadable(tmp_path, tiny_target, train_data, finished_run):
     """Every checkpoint unreadable: `--resume` stops with an error naming each file, before training."""
     run = _copy_run(finished_run, tmp_path)
@@ -652,22 +626,6 @@ def test_bad_input_pipeline_rerun_with_changed_evaluate_settings(tmp_path, tiny_
     rec = json.loads((work / "pipeline-config.json").read_text())
     assert rec["sections"]["evaluate"]["max_new_tokens"] == 4
     assert {s["status"] for s in rec["stages"].values()} == {"done"}
-
-
-def test_bad_input_pipeline_record_from_an_older_eyas(tmp_path, tiny_llama_dir):
-    """A workdir whose pipeline-config.json was written by an older eyas (sections only, no stage
-    fingerprints): its sections are taken as the record, so changed train settings are refused too."""
-    from eyas.config import load_config
-    from eyas.pipeline import run_pipeline
-
-    run_pipeline(load_config(_pipeline(tmp_path, tiny_llama_dir)))
-    rec_path = tmp_path / "run" / "pipeline-config.json"
-    rec = json.loads(rec_path.read_text())
-    del rec["stages"]
-    rec_path.write_text(json.dumps(rec))
-    run_pipeline(load_config(_pipeline(tmp_path, tiny_llama_dir)))  # same settings: goes on
-    code, msg = eyas("pipeline", _pipeline(tmp_path, tiny_llama_dir, train__ttt_steps=3))
-    assert code == 2 and "train.ttt_steps: 2 there, 3 now" in msg
 
 
 # ------------------------------------------------------------------------------------- prompts
@@ -1365,3 +1323,86 @@ def test_bad_input_evaluate_prompt_longer_than_the_context(tmp_path, export_targ
                      tmp_path / "ev", "-k", "2", "--max-new-tokens", "2", "--no-plain", "--device", "cpu", "--quiet")
     assert code == 0, msg
     assert "exceeds the target's context of 512 tokens" in msg and "question 7:" in msg
+
+
+# ------------------------------------------------------------------- outputs of a pre-release eyas
+
+
+def _with_embedding(folder: Path, target_dir: Path) -> None:
+    """``folder``'s model.safetensors with the target's embedding added, as a pre-release eyas saved it."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(target_dir / "model.safetensors"), "pt") as fh:
+        embed = fh.get_tensor("model.embed_tokens.weight").float()
+    w = load_file(str(folder / "model.safetensors"))
+    save_file({**w, "embed_tokens.weight": embed}, str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("output, match", [
+    ("draft", "holds the target's embedding (embed_tokens.weight), which only a pre-release eyas saved"),
+    ("checkpoint", "holds the target's embedding (embed_tokens.weight), which only a pre-release eyas saved"),
+    ("store", "its manifest has no scale record, so a pre-release eyas wrote it"),
+    ("pipeline_record", "no stage records with their status and time, so a pre-release eyas wrote it"),
+], ids=["draft_holding_the_target_embedding", "checkpoints_holding_the_target_embedding",
+        "store_from_before_fp8", "pipeline_record_with_sections_only"])
+def test_bad_input_output_of_a_pre_release_eyas(tmp_path, request, output, match):
+    """An output of a pre-release eyas (a draft or checkpoints holding the target's embedding, a store
+    from before fp8 stores without a scale record, a pipeline-config.json of sections only) exported,
+    resumed, read or run again: exit 2 (or the error) naming the file, saying that a pre-release eyas
+    wrote it and what to do (was: each read, resumed or derived as it was)."""
+    if output == "draft":
+        import test_export
+
+        target = request.getfixturevalue("export_target")
+        draft = test_export._draft(target, tmp_path / "draft")
+        _with_embedding(draft, target.path)
+        code, msg = eyas("export", draft, "--out", tmp_path / "out")
+        assert code == 2 and str(draft / "model.safetensors") in msg and match in msg
+        assert not (tmp_path / "out").exists()
+    elif output == "checkpoint":
+        from eyas.train.checkpoint import checkpoint_dirs
+
+        tiny_target, train_data = request.getfixturevalue("tiny_target"), request.getfixturevalue("train_data")
+        run = _copy_run(request.getfixturevalue("finished_run"), tmp_path)
+        for ck in checkpoint_dirs(run):
+            _with_embedding(ck, tiny_target.path)
+        with pytest.raises(EyasError, match=r"no checkpoint .* can be read: .*step-00000004/model.safetensors: "
+                                            rf".*{re.escape(match)}.*Start again with a new --out"):
+            _resume(tiny_target, train_data, run)
+    elif output == "store":
+        import torch
+
+        from eyas.features.reader import open_store
+        from eyas.features.verify import verify_store
+        from eyas.features.writer import StoreWriter
+
+        st = tmp_path / "store"
+        fields = {"target": {"id": "fixture"}, "aux_layers": [1, 2], "final_layer": 4,
+                  "convention": "vllm-input-of-layer", "dtype": "bf16", "hidden_size": 8, "num_samples": 2}
+        w = StoreWriter(st, fields, shard_tokens=5, num_writers=1)
+        for i in range(2):
+            s = torch.randn(4, 3, 8)
+            w.add(i, torch.arange(4), torch.ones(4, dtype=torch.bool), s[:, :2], s[:, 2])
+        w.close()
+        for f in [st / "manifest.json", *st.glob("shard-*.json")]:  # as the stores before fp8 were
+            m = json.loads(f.read_text())
+            m.pop("scale", None), m.pop("tensor_checksums", None)
+            for sh in m.get("shards", []):
+                sh.pop("tensor_checksums")
+            f.write_text(json.dumps(m))
+        for read in (open_store, lambda p: StoreWriter(p, fields)):
+            with pytest.raises(EyasError, match=re.escape(f"store {st}: {match}") + ".*extract it again"):
+                read(st)
+        assert any(match in p for p in verify_store(st))
+    else:
+        from eyas.config import load_config
+
+        config = _pipeline(tmp_path, request.getfixturevalue("tiny_llama_dir"))
+        work = load_config(config).workdir
+        work.mkdir(parents=True)
+        record = work / "pipeline-config.json"
+        record.write_text(json.dumps({"target": "x", "sections": {"train": {"max_steps": 3}}}))
+        code, msg = eyas("pipeline", config)
+        assert code == 2 and f"{record}: {match}" in msg and "Use a new workdir" in msg
+        assert sorted(p.name for p in work.iterdir()) == ["pipeline-config.json"]

@@ -204,12 +204,12 @@ def test_export_without_target_uses_the_draft_and_no_network(target, tmp_path, m
         assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
 
-def test_export_of_an_older_draft_without_target(target, tmp_path):
-    """A draft from before the target path was recorded: vllm needs --target or --verifier."""
+def test_export_of_a_draft_without_target(target, tmp_path):
+    """A draft that records no target (made through the API without one): vllm needs --target or
+    --verifier."""
     ckpt = _draft(target, tmp_path / "ckpt")
     cfg = json.loads((ckpt / "config.json").read_text())
-    for key in ("target_name_or_path", "target_spec", "target_token_ids"):
-        cfg.pop(key)
+    cfg.update(target_name_or_path="", target_spec="", target_token_ids={})
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(EyasError, match="--target.*--verifier"):
         export_checkpoint(ckpt, "vllm", tmp_path / "v")

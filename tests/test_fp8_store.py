@@ -1,11 +1,6 @@
-"""fp8 stores (`eyas extract --dtype fp8`): the error bound, the layout on disk, training on them,
-and stores written before fp8 still read and resume unchanged."""
+"""fp8 stores (`eyas extract --dtype fp8`): the error bound, the layout on disk, training on them."""
 
 from __future__ import annotations
-
-import json
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +18,6 @@ from eyas.features.verify import verify_store
 from eyas.features.writer import StoreWriter
 
 LAYERS = [1, 4, 6]
-DATA = Path(__file__).parent / "data"
 
 
 def _bound(x: torch.Tensor, scale: torch.Tensor, groups: int) -> torch.Tensor:
@@ -145,30 +139,6 @@ def test_training_on_an_fp8_store_gives_the_bf16_losses(tmp_path, tiny_target, o
     d_other = np.abs(losses["other"] - ref).max()
     assert 0 < d_fp8 < 0.05 * fall, (d_fp8, fall)  # > 0: the fp8 store was read as fp8
     assert d_other > 0.05 * fall, (d_other, fall)
-
-
-def test_store_written_before_fp8_reads_verifies_and_resumes_unchanged(tmp_path):
-    """tests/data/store-v1-bf16 was written by eyas at edfadac (tests/data/make_store_v1.py)."""
-    st = tmp_path / "v1"
-    shutil.copytree(DATA / "store-v1-bf16", st)
-    r = open_store(st)
-    assert r.manifest["format_version"] == 1 and "scale" not in r.manifest
-    for i in range(3):
-        T = 4 + i
-        want = (torch.arange(T * 3 * 8, dtype=torch.float32).reshape(T, 3, 8) * 0.37 - i).to(torch.bfloat16)
-        s = r[i]
-        assert s.aux.dtype == torch.bfloat16
-        assert torch.equal(s.aux, want[:, :2]) and torch.equal(s.final, want[:, 2])
-        assert torch.equal(s.input_ids, torch.arange(T) + 10 * i)
-    assert verify_store(st) == []
-    fields = {k: r.manifest[k] for k in ("target", "aux_layers", "final_layer", "convention", "dtype",
-                                         "hidden_size", "num_samples")}
-    w = StoreWriter(st, fields)  # the same settings: it resumes (nothing to redo)
-    assert w.done == {0, 1, 2} and not w.rewritten
-    assert w.close()["complete"]
-    assert json.loads((st / "manifest.json").read_text())["format_version"] == 1
-    with pytest.raises(EyasError, match=r"dtype: 'bf16' in the store, 'fp8' now"):
-        StoreWriter(st, {**fields, "dtype": "fp8"})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -30,6 +30,7 @@ console = Console(stderr=True)
 
 RECORD = "pipeline-config.json"
 TIMINGS = "pipeline-timings.json"  # seconds per stage over every run (a resumed job adds up)
+RECORD_KEYS = {"fingerprint", "settings", "inputs", "status", "seconds", "runs"}  # of each stage's record
 # Stages whose outputs hold expensive work (hours of GPU for train): a changed setting is refused,
 # never silently redone over them. export and evaluate are derived from the draft in minutes, so a
 # changed setting simply redoes them (the old evaluation is moved aside, not deleted).
@@ -109,8 +110,7 @@ def _diff(old: dict[str, Any], new: dict[str, Any], stage: str) -> list[str]:
 
 
 def _recorded(work: Path) -> dict[str, dict[str, Any]] | None:
-    """The stage records of ``work``: written by this eyas, or derived from an older eyas's
-    pipeline-config.json (its sections); None when the workdir has no record."""
+    """The stage records of ``work``; None when the workdir has no record."""
     path = work / RECORD
     if not path.is_file():
         return None
@@ -119,11 +119,12 @@ def _recorded(work: Path) -> dict[str, dict[str, Any]] | None:
     except json.JSONDecodeError as e:
         raise EyasError(f"{path}: unreadable ({e}); it records what made the outputs in {work}. "
                         "Use a new workdir, or delete this one to start over") from e
-    if "stages" in rec:
-        return rec["stages"]
-    old = PipelineConfig(target=rec.get("target", ""), workdir=work, features=rec.get("features", "online"),
-                         launcher=rec.get("launcher") or {}, sections=rec.get("sections") or {})
-    return stage_records(old)
+    stages = rec.get("stages") if isinstance(rec, dict) else None
+    if not isinstance(stages, dict) or not all(isinstance(s, dict) and RECORD_KEYS <= s.keys()
+                                               for s in stages.values()):
+        raise EyasError(f"{path}: no stage records with their status and time, so a pre-release eyas wrote "
+                        "it. Use a new workdir, or delete this one to start over")
+    return stages
 
 
 def _only_answer_cache(prepared: Path) -> bool:
@@ -187,8 +188,7 @@ class _Records:
         self.stages: dict[str, dict[str, Any]] = {}
         for stage, rec in records.items():  # keep the records of outputs that stay on disk
             if stage in old and _outputs(cfg.workdir, stage, cfg).exists() and stage not in redo:
-                self.stages[stage] = {**rec, "status": old[stage].get("status", "done"),
-                                      "seconds": old[stage].get("seconds", 0.0), "runs": old[stage].get("runs", 0)}
+                self.stages[stage] = {**rec, **{k: old[stage][k] for k in ("status", "seconds", "runs")}}
         _write_record(cfg, self.stages)
 
     @contextlib.contextmanager

@@ -4,7 +4,6 @@ every training checkpoint), kept apart from the model itself (:mod:`eyas.draft.m
 The frozen target embedding is not written: it is the target's own, read back from the target when
 a draft loads (the target recorded at train time, ``DraftConfig.target_name_or_path``, or the one
 the caller names). For the seed's target it was 4.7 GB of fp32 in every checkpoint and draft.
-Drafts and checkpoints written by an older eyas still hold it; they load as they are.
 """
 
 from __future__ import annotations
@@ -63,15 +62,13 @@ def new_draft(cfg, target_dir: str | os.PathLike, d2t: torch.Tensor, t2d: torch.
 
 def load_state(model, state: dict[str, torch.Tensor], what: str,
                target_dir: str | os.PathLike | None = None) -> None:
-    """Load a saved state into ``model``; the frozen embedding, when the state lacks it (this eyas
-    does not save it), comes from ``target_dir`` or the target the draft recorded."""
+    """Load a saved state into ``model``; the frozen embedding, which is not saved, comes from
+    ``target_dir`` or the target the draft recorded."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in FROZEN]
     if missing or unexpected:
         raise EyasError(f"{what}: missing tensors {missing}, unexpected {unexpected}; it was written by "
                         "another version or is damaged")
-    if "embed_tokens.weight" in state:
-        return  # an older eyas's draft or checkpoint: the embedding was saved with it
     from eyas.draft.target_weights import read_target_head
 
     where = target_dir or model.config.target_name_or_path

@@ -53,7 +53,7 @@ class DraftConfig:
     hidden_act: str = "silu"
     # The residual around attention starts from the *normed* fused hidden (vLLM's and speculators'
     # default; EAGLE-3's original head used the raw one): the raw fc output carries the target's
-    # outliers. A config.json without the key predates it and means False (from_dict).
+    # outliers.
     norm_before_residual: bool = True
     # RMSNorm on each aux layer's state before fc (vLLM's `fc_norm`): the target's layers differ in
     # scale by an order of magnitude (SmolLM2: RMS ~3, ~6, ~23 at layers 2, 15, 27), which an
@@ -71,7 +71,6 @@ class DraftConfig:
     target: dict[str, str] = field(default_factory=dict)  # target identity
     # Where the target was (its resolved local directory) and how it was named (--target) at
     # train time: `eyas export` takes the verifier from here without resolving the target.
-    # Empty in drafts of older eyas versions.
     target_name_or_path: str = ""
     target_spec: str = ""
     target_token_ids: dict[str, Any] = field(default_factory=dict)  # bos/eos/pad_token_id
@@ -128,8 +127,7 @@ class DraftConfig:
             raise EyasError(f"draft config has kind {data.get('kind')!r}, expected {CONFIG_KIND!r}: "
                             "pass a directory written by `eyas train` (RUN_DIR/draft)")
         known = {f.name for f in fields(cls)}
-        return cls(**{"norm_before_residual": False,  # written before the option existed: the raw residual
-                      **{k: v for k, v in data.items() if k in known}})
+        return cls(**{k: v for k, v in data.items() if k in known})
 
     @property
     def num_aux(self) -> int:

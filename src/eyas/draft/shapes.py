@@ -52,6 +52,17 @@ def shape_problems(cfg: Any, shapes: dict[str, tuple[int, ...]]) -> list[str]:
     return problems
 
 
+def pre_release_problem(shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """Why weights holding the target's embedding are refused: only a pre-release eyas saved it, in
+    every draft and checkpoint, so this refuses its older layouts too (RNG pickles, no recorded
+    optimizer, configs without later fields)."""
+    held = [k for k in FROZEN if k in shapes]
+    if held:
+        return (f"it holds the target's embedding ({held[0]}), which only a pre-release eyas saved; train the "
+                "draft again with this eyas")
+    return None
+
+
 def check_draft_files(directory: str | Path, what: str, fix: str) -> tuple[Any, dict[str, tuple[int, ...]]]:
     """(DraftConfig, tensor shapes) of the draft or checkpoint in ``directory``, after checking
     config.json's fields, the safetensors header, and the one against the other; nothing is loaded."""
@@ -73,6 +84,9 @@ def check_draft_files(directory: str | Path, what: str, fix: str) -> tuple[Any, 
     except TypeError as e:  # a required field missing
         raise EyasError(f"{what} {cfg_path}: {e}. {fix}") from None
     shapes = tensor_shapes(w_path, what, fix)
+    old = pre_release_problem(shapes)
+    if old:
+        raise EyasError(f"{what} {w_path}: {old}")
     problems = shape_problems(cfg, shapes)
     if problems:
         raise EyasError(f"{what} {directory}: config.json does not fit model.safetensors: "

@@ -211,7 +211,7 @@ def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> lis
 
 
 def _one_k_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows of a report that has no ``serving_speed_by_k`` (one k, or an older eyas)."""
+    """The rows of a report that has no ``serving_speed_by_k`` (one k)."""
     speed, k = report.get("serving_speed") or {}, report.get("num_speculative_tokens")
     return [{"k": k, "concurrency": d["concurrency"], "tokens_per_s_draft": d.get("tokens_per_s"),
              "tokens_per_s_plain": p.get("tokens_per_s"),

@@ -71,9 +71,9 @@ def _write_export(cfg: ExportConfig, torch_dtype) -> Path:
         target_config = None
         verifier = verifier or dcfg.target_name_or_path
         if fmt == "vllm" and not verifier:
-            raise EyasError(f"checkpoint {ckpt_dir}: the draft does not record where its target is "
-                            "(trained by an older eyas); pass --target (checked against the draft) "
-                            "or --verifier NAME_OR_PATH (the model vLLM should load as the verifier)")
+            raise EyasError(f"checkpoint {ckpt_dir}: the draft does not record where its target is; pass "
+                            "--target (checked against the draft) or --verifier NAME_OR_PATH (the model vLLM "
+                            "should load as the verifier)")
     if dcfg.draft_vocab_size == dcfg.vocab_size:
         # vLLM has no d2t parameter when the vocabularies are equal: only the identity map is valid.
         if bool((ckpt.tensors["d2t"] != 0).any()):

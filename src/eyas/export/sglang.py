@@ -18,9 +18,6 @@ from eyas.errors import EyasError
 from eyas.draft.checks import DraftCheckpoint
 from eyas.export.io import cast, dtype_name, write_model_dir
 
-# Draft tensors that are not the target's (the embedding is shared with the target by both engines).
-_SKIP = ("embed_tokens.weight",)
-
 
 def llama_layer_config(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None,
                        dtype: str) -> dict[str, Any]:
@@ -66,7 +63,7 @@ def sglang_aux_ids(aux_ids: list[int]) -> list[int]:
 def export_sglang(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, out: Path,
                   dtype: torch.dtype | None = None, overwrite: bool = False,
                   inputs: dict | None = None) -> Path:
-    tensors = cast({k: v for k, v in ckpt.tensors.items() if k not in _SKIP}, dtype)
+    tensors = cast(ckpt.tensors, dtype)
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     tensors["t2d"] = tensors["t2d"].to(torch.bool)
     cfg = ckpt.config

@@ -21,15 +21,13 @@ from eyas.export.io import cast, dtype_name, write_model_dir
 from eyas.export.sglang import llama_layer_config
 
 SPECULATORS_VERSION = "0.3.0"
-_SKIP = ("embed_tokens.weight",)
 
 
 def export_vllm(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, out: Path, verifier: str,
                 dtype: torch.dtype | None = None, num_speculative_tokens: int = 3,
                 overwrite: bool = False, inputs: dict | None = None,
                 source_sha256: str | None = None) -> Path:
-    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in ckpt.tensors.items()
-               if k not in _SKIP}
+    tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in ckpt.tensors.items()}
     tensors = cast(tensors, dtype)
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
     tensors["t2d"] = tensors["t2d"].to(torch.bool)

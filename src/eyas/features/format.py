@@ -40,8 +40,7 @@ from eyas.errors import EyasError
 from eyas.extract.config import StoreDtype
 
 KIND = "eyas-store"
-# 1: bf16/fp16/fp32 stores (the format every earlier eyas wrote, read unchanged); 2: fp8 stores,
-# which add the hidden_scale tensor. A float store keeps 1, so an old store resumes as before.
+# 1: bf16/fp16/fp32 stores; 2: fp8 stores, which add the hidden_scale tensor.
 FORMAT_VERSION = 1
 FP8_FORMAT_VERSION = 2
 SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
@@ -151,8 +150,16 @@ class Layout:
                 "format_version": FP8_FORMAT_VERSION if self.quantized else FORMAT_VERSION}
 
 
+def check_format(manifest: dict[str, Any], where: str = "store") -> None:
+    """Refuse a store whose manifest has no ``scale`` record (None for a float store): a pre-release
+    eyas wrote it, without per-tensor checksums."""
+    if "scale" not in manifest:
+        raise EyasError(f"{where}: its manifest has no scale record, so a pre-release eyas wrote it; extract "
+                        "it again with this eyas (a new --out)")
+
+
 def layout_of(manifest: dict[str, Any], where: str = "store") -> Layout:
-    """The layout a store's manifest describes; a store from before fp8 has no ``scale`` field."""
+    """The layout a store's manifest describes."""
     dtype = manifest.get("dtype")
     if dtype not in STORE_DTYPES:
         raise EyasError(f"{where}: dtype {dtype!r} in its manifest is not one eyas knows "

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
-from eyas.features.format import KIND, dequantize, layout_of, read_header, shard_file
+from eyas.features.format import KIND, check_format, dequantize, layout_of, read_header, shard_file
 from eyas.features.verify import scale_problem, shard_problem
 from eyas.features.writer import tables
 from eyas.fsio import inside
@@ -154,6 +154,7 @@ def open_store(path: str | os.PathLike, allow_incomplete: bool = False) -> Store
     manifest = read_manifest(path, what="store")
     if manifest.get("kind") != KIND:
         raise EyasError(f"store {path}: manifest kind is {manifest.get('kind')!r}, expected {KIND!r}")
+    check_format(manifest, f"store {path}")
     if "samples" not in manifest or not (manifest.get("complete") or allow_incomplete):
         if not allow_incomplete:
             raise EyasError(f"store {path} is incomplete (the extract run was interrupted); re-run "

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from eyas.errors import EyasError
-from eyas.features.format import KIND, file_checksum, hasher_for, layout_of, read_header
+from eyas.features.format import KIND, check_format, file_checksum, hasher_for, layout_of, read_header
 from eyas.fsio import inside
 from eyas.manifest import MANIFEST, read_manifest
 
@@ -31,9 +31,8 @@ def shard_problem(path: Path, record: dict[str, Any]) -> str | None:
 
 
 def changed_tensors(f: Path, record: dict[str, Any], header: dict[str, Any], data_start: int) -> list[str]:
-    """The tensors whose bytes differ from the per-tensor checksums in ``record`` (empty when the
-    record predates them: stores written before fp8 carry the file checksum only)."""
-    want = record.get("tensor_checksums") or {}
+    """The tensors whose bytes differ from the per-tensor checksums in ``record``."""
+    want = record["tensor_checksums"]
     changed = []
     with open(f, "rb") as fh:
         for name, digest in want.items():
@@ -88,6 +87,7 @@ def verify_store(path: str | os.PathLike, progress: bool = False) -> list[str]:
     if "samples" not in manifest:
         return problems
     try:
+        check_format(manifest, f"store {path}")
         layout = layout_of(manifest, f"store {path}")
     except EyasError as e:
         return problems + [str(e)]

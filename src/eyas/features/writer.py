@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
-from eyas.features.format import (CHECKED_FIELDS, FP8, KIND, SHARD_RE, Layout, new_hasher, quantize,
-                                  raw_bytes, record_file, shard_file)
+from eyas.features.format import (CHECKED_FIELDS, FP8, KIND, SHARD_RE, Layout, check_format, new_hasher,
+                                  quantize, raw_bytes, record_file, shard_file)
 from eyas.features.verify import shard_problem
 from eyas.manifest import MANIFEST, read_manifest, write_manifest
 
@@ -114,7 +114,9 @@ def check_resumable(path: str | os.PathLike, manifest_fields: dict[str, Any]) ->
     if not (path / MANIFEST).is_file():
         return
     fields, _ = store_fields(manifest_fields, str(path))
-    diffs = manifest_diffs(read_manifest(path, what="store"), fields)
+    old = read_manifest(path, what="store")
+    check_format(old, f"store {path}")
+    diffs = manifest_diffs(old, fields)
     if diffs:
         raise EyasError(f"store {path} was made with other settings (" + "; ".join(diffs)
                         + "). Re-run with the same settings to resume, or pass a new --out.")
@@ -389,8 +391,8 @@ def tables(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return {
         "samples": {"index": [r[0] for r in rows], "shard": [r[1] for r in rows],
                     "offset": [r[2] for r in rows], "length": [r[3] for r in rows]},
-        "shards": [{k: r[k] for k in ("shard", "file", "tokens", "bytes", "checksum", "tensor_checksums")
-                    if k in r} for _, r in sorted(records.items())],
+        "shards": [{k: r[k] for k in ("shard", "file", "tokens", "bytes", "checksum", "tensor_checksums")}
+                   for _, r in sorted(records.items())],
         "tokens": int(sum(r["tokens"] for r in records.values())),
         "bytes": int(sum(r["bytes"] for r in records.values())),
     }

@@ -85,23 +85,6 @@ def rng_from_json(data: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _numpy_globals() -> list:
-    """What an RNG file written by torch.save before rng-N.json existed needs beyond tensors: the
-    numpy array of the MT19937 key. Allowed for weights_only loading; nothing that runs code."""
-    core = getattr(np, "_core", None) or np.core
-    return [np.ndarray, np.dtype, core.multiarray._reconstruct, type(np.dtype(np.uint32))]
-
-
-def _load_rng(ckpt: Path, rank: int) -> dict[str, Any] | None:
-    js, pt = ckpt / f"rng-{rank}.json", ckpt / f"rng-{rank}.pt"
-    if js.is_file():
-        return rng_from_json(json.loads(js.read_text()))
-    if pt.is_file():  # a checkpoint from before rng-N.json
-        with torch.serialization.safe_globals(_numpy_globals()):
-            return torch.load(pt, weights_only=True)
-    return None
-
-
 def finish(run_dir: Path, tmp: Path, step: int, model_state: dict[str, torch.Tensor], optim_state: dict,
            sched_state: dict, trainer_state: dict[str, Any], config: dict[str, Any], keep: int) -> Path:
     """Write the rank-0 files, then rename into place and drop checkpoints beyond ``keep``."""
@@ -130,9 +113,8 @@ class Unreadable(Exception):
 
 def load(ckpt: Path, rank: int) -> dict[str, Any]:
     """Everything a rank needs to continue from ``ckpt``. Nothing is unpickled: tensors come from
-    safetensors, the rest from JSON, and ``optimizer.pt`` (and an old ``rng-N.pt``) load with
-    ``torch.load(weights_only=True)``, which refuses any pickled callable. Raises Unreadable naming
-    the file that failed."""
+    safetensors, the rest from JSON, and ``optimizer.pt`` loads with ``torch.load(weights_only=True)``,
+    which refuses any pickled callable. Raises Unreadable naming the file that failed."""
     from safetensors.torch import load_file
 
     def read(name: str, fn):
@@ -153,8 +135,8 @@ def load(ckpt: Path, rank: int) -> dict[str, Any]:
     read("model.safetensors", lambda p: _check_fits(config, p))  # before the tensors are read
     model = read("model.safetensors", lambda p: load_file(str(p)))
     opt = read("optimizer.pt", lambda p: torch.load(p, weights_only=True, map_location="cpu"))
-    rng = read(f"rng-{rank}.json" if (ckpt / f"rng-{rank}.json").is_file() else f"rng-{rank}.pt",
-               lambda _p: _load_rng(ckpt, rank))
+    # None for a rank the checkpoint's run did not have
+    rng = read(f"rng-{rank}.json", lambda p: rng_from_json(json.loads(p.read_text())) if p.is_file() else None)
     if not isinstance(opt, dict) or "optimizer" not in opt or "scheduler" not in opt:
         raise Unreadable(f"{ckpt / 'optimizer.pt'}: not an eyas optimizer file")
     last = opt["scheduler"].get("last_epoch") if isinstance(opt["scheduler"], dict) else None
@@ -192,13 +174,17 @@ def check_own_record(ckpt: Path, state: dict[str, Any]) -> None:
 
 def _check_fits(config: Any, weights: Path) -> None:
     from eyas.draft.model import DraftConfig
-    from eyas.draft.shapes import shape_problems
+    from eyas.draft.shapes import pre_release_problem, shape_problems
     from eyas.tensorfile import tensor_shapes
 
     if not isinstance(config, dict):
         raise ValueError("config.json is not a JSON object")
     cfg = DraftConfig.from_dict(config)
-    problems = shape_problems(cfg, tensor_shapes(weights, "checkpoint weights", ""))
+    shapes = tensor_shapes(weights, "checkpoint weights", "")
+    old = pre_release_problem(shapes)
+    if old:
+        raise ValueError(old)
+    problems = shape_problems(cfg, shapes)
     if problems:
         raise ValueError("config.json does not fit it: " + "; ".join(problems[:4]))
 

@@ -51,7 +51,6 @@ DECIDE_EVERY = 10
 # Checkpoint keys (on disk), not setting names: "heldout_fraction" is the --heldout of the run.
 RESUME_KEYS = ("target_id", "dataset_id", "tokens_per_batch", "batch_size", "global_micro", "seed",
                "ttt_steps", "heldout_fraction", "aux_layers", "optimizer")
-RESUME_DEFAULTS = {"optimizer": "adamw"}  # what checkpoints written before the key existed used
 
 
 # ------------------------------------------------------------------------------ training
@@ -277,8 +276,8 @@ class Trainer:
 
     def _check_resume(self, resumed: dict[str, Any]) -> None:
         old = resumed["trainer"]["run"]
-        diffs = [f"{k}: {old.get(k, RESUME_DEFAULTS.get(k))!r} there, {self.run_info[k]!r} now" for k in RESUME_KEYS
-                 if old.get(k, RESUME_DEFAULTS.get(k)) != self.run_info[k]]
+        diffs = [f"{k}: {old.get(k)!r} there, {self.run_info[k]!r} now" for k in RESUME_KEYS
+                 if old.get(k) != self.run_info[k]]
         if diffs:
             raise EyasError(f"cannot resume {resumed['path']}: " + "; ".join(diffs) +
                             ". Resume with the same settings, or start a new --out")
