@@ -24,9 +24,15 @@ run: setup
 vllm-envs:
 	for v in $(VLLM_VERSIONS); do bash scripts/setup_vllm_env.sh $$v || exit 1; done
 
+# Two pytest workers, each taking whole test files (their module fixtures are made once): on the
+# 2-core CI machine one worker's engine start or subprocess overlaps the other's compute.
+PYTEST := $(BIN)/python -m pytest -q -rs -n 2 --dist loadfile
+
 test: setup vllm-envs
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(PYTEST)
 
 # Without the vLLM environments and the slow end-to-end tests.
 test-fast: setup
-	$(BIN)/python -m pytest -q -rs -m "not slow and not vllm"
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(PYTEST) -m "not slow and not vllm"

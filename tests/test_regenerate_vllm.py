@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import tiny
-from vllm_envs import versions, vllm_own_failure, vllm_python
+from vllm_envs import BACKEND_VERSIONS, versions, vllm_own_failure, vllm_python
 from eyas.data import regenerate as regen
 from eyas.data.prepare import PrepareOptions, RegenerateOptions, prepare
 from eyas.errors import EyasError
@@ -59,7 +59,7 @@ def _answers(out: Path) -> dict[tuple[str, int], str]:
             map(json.loads, (out / regen.CACHE).read_text().splitlines())}
 
 
-@pytest.mark.parametrize("version", versions(["0.32.0", "0.22.1", "0.16.0"]))
+@pytest.mark.parametrize("version", versions(BACKEND_VERSIONS))
 def test_vllm_greedy_answers_equal_hf(tmp_path, target, version, one_thread):
     py = vllm_python(version)
     data = _data(tmp_path)

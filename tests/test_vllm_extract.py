@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import tiny
-from vllm_envs import (CANNOT_RUN_MLA, VLLM_BUGS, VLLM_NEEDS, expected_backend, versions, vllm_forward_differs,
-                       vllm_own_failure, vllm_python, vllm_reason)
+from vllm_envs import (BACKEND_VERSIONS, CANNOT_RUN_MLA, VLLM_BUGS, VLLM_NEEDS, expected_backend, versions,
+                       vllm_forward_differs, vllm_own_failure, vllm_python, vllm_reason)
 from eyas.errors import EyasError
 
 LENGTHS = [1, 7, 33, 2, 90, 15, 64, 5, 48, 3, 21, 77, 9, 40]
@@ -101,8 +101,8 @@ def targets(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("version", versions())
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("version,arch", [(v, "llama") for v in versions()]
+                         + [(v, "qwen3") for v in versions(BACKEND_VERSIONS)])
 def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd, record_property):
     from eyas.extract.run import run_extract
     from eyas.features.reader import open_store
@@ -133,7 +133,7 @@ def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd, record
     compare_stores(tmp_path / "store", hf_store)
 
 
-@pytest.mark.parametrize("version", versions())
+@pytest.mark.parametrize("version", versions(BACKEND_VERSIONS))
 def test_fp8_store_through_vllm_matches_hf(version, targets, tmp_path):
     """--dtype fp8 with a vLLM backend: the engine's states are quantized on eyas's side by the same
     writer, the manifest says fp8, verify passes and every state matches HF's fp32 store."""
@@ -173,7 +173,7 @@ def deepseek(tmp_path_factory):
     return tdir, data, d / "hf"
 
 
-@pytest.mark.parametrize("version", versions())
+@pytest.mark.parametrize("version", versions(BACKEND_VERSIONS))
 def test_deepseek_mla_moe(version, deepseek, tmp_path):
     """DeepSeek-V3-style target (MLA + MoE) where the vLLM CPU build runs it; else the real reason."""
     from eyas.extract.run import run_extract
@@ -202,7 +202,7 @@ def test_data_parallel_two_engines(targets, tmp_path):
     compare_stores(tmp_path / "store", hf_store)
 
 
-@pytest.mark.parametrize("version", versions())
+@pytest.mark.parametrize("version", versions(BACKEND_VERSIONS))
 def test_resume_after_kill(version, targets, tmp_path):
     """Kill `eyas extract` once a shard is committed; the re-run finishes and matches HF."""
     py = vllm_python(version)
@@ -237,7 +237,7 @@ def test_resume_after_kill(version, targets, tmp_path):
 # ------------------------------------------- self-check on an untested vLLM (issue 22, item 4)
 
 
-@pytest.mark.parametrize("version", versions())
+@pytest.mark.parametrize("version", versions(BACKEND_VERSIONS))
 def test_self_check_on_an_untested_version_passes_a_correct_backend(version, targets, tmp_path, capfd,
                                                                    monkeypatch):
     """Pretend the installed vLLM is untested: extract first compares 4 samples with hf, passes,
@@ -262,7 +262,7 @@ def test_self_check_on_an_untested_version_passes_a_correct_backend(version, tar
     compare_stores(out, hf_store)
 
 
-@pytest.mark.parametrize("version", versions())
+@pytest.mark.parametrize("version", versions(BACKEND_VERSIONS))
 def test_self_check_stops_a_backend_that_stores_the_wrong_layers(version, targets, tmp_path, monkeypatch):
     """The vLLM backend made to store the layer after each aux id (a layer off-by-one, injected on
     eyas's side of it): the self-check stops the run with per-slot figures and stores nothing."""
