@@ -133,7 +133,8 @@ def main() -> None:
                   f"step-1 diff {res.get('first_step_rel_diff', float('nan')):.2e}, worst {WINDOW}-step window "
                   f"{res.get('worst_window_rel_diff', float('nan')):.2%} (from step {res.get('worst_window_start')}), "
                   f"acc diff {res.get('last_window_acc_max_diff', float('nan')):.3f}, final loss eager "
-                  f"{res.get('final_loss_eager', float('nan')):.3f} compiled {res.get('final_loss_compiled', float('nan')):.3f}, "
+                  f"{res.get('final_loss_eager', float('nan')):.3f} "
+                  f"compiled {res.get('final_loss_compiled', float('nan')):.3f}, "
                   f"non-finite steps {res['nonfinite_eager']} / {res['nonfinite_compiled']}", flush=True)
     extra = {}
     for name, (_, (k, f, c, scope)) in procs.items():

@@ -4,7 +4,8 @@ core busy (as a vLLM engine or another job does).
 
     PYTHONPATH=src .venv/bin/python benchmarks/omp_wait_policy.py [--repeats 3] [--json OUT.json]
 
-Each measurement is a fresh interpreter: torch's OpenMP runtime reads its settings when it loads, and the probe imports torch before eyas.
+Each measurement is a fresh interpreter: torch's OpenMP runtime reads its settings when it loads, and
+the probe imports torch before eyas.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def main() -> None:
                 spinner.kill()
     rec = {"what": "SmolLM2-135M fp32, HF generate, 32 greedy tokens after an 8-token prompt, torch's default threads",
            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                    capture_output=True, text=True).stdout.strip(),
            "machine": f"{platform.machine()} {os.cpu_count()} cpus", "command": " ".join(sys.argv), "rows": rows}
     if a.json:
         with open(a.json, "w") as fh:

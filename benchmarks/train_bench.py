@@ -71,7 +71,8 @@ def flops_per_token(cfg: DraftConfig, ttt: int, pack: int, target_cfg: dict, fra
     tc = target_cfg.get("text_config", target_cfg)
     th, ti, tl = tc["hidden_size"], tc["intermediate_size"], tc["num_hidden_layers"]
     thd = tc.get("head_dim") or th // tc["num_attention_heads"]
-    tparams = tl * (th * thd * (tc["num_attention_heads"] + 2 * tc.get("num_key_value_heads", tc["num_attention_heads"]))
+    tparams = tl * (th * thd * (tc["num_attention_heads"]
+                                + 2 * tc.get("num_key_value_heads", tc["num_attention_heads"]))
                     + tc["num_attention_heads"] * thd * th + 3 * th * ti)
     head = h * cfg.draft_vocab_size
     scored = sum(fractions)
@@ -225,7 +226,8 @@ def main() -> None:
                                   batch_size=bs, max_steps=args.warmup_steps + args.steps, warmup=5,
                                   save_every=0, eval_every=0, eval_batches=1, heldout=0.01,
                                   device=args.device, progress=False, compile=comp, compile_scope=args.compile_scope,
-                                  compile_mode=args.compile_mode, fused_loss=args.fused_loss, loss_chunk=args.loss_chunk,
+                                  compile_mode=args.compile_mode, fused_loss=args.fused_loss,
+                                  loss_chunk=args.loss_chunk,
                                   attention=args.attention, parallel=args.parallel,
                                   experimental=True)  # a benchmark measures the experimental settings too
                 if cuda:
@@ -258,12 +260,15 @@ def main() -> None:
                 matmuls = f["model"] if args.fused_loss else f["draft_matmul"]
                 executed = matmuls + f["attention"] + f["target_head"] + (f["online_target"] if mode == "online" else 0)
                 tps = m["tokens_per_s"]
-                row = {"mode": mode, "batch_packs": bs, "compile": comp, "compile_scope": args.compile_scope if comp else None,
+                row = {"mode": mode, "batch_packs": bs, "compile": comp,
+                       "compile_scope": args.compile_scope if comp else None,
                        "compile_mode": args.compile_mode if comp else None,
                        "loss_chunk": args.loss_chunk if args.fused_loss else None,
                        "attention": attention,
-                       "fused_loss": args.fused_loss, "parallel": args.parallel if dist.world > 1 else "single", "world_size": dist.world,
-                       **m, "wall_s_total": wall, "max_memory_allocated_gib": peak_mem, "scored_fraction_per_step": fractions,
+                       "fused_loss": args.fused_loss, "parallel": args.parallel if dist.world > 1 else "single",
+                       "world_size": dist.world,
+                       **m, "wall_s_total": wall, "max_memory_allocated_gib": peak_mem,
+                       "scored_fraction_per_step": fractions,
                        "flops_per_token": f,
                        "model_tflops": f["model"] * tps / 1e12,
                        "draft_matmul_tflops": f["draft_matmul"] * tps / 1e12,
@@ -274,7 +279,9 @@ def main() -> None:
                     row["hfu_executed"] = row["executed_tflops"] / (peak * dist.world)
                 results.append(row)
                 report(args, device_name, peak, data, results)
-                print(f"{mode:8} packs/micro={bs} compile={int(comp)}{'/model' if comp and args.compile_scope == 'model' else ''}{'/' + args.compile_mode if comp else ''} fused={int(args.fused_loss)} {attention} "
+                print(f"{mode:8} packs/micro={bs} compile={int(comp)}"
+                      f"{'/model' if comp and args.compile_scope == 'model' else ''}"
+                      f"{'/' + args.compile_mode if comp else ''} fused={int(args.fused_loss)} {attention} "
                       f"x{dist.world}  {tps:>12,.0f} tok/s  model {row['model_tflops']:.1f} TFLOP/s"
                       + (f"  MFU {row['mfu']:.1%} (lm_head on all positions: {row['mfu_draft_matmul']:.1%}; "
                          f"executed FLOPs {row['hfu_executed']:.1%})" if peak else "")

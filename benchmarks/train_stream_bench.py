@@ -102,10 +102,12 @@ def main() -> None:
                 "trainer_wait_s": rep["trainer_wait_s"], "first_call_wait_s": rep["first_call_wait_s"],
                 "wait_after_first_call_s": round(rep["trainer_wait_s"] - rep["first_call_wait_s"], 3),
                 "engine_start_s": rep["engine_start_s"], "engine_busy_s": rep["engine_busy_s"],
-                "engine_held_back_s": rep["engine_held_back_s"], "engine_held_back_times": rep["engine_held_back_times"],
+                "engine_held_back_s": rep["engine_held_back_s"],
+                "engine_held_back_times": rep["engine_held_back_times"],
                 "tokens_extracted": rep["tokens_extracted"], "vllm": rep["vllm"], "backend": rep["backend"]})
     rows.append(row)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     res = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
            "machine": _machine(),
            "command": " ".join([Path(sys.executable).name, *sys.argv]), "train_settings": a.train, "rows": rows}

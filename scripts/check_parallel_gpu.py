@@ -8,16 +8,21 @@ FSDP2 run from its step-3 checkpoint. Prints per-step losses, grad norms and the
 differences against the single-process dense run. Work files go to /tmp/gc.
 """
 import json, os, shutil, subprocess, sys, time
-LOG = open(os.path.join(os.environ.get("OUT", "/tmp"), "runs.log"), "w")
 from dataclasses import asdict
 from pathlib import Path
-sys.path.insert(0, "tests"); sys.path.insert(0, "src")
+LOG = open(os.path.join(os.environ.get("OUT", "/tmp"), "runs.log"), "w")
+sys.path.insert(0, "tests")
+sys.path.insert(0, "src")
 os.environ["EYAS_CACHE"] = "/tmp/gc/cache"
-import tiny
-from eyas.target import resolve_target
-from test_train_run import _write_data
-from eyas.train.trainer import TrainConfig
-w = Path("/tmp/gc"); shutil.rmtree(w, ignore_errors=True); w.mkdir()
+# after sys.path and EYAS_CACHE are set above
+import tiny  # noqa: E402
+from eyas.target import resolve_target  # noqa: E402
+from test_train_run import _write_data  # noqa: E402
+from eyas.train.trainer import TrainConfig  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+w = Path("/tmp/gc")
+shutil.rmtree(w, ignore_errors=True)
+w.mkdir()
 t = resolve_target(tiny.make_target(w / "t", "llama"))
 data = _write_data(w / "data", t, n=200)
 def spec(name, **kw):
@@ -25,17 +30,23 @@ def spec(name, **kw):
                 tokens_per_batch=256, max_steps=6, warmup=2, lr=2e-3, save_every=3, eval_every=0, eval_batches=3,
                 heldout=0.15, progress=False, device="cuda", precision="fp32")
     base.update(kw)
-    p = w / f"{name}.json"; p.write_text(json.dumps(asdict(TrainConfig(**base)))); return p
+    p = w / f"{name}.json"
+    p.write_text(json.dumps(asdict(TrainConfig(**base))))
+    return p
 env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1", "TORCH_LOGS": "recompiles"}
 def go(name, n, p):
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                         "-m", "eyas.pipeline", str(p)], capture_output=True, text=True, env=env)
     if r.returncode:
-        print(name, "FAILED", r.stderr[-1500:], flush=True); LOG.write(name + "\n" + r.stderr + "\n"); LOG.flush(); return None
-    LOG.write(f"== {name}\n" + r.stderr + "\n"); LOG.flush()
+        print(name, "FAILED", r.stderr[-1500:], flush=True)
+        LOG.write(name + "\n" + r.stderr + "\n")
+        LOG.flush()
+        return None
+    LOG.write(f"== {name}\n" + r.stderr + "\n")
+    LOG.flush()
     recompiles = r.stderr.count("Recompiling function")
-    recs = [json.loads(l) for l in (w / name / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(ln) for ln in (w / name / "metrics.jsonl").read_text().splitlines()]
     tr = [r["loss"] for r in recs if r["split"] == "train"]
     s = json.loads((w / name / "summary.json").read_text())
     print(f"{name}: {time.time()-t0:.0f}s losses {[round(x, 6) for x in tr]} grad_norms "
@@ -43,7 +54,6 @@ def go(name, n, p):
           f"parallel {s['parallel']} attention {s['attention']} dynamo recompiles (all ranks) {recompiles}", flush=True)
     return tr
 import torch
-from safetensors.torch import load_file
 res = {}
 res["single-dense"] = go("single-dense", 1, spec("single-dense", grad_accum=2, attention="dense"))
 res["single-flex"] = go("single-flex", 1, spec("single-flex", grad_accum=2, attention="flex"))
@@ -54,7 +64,8 @@ res["fsdp2-bf16"] = go("fsdp2-bf16", 2, spec("fsdp2-bf16", attention="auto", par
 r = w / "fsdp2-flex"
 if res["fsdp2-flex"]:
     a = load_file(str(r / "draft" / "model.safetensors"))
-    shutil.rmtree(r / "draft"); shutil.rmtree(r / "checkpoints" / "step-00000006")
+    shutil.rmtree(r / "draft")
+    shutil.rmtree(r / "checkpoints" / "step-00000006")
     p = spec("fsdp2-flex", attention="flex", parallel="fsdp2", resume=True)
     tr = go("fsdp2-flex", 2, p)
     b = load_file(str(r / "draft" / "model.safetensors"))

@@ -1070,7 +1070,8 @@ def test_bad_input_train_draft_config_value(tmp_path, tiny_target, train_data, v
     """`eyas train --draft-config intermediate_size=abc` or `=-5`: exit 2 naming the field and the value
     (was: a TypeError or RuntimeError traceback from building the layer)."""
     code, msg = eyas("train", "--target", tiny_target.path, "--data", train_data, "--out", tmp_path / "run",
-                     "--online", "--layers", "1,4,6", "--max-steps", "1", "--draft-config", f"intermediate_size={value}",
+                     "--online", "--layers", "1,4,6", "--max-steps", "1",
+                     "--draft-config", f"intermediate_size={value}",
                      "--quiet")
     assert code == 2 and match in msg
 

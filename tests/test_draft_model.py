@@ -36,7 +36,8 @@ def _small_draft(seed: int = 0, **options) -> Eagle3Draft:
     return m
 
 
-DRAFT_OPTIONS = [{"norm_before_residual": False}, {"fc_norm": True}, {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}]
+DRAFT_OPTIONS = [{"norm_before_residual": False}, {"fc_norm": True},
+                 {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}]
 
 
 @pytest.mark.parametrize("options", DRAFT_OPTIONS, ids=["plain", "fc_norm", "speculators_defaults"])

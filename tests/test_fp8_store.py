@@ -69,7 +69,7 @@ def test_fp8_store_holds_the_states_within_the_bound_at_about_half_the_bytes(tmp
                           "groups": 1, "per": "token and state", "rule": "amax / 448"}
     # bytes: exactly the layout's arithmetic; with H=64 the ids, mask and scales weigh more than at
     # a real H, so "about half" is checked at H=7168 from the same arithmetic
-    lay8, lay16 = Layout("fp8", 4, 64, 1), Layout("bf16", 4, 64)
+    lay8, _ = Layout("fp8", 4, 64, 1), Layout("bf16", 4, 64)
     assert s8["bytes"] == sum(lay8.shard_bytes(sh["tokens"]) for sh in m["shards"])
     assert s8["tokens"] == s16["tokens"] and s8["bytes"] < 0.55 * s16["bytes"]
     assert 0.49 < Layout("fp8", 4, 7168, 1).bytes_per_token / Layout("bf16", 4, 7168).bytes_per_token < 0.51

@@ -82,7 +82,8 @@ def test_repeated_nonfinite_steps_stop_naming_step_samples_and_ttt_step(tiny_tar
 def test_exploding_learning_rate_stops_and_leaves_no_nan_draft(tiny_target, data, tmp_path):
     run = tmp_path / "run"
     with pytest.raises(NonFiniteError) as e:
-        train(_cfg(tiny_target, data, run, max_steps=12, save_every=1, eval_every=0, lr=1e36, warmup=1, clip=0.0, keep_checkpoints=20))
+        train(_cfg(tiny_target, data, run, max_steps=12, save_every=1, eval_every=0, lr=1e36, warmup=1, clip=0.0,
+                   keep_checkpoints=20))
     assert "non-finite" in str(e.value)
     assert not (run / "draft").exists()
     for c in checkpoint_dirs(run):

@@ -530,7 +530,8 @@ def test_offline_batches_copied_on_a_side_stream_equal_the_host_ones(tiny_target
     store = tmp_path / "store"
     run_extract(str(tiny_target.path), data, store, [1, 4, 6], dtype="fp32", device="cpu",
                 model_dtype="fp32", progress=False)
-    target, ds = resolve_target(str(tiny_target.path)), open_prepared(data, target=resolve_target(str(tiny_target.path)))
+    target, ds = (resolve_target(str(tiny_target.path)),
+                  open_prepared(data, target=resolve_target(str(tiny_target.path))))
     packs = pack_indices(np.arange(len(ds)), ds.lengths, 128, seed=0)
     batches = [packs[i:i + 2] for i in range(0, 8, 2)]
     cpu = OfflineFeatures(store, target, ds, None, torch.device("cpu"), torch.float32, 128)
@@ -543,7 +544,8 @@ def test_offline_batches_copied_on_a_side_stream_equal_the_host_ones(tiny_target
         for _ in range(20):  # keep the training stream busy while the next batch is copied
             busy = busy @ busy / busy.norm()
         x = gpu.batch(b)
-        got.append({k: getattr(x, k).clone() for k in ("input_ids", "loss_mask", "position_ids", "doc_ids", "aux", "final")})
+        got.append({k: getattr(x, k).clone()
+                    for k in ("input_ids", "loss_mask", "position_ids", "doc_ids", "aux", "final")})
     for b, g in zip(batches, got):
         ref = cpu.batch(b)
         for k, v in g.items():

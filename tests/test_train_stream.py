@@ -311,7 +311,8 @@ def test_features_vllm_in_the_pipeline_config(tmp_path, monkeypatch):
     monkeypatch.setattr(eyas.train.trainer, "train", seen.append)
     _train(cfg, tmp_path / "prepared", None, tmp_path / "w" / "train")
     tc = seen[0]
-    assert (tc.features, tc.online, tc.store, tc.feature_buffer_gb, tc.feature_cache_gb) == ("vllm", False, None, 0.5, 4)
+    assert ((tc.features, tc.online, tc.store, tc.feature_buffer_gb, tc.feature_cache_gb)
+            == ("vllm", False, None, 0.5, 4))
     assert tc.gpu_memory_utilization == 0.25 and tc.vllm_python == "0.32.0"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"target": "x", "features": "vllm", "train": {"gpu_memory_utilization": 0}}))

@@ -11,6 +11,8 @@ if __name__ == "__main__":
     sc = cfg.speculative_config
     hf = sc.draft_model_config.hf_config
     print("EYAS-JSON " + json.dumps({"method": sc.method, "k": sc.num_speculative_tokens,
-        "architectures": list(hf.architectures or []), "aux": list(getattr(hf, "eagle_aux_hidden_state_layer_ids", []) or []),
-        "draft_vocab_size": getattr(hf, "draft_vocab_size", None), "target_hidden_size": getattr(hf, "target_hidden_size", None),
+        "architectures": list(hf.architectures or []),
+        "aux": list(getattr(hf, "eagle_aux_hidden_state_layer_ids", []) or []),
+        "draft_vocab_size": getattr(hf, "draft_vocab_size", None),
+        "target_hidden_size": getattr(hf, "target_hidden_size", None),
         "norm_before_residual": getattr(hf, "norm_before_residual", None)}))

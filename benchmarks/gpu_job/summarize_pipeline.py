@@ -28,7 +28,8 @@ out = {"k": 5, "builtin_turns": len(b), "builtin_tau": tau(b),
                                       for j in range(5)],
        "builtin_plain_identical": sum(bool(r.get("matches_plain")) for r in b),
        "vllm_turns": len(v), "vllm_tau": tau(v), "builtin_tau_same_turns": tau(same),
-       "identical_outputs_same_turns": sum(r["output_ids"] == by[(r["question_id"], r["turn"])]["output_ids"] for r in v),
+       "identical_outputs_same_turns": sum(r["output_ids"] == by[(r["question_id"], r["turn"])]["output_ids"]
+                                           for r in v),
        "predicted_tau_k5": pred["5"], "predicted_over_builtin": pred["5"] / tau(b) - 1}
 out["tau_relative_difference_same_turns"] = abs(out["builtin_tau_same_turns"] - out["vllm_tau"]) / out["vllm_tau"]
 (d / "tau.json").write_text(json.dumps(out, indent=1) + "\n")

@@ -51,7 +51,8 @@ def summarize(res: dict, command: str | None = None, machine: str | None = None)
     em, sm = res.get("eyas_main", {}), res.get("spec_main", {})
     run = sm.get("run", {}) if isinstance(sm, dict) else {}
     es = em.get("summary") or {}
-    lines += ["| main run | budget s | steps | steady s/step | setup s | wall s | notes |", "|---|---|---|---|---|---|---|",
+    lines += ["| main run | budget s | steps | steady s/step | setup s | wall s | notes |",
+              "|---|---|---|---|---|---|---|",
               f"| eyas | {_f(am.get('main_budget_s'), 0)} | {_f(es.get('steps', em.get('max_steps')))} "
               f"| {_f(em.get('probe', {}).get('step_s'))} | {_f(em.get('probe', {}).get('setup_s'), 1)} "
               f"| {_f(em.get('wall_s'), 1)} | rc {em.get('rc')}; {' '.join(em.get('args', []))} |",
@@ -64,7 +65,8 @@ def summarize(res: dict, command: str | None = None, machine: str | None = None)
     for name, r in ev.items():
         k = name.rsplit("_k", 1)[-1]
         done = "" if r.get("complete", True) else " (cut at the deadline)"
-        lines.append(f"| {name.rsplit('_k', 1)[0]} | {k} | {_f(r.get('tau'))} | {_rates(r)} | {_f(r.get('prompts'))}{done} |")
+        lines.append(f"| {name.rsplit('_k', 1)[0]} | {k} | {_f(r.get('tau'))} | {_rates(r)} "
+                     f"| {_f(r.get('prompts'))}{done} |")
     v = res.get("verdict", {})
     if v:
         lines.append("")

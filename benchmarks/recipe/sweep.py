@@ -83,7 +83,8 @@ def evaluate_set(name: str, out: Path, a, pset: str) -> dict | None:
     if not (dest / "replay" / "report.json").is_file():
         cmd = ["eyas", "evaluate", "--engine", "replay", "--draft", str(out / "draft"), "--prompts",
                str(PROMPT_SETS[pset]), "-k", str(KS[1]), "--also-k", ",".join(str(k) for k in KS if k != KS[1]),
-               "--max-new-tokens", str(a.max_new_tokens), "--references", str(Path(a.runs) / f"references-{pset}.jsonl"),
+               "--max-new-tokens", str(a.max_new_tokens),
+               "--references", str(Path(a.runs) / f"references-{pset}.jsonl"),
                "--out", str(dest), "--quiet", *shlex.split(a.evaluate)]
         rc = run(cmd, out / f"eval-{pset}.log")
         if rc:
@@ -136,7 +137,8 @@ def main() -> int:
     t0 = time.perf_counter()
     runs, results = Path(a.runs), Path(a.results)
     runs.mkdir(parents=True, exist_ok=True)
-    done = {json.loads(ln)["name"] for ln in results.read_text().splitlines() if ln.strip()} if results.is_file() else set()
+    done = ({json.loads(ln)["name"] for ln in results.read_text().splitlines() if ln.strip()}
+            if results.is_file() else set())
     configs = [(n, shlex.split(x)) for n, x in json.loads(Path(a.configs).read_text())]
     if a.only:
         keep = set(a.only.split(","))

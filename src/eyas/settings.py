@@ -37,7 +37,9 @@ def setting(default: Any = MISSING, help: str = "", *flags: str, check: Any = No
     caller, e.g. the pipeline). A list or dict default is copied per instance."""
     md = {"help": help, "flags": flags, "check": check, "parse": parse, "cli_type": cli_type, "cli": cli}
     if factory is None and isinstance(default, (list, dict)):
-        factory = (lambda d=default: copy.deepcopy(d))
+        def copy_of_default(d: Any = default) -> Any:  # bound here: each setting copies its own default
+            return copy.deepcopy(d)
+        factory = copy_of_default
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=md)
     return dataclasses.field(default=default, metadata=md)

@@ -163,7 +163,8 @@ def target_rows(head: TargetHead, final: torch.Tensor, flat: torch.Tensor, chunk
     with torch.autocast(final.device.type, enabled=False):
         tz = head.logits(final.reshape(b * t, -1)[flat])
         if not tz.shape[0]:
-            return (tz, tz.new_zeros(0, dtype=torch.float32), torch.zeros(0, dtype=torch.long, device=tz.device)), row_of
+            return (tz, tz.new_zeros(0, dtype=torch.float32),
+                    torch.zeros(0, dtype=torch.long, device=tz.device)), row_of
         if compiled:
             if _compiled_stats is None:
                 _compiled_stats = torch.compile(target_stats, dynamic=True)

@@ -507,8 +507,8 @@ class Eagle3Draft(nn.Module):
         Every step of the unroll has the same shapes (flex pads the keys to ``ttt_steps`` blocks), so
         one compiled graph per region, forward and backward, serves all steps and the compile time
         does not grow with ``--ttt-steps`` (benchmarks/compile_time.md). The steps are slower than the
-        whole-unroll graph's, as the glue between the regions runs eagerly (benchmarks/train_bench.md). Flex attention is compiled on its own
-        (:mod:`eyas.draft.flex`)."""
+        whole-unroll graph's, as the glue between the regions runs eagerly (benchmarks/train_bench.md).
+        Flex attention is compiled on its own (:mod:`eyas.draft.flex`)."""
         self._regions = (torch.compile(self._layer_in, backend=backend),
                          torch.compile(self._layer_out, backend=backend))
 

@@ -82,7 +82,8 @@ def run_evaluation(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None
     tokenizer = target.load_tokenizer()
     stop_ids = set(stop_token_ids(tokenizer, target.path))
     _warn_past_context(questions, tokenizer, target.config(), max_new_tokens, prompts)
-    meta = {**_training_tau(Path(draft_dir), k), "target": target.identity, "target_name": target_spec, "draft": str(draft_dir),
+    meta = {**_training_tau(Path(draft_dir), k), "target": target.identity, "target_name": target_spec,
+            "draft": str(draft_dir),
             "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
             "dtype": dtype, "device": device, "seed": seed, "max_prompts": max_prompts,
             "max_per_category": max_per_category}

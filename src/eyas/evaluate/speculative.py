@@ -65,7 +65,8 @@ class TargetRunner:
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int] | torch.Tensor, want_aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, tokens: list[int] | torch.Tensor,
+                want_aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``tokens`` (ids, or a [T] tensor already on the device) after the committed prefix;
         returns (logits [T,V], aux [T,A*H] or None).
 

@@ -97,7 +97,8 @@ def hf_dtype(model_dir: Path, device: str, run_dtype: str | None) -> tuple[str |
     for name in ("fp32", fallback):
         need = int(numel * BYTES[name] * 1.2)  # 20% for activations of a few samples and the allocator
         if need <= free:
-            return name, f"{numel / 1e6:,.1f}M parameters in {name} need ~{need / 2**30:.1f} GiB of {free / 2**30:.1f} GiB free"
+            return name, (f"{numel / 1e6:,.1f}M parameters in {name} need ~{need / 2**30:.1f} GiB "
+                          f"of {free / 2**30:.1f} GiB free")
     return None, (f"the target ({numel / 1e6:,.0f}M parameters) needs ~{numel * BYTES[fallback] * 1.2 / 2**30:.1f} "
                   f"GiB in {fallback}, {device} has {free / 2**30:.1f} GiB free")
 

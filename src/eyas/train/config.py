@@ -117,7 +117,8 @@ class TrainConfig:
         None, "Passes over the training split (default 1; with --budget, as many as the budget takes, at "
               "most this many if given). --max-steps overrides it.", check=at_least(1))
     max_steps: int | None = setting(None, "Optimizer steps to run (overrides --epochs; with --budget, at most this "
-                                          "many).", check=at_least(1, "optimizer steps", "leave it out to run --epochs"))
+                                          "many).",
+                                    check=at_least(1, "optimizer steps", "leave it out to run --epochs"))
     budget: float | str | None = setting(
         None, "Train for this long, e.g. 10m, 90s, 1h30m or seconds: after the compiled first step the steps "
               "are timed and the step count set so that the LR schedule (warmup, decay to its floor) ends "
@@ -159,8 +160,8 @@ class TrainConfig:
         None, "Measure the draft's tau while it trains: greedy acceptance by replay (`eyas evaluate --engine "
               "replay`, the draft in the target's dtype) on --tau-prompts, at the end and every --tau-every, "
               "the target's answers made once and kept in eyas's cache; logged, plotted (tau.png) and "
-              "written beside the draft (tau.json). Default: on where the target runs in this job on a GPU (--features online "
-              "on CUDA), off elsewhere.", "--tau/--no-tau")
+              "written beside the draft (tau.json). Default: on where the target runs in this job on a GPU "
+              "(--features online on CUDA), off elsewhere.", "--tau/--no-tau")
     tau_every: float | str | None = setting(
         None, "With --tau: also measure every this much training time, e.g. 2m (default: only at the end).",
         check=positive("training time between tau measurements"), parse=seconds, cli_type=str)

@@ -120,7 +120,8 @@ class StreamFeatures:
                 f"cannot hold one micro-batch's features ({cfg.batch_size} packs x {budget} tokens x "
                 f"{self.slots} states x {self.hidden_size} x {self.itemsize} B: up to {biggest:,} bytes); raise "
                 f"it to at least {biggest * world / GB:.3g} (or lower --batch-size / --tokens-per-batch)")
-        root = Path(cfg.feature_buffer_dir) if cfg.feature_buffer_dir else default_buffer_dir(cfg.out, self.limit * world)
+        root = (Path(cfg.feature_buffer_dir) if cfg.feature_buffer_dir
+                else default_buffer_dir(cfg.out, self.limit * world))
         self.buffer = root / f"rank-{rank}"
         self.work = Path(cfg.out).resolve() / ".vllm-stream" / f"rank-{rank}"
         self.key = {"target": target.id, "dataset": dataset.manifest.get("id"), "aux": self.aux_layers,

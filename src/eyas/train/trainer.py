@@ -128,7 +128,8 @@ class Trainer:
             # cache: a second run of the same shapes reuses the first one's kernels and graphs
             from eyas.target import cache_dir
 
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "compile" / f"torch-{torch.__version__}"))
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                                  str(cache_dir() / "compile" / f"torch-{torch.__version__}"))
         if on_cuda:
             torch.backends.cuda.matmul.allow_tf32 = True
         self.attention = flex.resolve(cfg.attention, self.device, backward=True)
@@ -442,7 +443,8 @@ class Trainer:
         tau_due = self.next_tau_s is not None and self.clock.started and self.clock.steps_s() >= self.next_tau_s
         if self.dist.on:  # rank 0's decision for everyone
             mine = [float(plan or 0), float(kind), float(tau_due)] if self.is_main else [0.0, 0.0, 0.0]
-            plan, kind, tau_due = self.dist.all_sum(torch.tensor(mine, device=self.device, dtype=torch.float64)).tolist()
+            plan, kind, tau_due = self.dist.all_sum(
+                torch.tensor(mine, device=self.device, dtype=torch.float64)).tolist()
             plan, kind, tau_due = int(plan), int(kind), bool(tau_due)
         if kind:
             (self.lr_schedule.plan if kind == 1 else self.lr_schedule.replan)(plan, done)
@@ -484,7 +486,8 @@ class Trainer:
             for idx, packs in self.heldout_calls():
                 _, stats, _ = self.forward_loss(packs, grad=False)
                 if idx < n_chunks:
-                    acc += torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in stats], 1).to(self.device)
+                    acc += torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in stats],
+                                       1).to(self.device)
         acc = dist.all_sum(acc).cpu()
         self.model.train()
         cnt = acc[2].clamp_min(1)

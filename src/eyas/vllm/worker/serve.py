@@ -117,7 +117,8 @@ class Stream:
         greedy = req.get("temperature", 0.0) <= 0
         for item in req["items"]:
             seed = item.get("seed") if self.per_request_seed and not greedy else None
-            params = self.SamplingParams(max_tokens=req["max_tokens"], temperature=0.0 if greedy else req["temperature"],
+            params = self.SamplingParams(max_tokens=req["max_tokens"],
+                                         temperature=0.0 if greedy else req["temperature"],
                                          seed=seed, ignore_eos=True, detokenize=False)
             key = str(item["key"])
             self.engine.add_request(key, {"prompt_token_ids": item["prompt_token_ids"]}, params)
