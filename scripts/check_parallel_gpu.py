@@ -7,7 +7,12 @@ as: 1 process dense, 1 process flex, DDP flex, FSDP2 flex (NCCL), FSDP2 bf16; th
 FSDP2 run from its step-3 checkpoint. Prints per-step losses, grad norms and the largest
 differences against the single-process dense run. Work files go to /tmp/gc.
 """
-import json, os, shutil, subprocess, sys, time
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 LOG = open(os.path.join(os.environ.get("OUT", "/tmp"), "runs.log"), "w")
@@ -53,7 +58,6 @@ def go(name, n, p):
           f"{[round(r['grad_norm'], 5) for r in recs if r['split']=='train']} heldout {s['heldout']['loss']} "
           f"parallel {s['parallel']} attention {s['attention']} dynamo recompiles (all ranks) {recompiles}", flush=True)
     return tr
-import torch
 res = {}
 res["single-dense"] = go("single-dense", 1, spec("single-dense", grad_accum=2, attention="dense"))
 res["single-flex"] = go("single-flex", 1, spec("single-flex", grad_accum=2, attention="flex"))

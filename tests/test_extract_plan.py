@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
 import test_store
 import tiny

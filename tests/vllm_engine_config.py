@@ -1,7 +1,8 @@
 """Run by a vLLM env's python: build (not start) the engine config for TARGET + EAGLE-3 DRAFT and
 print what vLLM made of the draft directory (one EYAS-JSON line)."""
 
-import json, sys
+import json
+import sys
 if __name__ == "__main__":
     from vllm.engine.arg_utils import EngineArgs
     target, draft = sys.argv[1], sys.argv[2]

@@ -20,7 +20,6 @@ import faulthandler
 import json
 import os
 import signal
-import sys
 import tempfile
 import threading
 import time
