@@ -912,7 +912,8 @@ def test_bad_input_store_manifest_names_a_file_outside(tmp_path, tiny_target, tr
     m["shards"][0]["file"] = name
     write_manifest(store, m)
     code, out = eyas("extract", "--verify", store)
-    assert code == 1 and f"names the file {name!r}, which is not a plain file name" in out
+    # the console wraps long lines where the temporary folder's length puts them
+    assert code == 1 and f"names the file {name!r}, which is not a plain file name" in " ".join(out.split())
     cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", online=False, store=str(store),
                               max_steps=2, eval_every=0)
     with pytest.raises(EyasError, match="not a plain file name inside that folder"):

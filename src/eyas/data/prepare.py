@@ -470,7 +470,7 @@ def summary_lines(manifest: dict[str, Any]) -> list[str]:
                      + (f", e.g. {ex[:160]}" if ex else ""))
     if c.get("duplicates") and not c["dropped"].get("duplicate"):
         lines.append(f"  kept {c['duplicates']:,} duplicates (messages repeating an earlier conversation's "
-                     f"exactly, e.g. {manifest.get('duplicate_example', '')[:160]}); --dedupe drops them")
+                     f"exactly, e.g. {manifest.get('duplicate_example', '')}); --dedupe drops them")
     lines.append(f"tokens {c['tokens']:,}, trained on {c['trained_tokens']:,} "
                  f"({c['truncated_samples']:,} samples cut at --max-length {manifest['max_length']})")
     lines.append(f"draft vocab {manifest['draft_vocab_size']:,} tokens covers "
