@@ -64,6 +64,10 @@ def write_card(export_dir: Path, draft_dir: Path, speed_report: Path | None = No
 
 def card_text(export_dir: Path, draft_dir: Path, report: dict[str, Any] | None = None,
               report_path: Path | None = None) -> str:
+    from eyas.evaluate.report import serving_summary
+
+    if report and "serving_speed_by_k" not in report:  # a report of one k (no --also-k): its own summary
+        report = {**report, **serving_summary({report.get("num_speculative_tokens"): report})}
     export = _json(export_dir / "config.json") or {}
     draft = _json(draft_dir / "config.json") or {}
     fmt = (export.get("eyas") or {}).get("format", "vllm")
@@ -167,8 +171,6 @@ def _tau_lines(draft_dir: Path, report: dict[str, Any] | None) -> list[str]:
     measured = measured if isinstance(measured, dict) else None
     training = (measured or {}).get("tau") or {}
     evaluated = (report or {}).get("tau_by_k") or {}
-    if report and not evaluated:  # a report of one k
-        evaluated = {str(report.get("num_speculative_tokens")): (report.get("overall") or {}).get("tau")}
     ks = sorted({*training, *evaluated}, key=int)
     if not ks:
         return [f"Not measured: no {TAU_FILE} beside the draft (`eyas train --tau` writes it) and no "
@@ -192,7 +194,7 @@ def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> lis
     if not report:
         return ["Not measured: `eyas evaluate --engine vllm --speed-concurrency 1,8,32 -k 1 --also-k 2,3,4,5` "
                 "times it; `eyas export --speed-report EVAL/vllm/report.json` puts it here."]
-    rows = report.get("serving_speed_by_k") or _one_k_rows(report)
+    rows = report["serving_speed_by_k"]
     speed = report.get("serving_speed") or {}
     lines = ["| concurrent requests | k | with the draft | without | speedup |", "|---|---|---|---|---|"]
     lines += [f"| {r['concurrency']} | {r['k']} | {_f(r['tokens_per_s_draft'], 0)} | "
@@ -210,21 +212,9 @@ def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> lis
     return lines
 
 
-def _one_k_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows of a report that has no ``serving_speed_by_k`` (one k)."""
-    speed, k = report.get("serving_speed") or {}, report.get("num_speculative_tokens")
-    return [{"k": k, "concurrency": d["concurrency"], "tokens_per_s_draft": d.get("tokens_per_s"),
-             "tokens_per_s_plain": p.get("tokens_per_s"),
-             "speedup": d["tokens_per_s"] / p["tokens_per_s"] if d.get("tokens_per_s") and p.get("tokens_per_s")
-             else None} for d, p in zip(speed.get("draft", []), speed.get("plain", []))]
-
-
 def _serving_k(export: dict[str, Any], report: dict[str, Any] | None) -> tuple[int, str]:
     """The k of the serve line, and why: the best measured at 1 concurrent request, else the export's."""
     best = ((report or {}).get("best_k") or {}).get("1")
-    if best is None and report:
-        rows = [r for r in _one_k_rows(report) if r["concurrency"] == 1 and r["speedup"] is not None]
-        best = rows and {"k": rows[0]["k"], "speedup": rows[0]["speedup"], "pays": rows[0]["speedup"] > 1}
     if best:
         return int(best["k"]), (f"the best measured at 1 concurrent request ({best['speedup']:.2f}x"
                                 + ("" if best["pays"] else ", slower than without the draft") + ")")
