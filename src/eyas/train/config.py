@@ -135,7 +135,7 @@ class TrainConfig:
     tokens_per_batch: int = setting(2048, "Tokens per pack (documents packed, no cross-attention).",
                                     check=at_least(3, "tokens per pack",
                                                    "use at least the dataset's max_length, e.g. 2048"))
-    batch_size: int | None = setting(None, "Packs per micro-batch (default 4 on CUDA, 1 on the CPU).",
+    batch_size: int | None = setting(None, "Packs per micro-batch (default 8 on CUDA, 1 on the CPU).",
                                      check=at_least(1, "packs per micro-batch"))
     grad_accum: int = setting(1, "Micro-batches per optimizer step (per process).",
                               check=at_least(1, "micro-batches per optimizer step"))

@@ -117,12 +117,12 @@ class Trainer:
         # (benchmarks/numerics/README.md), today's eager loss on the CPU
         on_cuda = self.device.type == "cuda"
         # unset --optimizer / --batch-size: the recipe measured best (benchmarks/recipe/README.md):
-        # Muon (AdamW under FSDP2, which shards the matrices Muon orthogonalises), 4 packs a step on CUDA
+        # Muon (AdamW under FSDP2, which shards the matrices Muon orthogonalises), 8 packs a step on CUDA
         sharded = cfg.parallel == "fsdp2" and self.dist.on
         self.cfg = cfg = replace(cfg, compile=on_cuda if cfg.compile is None else cfg.compile,
                                  fused_loss=on_cuda if cfg.fused_loss is None else cfg.fused_loss,
                                  optimizer=cfg.optimizer or ("adamw" if sharded else "muon"),
-                                 batch_size=cfg.batch_size or (4 if on_cuda else 1))
+                                 batch_size=cfg.batch_size or (8 if on_cuda else 1))
         if on_cuda or cfg.compile:
             # inductor's and Triton's caches (flex attention is compiled on every CUDA run) under eyas's
             # cache: a second run of the same shapes reuses the first one's kernels and graphs
