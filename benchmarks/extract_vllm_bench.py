@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from eyas.data.dataset import open_prepared, write_prepared
-from eyas.extract.run import run_extract
+from eyas.extract.config import ExtractConfig
+from eyas.extract.run import extract
 from eyas.features.reader import open_store
 from eyas.features.verify import verify_store
 from eyas.extract.vllm_backend import engine_timings
@@ -87,9 +88,9 @@ def main() -> None:
         store = work / f"store-{backend}"
         shutil.rmtree(store, ignore_errors=True)
         t0 = time.perf_counter()
-        s = run_extract(tgt.spec, data, store, backend=backend, dtype="bf16", device="cpu",
-                        batch_tokens=args.batch_tokens, model_dtype=args.model_dtype,
-                        vllm_python=str(py) if py else None, progress=False)
+        s = extract(ExtractConfig(target=tgt.spec, data=data, out=store, backend=backend, dtype="bf16", device="cpu",
+                                  batch_tokens=args.batch_tokens, model_dtype=args.model_dtype,
+                                  vllm_python=str(py) if py else None, progress=False))
         wall = time.perf_counter() - t0
         problems = verify_store(store)
         assert not problems, problems

@@ -294,9 +294,9 @@ def test_features_vllm_in_the_pipeline_config(tmp_path, monkeypatch):
     """`features: vllm` maps onto the train stage (no extract stage), its settings in the train section."""
     import yaml
 
-    import eyas.train.trainer
     from eyas.config import load_config
-    from eyas.pipeline import _train, stage_records
+    from eyas.pipeline import stage_records
+    from eyas.stages import build
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump({"target": "x", "workdir": str(tmp_path / "w"), "features": "vllm",
@@ -307,12 +307,10 @@ def test_features_vllm_in_the_pipeline_config(tmp_path, monkeypatch):
     assert "extract" not in rec and rec["train"]["upstream"] == "prepare"
     assert rec["train"]["settings"]["features"] == "vllm"
     assert rec["train"]["settings"]["feature_buffer_gb"] == 0.5
-    seen = []  # the TrainConfig the pipeline's train stage would run (training itself is tested above)
-    monkeypatch.setattr(eyas.train.trainer, "train", seen.append)
-    _train(cfg, tmp_path / "prepared", None, tmp_path / "w" / "train")
-    tc = seen[0]
-    assert ((tc.features, tc.online, tc.store, tc.feature_buffer_gb, tc.feature_cache_gb)
-            == ("vllm", False, None, 0.5, 4))
+    # the TrainConfig the pipeline's train stage would run (training itself is tested above)
+    tc = next(stage.config for stage in build(cfg) if stage.name == "train")
+    assert ((tc.features, tc.store, tc.feature_buffer_gb, tc.feature_cache_gb)
+            == ("vllm", None, 0.5, 4))
     assert tc.gpu_memory_utilization == 0.25 and tc.vllm_python == "0.32.0"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"target": "x", "features": "vllm", "train": {"gpu_memory_utilization": 0}}))
@@ -327,7 +325,7 @@ def test_features_vllm_in_the_pipeline_config(tmp_path, monkeypatch):
 
 
 def test_a_buffer_smaller_than_one_micro_batch_is_refused(tiny_target, tmp_path):
-    from eyas.train.trainer import TrainConfig, train
+    from eyas.train.trainer import TrainConfig, run as train
 
     data = tiny.random_prepared(tmp_path / "data", tiny_target, n=16)
     with pytest.raises(EyasError, match=r"--feature-buffer-gb 1e-05: 10,000 bytes per rank .* cannot hold one "

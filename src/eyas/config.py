@@ -7,7 +7,6 @@ drift apart: :func:`validate` checks every key against the dataclass and names t
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -16,23 +15,9 @@ from typing import Any
 import yaml
 
 from eyas.errors import EyasError
+# a section per stage: its settings dataclass, less the fields the pipeline wires itself (WIRED)
+from eyas.stages import STAGES, WIRED, stage_settings
 
-# section -> "module:Dataclass". Fields the pipeline wires itself (paths between stages, the
-# target) are listed in WIRED and must not appear in a config.
-STAGES: dict[str, str] = {
-    "prepare": "eyas.data.config:PrepareOptions",
-    "extract": "eyas.extract.config:ExtractConfig",
-    "train": "eyas.train.config:TrainConfig",
-    "export": "eyas.export.config:ExportConfig",
-    "evaluate": "eyas.evaluate.config:EvaluateConfig",
-}
-WIRED: dict[str, set[str]] = {
-    "prepare": {"target", "out", "progress"},
-    "extract": {"target", "data", "out", "progress", "plan_only"},
-    "train": {"target", "data", "store", "out", "online", "features", "progress", "resume"},
-    "export": {"ckpt", "target", "out", "overwrite", "speed_report"},  # the card: after evaluate
-    "evaluate": {"target", "draft", "out", "progress", "vllm_draft"},
-}
 TOP_LEVEL = {"target", "workdir", "features", "launcher", *STAGES}
 
 
@@ -49,12 +34,6 @@ class PipelineConfig:
 
     def section(self, name: str) -> dict[str, Any]:
         return dict(self.sections.get(name) or {})
-
-
-def stage_settings(section: str) -> type:
-    """The settings dataclass of ``section``."""
-    module, name = STAGES[section].split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def default_config_text() -> str:

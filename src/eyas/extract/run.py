@@ -21,7 +21,7 @@ import os
 import queue
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -261,14 +261,23 @@ def make_plan(tgt, ds, out: Path, fields: dict[str, Any], batch_tokens: int, dev
                        free_bytes=free, free_where=where, tokens_per_s=rate, rate_note=note)
 
 
-def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int] | None = None,
-                **settings: Any) -> dict[str, Any]:
-    """:func:`extract` with the settings as keywords (the fields of :class:`ExtractConfig`)."""
-    return extract(ExtractConfig(target=target, data=Path(data), out=Path(out), layers=layers, **settings))
+def run(cfg: ExtractConfig) -> Path:
+    """The extract stage's entry point (`eyas extract`, the pipeline): :func:`extract`, then what it
+    stored on stderr; returns the store directory. ``plan_only``: the plan on stdout, nothing written."""
+    if cfg.plan_only:
+        s = extract(replace(cfg, progress=False))
+        print("\n".join(s["lines"]), flush=True)  # stdout: the answer to --plan, for scripts too
+        return Path(cfg.out)
+    s = extract(cfg)
+    print(f"stored {s['samples']} samples ({s['resumed_from']} were already there): {s['tokens']:,} tokens "
+          f"this run, {s['bytes'] / 1e9:.3f} GB, {s['bytes_per_token']:.0f} B/token, {s['seconds']:.1f} s, "
+          f"{s['tokens_per_s']:,.0f} tokens/s -> {cfg.out}", file=sys.stderr, flush=True)
+    return Path(cfg.out)
 
 
 def extract(cfg: ExtractConfig) -> dict[str, Any]:
-    """Fill (or finish) the store at ``cfg.out``; returns the summary (tokens, bytes, tokens/s).
+    """Fill (or finish) the store at ``cfg.out``; returns the summary (tokens, bytes, tokens/s) for
+    callers that want the figures (:func:`run` is the stage's entry point).
 
     Before any work it plans the bytes to write and the time (printed when ``progress``) and
     refuses when the filesystem of ``out`` has less free space. ``plan_only``: return the plan
