@@ -3,7 +3,7 @@
     python benchmarks/extract_bench.py --data PREPARED --store-dir /dev/shm/eyas-bench [--max-samples N]
 
 Measures on the same length-sorted batches:
-  eyas      run_extract(): forward + hooks -> pinned async D2H -> shard files on disk; tokens/s
+  eyas      extract(): forward + hooks -> pinned async D2H -> shard files on disk; tokens/s
             from the first batch to the last shard renamed into place (model load excluded,
             a short warm-up run in the same process first)
   forward   the base-model forward with hooks alone (no copy, no write): the GPU ceiling

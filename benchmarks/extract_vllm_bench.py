@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/extract_vllm_bench.py --data PREPARED [--max-samples 64]
         [--model-dtype fp32] [--json out.json]
 
-For each backend the same first N samples of a prepared dataset go through `run_extract`
+For each backend the same first N samples of a prepared dataset go through `extract`
 (store dtype bf16) and the store is verified. Reported per backend:
-  wall_tok_s    tokens / wall seconds of the whole `run_extract` call (HF: model load included;
+  wall_tok_s    tokens / wall seconds of the whole `extract` call (HF: model load included;
                 vLLM: engine process start, model load and store writing included)
   steady_tok_s  HF: eyas's own count from the first batch to the last shard (load excluded);
                 vLLM: tokens / seconds of the engine's prefill loop (after start-up), from the
