@@ -94,7 +94,7 @@ def store(setup) -> Path:
 
 @engine_test
 def test_losses_equal_offline_training_on_the_same_samples(setup, streamed, store):
-    """Offline: `eyas extract --backend vllm` (same engine, fp32) + `eyas train --store`, same settings.
+    """Offline: `eyas extract --backend vllm` (same engine, fp32) + `eyas train --features offline`, same settings.
     Tolerance: both sides run the engine in fp32 on the same tokens; only the batch the engine put each
     sample in differs (the store's batches are of 4,096 tokens, the stream's one micro-batch), which can
     change fp32 rounding in the engine's matmuls (~1e-7 relative per state). Measured on this target:
@@ -105,7 +105,7 @@ def test_losses_equal_offline_training_on_the_same_samples(setup, streamed, stor
     run, _, _, _ = streamed
     off = d / "offline"
     cmd = [PY, "-m", "eyas.cli", "train", "--target", str(tdir), "--data", str(data), "--out", str(off),
-           "--store", str(store), *TRAIN]
+           "--features", "offline", "--store", str(store), *TRAIN]
     subprocess.run(cmd, env=ENV, check=True, capture_output=True)
     a, b = _records(run), _records(off)
     assert [r["step"] for r in a] == list(range(1, 13)) == [r["step"] for r in b]
@@ -257,7 +257,8 @@ def test_two_ranks_each_with_its_engine_train_like_offline_ddp(setup, store, tmp
                                   str(LIMIT_GB), "--feature-buffer-dir", str(buf)),
                          env=ENV, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
-    subprocess.run(torchrun(off, "--store", str(store)), env=ENV, check=True, capture_output=True)
+    subprocess.run(torchrun(off, "--features", "offline", "--store", str(store)), env=ENV, check=True,
+                   capture_output=True)
     a, b = _records(run), _records(off)
     assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
