@@ -7,7 +7,7 @@ drift apart: :func:`validate` checks every key against the dataclass and names t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -16,24 +16,9 @@ import yaml
 
 from eyas.errors import EyasError
 # a section per stage: its settings dataclass, less the fields the pipeline wires itself (WIRED)
-from eyas.stages import STAGES, WIRED, stage_settings
+from eyas.stages import STAGES, WIRED, PipelineConfig, stage_settings
 
 TOP_LEVEL = {"target", "workdir", "features", "launcher", *STAGES}
-
-
-@dataclass
-class PipelineConfig:
-    target: str
-    workdir: Path
-    # online: no extraction store; offline: extract, then train from the store; vllm: no store, a vLLM
-    # engine makes the features as training goes (the train section's feature_* settings)
-    features: str = "online"
-    launcher: dict[str, Any] = field(default_factory=dict)  # e.g. {"nproc_per_node": 8} -> torchrun
-    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
-    source: str = "<default>"
-
-    def section(self, name: str) -> dict[str, Any]:
-        return dict(self.sections.get(name) or {})
 
 
 def default_config_text() -> str:

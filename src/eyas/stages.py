@@ -1,4 +1,5 @@
-"""The pipeline's stages, declared once, in the order they run.
+"""The pipeline's job: its config (:class:`PipelineConfig`, read from YAML by :mod:`eyas.config`) and
+its stages, declared once, in the order they run.
 
 Each stage names its settings dataclass (its CLI and its YAML section), its entry point
 ``run(cfg) -> Path``, its folder in the workdir, the stages whose output it reads, and the settings
@@ -12,12 +13,28 @@ import importlib
 from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from eyas.errors import EyasError
+from eyas.train.config import FeatureSource
 
-if TYPE_CHECKING:
-    from eyas.config import PipelineConfig
+
+@dataclass
+class PipelineConfig:
+    """One pipeline job: the target, the workdir, the feature source, the launcher, and each stage's
+    YAML section as written (checked by :func:`eyas.config.validate`)."""
+
+    target: str
+    workdir: Path
+    # online: no extraction store; offline: extract, then train from the store; vllm: no store, a vLLM
+    # engine makes the features as training goes (the train section's feature_* settings)
+    features: FeatureSource = "online"
+    launcher: dict[str, Any] = field(default_factory=dict)  # e.g. {"nproc_per_node": 8} -> torchrun
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    source: str = "<default>"
+
+    def section(self, name: str) -> dict[str, Any]:
+        return dict(self.sections.get(name) or {})
 
 
 @dataclass(frozen=True)
