@@ -40,7 +40,8 @@ def run_name(ttt: int, fused: bool, compiled: bool, scope: str = "model") -> str
 
 
 def train_cmd(a, name: str, ttt: int, fused: bool, compiled: bool, scope: str) -> list[str]:
-    cmd = [a.eyas, "train", "--target", a.target, "--data", a.data, "--store", a.store, "--out",
+    cmd = [a.eyas, "train", "--target", a.target, "--data", a.data, "--features", "offline", "--store", a.store,
+           "--out",
            str(a.work / name), "--ttt-steps", str(ttt), "--max-steps", str(a.steps), "--tokens-per-batch", "2048",
            "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--warmup", str(a.warmup), "--device", "cuda",
            "--precision", "bf16", "--eval-every", "0", "--save-every", str(10 * a.steps), "--seed", "0"]

@@ -23,7 +23,7 @@ run() {
   local name=$1; shift
   [ -s "$W/$name/summary.json" ] && return 0
   rm -rf "$W/$name"
-  OMP_NUM_THREADS=1 $EYAS train --target $T --data "$W/prep" --store "$W/store" --out "$W/$name" --device cpu \
+  OMP_NUM_THREADS=1 $EYAS train --target $T --data "$W/prep" --features offline --store "$W/store" --out "$W/$name" --device cpu \
     --ttt-steps 3 --tokens-per-batch 1024 --max-steps 150 --lr 1e-3 --warmup 15 --eval-every 50 \
     --eval-batches 8 --heldout 0.05 --save-every 0 --experimental "$@" > "$W/$name.log" 2>&1
 }

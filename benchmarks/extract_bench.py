@@ -3,7 +3,7 @@
     python benchmarks/extract_bench.py --data PREPARED --store-dir /dev/shm/eyas-bench [--max-samples N]
 
 Measures on the same length-sorted batches:
-  eyas      run_extract(): forward + hooks -> pinned async D2H -> shard files on disk; tokens/s
+  eyas      extract(): forward + hooks -> pinned async D2H -> shard files on disk; tokens/s
             from the first batch to the last shard renamed into place (model load excluded,
             a short warm-up run in the same process first)
   forward   the base-model forward with hooks alone (no copy, no write): the GPU ceiling
@@ -30,7 +30,8 @@ import torch
 from eyas.data.dataset import open_prepared, write_prepared
 from eyas.features.capture import HiddenStateCapture
 from eyas.features.layers import resolve_layers
-from eyas.extract.run import plan_batches, resolve_device, run_extract
+from eyas.extract.config import ExtractConfig
+from eyas.extract.run import plan_batches, resolve_device, extract
 from eyas.features.reader import open_store
 from eyas.features.verify import verify_store
 from eyas.target import resolve_target
@@ -161,8 +162,9 @@ def main() -> None:
     }
     print(json.dumps(info, indent=1), flush=True)
 
-    run_extract(str(target.path), warm, work / "warm-store", aux, device=device, batch_tokens=bt,
-                writers=a.writers, progress=False)  # CUDA context, cuBLAS, allocator, page cache
+    extract(ExtractConfig(target=str(target.path), data=warm, out=work / "warm-store", layers=aux, device=device,
+                          batch_tokens=bt, writers=a.writers,
+                          progress=False))  # CUDA context, cuBLAS, allocator, page cache
     shutil.rmtree(work / "warm-store")
     model = target.load_model(dtype=torch.bfloat16 if on_cuda else torch.float32, device=device)
     runs = []
@@ -170,8 +172,8 @@ def main() -> None:
                                    for c in (a.also or "").split(",") if c]
     for cbt, cw in configs:
         try:
-            r = run_extract(str(target.path), data, work / "store", aux, device=device,
-                            batch_tokens=cbt, writers=cw, progress=True)
+            r = extract(ExtractConfig(target=str(target.path), data=data, out=work / "store", layers=aux, device=device,
+                                      batch_tokens=cbt, writers=cw, progress=True))
             r.update(batch_tokens=cbt, writers=cw)
             print("eyas:", r, flush=True)
             if not runs:  # check the first store fully: checksums, shapes, states vs HF

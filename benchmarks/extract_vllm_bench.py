@@ -3,9 +3,9 @@
     .venv/bin/python benchmarks/extract_vllm_bench.py --data PREPARED [--max-samples 64]
         [--model-dtype fp32] [--json out.json]
 
-For each backend the same first N samples of a prepared dataset go through `run_extract`
+For each backend the same first N samples of a prepared dataset go through `extract`
 (store dtype bf16) and the store is verified. Reported per backend:
-  wall_tok_s    tokens / wall seconds of the whole `run_extract` call (HF: model load included;
+  wall_tok_s    tokens / wall seconds of the whole `extract` call (HF: model load included;
                 vLLM: engine process start, model load and store writing included)
   steady_tok_s  HF: eyas's own count from the first batch to the last shard (load excluded);
                 vLLM: tokens / seconds of the engine's prefill loop (after start-up), from the
@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from eyas.data.dataset import open_prepared, write_prepared
-from eyas.extract.run import run_extract
+from eyas.extract.config import ExtractConfig
+from eyas.extract.run import extract
 from eyas.features.reader import open_store
 from eyas.features.verify import verify_store
 from eyas.extract.vllm_backend import engine_timings
@@ -87,9 +88,9 @@ def main() -> None:
         store = work / f"store-{backend}"
         shutil.rmtree(store, ignore_errors=True)
         t0 = time.perf_counter()
-        s = run_extract(tgt.spec, data, store, backend=backend, dtype="bf16", device="cpu",
-                        batch_tokens=args.batch_tokens, model_dtype=args.model_dtype,
-                        vllm_python=str(py) if py else None, progress=False)
+        s = extract(ExtractConfig(target=tgt.spec, data=data, out=store, backend=backend, dtype="bf16", device="cpu",
+                                  batch_tokens=args.batch_tokens, model_dtype=args.model_dtype,
+                                  vllm_python=str(py) if py else None, progress=False))
         wall = time.perf_counter() - t0
         problems = verify_store(store)
         assert not problems, problems

@@ -148,7 +148,8 @@ def _data(out: Path, target, tokens: int) -> Path:
 
 def speed(args) -> dict:
     from eyas.data.dataset import open_prepared
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
     from eyas.features.verify import verify_store
     from eyas.target import resolve_target
     from eyas.train.features import OfflineFeatures
@@ -167,7 +168,8 @@ def speed(args) -> dict:
         for rep in range(2):
             st = work / f"store-{dtype}"
             shutil.rmtree(st, ignore_errors=True)
-            s = run_extract(str(tgt.path), data, st, [2, 15, 27], dtype=dtype, device=device, progress=False)
+            s = extract(ExtractConfig(target=str(tgt.path), data=data, out=st, layers=[2, 15, 27], dtype=dtype,
+                                      device=device, progress=False))
             out["runs"][f"{dtype} run {rep + 1}"] = {k: s[k] for k in ("tokens", "bytes", "bytes_per_token",
                                                                         "seconds", "tokens_per_s")}
         assert verify_store(st) == []
@@ -206,7 +208,8 @@ def tau(args) -> dict:
     for dtype in ("bf16", "fp8"):
         for stage, cmd in (("extract", [*eyas, "extract", *target, "--out", str(work / f"store-{dtype}"),
                                         "--dtype", dtype, *args.extract.split(), "--quiet"]),
-                           ("train", [*eyas, "train", *target, "--store", str(work / f"store-{dtype}"),
+                           ("train", [*eyas, "train", *target, "--features", "offline", "--store",
+                                      str(work / f"store-{dtype}"),
                                       "--out", str(work / f"run-{dtype}"), *args.train.split(), "--quiet"])):
             t = time.perf_counter()
             res = subprocess.run(cmd, capture_output=True, text=True)

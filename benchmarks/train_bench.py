@@ -5,7 +5,7 @@
         [--attention auto|dense|flex] [--parallel ddp|fsdp2]
     torchrun --nproc-per-node 8 benchmarks/train_bench.py ... --parallel fsdp2   # several GPUs
 
-Each configuration runs the real trainer (`eyas.train.trainer.train`: packing, features, TTT
+Each configuration runs the real trainer (`eyas.train.trainer.run`: packing, features, TTT
 forward/backward, AdamW, logging) for warmup + measured steps; tokens/s comes from the trainer's
 own per-step log (real tokens, padding excluded) over the measured steps only. Offline first
 extracts a store with `eyas extract`'s HF backend (not timed).
@@ -46,7 +46,7 @@ from eyas.draft.model import DraftConfig
 from eyas.target import resolve_target
 from eyas.train.packing import pack_indices, split_indices
 from eyas.train.parallel import setup_dist
-from eyas.train.trainer import TrainConfig, train
+from eyas.train.trainer import TrainConfig, run as train
 
 TILE = 128  # flex_attention's default BLOCK_SIZE
 
@@ -200,15 +200,16 @@ def main() -> None:
     store = None
     for mode in args.modes.split(","):
         if mode == "offline" and store is None:
-            from eyas.extract.run import run_extract
+            from eyas.extract.config import ExtractConfig
+            from eyas.extract.run import extract
 
             store = work / "store"
             if main_rank:
                 if store.exists():
                     shutil.rmtree(store)
                 t0 = time.perf_counter()
-                s = run_extract(str(target.path), data, store, None, dtype="bf16", device=args.device,
-                                progress=False)
+                s = extract(ExtractConfig(target=str(target.path), data=data, out=store, dtype="bf16",
+                                          device=args.device, progress=False))
                 print(f"store: {s['tokens']:,} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
             dist.barrier()
         for bs in [int(x) for x in args.batch_sizes.split(",")]:
@@ -221,7 +222,7 @@ def main() -> None:
                     shutil.rmtree(run)
                 dist.barrier()
                 cfg = TrainConfig(target=str(target.path), data=str(data), out=str(run),
-                                  online=mode == "online", store=str(store) if mode == "offline" else None,
+                                  features=mode, store=str(store) if mode == "offline" else None,
                                   ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
                                   batch_size=bs, max_steps=args.warmup_steps + args.steps, warmup=5,
                                   save_every=0, eval_every=0, eval_batches=1, heldout=0.01,

@@ -84,7 +84,8 @@ def main() -> None:
     t_ext = _run([*eyas, "extract", "--target", a.target, "--data", a.data, "--out", str(out / "store"),
                   "--backend", "vllm", "--vllm-python", a.vllm_python, *a.extract_args.split(), "--quiet"])
     off = _row("offline (store)", out / "offline",
-               _run([*eyas, "train", *base, "--out", str(out / "offline"), "--store", str(out / "store")]))
+               _run([*eyas, "train", *base, "--out", str(out / "offline"), "--features", "offline", "--store",
+                     str(out / "store")]))
     off["extract_s"] = round(t_ext, 1)
     off["wall_with_extract_tokens_per_s"] = round(off["tokens"] / (off["wall_s"] + t_ext), 1)
     rows.append(off)

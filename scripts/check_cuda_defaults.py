@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import tiny  # noqa: E402
 from eyas.data.dataset import write_prepared  # noqa: E402
 from eyas.target import resolve_target  # noqa: E402
-from eyas.train.trainer import TrainConfig, train  # noqa: E402
+from eyas.train.trainer import TrainConfig, run as train  # noqa: E402
 
 
 def data(path: Path, target, n: int = 96, seed: int = 0) -> Path:
@@ -43,7 +43,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="eyas-cuda-defaults-"))
     target = resolve_target(tiny.make_target(work / "target", "llama"))
     prepared = data(work / "data", target)
-    base = dict(target=str(target.path), data=str(prepared), online=True, layers=[1, 4, 6], ttt_steps=3,
+    base = dict(target=str(target.path), data=str(prepared), features="online", layers=[1, 4, 6], ttt_steps=3,
                 tokens_per_batch=128, batch_size=2, max_steps=40, warmup=2, lr=1e-3, save_every=0,
                 eval_every=0, eval_batches=2, heldout=0.1, progress=False)
     runs = {}

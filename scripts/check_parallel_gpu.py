@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 LOG = open(os.path.join(os.environ.get("OUT", "/tmp"), "runs.log"), "w")
 sys.path.insert(0, "tests")
@@ -23,6 +22,7 @@ os.environ["EYAS_CACHE"] = "/tmp/gc/cache"
 import tiny  # noqa: E402
 from eyas.target import resolve_target  # noqa: E402
 from test_train_run import _write_data  # noqa: E402
+from eyas.settings import to_json  # noqa: E402
 from eyas.train.trainer import TrainConfig  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 w = Path("/tmp/gc")
@@ -31,18 +31,18 @@ w.mkdir()
 t = resolve_target(tiny.make_target(w / "t", "llama"))
 data = _write_data(w / "data", t, n=200)
 def spec(name, **kw):
-    base = dict(target=str(t.path), data=str(data), out=str(w / name), online=True, layers=[1, 4, 6], ttt_steps=3,
+    base = dict(target=str(t.path), data=str(data), out=str(w / name), features="online", layers=[1, 4, 6], ttt_steps=3,
                 tokens_per_batch=256, max_steps=6, warmup=2, lr=2e-3, save_every=3, eval_every=0, eval_batches=3,
                 heldout=0.15, progress=False, device="cuda", precision="fp32")
     base.update(kw)
     p = w / f"{name}.json"
-    p.write_text(json.dumps(asdict(TrainConfig(**base))))
+    p.write_text(to_json(TrainConfig(**base)))
     return p
 env = {**os.environ, "PYTHONPATH": "src", "OMP_NUM_THREADS": "1", "TORCH_LOGS": "recompiles"}
 def go(name, n, p):
     t0 = time.time()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                        "-m", "eyas.pipeline", str(p)], capture_output=True, text=True, env=env)
+                        "-m", "eyas.train.launch", str(p)], capture_output=True, text=True, env=env)
     if r.returncode:
         print(name, "FAILED", r.stderr[-1500:], flush=True)
         LOG.write(name + "\n" + r.stderr + "\n")

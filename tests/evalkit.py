@@ -66,13 +66,13 @@ def train_draft(target, work: Path, steps: int = 150, n: int = 96, draft_vocab: 
     """Prepared self-distilled data -> `eyas train` online for ``steps`` -> RUN_DIR/draft."""
     from eyas.data.dataset import write_prepared
     from eyas.data.vocab import build_draft_vocab, count_trained_tokens
-    from eyas.train.trainer import TrainConfig, train
+    from eyas.train.trainer import TrainConfig, run as train
 
     ids, masks = self_distilled(target, n)
     vocab = target.config()["vocab_size"]
     d2t, t2d, _ = build_draft_vocab(count_trained_tokens(ids, masks, vocab), draft_vocab)
     data = write_prepared(work / "data", ids, masks, [f"self:{i}" for i in range(n)], target, d2t, t2d)
-    cfg = TrainConfig(target=str(target.path), data=str(data), out=str(work / "run"), online=True,
+    cfg = TrainConfig(target=str(target.path), data=str(data), out=str(work / "run"), features="online",
                       layers=AUX, ttt_steps=3, tokens_per_batch=512, max_steps=steps, warmup=10,
                       lr=3e-3, save_every=10_000, eval_every=0, eval_batches=1, heldout=0.05,
                       progress=False, seed=seed, epochs=100, draft_config=draft_overrides,

@@ -312,7 +312,7 @@ def train_data(tiny_target, tmp_path_factory) -> Path:
 def finished_run(tiny_target, train_data, tmp_path_factory) -> Path:
     """A 4-step run with checkpoints at steps 2 and 4 (kept), and its draft."""
     import test_train_run
-    from eyas.train.trainer import train
+    from eyas.train.trainer import run as train
 
     run = tmp_path_factory.mktemp("run") / "run"
     train(test_train_run._cfg(tiny_target, train_data, run, keep_checkpoints=3, eval_every=0))
@@ -329,7 +329,7 @@ def _copy_run(finished_run: Path, tmp_path: Path) -> Path:
 
 def _resume(tiny_target, train_data, run: Path):
     import test_train_run
-    from eyas.train.trainer import train
+    from eyas.train.trainer import run as train
 
     return train(test_train_run._cfg(tiny_target, train_data, run, keep_checkpoints=3, eval_every=0,
                                      resume=True))
@@ -405,10 +405,11 @@ def _flip_a_byte(f: Path) -> None:
 
 
 def _extract(out: Path, tiny_target, train_data, dtype: str) -> Path:
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
 
-    run_extract(str(tiny_target.path), train_data, out, [1, 4, 6], dtype=dtype, device="cpu",
-                batch_tokens=400, progress=False)
+    extract(ExtractConfig(target=str(tiny_target.path), data=train_data, out=out, layers=[1, 4, 6], dtype=dtype,
+                          device="cpu", batch_tokens=400, progress=False))
     return out
 
 
@@ -421,11 +422,11 @@ def test_bad_input_store_shard_flipped_byte_stops_training(tmp_path, tiny_target
     """Training on a store one of whose shards has a flipped byte: stops at the shard's first read,
     naming the shard and the `eyas extract` re-run that rewrites it (was: trained to the end, silent)."""
     import test_train_run
-    from eyas.train.trainer import train
+    from eyas.train.trainer import run as train
 
     bad = sorted(store.glob("shard-*.safetensors"))[1]
     _flip_a_byte(bad)
-    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", online=False, store=str(store),
+    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", features="offline", store=str(store),
                               max_steps=6, eval_every=0)
     with pytest.raises(EyasError) as e:
         train(cfg)
@@ -438,14 +439,15 @@ def test_bad_input_store_shard_flipped_byte_rewritten_by_extract_rerun(tmp_path,
                                                                       store, capfd):
     """`eyas extract` re-run over a complete store with a flipped byte in one shard: the shard is
     re-checked, named and extracted again, and the store verifies clean (was: "already there")."""
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
     from eyas.features.verify import verify_store
 
     bad = sorted(store.glob("shard-*.safetensors"))[1]
     _flip_a_byte(bad)
     assert verify_store(store)
-    s = run_extract(str(tiny_target.path), train_data, store, [1, 4, 6], dtype="fp32", device="cpu",
-                    batch_tokens=400, progress=False)
+    s = extract(ExtractConfig(target=str(tiny_target.path), data=train_data, out=store, layers=[1, 4, 6], dtype="fp32",
+                              device="cpu", batch_tokens=400, progress=False))
     assert f"stored shard {bad.name} (checksum" in capfd.readouterr().err
     assert 0 < s["samples"] - s["resumed_from"] < s["samples"]  # only that shard's samples redone
     assert verify_store(store) == []
@@ -470,7 +472,7 @@ def test_bad_input_fp8_store_scale_flipped_byte(tmp_path, tiny_target, train_dat
     hidden_scale tensor (exit 1); training stops at the shard's first read, naming it."""
     import test_train_run
     from eyas.features.verify import verify_store
-    from eyas.train.trainer import train
+    from eyas.train.trainer import run as train
 
     bad = sorted(fp8_store.glob("shard-*.safetensors"))[1]
     a, b = _scale_span(bad)
@@ -484,7 +486,7 @@ def test_bad_input_fp8_store_scale_flipped_byte(tmp_path, tiny_target, train_dat
     assert problems[0].endswith("(corrupted in tensor hidden_scale)")
     code, out = eyas("extract", "--verify", fp8_store)
     assert code == 1 and "hidden_scale" in out
-    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", online=False, store=str(fp8_store),
+    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", features="offline", store=str(fp8_store),
                               layers=None, max_steps=6, eval_every=0)
     with pytest.raises(EyasError, match=f"{bad.name} is corrupt"):
         train(cfg)
@@ -500,7 +502,7 @@ def test_bad_input_fp8_store_nan_scale_with_consistent_checksums(tmp_path, tiny_
     from eyas.features.format import file_checksum, hasher_for
     from eyas.features.verify import verify_store
     from eyas.manifest import read_manifest, write_manifest
-    from eyas.train.trainer import train
+    from eyas.train.trainer import run as train
 
     bad = sorted(fp8_store.glob("shard-*.safetensors"))[0]
     a, b = _scale_span(bad)
@@ -523,7 +525,7 @@ def test_bad_input_fp8_store_nan_scale_with_consistent_checksums(tmp_path, tiny_
     problems = verify_store(fp8_store)
     assert problems == [f"{bad.name}: tensor hidden_scale: 1 scale(s) non-finite or negative (first at "
                         "token 2, slot 1: nan); every value of such a group decodes wrong"]
-    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", online=False, store=str(fp8_store),
+    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", features="offline", store=str(fp8_store),
                               layers=None, max_steps=6, eval_every=0)
     with pytest.raises(EyasError, match=f"{bad.name} is corrupt \\(tensor hidden_scale: 1 scale"):
         train(cfg)
@@ -552,12 +554,14 @@ def test_bad_input_extract_out_on_a_filesystem_too_small(tmp_path, tiny_target, 
     """`eyas extract` whose store needs more than the free space at --out ($EYAS_FREE_BYTES stands in
     for the filesystem): exit 2 before any work, naming the bytes to write and the bytes free, and
     what to do (another --out, fewer samples, --dtype fp8); nothing is written."""
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
 
     st = tmp_path / "st"
     args = ["extract", "--target", tiny_target.path, "--data", train_data, "--out", st, "--layers", "1,4,6",
             "--device", "cpu"]
-    plan = run_extract(str(tiny_target.path), train_data, st, [1, 4, 6], device="cpu", plan_only=True)["plan"]
+    plan = extract(ExtractConfig(target=str(tiny_target.path), data=train_data, out=st, layers=[1, 4, 6], device="cpu",
+                                 plan_only=True))["plan"]
     need = plan["bytes_todo"]
     monkeypatch.setenv("EYAS_FREE_BYTES", str(need - 1))
     code, msg = eyas(*args)
@@ -906,7 +910,7 @@ def test_bad_input_store_manifest_names_a_file_outside(tmp_path, tiny_target, tr
     never opened (was: opened, and train called it "shard-000000 is corrupt")."""
     import test_train_run
     from eyas.manifest import read_manifest, write_manifest
-    from eyas.train.trainer import train
+    from eyas.train.trainer import run as train
 
     m = read_manifest(store)
     m["shards"][0]["file"] = name
@@ -914,7 +918,7 @@ def test_bad_input_store_manifest_names_a_file_outside(tmp_path, tiny_target, tr
     code, out = eyas("extract", "--verify", store)
     # the console wraps long lines where the temporary folder's length puts them
     assert code == 1 and f"names the file {name!r}, which is not a plain file name" in " ".join(out.split())
-    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", online=False, store=str(store),
+    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", features="offline", store=str(store),
                               max_steps=2, eval_every=0)
     with pytest.raises(EyasError, match="not a plain file name inside that folder"):
         train(cfg)

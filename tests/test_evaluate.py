@@ -345,13 +345,15 @@ def test_also_k_evaluates_each_k_as_its_own_run_would(setup, tmp_path):
 @pytest.mark.parametrize("device,message", [("gpu", "choose auto"), ("cuda:x", "choose auto"),
                                             ("CPU", "choose auto")])
 def test_evaluate_bad_device_is_refused_before_any_model_loads(tmp_path, device, message):
-    from eyas.evaluate.run import evaluate_draft
+    from eyas.evaluate.config import EvaluateConfig
+    from eyas.evaluate.run import evaluate
 
     # neither the target nor the draft exists: a load would fail with another message
     with pytest.raises(EyasError, match=rf"--device {device!r}: {message}"):
-        evaluate_draft("no-such-target", tmp_path / "no-draft", out=tmp_path / "e", device=device)
+        evaluate(EvaluateConfig(target="no-such-target", draft=tmp_path / "no-draft", out=tmp_path / "e",
+                                device=device))
     with pytest.raises(EyasError, match="--dtype 'fp8'"):
-        evaluate_draft("no-such-target", tmp_path / "no-draft", out=tmp_path / "e", dtype="fp8")
+        evaluate(EvaluateConfig(target="no-such-target", draft=tmp_path / "no-draft", out=tmp_path / "e", dtype="fp8"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -369,13 +371,16 @@ def test_evaluate_cuda_without_a_gpu_is_refused_by_the_cli(tmp_path):
 def test_evaluate_device_cpu_equals_the_default_on_the_cpu(setup, tmp_path):
     """--device cpu gives today's CPU evaluation: float32, the same tokens and acceptance as the
     default (auto, which is cpu here) and as the loop run directly."""
-    from eyas.evaluate.run import evaluate_draft
+    from eyas.evaluate.config import EvaluateConfig
+    from eyas.evaluate.run import evaluate
 
     target, model, draft, draft_dir = setup
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 2)
     kw = dict(prompts=qfile, k=3, max_new_tokens=16, progress=False)
-    cpu = evaluate_draft(str(target.path), draft_dir, out=tmp_path / "cpu", device="cpu", **kw)["builtin"]
-    default = evaluate_draft(str(target.path), draft_dir, out=tmp_path / "default", **kw)["builtin"]
+    cpu = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "cpu", device="cpu",
+                                  **kw))["builtin"]
+    default = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "default",
+                                      **kw))["builtin"]
     assert cpu["device"] == "cpu" and cpu["dtype"] == "float32"
     strip = [{k: r[k] for k in ("output_ids", "rounds", "accepted_per_pos", "matches_plain")}
              for r in cpu["per_prompt"]]
@@ -404,18 +409,20 @@ def test_worker_processes_give_the_records_of_one_process(setup, tmp_path):
     """--workers 2: the questions are shared by two processes and come back in any order; the
     report is the one process's, record for record, and the records file of one run resumes the
     other (the worker count is not a setting of the results)."""
-    from eyas.evaluate.run import evaluate_draft
+    from eyas.evaluate.config import EvaluateConfig
+    from eyas.evaluate.run import evaluate
 
     target, _, _, draft_dir = setup
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 3)
     kw = dict(prompts=qfile, k=3, max_new_tokens=12, progress=False, compare_plain=False)
-    one = evaluate_draft(str(target.path), draft_dir, out=tmp_path / "one", **kw)["builtin"]
-    two = evaluate_draft(str(target.path), draft_dir, out=tmp_path / "two", workers=2, **kw)["builtin"]
+    one = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "one", **kw))["builtin"]
+    two = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "two", workers=2,
+                                  **kw))["builtin"]
     keys = ("question_id", "turn", "output_ids", "rounds", "accepted_per_pos")
     assert [{k: r[k] for k in keys} for r in two["per_prompt"]] == [{k: r[k] for k in keys} for r in one["per_prompt"]]
     assert len(two["per_prompt"]) == 6 and two["workers"] == 2 and two["overall"]["tau"] == one["overall"]["tau"]
     # a run with one process over the two-worker records has nothing left to do
-    again = evaluate_draft(str(target.path), draft_dir, out=tmp_path / "two", **kw)["builtin"]
+    again = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "two", **kw))["builtin"]
     assert again["per_prompt"] == two["per_prompt"]
 
 
@@ -459,11 +466,13 @@ def test_vllm_draft_must_be_an_export_of_the_draft(setup, tmp_path):
     against the draft before vLLM is looked for; another draft's export is refused."""
     from safetensors.torch import load_file, save_file
 
-    from eyas.evaluate.run import check_export_of, evaluate_draft
-    from eyas.export.run import export_checkpoint
+    from eyas.evaluate.config import EvaluateConfig
+    from eyas.evaluate.run import check_export_of, evaluate
+    from eyas.export.config import ExportConfig
+    from eyas.export.run import run as run_export
 
     target, draft_dir = setup[0], setup[3]
-    exported = export_checkpoint(draft_dir, "vllm", tmp_path / "exp", None)
+    exported = run_export(ExportConfig(ckpt=draft_dir, format="vllm", out=tmp_path / "exp", target=None))
     check_export_of(exported, draft_dir)  # its own export passes
     other = tmp_path / "other"
     other.mkdir()
@@ -475,5 +484,5 @@ def test_vllm_draft_must_be_an_export_of_the_draft(setup, tmp_path):
         check_export_of(exported, other)
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 1)
     with pytest.raises(EyasError, match="exported from another draft"):
-        evaluate_draft(str(target.path), other, prompts=qfile, out=tmp_path / "e", engine="vllm",
-                       vllm_draft=exported, progress=False)
+        evaluate(EvaluateConfig(target=str(target.path), draft=other, prompts=qfile, out=tmp_path / "e", engine="vllm",
+                                vllm_draft=exported, progress=False))

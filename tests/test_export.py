@@ -16,7 +16,8 @@ import evalkit
 import tiny
 from eyas.errors import EyasError
 from eyas.export.cli import register
-from eyas.export.run import export_checkpoint
+from eyas.export.config import ExportConfig
+from eyas.export.run import run as run_export
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,8 @@ def _draft(target, out: Path, layers=(1, 3, 4), draft_vocab: int = 200, seed: in
 
 def test_vllm_format(target, tmp_path):
     ckpt = _draft(target, tmp_path / "ckpt")
-    out = export_checkpoint(ckpt, "vllm", tmp_path / "vllm", str(target.path), num_speculative_tokens=4)
+    out = run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "vllm", target=str(target.path),
+                                  num_speculative_tokens=4))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
@@ -72,37 +74,38 @@ def test_vllm_format_with_fc_norm(target, tmp_path):
     """A draft with per-aux-layer norms exports them under the names vLLM's EAGLE-3 head loads
     (``fc_norm.{i}.weight`` -> ``model.fc_norm.{i}``) with the config switch; SGLang refuses it."""
     ckpt = _draft(target, tmp_path / "ckpt", fc_norm=True)
-    out = export_checkpoint(ckpt, "vllm", tmp_path / "vllm", str(target.path))
+    out = run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "vllm", target=str(target.path)))
     assert json.loads((out / "config.json").read_text())["fc_norm"] is True
     got = load_file(str(out / "model.safetensors"))
     assert sorted(k for k in got if k.startswith("fc_norm.")) == [f"fc_norm.{i}.weight" for i in range(3)]
-    plain = export_checkpoint(_draft(target, tmp_path / "c2", norm_before_residual=False), "vllm",
-                              tmp_path / "v2", str(target.path))
+    plain = run_export(ExportConfig(ckpt=_draft(target, tmp_path / "c2", norm_before_residual=False), format="vllm",
+                                    out=tmp_path / "v2", target=str(target.path)))
     plain_cfg = json.loads((plain / "config.json").read_text())
     assert "fc_norm" not in plain_cfg  # what vLLM 0.16 reads
     assert plain_cfg["norm_before_residual"] is False  # explicit: vLLM takes True when it is absent
     with pytest.raises(EyasError, match="fc_norm"):
-        export_checkpoint(ckpt, "sglang", tmp_path / "sgl", str(target.path))
+        run_export(ExportConfig(ckpt=ckpt, format="sglang", out=tmp_path / "sgl", target=str(target.path)))
 
 
 def test_vllm_format_with_speculators_head_options(target, tmp_path):
     """norm_before_fc (one norm over the concatenated aux states: ``input_norm.weight``, which
     vLLM loads as ``model.input_norm``) and norm_output are written as vLLM's config switches."""
     ckpt = _draft(target, tmp_path / "ckpt", norm_before_fc=True, norm_output=True)
-    out = export_checkpoint(ckpt, "vllm", tmp_path / "vllm", str(target.path))
+    out = run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "vllm", target=str(target.path)))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["norm_before_fc"] is True and cfg["norm_output"] is True and "fc_norm" not in cfg
     got = load_file(str(out / "model.safetensors"))
     assert got["input_norm.weight"].shape == (3 * 128,)
     with pytest.raises(EyasError, match="norm_before_fc, norm_output"):
-        export_checkpoint(ckpt, "sglang", tmp_path / "sgl", str(target.path))
+        run_export(ExportConfig(ckpt=ckpt, format="sglang", out=tmp_path / "sgl", target=str(target.path)))
     with pytest.raises(EyasError, match="exclude each other"):
         _draft(target, tmp_path / "both", norm_before_fc=True, fc_norm=True)
 
 
 def test_sglang_format_ids_in_both_conventions(target, tmp_path):
     ckpt = _draft(target, tmp_path / "ckpt")
-    out = export_checkpoint(ckpt, "sglang", tmp_path / "sgl", str(target.path), dtype="bfloat16")
+    out = run_export(ExportConfig(ckpt=ckpt, format="sglang", out=tmp_path / "sgl", target=str(target.path),
+                                  dtype="bfloat16"))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]            # vLLM: input of layer k
@@ -115,8 +118,8 @@ def test_sglang_format_ids_in_both_conventions(target, tmp_path):
     assert torch.equal(got["midlayer.mlp.down_proj.weight"], src["midlayer.mlp.down_proj.weight"].bfloat16())
     # id 0 (the embeddings) has no SGLang spelling: refused, not silently shifted to -1
     with pytest.raises(EyasError, match="id 0"):
-        export_checkpoint(_draft(target, tmp_path / "c0", layers=(0, 3, 4)), "sglang", tmp_path / "s0",
-                          str(target.path))
+        run_export(ExportConfig(ckpt=_draft(target, tmp_path / "c0", layers=(0, 3, 4)), format="sglang",
+                                out=tmp_path / "s0", target=str(target.path)))
 
 
 def test_refuses_a_draft_for_another_target(target, tmp_path):
@@ -124,13 +127,13 @@ def test_refuses_a_draft_for_another_target(target, tmp_path):
     deep = evalkit.tiny.make_target(tmp_path / "deep", "llama", num_layers=10, hidden=128)
     ckpt = _draft(target, tmp_path / "c1", layers=(2, 5, 7), target_dir=deep)
     with pytest.raises(EyasError, match=r"layer ids \[2, 5, 7\]: \[7\] out of range") as e:
-        export_checkpoint(ckpt, "vllm", tmp_path / "o1", str(target.path))
+        run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "o1", target=str(target.path)))
     assert "layer count" in str(e.value)
     # hidden size: a draft for an H=64 target
     narrow = tiny.make_target(tmp_path / "narrow", "llama", num_layers=6, hidden=64)
     ckpt = _draft(target, tmp_path / "c2", target_dir=narrow)
     with pytest.raises(EyasError, match="hidden size: draft expects target_hidden_size 64"):
-        export_checkpoint(ckpt, "vllm", tmp_path / "o2", str(target.path))
+        run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "o2", target=str(target.path)))
     # vocab: same shapes, another vocabulary size
     other = tmp_path / "vocab"
     tiny.make_tokenizer(other, vocab_size=300)
@@ -140,13 +143,14 @@ def test_refuses_a_draft_for_another_target(target, tmp_path):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(other)
     ckpt = _draft(target, tmp_path / "c3", target_dir=other)
     with pytest.raises(EyasError, match=r"vocab: draft maps into a vocabulary of 300"):
-        export_checkpoint(ckpt, "sglang", tmp_path / "o3", str(target.path))
+        run_export(ExportConfig(ckpt=ckpt, format="sglang", out=tmp_path / "o3", target=str(target.path)))
     # same shapes, other weights: the identity check names it (and can be waived)
     twin = evalkit.make_eval_target(tmp_path / "twin", seed=5)
     ckpt = _draft(target, tmp_path / "c4", target_dir=twin)
     with pytest.raises(EyasError, match="target identity.*weights"):
-        export_checkpoint(ckpt, "vllm", tmp_path / "o4", str(target.path))
-    export_checkpoint(ckpt, "vllm", tmp_path / "o4", str(target.path), check_identity=False)
+        run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "o4", target=str(target.path)))
+    run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "o4", target=str(target.path),
+                            check_identity=False))
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
 
 
@@ -195,11 +199,11 @@ def test_export_without_target_uses_the_draft_and_no_network(target, tmp_path, m
     assert verifier == {"name_or_path": str(target.path), "architectures": ["LlamaForCausalLM"]}
     assert not any(empty.iterdir())  # nothing was fetched or converted
     # the same directory as an export checked against the target
-    checked = export_checkpoint(ckpt, "vllm", tmp_path / "v2", str(target.path))
+    checked = run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "v2", target=str(target.path)))
     assert json.loads((checked / "config.json").read_text()) == cfg
     for fmt in ("vllm", "sglang"):
-        a = export_checkpoint(ckpt, fmt, tmp_path / f"{fmt}-a")
-        b = export_checkpoint(ckpt, fmt, tmp_path / f"{fmt}-b", str(target.path))
+        a = run_export(ExportConfig(ckpt=ckpt, format=fmt, out=tmp_path / f"{fmt}-a"))
+        b = run_export(ExportConfig(ckpt=ckpt, format=fmt, out=tmp_path / f"{fmt}-b", target=str(target.path)))
         assert (a / "config.json").read_text() == (b / "config.json").read_text()
         assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
 
@@ -212,11 +216,12 @@ def test_export_of_a_draft_without_target(target, tmp_path):
     cfg.update(target_name_or_path="", target_spec="", target_token_ids={})
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(EyasError, match="--target.*--verifier"):
-        export_checkpoint(ckpt, "vllm", tmp_path / "v")
-    out = export_checkpoint(ckpt, "vllm", tmp_path / "v", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+        run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "v"))
+    out = run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "v",
+                                  verifier="HuggingFaceTB/SmolLM2-135M-Instruct"))
     assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] \
         == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    out = export_checkpoint(ckpt, "vllm", tmp_path / "v2", str(target.path))  # as before
+    out = run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "v2", target=str(target.path)))  # as before
     assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] \
         == str(target.path)
-    export_checkpoint(ckpt, "sglang", tmp_path / "s")  # needs no verifier
+    run_export(ExportConfig(ckpt=ckpt, format="sglang", out=tmp_path / "s"))  # needs no verifier

@@ -11,7 +11,8 @@ import pytest
 import test_store
 import tiny
 from eyas.extract.plan import count_active_params, gb
-from eyas.extract.run import run_extract
+from eyas.extract.config import ExtractConfig
+from eyas.extract.run import extract
 from eyas.features.format import Layout
 
 LAYERS = [1, 4, 6]
@@ -29,13 +30,14 @@ def _on_disk(st: Path) -> tuple[int, int]:
 def test_plan_bytes_are_the_bytes_the_store_takes(tmp_path, tiny_target, dtype):
     data = test_store._prepared(tmp_path / "p", tiny_target, 40)
     st = tmp_path / "st"
-    plan = run_extract(str(tiny_target.path), data, st, LAYERS, dtype=dtype, batch_tokens=200,
-                       plan_only=True)["plan"]
+    plan = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=st, layers=LAYERS, dtype=dtype,
+                                 batch_tokens=200, plan_only=True))["plan"]
     assert not st.exists()  # planning writes nothing
     lay = Layout(dtype, 4, 64, 1 if dtype == "fp8" else 0)
     assert plan["bytes_per_token"] == lay.bytes_per_token == (8 + 4 * 64 * (1 if dtype == "fp8" else 2)
                                                              + (16 if dtype == "fp8" else 0) + 1)
-    s = run_extract(str(tiny_target.path), data, st, LAYERS, dtype=dtype, batch_tokens=200, progress=False)
+    s = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=st, layers=LAYERS, dtype=dtype,
+                              batch_tokens=200, progress=False))
     shards, meta = _on_disk(st)
     assert plan["tokens_todo"] == s["tokens"] and plan["samples_todo"] == 40
     assert plan["shard_bytes_todo"] == shards == s["bytes"]  # exact
@@ -47,8 +49,8 @@ def test_plan_bytes_are_the_bytes_the_store_takes(tmp_path, tiny_target, dtype):
     for p in lost:
         p.with_suffix(".json").unlink()
         p.unlink()
-    again = run_extract(str(tiny_target.path), data, st, LAYERS, dtype=dtype, batch_tokens=200,
-                        plan_only=True)["plan"]
+    again = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=st, layers=LAYERS, dtype=dtype,
+                                  batch_tokens=200, plan_only=True))["plan"]
     assert again["samples_todo"] == lost_samples and again["shards_todo"] == 2
     assert again["shard_bytes_todo"] == lost_bytes
 

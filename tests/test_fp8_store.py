@@ -10,7 +10,8 @@ import test_store
 import test_train_run
 import tiny
 from eyas.errors import EyasError
-from eyas.extract.run import run_extract
+from eyas.extract.config import ExtractConfig
+from eyas.extract.run import extract
 from eyas.features.capture import HiddenStateCapture
 from eyas.features.format import FP8_MAX, Layout, dequantize, quantize
 from eyas.features.reader import open_store
@@ -58,10 +59,10 @@ def test_quantize_round_trip_stays_within_e4m3_rounding(groups):
 
 def test_fp8_store_holds_the_states_within_the_bound_at_about_half_the_bytes(tmp_path, tiny_target):
     data = test_store._prepared(tmp_path / "p", tiny_target, 24)
-    s8 = run_extract(str(tiny_target.path), data, tmp_path / "st8", LAYERS, dtype="fp8",
-                     model_dtype="fp32", batch_tokens=200, progress=False)
-    s16 = run_extract(str(tiny_target.path), data, tmp_path / "st16", LAYERS, dtype="bf16",
-                      model_dtype="fp32", batch_tokens=200, progress=False)
+    s8 = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st8", layers=LAYERS,
+                               dtype="fp8", model_dtype="fp32", batch_tokens=200, progress=False))
+    s16 = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st16", layers=LAYERS,
+                                dtype="bf16", model_dtype="fp32", batch_tokens=200, progress=False))
     r8 = open_store(tmp_path / "st8")
     m = r8.manifest
     assert m["dtype"] == "fp8" and m["format_version"] == 2
@@ -102,16 +103,17 @@ def test_fp8_store_holds_the_states_within_the_bound_at_about_half_the_bytes(tmp
 
 def test_fp8_group_scales(tmp_path, tiny_target):
     data = test_store._prepared(tmp_path / "p", tiny_target, 8)
-    run_extract(str(tiny_target.path), data, tmp_path / "g", LAYERS, dtype="fp8", fp8_group_size=16,
-                model_dtype="fp32", progress=False)
+    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "g", layers=LAYERS, dtype="fp8",
+                          fp8_group_size=16, model_dtype="fp32", progress=False))
     r = open_store(tmp_path / "g")
     assert r.manifest["scale"]["groups"] == 4 and r.raw(2).scale.shape[1:] == (4, 4)
     assert verify_store(tmp_path / "g") == []
     with pytest.raises(EyasError, match="must divide the target's hidden size 64"):
-        run_extract(str(tiny_target.path), data, tmp_path / "g2", LAYERS, dtype="fp8", fp8_group_size=24,
-                    progress=False)
+        extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "g2", layers=LAYERS, dtype="fp8",
+                              fp8_group_size=24, progress=False))
     with pytest.raises(EyasError, match="only for --dtype fp8"):
-        run_extract(str(tiny_target.path), data, tmp_path / "g3", LAYERS, fp8_group_size=16, progress=False)
+        extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "g3", layers=LAYERS,
+                              fp8_group_size=16, progress=False))
 
 
 def test_training_on_an_fp8_store_gives_the_bf16_losses(tmp_path, tiny_target, one_thread):
@@ -126,10 +128,10 @@ def test_training_on_an_fp8_store_gives_the_bf16_losses(tmp_path, tiny_target, o
     losses = {}
     for name, layers, dtype in (("bf16", LAYERS, "bf16"), ("fp8", LAYERS, "fp8"), ("other", [2, 5, 6], "bf16")):
         st = tmp_path / f"st-{name}"
-        run_extract(str(tiny_target.path), data, st, layers, dtype=dtype, device="cpu", model_dtype="fp32",
-                    progress=False)
+        extract(ExtractConfig(target=str(tiny_target.path), data=data, out=st, layers=layers, dtype=dtype, device="cpu",
+                              model_dtype="fp32", progress=False))
         run = tmp_path / f"run-{name}"
-        test_train_run.train(test_train_run._cfg(tiny_target, data, run, online=False, store=str(st), layers=None,
+        test_train_run.train(test_train_run._cfg(tiny_target, data, run, features="offline", store=str(st), layers=None,
                                                  save_every=0, max_steps=12, lr=3e-3))
         losses[name] = np.array([r["loss"] for r in test_train_run._records(run)])
     ref = losses["bf16"]
@@ -145,8 +147,8 @@ def test_training_on_an_fp8_store_gives_the_bf16_losses(tmp_path, tiny_target, o
 def test_fp8_on_cuda_quantizes_on_the_device_like_the_cpu(tmp_path, tiny_target):
     data = test_store._prepared(tmp_path / "p", tiny_target, 24)
     for dev in ("cpu", "cuda"):
-        run_extract(str(tiny_target.path), data, tmp_path / dev, LAYERS, dtype="fp8", device=dev,
-                    model_dtype="fp32", batch_tokens=200, progress=False)
+        extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / dev, layers=LAYERS, dtype="fp8",
+                              device=dev, model_dtype="fp32", batch_tokens=200, progress=False))
         assert verify_store(tmp_path / dev) == []
     a, b = open_store(tmp_path / "cpu"), open_store(tmp_path / "cuda")
     for i in range(24):

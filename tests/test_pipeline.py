@@ -140,16 +140,16 @@ def test_a_seeded_answer_cache_is_not_taken_for_an_unrecorded_stage(tmp_path, ti
 def test_a_job_done_in_stopped_runs_reports_its_time_per_stage(tmp_path, tiny_llama_dir, monkeypatch):
     """A run stopped in evaluate (as a timeout's SIGINT stops it) keeps the seconds of the stages
     it ran, that one included; the run that finishes adds its own, and a skipped train keeps its time."""
-    import eyas.pipeline as pipeline
+    import eyas.evaluate.run
 
     cfg_path = _config(tmp_path, tiny_llama_dir, "online")
-    evaluate = pipeline._evaluate
+    evaluate = eyas.evaluate.run.run
 
     def stopped(*args, **kwargs):
         evaluate(*args, **kwargs)  # the evaluation's work is done, then the stop comes
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline, "_evaluate", stopped)
+    monkeypatch.setattr(eyas.evaluate.run, "run", stopped)
     with pytest.raises(KeyboardInterrupt):
         run_pipeline(load_config(cfg_path))
     timings_path = tmp_path / "run" / "pipeline-timings.json"
@@ -158,7 +158,7 @@ def test_a_job_done_in_stopped_runs_reports_its_time_per_stage(tmp_path, tiny_ll
     assert first["seconds"]["train"] > 0 and first["seconds"]["evaluate"] > 0
     assert "evaluate" not in first["done"] and "train" in first["done"]
 
-    monkeypatch.setattr(pipeline, "_evaluate", evaluate)
+    monkeypatch.setattr(eyas.evaluate.run, "run", evaluate)
     run_pipeline(load_config(cfg_path))
     second = json.loads(timings_path.read_text())
     assert second["seconds"]["train"] == first["seconds"]["train"]  # skipped: not retrained
@@ -175,7 +175,7 @@ def test_the_pipeline_puts_the_measured_serving_speed_into_the_exports_card(tmp_
     import shlex
 
     import fake_vllm
-    import eyas.pipeline as pipeline
+    import eyas.evaluate.run
 
     cfg_path = _config(tmp_path, tiny_llama_dir, "online")
     cfg = yaml.safe_load(cfg_path.read_text())
@@ -186,13 +186,13 @@ def test_the_pipeline_puts_the_measured_serving_speed_into_the_exports_card(tmp_
     run = tmp_path / "run"
     card_path = run / "export-vllm" / "README.md"
     before = []
-    evaluate = pipeline._evaluate
+    evaluate = eyas.evaluate.run.run
 
     def spied(*args, **kwargs):
         before.append(card_path.read_text())  # what the export stage wrote
         return evaluate(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "_evaluate", spied)
+    monkeypatch.setattr(eyas.evaluate.run, "run", spied)
     run_pipeline(load_config(cfg_path))
     assert "## Serving speed (vLLM, output tokens/s)\n\nNot measured" in before[0]
     assert "k = 3: the export's num_speculative_tokens" in before[0]  # export's default

@@ -40,7 +40,8 @@ def tiny_store(tmp_path_factory, tiny_llama_dir):
     """A prepared dataset (random token streams, ragged masks) and its HF-extracted store."""
     from eyas.data.dataset import write_prepared
     from eyas.data.vocab import build_draft_vocab, count_trained_tokens
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
     from eyas.target import resolve_target
 
     tmp = tmp_path_factory.mktemp("quality")
@@ -57,8 +58,8 @@ def tiny_store(tmp_path_factory, tiny_llama_dir):
     counts = count_trained_tokens([np.array(x) for x in ids], [np.array(m, bool) for m in masks], vocab)
     d2t, t2d, _ = build_draft_vocab(counts, 64)
     prep = write_prepared(tmp / "prep", ids, masks, [f"s{i}" for i in range(len(ids))], tgt, d2t, t2d)
-    run_extract(str(tiny_llama_dir), prep, tmp / "store", layers=AUX, device="cpu", dtype="fp32",
-                progress=False)
+    extract(ExtractConfig(target=str(tiny_llama_dir), data=prep, out=tmp / "store", layers=AUX, device="cpu",
+                          dtype="fp32", progress=False))
     return tmp, prep, tmp / "store"
 
 

@@ -115,12 +115,12 @@ def test_tau_measured_while_training_is_what_evaluate_replay_gives(setup, tmp_pa
     prompts; the last figure (in the draft's tau.json, summary.json and metrics.jsonl) equals `eyas
     evaluate --engine replay` on the final draft at each k (float32: exact), the target's answers
     are kept in eyas's cache, and a second run decodes nothing."""
-    from eyas.train.trainer import TrainConfig, train
+    from eyas.train.trainer import TrainConfig, run as train
 
     monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
     target, _, _, draft_dir = setup
     questions = evalkit.write_questions(tmp_path / "q.jsonl", 4)
-    kw = dict(target=str(target.path), data=str(draft_dir.parents[1] / "data"), online=True, layers=evalkit.AUX,
+    kw = dict(target=str(target.path), data=str(draft_dir.parents[1] / "data"), features="online", layers=evalkit.AUX,
               ttt_steps=3, tokens_per_batch=512, max_steps=30, warmup=5, lr=3e-3, save_every=0, eval_every=0,
               eval_batches=1, heldout=0.05, progress=False, tau=True, tau_prompts=questions, tau_per_category=0,
               tau_max_new_tokens=24, tau_k=[3, 5, 7], tau_every="1s")

@@ -93,11 +93,12 @@ def evaluated(drafted, tmp_path_factory):
 
 
 def _evaluate(target, draft: Path, qfile: Path, out: Path, **settings):
-    from eyas.evaluate.run import evaluate_draft
+    from eyas.evaluate.config import EvaluateConfig
+    from eyas.evaluate.run import evaluate
 
     opts = {"engine": "vllm", "k": 2, "also_k": [1, 3], "speed_concurrency": [1, 4], "speed_min_seconds": 0.5,
             "max_new_tokens": 8, "progress": False, **settings}
-    return evaluate_draft(str(target.path), draft, qfile, out, **opts)
+    return evaluate(EvaluateConfig(target=str(target.path), draft=draft, prompts=qfile, out=out, **opts))
 
 
 def test_evaluate_times_every_k_against_one_baseline_and_names_the_best_k(evaluated):
@@ -184,11 +185,13 @@ def _serve_line(card: str) -> list[str]:
 
 
 def test_the_card_of_an_export_without_tau_or_speed(drafted, tmp_path):
-    from eyas.export.run import export_checkpoint
+    from eyas.export.config import ExportConfig
+    from eyas.export.run import run as run_export
 
     target, work = drafted
     draft = _card_draft(drafted, tmp_path)
-    out = export_checkpoint(draft, "vllm", tmp_path / "exp", None, num_speculative_tokens=4)
+    out = run_export(ExportConfig(ckpt=draft, format="vllm", out=tmp_path / "exp", target=None,
+                                  num_speculative_tokens=4))
     card = (out / "README.md").read_text()
     assert card.startswith(f"# EAGLE-3 draft for {target.path}\n")
     assert f"- eyas target id: `{target.id}`" in card
@@ -234,7 +237,8 @@ def test_the_card_with_tau_and_the_measured_speedups(drafted, evaluated, tmp_pat
 
 
 def test_a_speed_report_of_another_draft_or_without_speed_is_refused(drafted, evaluated, tmp_path):
-    from eyas.export.run import export_checkpoint
+    from eyas.export.config import ExportConfig
+    from eyas.export.run import run as run_export
 
     _, out_eval, _ = evaluated
     draft = _card_draft(drafted, tmp_path)
@@ -246,7 +250,8 @@ def test_a_speed_report_of_another_draft_or_without_speed_is_refused(drafted, ev
         path = tmp_path / f"report{i}.json"
         path.write_text(json.dumps(bad))
         with pytest.raises(EyasError, match=message):
-            export_checkpoint(draft, "vllm", tmp_path / f"exp{i}", None, speed_report=path)
+            run_export(ExportConfig(ckpt=draft, format="vllm", out=tmp_path / f"exp{i}", target=None,
+                                    speed_report=path))
         assert not (tmp_path / f"exp{i}").exists()  # refused before anything is written
 
 

@@ -83,7 +83,7 @@ def test_cli_defaults_are_the_dataclass_defaults_and_flags_keep_their_names():
                  "--no-compile", "--fused-loss", "--online", "--quiet", "--ttt-steps", "3")
     assert (cfg.heldout, cfg.draft_config, cfg.layers, cfg.betas, cfg.keep_checkpoints, cfg.min_lr_ratio) == \
         (0.1, {"intermediate_size": 80}, [1, 4, 6], (0.8, 0.9), 5, 0.2)
-    assert (cfg.compile, cfg.fused_loss, cfg.online, cfg.progress, cfg.ttt_steps) == (False, True, True, False, 3)
+    assert (cfg.compile, cfg.fused_loss, cfg.features, cfg.progress, cfg.ttt_steps) == (False, True, "online", False, 3)
     # unset: decided by the device (on for CUDA, off on the CPU); the CPU job is unchanged
     assert TrainConfig(data="d", out="o").compile is None and TrainConfig(data="d", out="o").fused_loss is None
 

@@ -17,7 +17,8 @@ import torch
 import tiny
 from eyas.errors import EyasError
 from eyas.features.capture import HiddenStateCapture
-from eyas.extract.run import plan_batches, run_extract
+from eyas.extract.config import ExtractConfig
+from eyas.extract.run import plan_batches, extract
 from eyas.features.reader import open_store
 from eyas.features.verify import verify_store
 from eyas.features.writer import StoreWriter
@@ -62,8 +63,8 @@ def test_plan_is_length_sorted_and_bounded():
 
 
 def test_extract_stores_each_sample_like_a_lone_forward(tmp_path, data, tiny_target):
-    s = run_extract(str(tiny_target.path), data, tmp_path / "st", LAYERS, dtype="fp32",
-                    batch_tokens=200, progress=False)
+    s = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st", layers=LAYERS, dtype="fp32",
+                              batch_tokens=200, progress=False))
     reader = open_store(tmp_path / "st")
     m = reader.manifest
     assert m["complete"] and m["aux_layers"] == LAYERS and m["final_layer"] == 8
@@ -90,23 +91,23 @@ def test_extract_stores_each_sample_like_a_lone_forward(tmp_path, data, tiny_tar
 
 
 def test_default_dtype_is_bf16_and_rerun_is_a_noop(tmp_path, data, tiny_target):
-    run_extract(str(tiny_target.path), data, tmp_path / "st", LAYERS, batch_tokens=300,
-                progress=False)
+    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st", layers=LAYERS, batch_tokens=300,
+                          progress=False))
     r = open_store(tmp_path / "st")
     assert r.manifest["dtype"] == "bf16" and r[3].aux.dtype == torch.bfloat16
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "st").glob("shard-*")}
-    s = run_extract(str(tiny_target.path), data, tmp_path / "st", LAYERS, batch_tokens=300,
-                    progress=False)
+    s = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st", layers=LAYERS,
+                              batch_tokens=300, progress=False))
     assert s["tokens"] == 0 and s["resumed_from"] == 40
     assert before == {p.name: p.stat().st_mtime_ns for p in (tmp_path / "st").glob("shard-*")}
 
 
 def test_resume_with_other_settings_is_refused(tmp_path, data, tiny_target):
-    run_extract(str(tiny_target.path), data, tmp_path / "st", LAYERS, batch_tokens=300,
-                progress=False)
+    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st", layers=LAYERS, batch_tokens=300,
+                          progress=False))
     with pytest.raises(EyasError, match="aux_layers"):
-        run_extract(str(tiny_target.path), data, tmp_path / "st", [2, 3, 4], batch_tokens=300,
-                    progress=False)
+        extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st", layers=[2, 3, 4],
+                              batch_tokens=300, progress=False))
 
 
 def test_data_for_another_target_is_refused(tmp_path, data):
@@ -114,7 +115,7 @@ def test_data_for_another_target_is_refused(tmp_path, data):
 
     other = resolve_target(tiny.make_target(tmp_path / "other", "qwen2", num_layers=4, seed=3))
     with pytest.raises(EyasError, match="another target"):
-        run_extract(str(other.path), data, tmp_path / "st", [1, 2], progress=False)
+        extract(ExtractConfig(target=str(other.path), data=data, out=tmp_path / "st", layers=[1, 2], progress=False))
 
 
 def test_nan_state_stops_the_run_naming_the_sample(tmp_path, tiny_target):
@@ -138,14 +139,15 @@ def test_nan_state_stops_the_run_naming_the_sample(tmp_path, tiny_target):
     write_prepared(tmp_path / "p", ids, [[1] * len(x) for x in ids], ["t:0", "t:1", "t:2", "t:3"],
                    bad, torch.zeros(4, dtype=torch.long), t2d)
     with pytest.raises(EyasError, match=r"sample 2\b.*NaN"):
-        run_extract(str(bad_dir), tmp_path / "p", tmp_path / "st", [1, 2, 3], batch_tokens=4,
-                    progress=False)
+        extract(ExtractConfig(target=str(bad_dir), data=tmp_path / "p", out=tmp_path / "st", layers=[1, 2, 3],
+                              batch_tokens=4, progress=False))
     assert not open_store(tmp_path / "st", allow_incomplete=True).manifest.get("complete")
 
 
 def test_verify_names_corrupt_and_missing_shards(tmp_path, data, tiny_target):
     st = tmp_path / "st"
-    run_extract(str(tiny_target.path), data, st, LAYERS, batch_tokens=200, progress=False)
+    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=st, layers=LAYERS, batch_tokens=200,
+                          progress=False))
     assert verify_store(st) == []
     shards = sorted(st.glob("shard-*.safetensors"))
     with open(shards[1], "r+b") as fh:  # flip one byte inside the state data
@@ -262,7 +264,8 @@ def test_against_compares_states_token_by_token(tmp_path, data, tiny_target):
     from eyas.cli import app
 
     ref = tmp_path / "ref"
-    run_extract(str(tiny_target.path), data, ref, LAYERS, dtype="fp32", batch_tokens=200, progress=False)
+    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=ref, layers=LAYERS, dtype="fp32",
+                          batch_tokens=200, progress=False))
     same = _copy_store(ref, tmp_path / "bf16", "bf16")  # bf16 rounding: cosine ~ 1 - 1e-5
     res = CliRunner().invoke(app, ["extract", "--verify", str(same), "--against", str(ref)])
     assert res.exit_code == 0, res.output
@@ -288,7 +291,7 @@ def test_against_compares_states_token_by_token(tmp_path, data, tiny_target):
     assert all(s["tokens_below"] == 0 for s in rep["slots"][1:])
 
     other = tmp_path / "other"
-    run_extract(str(tiny_target.path), _prepared(tmp_path / "p2", tiny_target, 40, seed=5), other, LAYERS,
-                dtype="fp32", batch_tokens=200, progress=False)
+    extract(ExtractConfig(target=str(tiny_target.path), data=_prepared(tmp_path / "p2", tiny_target, 40, seed=5),
+                          out=other, layers=LAYERS, dtype="fp32", batch_tokens=200, progress=False))
     res = CliRunner().invoke(app, ["extract", "--verify", str(other), "--against", str(ref)])
     assert res.exit_code != 0 and "tokens or loss mask differ" in str(res.exception or res.output)

@@ -15,7 +15,7 @@ from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import NonFiniteError
 from eyas.train.checkpoint import checkpoint_dirs
 from eyas.train.guard import NonFiniteGuard
-from eyas.train.trainer import train
+from eyas.train.trainer import run as train
 from test_train_run import _cfg, _records, data  # noqa: F401  (the module's prepared-data fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import tiny
 from eyas.errors import EyasError
 from eyas.train.checkpoint import checkpoint_dirs
-from eyas.train.trainer import TrainConfig, train
+from eyas.train.trainer import TrainConfig, run as train
 
 PY = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -34,7 +34,7 @@ def data(tiny_target, tmp_path_factory) -> Path:
 
 
 def _cfg(tiny_target, data, out, **kw) -> TrainConfig:
-    base = dict(target=str(tiny_target.path), data=str(data), out=str(out), online=True, layers=[1, 4, 6],
+    base = dict(target=str(tiny_target.path), data=str(data), out=str(out), features="online", layers=[1, 4, 6],
                 ttt_steps=3, tokens_per_batch=128, max_steps=4, warmup=1, lr=1e-3, save_every=2,
                 eval_every=2, eval_batches=2, heldout=0.1, progress=False)
     base.update(kw)
@@ -92,13 +92,14 @@ def test_online_run_writes_draft_logs_plot(tiny_target, data, tmp_path):
 
 
 def test_offline_store_equals_online_and_refuses_mismatches(tiny_target, data, tmp_path):
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
 
     store = tmp_path / "store"
-    run_extract(str(tiny_target.path), data, store, [1, 4, 6], dtype="fp32", device="cpu",
-                model_dtype="fp32", progress=False)
+    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=store, layers=[1, 4, 6], dtype="fp32",
+                          device="cpu", model_dtype="fp32", progress=False))
     on = train(_cfg(tiny_target, data, tmp_path / "on", save_every=0))
-    off = train(_cfg(tiny_target, data, tmp_path / "off", online=False, store=str(store), layers=None,
+    off = train(_cfg(tiny_target, data, tmp_path / "off", features="offline", store=str(store), layers=None,
                      save_every=0))
     l_on = [r["loss"] for r in _records(tmp_path / "on")]
     l_off = [r["loss"] for r in _records(tmp_path / "off")]
@@ -108,21 +109,22 @@ def test_offline_store_equals_online_and_refuses_mismatches(tiny_target, data, t
         torch.testing.assert_close(w_on[k], w_off[k], atol=1e-4, rtol=1e-3)
     # another layer set
     with pytest.raises(EyasError, match=r"layers \[1, 4, 6\].*\[2, 4, 6\]"):
-        train(_cfg(tiny_target, data, tmp_path / "x1", online=False, store=str(store), layers=[2, 4, 6]))
+        train(_cfg(tiny_target, data, tmp_path / "x1", features="offline", store=str(store), layers=[2, 4, 6]))
     # a store from another target (same tokenizer and config, other weights)
     from eyas.target import resolve_target
 
     other = resolve_target(tiny.make_target(tmp_path / "other", "llama", seed=7))
     data2 = tiny.random_prepared(tmp_path / "data2", other)
     store2 = tmp_path / "store2"
-    run_extract(str(other.path), data2, store2, [1, 4, 6], dtype="fp32", device="cpu", progress=False)
+    extract(ExtractConfig(target=str(other.path), data=data2, out=store2, layers=[1, 4, 6], dtype="fp32", device="cpu",
+                          progress=False))
     with pytest.raises(EyasError, match="another target weights"):
-        train(_cfg(tiny_target, data, tmp_path / "x2", online=False, store=str(store2), layers=None))
+        train(_cfg(tiny_target, data, tmp_path / "x2", features="offline", store=str(store2), layers=None))
     # a dataset made for the other target is refused before anything runs
     with pytest.raises(EyasError, match="another target"):
         train(_cfg(tiny_target, data2, tmp_path / "x3"))
     with pytest.raises(EyasError, match="exactly one feature source"):
-        train(_cfg(tiny_target, data, tmp_path / "x4", online=False))
+        train(_cfg(tiny_target, data, tmp_path / "x4", features=None))
 
 
 def _train_args(tiny_target, data, out, *extra):
@@ -522,14 +524,15 @@ def test_offline_batches_copied_on_a_side_stream_equal_the_host_ones(tiny_target
     background thread; the training stream must see exactly the host's tensors, also when it is
     busy while they are copied."""
     from eyas.data.dataset import open_prepared
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
     from eyas.target import resolve_target
     from eyas.train.features import OfflineFeatures
     from eyas.train.packing import pack_indices
 
     store = tmp_path / "store"
-    run_extract(str(tiny_target.path), data, store, [1, 4, 6], dtype="fp32", device="cpu",
-                model_dtype="fp32", progress=False)
+    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=store, layers=[1, 4, 6], dtype="fp32",
+                          device="cpu", model_dtype="fp32", progress=False))
     target, ds = (resolve_target(str(tiny_target.path)),
                   open_prepared(data, target=resolve_target(str(tiny_target.path))))
     packs = pack_indices(np.arange(len(ds)), ds.lengths, 128, seed=0)

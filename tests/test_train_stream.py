@@ -94,7 +94,7 @@ def store(setup) -> Path:
 
 @engine_test
 def test_losses_equal_offline_training_on_the_same_samples(setup, streamed, store):
-    """Offline: `eyas extract --backend vllm` (same engine, fp32) + `eyas train --store`, same settings.
+    """Offline: `eyas extract --backend vllm` (same engine, fp32) + `eyas train --features offline`, same settings.
     Tolerance: both sides run the engine in fp32 on the same tokens; only the batch the engine put each
     sample in differs (the store's batches are of 4,096 tokens, the stream's one micro-batch), which can
     change fp32 rounding in the engine's matmuls (~1e-7 relative per state). Measured on this target:
@@ -105,7 +105,7 @@ def test_losses_equal_offline_training_on_the_same_samples(setup, streamed, stor
     run, _, _, _ = streamed
     off = d / "offline"
     cmd = [PY, "-m", "eyas.cli", "train", "--target", str(tdir), "--data", str(data), "--out", str(off),
-           "--store", str(store), *TRAIN]
+           "--features", "offline", "--store", str(store), *TRAIN]
     subprocess.run(cmd, env=ENV, check=True, capture_output=True)
     a, b = _records(run), _records(off)
     assert [r["step"] for r in a] == list(range(1, 13)) == [r["step"] for r in b]
@@ -257,7 +257,8 @@ def test_two_ranks_each_with_its_engine_train_like_offline_ddp(setup, store, tmp
                                   str(LIMIT_GB), "--feature-buffer-dir", str(buf)),
                          env=ENV, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
-    subprocess.run(torchrun(off, "--store", str(store)), env=ENV, check=True, capture_output=True)
+    subprocess.run(torchrun(off, "--features", "offline", "--store", str(store)), env=ENV, check=True,
+                   capture_output=True)
     a, b = _records(run), _records(off)
     assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
@@ -294,9 +295,9 @@ def test_features_vllm_in_the_pipeline_config(tmp_path, monkeypatch):
     """`features: vllm` maps onto the train stage (no extract stage), its settings in the train section."""
     import yaml
 
-    import eyas.train.trainer
     from eyas.config import load_config
-    from eyas.pipeline import _train, stage_records
+    from eyas.pipeline import stage_records
+    from eyas.stages import build
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump({"target": "x", "workdir": str(tmp_path / "w"), "features": "vllm",
@@ -307,12 +308,10 @@ def test_features_vllm_in_the_pipeline_config(tmp_path, monkeypatch):
     assert "extract" not in rec and rec["train"]["upstream"] == "prepare"
     assert rec["train"]["settings"]["features"] == "vllm"
     assert rec["train"]["settings"]["feature_buffer_gb"] == 0.5
-    seen = []  # the TrainConfig the pipeline's train stage would run (training itself is tested above)
-    monkeypatch.setattr(eyas.train.trainer, "train", seen.append)
-    _train(cfg, tmp_path / "prepared", None, tmp_path / "w" / "train")
-    tc = seen[0]
-    assert ((tc.features, tc.online, tc.store, tc.feature_buffer_gb, tc.feature_cache_gb)
-            == ("vllm", False, None, 0.5, 4))
+    # the TrainConfig the pipeline's train stage would run (training itself is tested above)
+    tc = next(stage.config for stage in build(cfg) if stage.name == "train")
+    assert ((tc.features, tc.store, tc.feature_buffer_gb, tc.feature_cache_gb)
+            == ("vllm", None, 0.5, 4))
     assert tc.gpu_memory_utilization == 0.25 and tc.vllm_python == "0.32.0"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"target": "x", "features": "vllm", "train": {"gpu_memory_utilization": 0}}))
@@ -327,7 +326,7 @@ def test_features_vllm_in_the_pipeline_config(tmp_path, monkeypatch):
 
 
 def test_a_buffer_smaller_than_one_micro_batch_is_refused(tiny_target, tmp_path):
-    from eyas.train.trainer import TrainConfig, train
+    from eyas.train.trainer import TrainConfig, run as train
 
     data = tiny.random_prepared(tmp_path / "data", tiny_target, n=16)
     with pytest.raises(EyasError, match=r"--feature-buffer-gb 1e-05: 10,000 bytes per rank .* cannot hold one "

@@ -93,10 +93,11 @@ def targets(tmp_path_factory):
         d = tmp_path_factory.mktemp(f"vt-{arch}")
         tdir = make_target(d / "model", arch)
         data = make_data(d / "data", tdir)
-        from eyas.extract.run import run_extract
+        from eyas.extract.config import ExtractConfig
+        from eyas.extract.run import extract
 
-        run_extract(tdir, data, d / "hf-store", backend="hf", dtype="fp32", device="cpu",
-                    model_dtype="fp32", progress=False)
+        extract(ExtractConfig(target=tdir, data=data, out=d / "hf-store", backend="hf", dtype="fp32", device="cpu",
+                              model_dtype="fp32", progress=False))
         out[arch] = (tdir, data, d / "hf-store")
     return out
 
@@ -104,14 +105,15 @@ def targets(tmp_path_factory):
 @pytest.mark.parametrize("version,arch", [(v, "llama") for v in versions()]
                          + [(v, "qwen3") for v in versions(BACKEND_VERSIONS)])
 def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd, record_property):
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
     from eyas.features.reader import open_store
 
     py = vllm_python(version)
     tdir, data, hf_store = targets[arch]
     try:
-        s = run_extract(tdir, data, tmp_path / "store", backend="auto", dtype="fp32",
-                        model_dtype="fp32", vllm_python=py, progress=True)
+        s = extract(ExtractConfig(target=tdir, data=data, out=tmp_path / "store", backend="auto", dtype="fp32",
+                                  model_dtype="fp32", vllm_python=py, progress=True))
     except EyasError as e:
         said = re.search(r"eyas extract: backend ([\w-]+):", capfd.readouterr().err)
         if said:  # what auto chose, printed before the engine started
@@ -137,14 +139,15 @@ def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd, record
 def test_fp8_store_through_vllm_matches_hf(version, targets, tmp_path):
     """--dtype fp8 with a vLLM backend: the engine's states are quantized on eyas's side by the same
     writer, the manifest says fp8, verify passes and every state matches HF's fp32 store."""
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
     from eyas.features.reader import open_store
     from eyas.features.verify import verify_store
 
     tdir, data, hf_store = targets["llama"]
     try:
-        run_extract(tdir, data, tmp_path / "store", backend="auto", dtype="fp8", model_dtype="fp32",
-                    vllm_python=vllm_python(version), progress=False)
+        extract(ExtractConfig(target=tdir, data=data, out=tmp_path / "store", backend="auto", dtype="fp8",
+                              model_dtype="fp32", vllm_python=vllm_python(version), progress=False))
     except EyasError as e:
         why = vllm_own_failure(e)
         if why:
@@ -163,26 +166,28 @@ MLA_DTYPE = "bf16" if AMX else "fp32"
 
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory):
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
 
     d = tmp_path_factory.mktemp("vt-deepseek")
     tdir = make_target(d / "model", "deepseek_v3")
     data = make_data(d / "data", tdir, lengths=[3, 17, 40, 8])
-    run_extract(tdir, data, d / "hf", backend="hf", dtype="fp32", device="cpu",
-                model_dtype="fp32", progress=False)
+    extract(ExtractConfig(target=tdir, data=data, out=d / "hf", backend="hf", dtype="fp32", device="cpu",
+                          model_dtype="fp32", progress=False))
     return tdir, data, d / "hf"
 
 
 @pytest.mark.parametrize("version", versions(BACKEND_VERSIONS))
 def test_deepseek_mla_moe(version, deepseek, tmp_path):
     """DeepSeek-V3-style target (MLA + MoE) where the vLLM CPU build runs it; else the real reason."""
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
 
     py = vllm_python(version)
     tdir, data, hf_store = deepseek
     try:
-        run_extract(tdir, data, tmp_path / "store", backend="auto", dtype="fp32",
-                    model_dtype=MLA_DTYPE, vllm_python=py, progress=False)
+        extract(ExtractConfig(target=tdir, data=data, out=tmp_path / "store", backend="auto", dtype="fp32",
+                              model_dtype=MLA_DTYPE, vllm_python=py, progress=False))
     except EyasError as e:
         why = vllm_reason(str(e), CANNOT_RUN_MLA + VLLM_BUGS + VLLM_NEEDS)
         if why is None:  # not vLLM's own limit: eyas's failure, reported as one
@@ -193,12 +198,13 @@ def test_deepseek_mla_moe(version, deepseek, tmp_path):
 
 def test_data_parallel_two_engines(targets, tmp_path):
     """--data-parallel-size 2: two engine processes over two shards; same store as HF."""
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
 
     py = vllm_python("0.32.0")
     tdir, data, hf_store = targets["llama"]
-    run_extract(tdir, data, tmp_path / "store", backend="vllm", dtype="fp32", model_dtype="fp32",
-                vllm_python=py, data_parallel_size=2, progress=False)
+    extract(ExtractConfig(target=tdir, data=data, out=tmp_path / "store", backend="vllm", dtype="fp32",
+                          model_dtype="fp32", vllm_python=py, data_parallel_size=2, progress=False))
     compare_stores(tmp_path / "store", hf_store)
 
 
@@ -242,15 +248,16 @@ def test_self_check_on_an_untested_version_passes_a_correct_backend(version, tar
                                                                    monkeypatch):
     """Pretend the installed vLLM is untested: extract first compares 4 samples with hf, passes,
     then fills the whole store (which still matches hf)."""
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
 
     py = vllm_python(version)
     monkeypatch.setenv("EYAS_TESTED_VLLM", "0.12.0")  # every version newer: untested
     tdir, data, hf_store = targets["llama"]
     monkeypatch.chdir(tmp_path)
     out = Path("store")  # relative: the engines run in their own cwd and must still find their files
-    s = run_extract(tdir, data, out, backend="auto", dtype="fp32", model_dtype="fp32", vllm_python=py,
-                    self_check=4, progress=True)
+    s = extract(ExtractConfig(target=tdir, data=data, out=out, backend="auto", dtype="fp32", model_dtype="fp32",
+                              vllm_python=py, self_check=4, progress=True))
     err = capfd.readouterr().err
     assert "untested: newer than the newest tested, 0.12.0" in err
     chk = s["self_check"]
@@ -266,7 +273,8 @@ def test_self_check_on_an_untested_version_passes_a_correct_backend(version, tar
 def test_self_check_stops_a_backend_that_stores_the_wrong_layers(version, targets, tmp_path, monkeypatch):
     """The vLLM backend made to store the layer after each aux id (a layer off-by-one, injected on
     eyas's side of it): the self-check stops the run with per-slot figures and stores nothing."""
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
     from eyas.features.reader import open_store
 
     py = vllm_python(version)
@@ -275,8 +283,8 @@ def test_self_check_stops_a_backend_that_stores_the_wrong_layers(version, target
     tdir, data, _ = targets["llama"]
     out = tmp_path / "store"
     with pytest.raises(EyasError, match="self-check failed") as e:
-        run_extract(tdir, data, out, backend="auto", dtype="fp32", model_dtype="fp32", vllm_python=py,
-                    self_check=4, progress=False)
+        extract(ExtractConfig(target=tdir, data=data, out=out, backend="auto", dtype="fp32", model_dtype="fp32",
+                              vllm_python=py, self_check=4, progress=False))
     msg = str(e.value)
     # aux ids 2,4,5 (8 layers) got 3,5,6: every aux slot fails, the final state (id 8) is right
     for k in (2, 4, 5):

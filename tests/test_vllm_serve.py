@@ -18,7 +18,8 @@ from vllm_envs import CANNOT_SPECULATE, VLLM_BUGS, VLLM_NEEDS, versions, vllm_py
 from eyas.evaluate.speculative import DraftRunner, TargetRunner, plain_generate, speculative_generate
 from eyas.evaluate.speculative import steps_record
 from eyas.evaluate.vllm_metrics import VllmEngine, spec_record
-from eyas.export.run import export_checkpoint
+from eyas.export.config import ExportConfig
+from eyas.export.run import run as run_export
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 K = 3
@@ -34,7 +35,8 @@ def setup(tmp_path_factory):
     tdir, draft = evalkit.session_dirs(tmp_path_factory)
     target = resolve_target(tdir)
     out = tmp_path_factory.mktemp("vllm-exports")
-    exports = {fmt: export_checkpoint(draft, fmt, out / fmt, str(tdir), num_speculative_tokens=K)
+    exports = {fmt: run_export(ExportConfig(ckpt=draft, format=fmt, out=out / fmt, target=str(tdir),
+                                            num_speculative_tokens=K))
                for fmt in ("vllm", "sglang")}
     prompts = evalkit.chat_prompts(target.load_tokenizer(), evalkit.PROMPTS)
     yield target, draft, exports, prompts
@@ -86,7 +88,8 @@ def test_vllm_0_32_serves_a_draft_with_head_options(setup, tmp_path, name):
         draft_dir = evalkit.train_draft(target, tmp_path / "work", steps=80, n=48, **HEAD_OPTIONS[name])
     finally:
         torch.set_num_threads(n)
-    export = export_checkpoint(draft_dir, "vllm", tmp_path / "vllm", str(target.path), num_speculative_tokens=K)
+    export = run_export(ExportConfig(ckpt=draft_dir, format="vllm", out=tmp_path / "vllm", target=str(target.path),
+                                     num_speculative_tokens=K))
     _served_equals_builtin(vllm_python("0.32.0"), target, draft_dir, export, prompts, tmp_path)
 
 
@@ -100,7 +103,8 @@ def test_vllm_0_16_refuses_head_options_it_would_ignore(setup, tmp_path):
     plain = Eagle3Draft.from_pretrained(draft_dir)
     cfg = DraftConfig.from_dict({**plain.config.to_dict(), "norm_before_fc": True, "norm_output": True})
     Eagle3Draft(cfg).save_pretrained(tmp_path / "draft")
-    export = export_checkpoint(tmp_path / "draft", "vllm", tmp_path / "vllm", str(target.path))
+    export = run_export(ExportConfig(ckpt=tmp_path / "draft", format="vllm", out=tmp_path / "vllm",
+                                     target=str(target.path)))
     with pytest.raises(EyasError, match=r"norm_before_fc, norm_output.*vLLM 0\.16\.0"):
         VllmEngine(vllm_python("0.16.0"), target.path, export, k=K, dtype="float32")
 
@@ -174,13 +178,14 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     """`eyas evaluate --engine both`: builtin and vLLM reports over MT-bench-style multi-turn
     prompts, and their greedy tau within 10% (recorded in comparison.json)."""
     vllm_python("0.32.0")
-    from eyas.evaluate.run import evaluate_draft
+    from eyas.evaluate.config import EvaluateConfig
+    from eyas.evaluate.run import evaluate
 
     target, draft_dir, _, _ = setup
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 3)
-    reps = evaluate_draft(str(target.path), draft_dir, qfile, tmp_path / "eval", engine="both", k=K,
-                          max_new_tokens=32, vllm="0.32.0", progress=False, speed_concurrency=[1, 2],
-                          speed_min_seconds=0)
+    reps = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, prompts=qfile, out=tmp_path / "eval",
+                                   engine="both", k=K, max_new_tokens=32, vllm="0.32.0", progress=False,
+                                   speed_concurrency=[1, 2], speed_min_seconds=0))
     b, v, c = reps["builtin"], reps["vllm"], reps["comparison"]
     sp = v["serving_speed"]  # the same first turns served with and without the draft
     assert [r["concurrency"] for r in sp["draft"]] == [r["concurrency"] for r in sp["plain"]] == [1, 2]
@@ -206,9 +211,9 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     # rewrite its log) and reports what the first run measured.
     logs = {p: p.stat().st_mtime_ns for p in (tmp_path / "eval" / "vllm").glob("vllm*.log")}
     assert len(logs) == 2
-    again = evaluate_draft(str(target.path), draft_dir, qfile, tmp_path / "eval", engine="both", k=K,
-                           max_new_tokens=32, vllm="0.32.0", progress=False, speed_concurrency=[1, 2],
-                           speed_min_seconds=0)
+    again = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, prompts=qfile, out=tmp_path / "eval",
+                                    engine="both", k=K, max_new_tokens=32, vllm="0.32.0", progress=False,
+                                    speed_concurrency=[1, 2], speed_min_seconds=0))
     assert {p: p.stat().st_mtime_ns for p in logs} == logs
     assert again["vllm"]["serving_speed"] == sp and again["vllm"]["wall_seconds_this_run"] == 0.0
     assert again["vllm"]["overall"] == v["overall"] and again["vllm"]["vllm_version"] == "0.32.0"

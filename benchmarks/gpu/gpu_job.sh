@@ -72,7 +72,7 @@ case $STEP in
   park) ;;
   base)
     step extract-hf eyas extract --backend hf --device cuda --data "$PREP" --out "$SHM/hf" --layers $LAYERS &&
-    step train eyas train --data "$PREP" --store "$SHM/hf" --out "$J/run" --tokens-per-batch 2048 \
+    step train eyas train --data "$PREP" --features offline --store "$SHM/hf" --out "$J/run" --tokens-per-batch 2048 \
       --batch-size 16 --warmup 100 --device cuda --precision bf16 --compile --epochs 3 --save-every 500 \
       --ttt-steps 7 --lr 3e-4 --fused-loss --loss-chunk 16384 &&
     step export eyas export "$J/run/draft" --format vllm --out "$J/export" -k $K

@@ -462,7 +462,8 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
 
 def eyas_train(r: Runner, a, name: str, data: Path, store: Path, extra: list[str], steps: int,
                save_every: int) -> list[str]:
-    return r.eyas("train", "--target", a.target, "--data", data, "--store", store, "--out", Path(a.work) / name,
+    return r.eyas("train", "--target", a.target, "--data", data, "--features", "offline", "--store", store,
+                  "--out", Path(a.work) / name,
                   "--device", _device(a), "--max-steps", steps, "--eval-every", 0,
                   "--save-every", save_every, *extra)
 

@@ -7,8 +7,7 @@ drift apart: :func:`validate` checks every key against the dataclass and names t
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -16,45 +15,10 @@ from typing import Any
 import yaml
 
 from eyas.errors import EyasError
+# a section per stage: its settings dataclass, less the fields the pipeline wires itself (WIRED)
+from eyas.stages import STAGES, WIRED, PipelineConfig, stage_settings
 
-# section -> "module:Dataclass". Fields the pipeline wires itself (paths between stages, the
-# target) are listed in WIRED and must not appear in a config.
-STAGES: dict[str, str] = {
-    "prepare": "eyas.data.config:PrepareOptions",
-    "extract": "eyas.extract.config:ExtractConfig",
-    "train": "eyas.train.config:TrainConfig",
-    "export": "eyas.export.config:ExportConfig",
-    "evaluate": "eyas.evaluate.config:EvaluateConfig",
-}
-WIRED: dict[str, set[str]] = {
-    "prepare": {"target", "out", "progress"},
-    "extract": {"target", "data", "out", "progress", "plan_only"},
-    "train": {"target", "data", "store", "out", "online", "features", "progress", "resume"},
-    "export": {"ckpt", "target", "out", "overwrite", "speed_report"},  # the card: after evaluate
-    "evaluate": {"target", "draft", "out", "progress", "vllm_draft"},
-}
 TOP_LEVEL = {"target", "workdir", "features", "launcher", *STAGES}
-
-
-@dataclass
-class PipelineConfig:
-    target: str
-    workdir: Path
-    # online: no extraction store; offline: extract, then train from the store; vllm: no store, a vLLM
-    # engine makes the features as training goes (the train section's feature_* settings)
-    features: str = "online"
-    launcher: dict[str, Any] = field(default_factory=dict)  # e.g. {"nproc_per_node": 8} -> torchrun
-    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
-    source: str = "<default>"
-
-    def section(self, name: str) -> dict[str, Any]:
-        return dict(self.sections.get(name) or {})
-
-
-def stage_settings(section: str) -> type:
-    """The settings dataclass of ``section``."""
-    module, name = STAGES[section].split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def default_config_text() -> str:

@@ -1,8 +1,10 @@
 """`eyas pipeline [CONFIG]`: prepare -> (extract) -> train -> export -> evaluate, resumable.
 
-Every stage writes into ``workdir/<stage>`` and is itself idempotent (a complete output is
-checked and skipped, an interrupted one resumed), so the pipeline simply runs each stage in
-order; re-running after a crash continues where it stopped.
+The stages are declared in :mod:`eyas.stages`; the pipeline makes every stage's settings before
+anything runs, records what made each output (``pipeline-config.json``), refuses to mix settings
+over expensive outputs, and runs the stages in order. Every stage writes into its folder of the
+workdir and is itself idempotent (a complete output is checked and skipped, an interrupted one
+resumed), so re-running after a crash continues where it stopped.
 """
 
 from __future__ import annotations
@@ -11,10 +13,7 @@ import contextlib
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from rich.console import Console
 from eyas.config import PipelineConfig, load_config
 from eyas.errors import EyasError
 from eyas.fsio import atomic_write_text, sha256_file
+from eyas.stages import Stage, build, evaluate_settings, folders, stage_names, upstream
 
 console = Console(stderr=True)
 
@@ -46,60 +46,30 @@ def _file_sha(spec: Any) -> str | None:
     return sha256_file(p) if p.is_file() else None
 
 
-def evaluate_settings(cfg: PipelineConfig) -> dict[str, Any]:
-    """The evaluate section, with its device: the section's own ``device``, else the train
-    section's (one machine runs both), else none (evaluate's default, auto)."""
-    ev = cfg.section("evaluate")
-    train_device = cfg.section("train").get("device")
-    if "device" not in ev and train_device is not None:
-        ev["device"] = train_device
-    return ev
-
-
-def train_settings(cfg: PipelineConfig) -> dict[str, Any]:
-    """The train section, with ``tau_max_new_tokens``: the section's own, else the evaluate section's
-    ``max_new_tokens``, so that the tau measured while training is that of the evaluation this
-    pipeline runs. The derived length is not part of train's record: it changes no weight, so a
-    changed evaluate section must not make the draft stale (tau.json names the length it used)."""
-    tr = cfg.section("train")
-    new_tokens = cfg.section("evaluate").get("max_new_tokens")
-    if "tau_max_new_tokens" not in tr and new_tokens is not None:
-        tr["tau_max_new_tokens"] = new_tokens
-    return tr
-
-
 def stage_records(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
     """Per stage: its settings (config section plus what it depends on) and a fingerprint that also
     covers the stage it reads from, so a change upstream makes everything after it stale."""
     prep = cfg.section("prepare")
     data = prep.get("data", ["sharegpt"])
     data = [data] if isinstance(data, str) else list(data)
+    ev = evaluate_settings(cfg)
     settings: dict[str, dict[str, Any]] = {
         "prepare": {"target": cfg.target, **prep},
+        "extract": cfg.section("extract"),
+        "train": {"features": cfg.features, "launcher": cfg.launcher, **cfg.section("train")},
+        "export": cfg.section("export"),
+        "evaluate": ev,
     }
-    inputs: dict[str, dict[str, Any]] = {"prepare": {"data_sha256": [_file_sha(d) for d in data]}}
-    upstream = {"prepare": None, "extract": "prepare", "train": "prepare", "export": "train",
-                "evaluate": "train"}
-    if cfg.features == "offline":
-        settings["extract"] = cfg.section("extract")
-        upstream["train"] = "extract"
-    settings["train"] = {"features": cfg.features, "launcher": cfg.launcher, **cfg.section("train")}
-    settings["export"] = cfg.section("export")
-    ev = evaluate_settings(cfg)
-    settings["evaluate"] = ev
-    inputs["evaluate"] = {"prompts_sha256": _file_sha(ev["prompts"]) if ev.get("prompts") else None}
+    inputs: dict[str, dict[str, Any]] = {
+        "prepare": {"data_sha256": [_file_sha(d) for d in data]},
+        "evaluate": {"prompts_sha256": _file_sha(ev["prompts"]) if ev.get("prompts") else None},
+    }
     out: dict[str, dict[str, Any]] = {}
-    for stage, st in settings.items():
-        up = upstream[stage]
+    for stage in stage_names(cfg):
+        st, up = settings[stage], upstream(cfg, stage)
         fp = _digest({"settings": st, "inputs": inputs.get(stage), "upstream": out[up]["fingerprint"] if up else None})
         out[stage] = {"fingerprint": fp, "settings": st, "inputs": inputs.get(stage, {}), "upstream": up}
     return out
-
-
-def _outputs(work: Path, stage: str, cfg: PipelineConfig) -> Path:
-    fmt = cfg.section("export").get("format", "vllm")
-    return work / {"prepare": "prepared", "extract": "store", "train": "train",
-                   "export": f"export-{fmt}", "evaluate": "eval"}[stage]
 
 
 def _diff(old: dict[str, Any], new: dict[str, Any], stage: str) -> list[str]:
@@ -137,11 +107,11 @@ def _only_answer_cache(prepared: Path) -> bool:
 def check_stale(cfg: PipelineConfig, records: dict[str, dict[str, Any]]) -> list[str]:
     """Refuse (EyasError) a guarded stage whose outputs on disk were made with other settings;
     returns the derived stages to redo."""
-    work = cfg.workdir
+    work, dirs = cfg.workdir, folders(cfg)
     old = _recorded(work)
     redo: list[str] = []
     for stage, rec in records.items():
-        out = _outputs(work, stage, cfg)
+        out = dirs[stage]
         if not out.exists() or (stage == "prepare" and _only_answer_cache(out)):
             continue  # a seeded answer cache: prepare checks its settings itself
         was = (old or {}).get(stage)
@@ -186,8 +156,9 @@ class _Records:
         old = _recorded(cfg.workdir) or {}
         self.old = old
         self.stages: dict[str, dict[str, Any]] = {}
+        dirs = folders(cfg)
         for stage, rec in records.items():  # keep the records of outputs that stay on disk
-            if stage in old and _outputs(cfg.workdir, stage, cfg).exists() and stage not in redo:
+            if stage in old and dirs[stage].exists() and stage not in redo:
                 self.stages[stage] = {**rec, **{k: old[stage][k] for k in ("status", "seconds", "runs")}}
         _write_record(cfg, self.stages)
 
@@ -222,18 +193,20 @@ class _Records:
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
-    """Run every stage of ``cfg``; returns the evaluation report (a dict).
+    """Run every stage of ``cfg``; returns the evaluation's reports (a dict).
 
-    Each stage's settings and fingerprint are recorded in ``workdir/pipeline-config.json`` when it
-    starts and marked done when it ends. A re-run whose prepare, extract or train settings differ
-    from the recorded ones is refused naming the fields, before anything runs; changed export or
-    evaluate settings redo those stages. Each stage consumes the one before: train the prepared data
-    (or extract's store), export train's draft, evaluate that export (vllm engine) and draft."""
+    Every stage's settings are made first (an error in any of them stops the job before anything
+    runs). Each stage's settings and fingerprint are recorded in ``workdir/pipeline-config.json``
+    when it starts and marked done when it ends. A re-run whose prepare, extract or train settings
+    differ from the recorded ones is refused naming the fields, before anything runs; changed export
+    or evaluate settings redo those stages. Each stage consumes the one before: train the prepared
+    data (or extract's store), export train's draft, evaluate that export (vllm engine) and draft."""
     from eyas.outdir import check_out, writer_lock
 
+    stages = build(cfg)
     check_out(cfg.workdir, flag="workdir", inputs={"the target": cfg.target})
     with writer_lock(cfg.workdir, flag="workdir", command="eyas pipeline"):
-        return _run_pipeline(cfg)
+        return _run_pipeline(cfg, stages)
 
 
 def _check_layers(cfg: PipelineConfig, target) -> None:
@@ -252,7 +225,7 @@ def _check_layers(cfg: PipelineConfig, target) -> None:
                 raise EyasError(f"config {cfg.source}: {section}.layers = {layers!r}: {e}. Nothing was run") from None
 
 
-def _run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
+def _run_pipeline(cfg: PipelineConfig, stages: list[Stage]) -> dict[str, Any]:
     from eyas.target import resolve_target
 
     work = cfg.workdir
@@ -261,139 +234,45 @@ def _run_pipeline(cfg: PipelineConfig) -> dict[str, Any]:
     _check_layers(cfg, resolve_target(cfg.target))  # converts a built-in target once, up front
     work.mkdir(parents=True, exist_ok=True)
     rec = _Records(cfg, records, redo)
+    by_name = {st.name: st for st in stages}
     if "evaluate" in redo:
         aside = work / f"eval.stale-{(rec.old.get('evaluate') or {}).get('fingerprint', 'unrecorded')}"
-        os.replace(work / "eval", aside)
+        os.replace(by_name["evaluate"].out, aside)
         console.print(f"evaluate: settings or draft changed; the earlier evaluation moved to {aside}")
     console.rule(f"eyas pipeline: target {cfg.target} -> {work}")
-    prepared = work / "prepared"
-    with rec.stage("prepare"):
-        _prepare(cfg, prepared)
-    store = None
-    if cfg.features == "offline":
-        from eyas.extract.run import run_extract
-
-        store = work / "store"
-        console.rule("extract")
-        with rec.stage("extract"):
-            run_extract(cfg.target, prepared, store, **cfg.section("extract"))
-    console.rule("train")
-    run_dir = work / "train"
-    draft = run_dir / "draft"
-    if (draft / "model.safetensors").is_file() and (draft / "config.json").is_file() and rec.done("train"):
-        console.print(f"train: {draft} exists, made with these settings; skipping (delete {run_dir} "
-                      "to train again)")
-    else:
-        with rec.stage("train"):
-            _train(cfg, prepared, store, run_dir)
-    console.rule("export")
-    with rec.stage("export"):
-        exported, vllm_ready = _export(cfg, draft)
-    console.rule("evaluate")
-    with rec.stage("evaluate"):
-        report = _evaluate(cfg, draft, exported if vllm_ready else None)
-        _card(exported, draft, report, work / "eval")
+    for st in stages:
+        console.rule(st.name)
+        if st.name == "train" and _draft_complete(st.out / "draft") and rec.done("train"):
+            console.print(f"train: {st.out / 'draft'} exists, made with these settings; skipping (delete "
+                          f"{st.out} to train again)")
+            continue
+        with rec.stage(st.name):
+            st.run(st.config)
+            if st.name == "evaluate":  # the export's card gains the serving speed evaluate measured
+                _card(by_name["export"].out, by_name["train"].out / "draft", st.out)
     timings = rec.write_timings()
     console.print(f"pipeline done in {sum(timings.values()):.0f} s over its runs: "
                   + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
-    from eyas.evaluate.report import summary_lines
+    from eyas.evaluate.run import read_reports
 
-    for line in summary_lines(report, work / "eval"):
-        console.print(line, markup=False, highlight=False)
-    return report
+    return read_reports(by_name["evaluate"].config)
 
 
-def _prepare(cfg: PipelineConfig, prepared: Path) -> None:
-    from eyas.data.prepare import PrepareOptions, RegenerateOptions, prepare
-
-    prep = cfg.section("prepare")
-    regen = prep.pop("regenerate", None)
-    if regen is True:
-        regen = {}
-    if isinstance(prep.get("data"), str):
-        prep["data"] = [prep["data"]]
-    if prep.get("chat_template"):
-        prep["chat_template"] = Path(prep["chat_template"])
-    opts = PrepareOptions(out=prepared, target=cfg.target,
-                          regenerate=RegenerateOptions(**regen) if isinstance(regen, dict) else None, **prep)
-    prepare(opts, log=lambda msg: console.print(f"[dim]prepare[/dim] {msg}"))
+def _draft_complete(draft: Path) -> bool:
+    return (draft / "model.safetensors").is_file() and (draft / "config.json").is_file()
 
 
-def _export(cfg: PipelineConfig, draft: Path) -> tuple[Path, bool]:
-    """The export stage; returns its directory and whether the vllm engine can serve it as it is
-    (a vllm-format export at the draft's own dtype)."""
-    from eyas.export.run import export_checkpoint
-
-    exp = cfg.section("export")
-    fmt = exp.pop("format", "vllm")
-    exported = cfg.workdir / f"export-{fmt}"
-    export_checkpoint(draft, fmt, exported, cfg.target, overwrite=True, **exp)
-    return exported, fmt == "vllm" and exp.get("dtype", "auto") == "auto"
-
-
-def _evaluate(cfg: PipelineConfig, draft: Path, vllm_draft: Path | None) -> dict[str, Any]:
-    """The evaluate stage. The vllm engine serves the export stage's output (checked to be an export
-    of this very draft) instead of exporting the draft a second time."""
-    from eyas.evaluate.run import evaluate_draft
-
-    ev = evaluate_settings(cfg)
-    if "prompts" in ev:
-        ev["prompts"] = Path(ev["prompts"])
-    if vllm_draft is not None:
-        ev["vllm_draft"] = vllm_draft
-    return evaluate_draft(cfg.target, draft, out=cfg.workdir / "eval", **ev)
-
-
-def _card(exported: Path, draft: Path, reports: dict[str, Any], eval_dir: Path) -> None:
+def _card(exported: Path, draft: Path, eval_dir: Path) -> None:
     """The export's model card again, now with the evaluation's serving speed and best k, where the
     vllm engine timed it. Each stage writes only its own folder; the pipeline owns both, so it is
     the one that puts evaluate's result into the export stage's card (through the export module)."""
     from eyas.evaluate.report import REPORT_NAME
     from eyas.export.card import write_card
 
-    if ((reports.get("vllm") or {}).get("serving_speed") or {}).get("plain"):
-        path = write_card(exported, draft, eval_dir / "vllm" / REPORT_NAME)
-        console.print(f"export: model card {path} with the serving speed of {eval_dir / 'vllm' / REPORT_NAME}")
-
-
-def _train(cfg: PipelineConfig, prepared: Path, store: Path | None, run_dir: Path) -> None:
-    from eyas.train.trainer import TrainConfig, train
-
-    resume = (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
-    tc = TrainConfig(target=cfg.target, data=str(prepared), out=str(run_dir),
-                     store=str(store) if store else None, online=cfg.features == "online",
-                     features="vllm" if cfg.features == "vllm" else None, resume=resume,
-                     **train_settings(cfg))
-    nproc = int(cfg.launcher.get("nproc_per_node", 1))
-    if nproc <= 1 and int(cfg.launcher.get("nnodes", 1)) <= 1:
-        train(tc)
-        return
-    # Several processes: torchrun launches them; each reads the same TrainConfig.
-    run_dir.mkdir(parents=True, exist_ok=True)
-    spec = run_dir / "train-config.json"
-    spec.write_text(json.dumps(asdict(tc), default=str))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--nnodes={cfg.launcher.get('nnodes', 1)}"]
-    if "rdzv_endpoint" in cfg.launcher:
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={cfg.launcher['rdzv_endpoint']}"]
-    if "node_rank" in cfg.launcher:
-        cmd += [f"--node-rank={cfg.launcher['node_rank']}"]
-    cmd += ["-m", "eyas.pipeline", str(spec)]
-    console.print("train: " + " ".join(cmd))
-    res = subprocess.run(cmd)
-    if res.returncode != 0:
-        raise EyasError(f"torchrun training exited with {res.returncode}; fix the error above and "
-                        "re-run `eyas pipeline` (training resumes from its last checkpoint)")
-
-
-def _train_from_spec(path: str) -> None:
-    """Entry point for each torchrun process."""
-    from eyas.train.trainer import TrainConfig, train
-
-    data = json.loads(Path(path).read_text())
-    if isinstance(data.get("betas"), list):
-        data["betas"] = tuple(data["betas"])
-    train(TrainConfig(**data))
+    report = eval_dir / "vllm" / REPORT_NAME
+    if report.is_file() and (json.loads(report.read_text()).get("serving_speed") or {}).get("plain"):
+        path = write_card(exported, draft, report)
+        console.print(f"export: model card {path} with the serving speed of {report}")
 
 
 def register(app: typer.Typer) -> None:
@@ -415,6 +294,3 @@ def register(app: typer.Typer) -> None:
             cfg.workdir = workdir
         run_pipeline(cfg)
 
-
-if __name__ == "__main__":
-    _train_from_spec(sys.argv[1])

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import json
 import types
 import typing
 from typing import Any, Callable
@@ -27,15 +28,18 @@ MISSING = dataclasses.MISSING
 
 def setting(default: Any = MISSING, help: str = "", *flags: str, check: Any = None,
             parse: Callable[[Any], Any] | None = None, cli_type: Any = None, cli: bool = True,
-            factory: Callable[[], Any] | None = None) -> Any:
+            factory: Callable[[], Any] | None = None, aliases: dict[str, Any] | None = None) -> Any:
     """A dataclass field with its help, range and CLI spelling.
 
     ``flags``: typer's declarations where the flag is not ``--field-name`` (``"--heldout"``,
     ``"-k", "--num-speculative-tokens"``, ``"--progress/--quiet"``); ``check``: an
     :class:`eyas.checks.Range`; ``parse``: turns the CLI's text into the field's value (``cli_type``
     is then what typer reads, usually ``str``); ``cli=False``: not on the command line (set by the
-    caller, e.g. the pipeline). A list or dict default is copied per instance."""
-    md = {"help": help, "flags": flags, "check": check, "parse": parse, "cli_type": cli_type, "cli": cli}
+    caller, e.g. the pipeline); ``aliases``: on/off flags that are short for one value of this
+    setting (``{"--online": "online"}``: ``--online`` is ``--features online``), declared here and
+    nowhere else. A list or dict default is copied per instance."""
+    md = {"help": help, "flags": flags, "check": check, "parse": parse, "cli_type": cli_type, "cli": cli,
+          "aliases": dict(aliases or {})}
     if factory is None and isinstance(default, (list, dict)):
         def copy_of_default(d: Any = default) -> Any:  # bound here: each setting copies its own default
             return copy.deepcopy(d)
@@ -106,11 +110,11 @@ def command(app: Any, name: str, cls: type, run: Callable[..., Any], *, position
             missing: str = "", intercept: Callable[..., bool] | None = None, doc: str | None = None) -> None:
     """Add ``eyas <name>``: one option per field of ``cls`` (a field holding a dataclass, such as
     ``PrepareOptions.regenerate``, becomes an on/off flag plus that dataclass's own options), then
-    ``run(cls(**values), **extras)``.
+    ``run(cls(**values))``.
 
     ``positional``: fields read as arguments; ``loose``: required fields the command lets through
     empty until ``intercept`` has run, then refuse with ``missing``; ``extra``: CLI-only parameters
-    (name -> (annotation, typer.Option(...))) handed to ``run`` as keywords; ``intercept(**extras)``
+    (name -> (annotation, typer.Option(...))) handed to ``intercept`` as keywords; ``intercept(**extras)``
     runs first and, returning True, ends the command there (``eyas extract --verify STORE``)."""
     hints = typing.get_type_hints(cls)
     params: list[inspect.Parameter] = []
@@ -135,6 +139,7 @@ def command(app: Any, name: str, cls: type, run: Callable[..., Any], *, position
             nested[f.name] = (inner, names)
             continue
         params.append(_option(f, hints[f.name], f.name in positional, f.name not in loose))
+        params += _alias_options(cls, f)
     for pname, (annotation, info) in (extra or {}).items():
         params.append(inspect.Parameter(pname, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation))
     # typer orders arguments by position in the signature: put them first
@@ -143,6 +148,7 @@ def command(app: Any, name: str, cls: type, run: Callable[..., Any], *, position
 
     def callback(**given: Any) -> Any:
         extras = {k: given.pop(k) for k in list(given) if k in (extra or {})}
+        _apply_aliases(cls, given)
         if intercept is not None and intercept(**extras):
             return None
         if any(given.get(k) is None for k in loose):
@@ -155,13 +161,66 @@ def command(app: Any, name: str, cls: type, run: Callable[..., Any], *, position
             on = given.pop(fname)
             values[fname] = inner(**_parsed(inner, sub)) if on else None
         values.update(_parsed(cls, {k: v for k, v in given.items() if k in by_name}))
-        return run(cls(**values), **extras)
+        return run(cls(**values))
 
     callback.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     callback.__annotations__ = {}
     callback.__doc__ = _literal(doc or (run.__doc__ or "").strip().split("\n\n")[0])
     callback.__name__ = name.replace("-", "_")
     app.command(name)(callback)
+
+
+def _alias_name(field: str, value: Any) -> str:
+    return f"{field}__is__{value}"
+
+
+def _alias_options(cls: type, f: dataclasses.Field) -> list[inspect.Parameter]:
+    """One on/off option per alias of field ``f``; its help names the setting it is short for."""
+    import typer
+
+    return [inspect.Parameter(_alias_name(f.name, value), inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+                              default=typer.Option(False, alias, help=f"Short for {flag(cls, f.name)} {value}."))
+            for alias, value in f.metadata.get("aliases", {}).items()]
+
+
+def _apply_aliases(cls: type, given: dict[str, Any]) -> None:
+    """Turn the aliases given on the command line into their setting's value, in ``given``; an alias
+    that contradicts the setting given beside it is refused."""
+    for f in dataclasses.fields(cls):
+        for alias, value in f.metadata.get("aliases", {}).items():
+            if not given.pop(_alias_name(f.name, value), False):
+                continue
+            if given.get(f.name) not in (None, value):
+                from eyas.errors import EyasError
+
+                raise EyasError(f"{alias} is short for {flag(cls, f.name)} {value}; it does not go with "
+                                f"{flag(cls, f.name)} {given[f.name]}: pass one of them")
+            given[f.name] = value
+
+
+def to_json(obj: Any) -> str:
+    """A settings dataclass as JSON, which :func:`from_json` reads back into an equal one (paths and
+    tuples as text and lists: the class's own checks turn them back)."""
+    return json.dumps(dataclasses.asdict(obj), default=str)
+
+
+def from_json(cls: type, text: str) -> Any:
+    """The ``cls`` that :func:`to_json` wrote."""
+    return from_values(cls, json.loads(text))
+
+
+def from_values(cls: type, values: dict[str, Any]) -> Any:
+    """``cls`` from plain values (a YAML section, JSON). A field that holds a dataclass takes a
+    mapping of its fields, ``true`` for its defaults, or ``false``/null for none; every other value
+    is the class's own to check and convert (``__post_init__``: text to a path, a list to a tuple)."""
+    hints = typing.get_type_hints(cls)
+    out = dict(values)
+    for key, value in values.items():
+        inner = nested_class(hints.get(key))
+        if inner is not None:
+            out[key] = (inner(**value) if isinstance(value, dict) else inner() if value is True
+                        else None if value in (False, None) else value)
+    return cls(**out)
 
 
 def _parsed(cls: type, given: dict[str, Any]) -> dict[str, Any]:

@@ -3,23 +3,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from eyas.data.config import PrepareOptions
 from eyas.settings import command
 
 
-def _run(opts: PrepareOptions) -> None:
+def _run(cfg: PrepareOptions) -> Path:
     """Render conversations with the target's chat template, mask assistant tokens, build the draft vocab."""
-    from rich.console import Console
+    from eyas.data.prepare import run  # imported when the command runs: `eyas --help` stays quick
 
-    from eyas.data.prepare import prepare, summary_lines
-
-    console = Console(stderr=True)
-    manifest = prepare(opts, log=lambda s: console.print(s, soft_wrap=True, markup=False))
-    for line in summary_lines(manifest):
-        console.print(line, soft_wrap=True, markup=False, highlight=False)
-    console.print(f"[green]prepared dataset:[/green] {opts.out} ({manifest['seconds']} s)")
+    return run(cfg)
 
 
 def register(app: typer.Typer) -> None:

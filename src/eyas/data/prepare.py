@@ -182,10 +182,25 @@ def _check_out_dir(out: Path, settings: dict[str, Any]) -> str:
     return "new"
 
 
+def run(cfg: PrepareOptions) -> Path:
+    """The prepare stage's entry point (`eyas prepare`, the pipeline): :func:`prepare`, then its
+    summary on stderr; returns the dataset directory."""
+    import sys
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    manifest = prepare(cfg, log=log)
+    for line in summary_lines(manifest):
+        log(line)
+    log(f"prepared dataset: {cfg.out} ({manifest['seconds']} s)")
+    return Path(cfg.out)
+
+
 def prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
-    """Run the prepare stage; returns the manifest (which holds the summary counts). ``--out`` is
-    checked first (a folder this process can write, apart from the inputs) and held by this process
-    alone while it is written."""
+    """The prepare stage, returning its manifest (which holds the summary counts) for callers that
+    want the figures; :func:`run` is the stage's entry point. ``--out`` is checked first (a folder
+    this process can write, apart from the inputs) and held by this process alone while it is written."""
     from eyas.outdir import check_out, writer_lock
 
     inputs = {f"the --data input {d}": d for d in opts.data}

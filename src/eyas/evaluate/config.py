@@ -11,7 +11,8 @@ from eyas.evaluate.prompts import DEFAULT_PROMPTS
 from eyas.settings import setting
 
 # the settings with a fixed set of values (checked against these by eyas.checks)
-Engine = Literal["builtin", "vllm", "both", "replay"]
+Engine = Literal["builtin", "vllm", "both", "replay"]  # both: builtin, then vllm, compared
+EngineName = Literal["builtin", "vllm", "replay"]  # the keys of eyas.evaluate.engines.ENGINES
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 

@@ -13,18 +13,20 @@ from eyas.errors import EyasError
 from eyas.evaluate.config import EvaluateConfig
 
 
-def evaluate_draft(target_spec: str, draft_dir: Path, prompts: Path | None = None, out: Path | None = None,
-                   **settings: Any) -> dict[str, Any]:
-    """:func:`evaluate` with the settings as keywords (the fields of :class:`EvaluateConfig`); ``prompts``
-    and ``out`` None: their defaults."""
-    given = {"prompts": prompts, "out": out}
-    return evaluate(EvaluateConfig(target=target_spec, draft=Path(draft_dir), **settings,
-                                   **{k: Path(v) for k, v in given.items() if v is not None}))
+def run(cfg: EvaluateConfig) -> Path:
+    """The evaluate stage's entry point (`eyas evaluate`, the pipeline): :func:`evaluate`, then its
+    summary on stdout; returns the output directory (OUT/<engine>/report.json, plots, records)."""
+    from eyas.evaluate.report import summary_lines
+
+    for line in summary_lines(evaluate(cfg), cfg.out):
+        print(line, flush=True)
+    return Path(cfg.out)
 
 
 def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     """:func:`run_evaluation` with ``out`` checked first (a folder this process can write, apart from
-    the inputs) and held by this process alone while it is written."""
+    the inputs) and held by this process alone while it is written; returns the reports for callers
+    that want the figures (:func:`run` is the stage's entry point)."""
     from eyas.outdir import check_out, writer_lock
 
     check_out(cfg.out, inputs={"the --draft": cfg.draft, "the --prompts file": cfg.prompts,
@@ -40,103 +42,111 @@ def run_evaluation(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None
     ``device`` (auto: cuda when there is a GPU, else cpu) is where the builtin engine runs the HF
     target and the draft; vLLM runs where its build runs. ``dtype`` auto is bfloat16 on CUDA and
     float32 on the CPU, for both engines. ``vllm_draft``: an already exported vLLM-format directory
-    of ``draft_dir`` (the pipeline's export stage), checked to be an export of that draft; without
+    of the draft (the pipeline's export stage), checked to be an export of that draft; without
     it the vllm engine exports one into OUT/vllm/draft-vllm. ``speed_concurrency`` (vllm engine):
     also time vLLM serving the first turns with and without the draft at each of these numbers of
     concurrent requests (report's ``serving_speed``), at -k and every ``also_k`` (:func:`_also_k`:
     ``plain_speed`` hands those runs the -k run's serving without the draft)."""
-    from eyas.data.chat import stop_token_ids
-    from eyas.evaluate.prompts import read_questions
-    from eyas.draft.checks import check_against_target, load_checkpoint
-    from eyas.evaluate.replay import references_path
+    from eyas.evaluate.engines import ENGINES, engines_of
     from eyas.evaluate.report import build_report, write_report
-    from eyas.target import resolve_target
 
-    target_spec, draft_dir, prompts, out, engine = cfg.target, cfg.draft, cfg.prompts, cfg.out, cfg.engine
-    k, temperature, max_new_tokens, dtype, seed = cfg.k, cfg.temperature, cfg.max_new_tokens, cfg.dtype, cfg.seed
-    max_prompts, max_per_category, vllm_draft, progress = (cfg.max_prompts, cfg.max_per_category, cfg.vllm_draft,
-                                                           cfg.progress)
-    if k < 1:
-        raise EyasError(f"-k {k}: need at least one draft token per step")
-    speed_concurrency = list(cfg.speed_concurrency or ())
-    if any(n < 1 for n in cfg.also_k):
-        raise EyasError(f"--also-k {cfg.also_k}: each needs at least one draft token per step")
-    if any(c < 1 for c in speed_concurrency):
-        raise EyasError(f"--speed-concurrency {speed_concurrency}: each must be at least 1 request")
-    if speed_concurrency and engine in ("builtin", "replay"):
-        raise EyasError("--speed-concurrency times vLLM serving: use it with --engine vllm or both")
-    if engine == "replay" and temperature > 0:
-        raise EyasError(f"--engine replay --temperature {temperature}: replay measures greedy acceptance "
-                        "only (with sampling the output depends on the draft); use --engine builtin or vllm")
-    from eyas.device import resolve_device
-
-    device = resolve_device(cfg.device)  # a bad spelling or a missing GPU stops here, before any model
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    target = resolve_target(target_spec)
-    ckpt = load_checkpoint(draft_dir)
-    check_against_target(ckpt, target.config(), target.identity, f"target {target_spec!r}")
-    if vllm_draft is not None and engine in ("vllm", "both"):
-        check_export_of(Path(vllm_draft), Path(draft_dir))
-    questions = read_questions(prompts, max_prompts, max_per_category)
-    tokenizer = target.load_tokenizer()
-    stop_ids = set(stop_token_ids(tokenizer, target.path))
-    _warn_past_context(questions, tokenizer, target.config(), max_new_tokens, prompts)
-    meta = {**_training_tau(Path(draft_dir), k), "target": target.identity, "target_name": target_spec,
-            "draft": str(draft_dir),
-            "prompts": str(prompts), "temperature": temperature, "max_new_tokens": max_new_tokens,
-            "dtype": dtype, "device": device, "seed": seed, "max_prompts": max_prompts,
-            "max_per_category": max_per_category}
-    from eyas.fsio import sha256_file
-
-    # the draft's content, not only its path: a draft retrained in place never reuses old records
-    # (and `eyas export --speed-report` checks that a report is of the draft it exports)
-    meta["draft_sha256"] = sha256_file(Path(draft_dir) / "model.safetensors")
-    settings_base = {"target_id": target.id, "draft": str(Path(draft_dir).resolve()),
-                     "draft_sha256": meta["draft_sha256"], "k": k,
-                     "temperature": temperature, "max_new_tokens": max_new_tokens, "dtype": dtype,
-                     "seed": seed, "prompts": str(Path(prompts).resolve()),
-                     # the prompts' content too: a file rewritten in place never reuses old answers
-                     "prompts_sha256": sha256_file(Path(prompts)), "device": device.split(":")[0]}
+    _check_choices(cfg)
+    ctx, meta = _context(cfg, plain_speed)
+    out, k, draft = Path(cfg.out), cfg.k, Path(cfg.draft)
     reports: dict[str, Any] = {}
-    engines = ["builtin", "vllm"] if engine == "both" else [engine]
-    for name in engines:
-        sub = Path(out) / name
+    for name in engines_of(cfg.engine):
+        sub = out / name
         sub.mkdir(parents=True, exist_ok=True)
-        settings = {**settings_base, "engine": name}
-        if name == "builtin":  # records without the baseline are not mixed with those that have it
-            settings["plain_baseline"] = cfg.compare_plain
-        if name == "replay":
-            ks = list(dict.fromkeys([k, *cfg.also_k]))
-            by_k, extra = _run_replay(target, draft_dir, questions, tokenizer, stop_ids, ks, max_new_tokens,
-                                      dtype, device, Path(cfg.references or references_path(out)),
-                                      settings_base, progress, cfg.batch_size)
-            records = by_k[k]
-            for other in ks[1:]:  # every k from the one pass, each into OUT/k<N>/ as --also-k lays out
-                rep = build_report(by_k[other], other, {"engine": name, **meta, **_training_tau(Path(draft_dir), other),
-                                                        **extra})
-                write_report(Path(out) / f"k{other}" / name, rep)
+        by_k, extra = ENGINES[name](cfg, replace(ctx, out=sub, settings={**ctx.settings, "engine": name}))
+        for other, records in by_k.items():  # replay: every k from its one pass, into OUT/k<N>/ as --also-k
+            if other != k:
+                rep = build_report(records, other, {"engine": name, **meta, **_training_tau(draft, other), **extra})
+                write_report(out / f"k{other}" / name, rep)
                 reports[f"k{other}"] = {name: rep}
-        elif name == "builtin":
-            records, extra = _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k,
-                                          temperature, max_new_tokens, dtype, seed, cfg.compare_plain,
-                                          sub, settings, progress, device, cfg.workers)
-        else:
-            # per-request acceptance read from the tokens per engine step, each stop round whole;
-            # records of the older one-request-at-a-time reading are not mixed with these
-            settings["acceptance_from"] = "engine steps"
-            records, extra = _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature,
-                                       max_new_tokens, dtype, seed, cfg.vllm, sub, settings, progress,
-                                       vllm_draft, speed_concurrency, cfg.in_flight, cfg.speed_min_seconds,
-                                       plain_speed)
-        report = build_report(records, k, {"engine": name, **meta, **extra})
+        report = build_report(by_k[k], k, {"engine": name, **meta, **extra})
         write_report(sub, report)
         reports[name] = report
     if "builtin" in reports and "vllm" in reports:
-        reports["comparison"] = _compare(reports["builtin"], reports["vllm"], Path(out))
-    if engine != "replay":
+        reports["comparison"] = _compare(reports["builtin"], reports["vllm"], out)
+    if cfg.engine != "replay":
         _also_k(cfg, reports, summarize=plain_speed is None)
     return reports
+
+
+def read_reports(cfg: EvaluateConfig) -> dict[str, Any]:
+    """The reports :func:`run_evaluation` returned for ``cfg``, read back from what it wrote in OUT."""
+    from eyas.evaluate.engines import engines_of
+    from eyas.evaluate.report import REPORT_NAME
+
+    out = Path(cfg.out)
+    reports: dict[str, Any] = {}
+    for other in dict.fromkeys(cfg.also_k) if cfg.engine == "replay" else ():  # from replay's one pass
+        if other != cfg.k:
+            reports[f"k{other}"] = {"replay": json.loads((out / f"k{other}" / "replay" / REPORT_NAME).read_text())}
+    for name in engines_of(cfg.engine):
+        reports[name] = json.loads((out / name / REPORT_NAME).read_text())
+    if cfg.engine == "both":
+        reports["comparison"] = json.loads((out / "comparison.json").read_text())
+    if cfg.engine != "replay":
+        for other in dict.fromkeys(cfg.also_k):
+            if other != cfg.k:
+                reports[f"k{other}"] = read_reports(replace(cfg, k=other, also_k=[], out=out / f"k{other}"))
+    return reports
+
+
+def _check_choices(cfg: EvaluateConfig) -> None:
+    """The settings that only some engines take, refused where the engine cannot use them."""
+    if cfg.k < 1:
+        raise EyasError(f"-k {cfg.k}: need at least one draft token per step")
+    if any(n < 1 for n in cfg.also_k):
+        raise EyasError(f"--also-k {cfg.also_k}: each needs at least one draft token per step")
+    if any(c < 1 for c in cfg.speed_concurrency):
+        raise EyasError(f"--speed-concurrency {cfg.speed_concurrency}: each must be at least 1 request")
+    if cfg.speed_concurrency and cfg.engine in ("builtin", "replay"):
+        raise EyasError("--speed-concurrency times vLLM serving: use it with --engine vllm or both")
+    if cfg.engine == "replay" and cfg.temperature > 0:
+        raise EyasError(f"--engine replay --temperature {cfg.temperature}: replay measures greedy acceptance "
+                        "only (with sampling the output depends on the draft); use --engine builtin or vllm")
+
+
+def _context(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None) -> tuple[Any, dict[str, Any]]:
+    """What every engine shares (:class:`~eyas.evaluate.engines.EngineContext`: the target, its
+    tokenizer, the questions, the records' settings), and the reports' common fields. The device,
+    the draft against the target and the vLLM export are checked before any model loads."""
+    from eyas.data.chat import stop_token_ids
+    from eyas.device import resolve_device
+    from eyas.draft.checks import check_against_target, load_checkpoint
+    from eyas.evaluate.engines import EngineContext
+    from eyas.evaluate.prompts import read_questions
+    from eyas.fsio import sha256_file
+    from eyas.target import resolve_target
+
+    draft, prompts = Path(cfg.draft), Path(cfg.prompts)
+    device = resolve_device(cfg.device)  # a bad spelling or a missing GPU stops here, before any model
+    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if device.startswith("cuda") else "float32"
+    target = resolve_target(cfg.target)
+    check_against_target(load_checkpoint(draft), target.config(), target.identity, f"target {cfg.target!r}")
+    if cfg.vllm_draft is not None and cfg.engine in ("vllm", "both"):
+        check_export_of(Path(cfg.vllm_draft), draft)
+    questions = read_questions(prompts, cfg.max_prompts, cfg.max_per_category)
+    tokenizer = target.load_tokenizer()
+    _warn_past_context(questions, tokenizer, target.config(), cfg.max_new_tokens, prompts)
+    # the draft's content, not only its path: a draft retrained in place never reuses old records
+    # (and `eyas export --speed-report` checks that a report is of the draft it exports)
+    draft_sha256 = sha256_file(draft / "model.safetensors")
+    meta = {**_training_tau(draft, cfg.k), "target": target.identity, "target_name": cfg.target,
+            "draft": str(cfg.draft), "prompts": str(cfg.prompts), "temperature": cfg.temperature,
+            "max_new_tokens": cfg.max_new_tokens, "dtype": dtype, "device": device, "seed": cfg.seed,
+            "max_prompts": cfg.max_prompts, "max_per_category": cfg.max_per_category, "draft_sha256": draft_sha256}
+    settings = {"target_id": target.id, "draft": str(draft.resolve()), "draft_sha256": draft_sha256, "k": cfg.k,
+                "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "dtype": dtype,
+                "seed": cfg.seed, "prompts": str(prompts.resolve()),
+                # the prompts' content too: a file rewritten in place never reuses old answers
+                "prompts_sha256": sha256_file(prompts), "device": device.split(":")[0]}
+    ctx = EngineContext(target=target, tokenizer=tokenizer, questions=questions,
+                        stop_ids=set(stop_token_ids(tokenizer, target.path)), device=device, dtype=dtype,
+                        out=Path(cfg.out), settings=settings, plain_speed=plain_speed)
+    return ctx, meta
 
 
 def _also_k(cfg: EvaluateConfig, reports: dict[str, Any], summarize: bool = True) -> None:
@@ -179,172 +189,6 @@ def _warn_past_context(questions, tokenizer, target_config: dict[str, Any], max_
               f"--max-new-tokens {max_new_tokens}, exceeds the target's context of {ctx:,} tokens "
               f"(max_position_embeddings), e.g. question {qid}: {n:,} tokens; their answers are cut off or "
               "wrong. Shorten those questions or leave them out", file=sys.stderr, flush=True)
-
-
-def _run_builtin(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
-                 dtype, seed, compare_plain, sub, settings, progress, device="cpu", workers=1):
-    import time
-
-    import torch
-
-    from eyas.evaluate.runner import run_questions
-
-    from eyas.evaluate.workers import BuiltinPool, build_engine
-
-    start = time.perf_counter()
-    if workers > 1:
-        pool = BuiltinPool(workers, target, draft_dir, k, temperature, seed, compare_plain, dtype, device,
-                           max_new_tokens, stop_ids)
-        try:
-            records = run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, sub / "records.jsonl",
-                                    settings, progress, pool=pool)
-        except BaseException:  # stopped (SIGINT) or failed: the questions in flight are redone on resume
-            pool.close(now=True)
-            raise
-        pool.close()
-    else:
-        eng = build_engine(target, draft_dir, k, temperature, seed, compare_plain, dtype, device)
-        try:
-            records = run_questions(eng, questions, tokenizer, max_new_tokens, stop_ids,
-                                    sub / "records.jsonl", settings, progress)
-        finally:
-            eng.close()
-    # with workers the per-record seconds overlap: this run's wall clock is the throughput to quote
-    extra = {"torch_threads": torch.get_num_threads(), "workers": workers,
-             "wall_seconds_this_run": round(time.perf_counter() - start, 1)}
-    if device.startswith("cuda"):
-        extra["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return records, extra
-
-
-def _run_replay(target, draft_dir, questions, tokenizer, stop_ids, ks, max_new_tokens, dtype, device,
-                refs_path: Path, settings_base, progress, batch_size):
-    """The replay engine: the target's greedy answers (made once, kept in ``refs_path``), then every k
-    of ``ks`` from one unroll of the draft over them; returns ({k: records}, report extras)."""
-    import time
-
-    import torch
-
-    from eyas.draft.model import Eagle3Draft
-    from eyas.evaluate.replay import reference_settings, replay, target_references
-
-    torch_dtype = getattr(torch, dtype)
-    start = time.perf_counter()
-    model = target.load_model(dtype=torch_dtype, device=device)
-    ref_settings = reference_settings(settings_base["target_id"], max_new_tokens, dtype, settings_base["prompts"],
-                                      device, ks, settings_base.get("prompts_sha256"))
-    refs = target_references(model, tokenizer, questions, stop_ids, max_new_tokens, refs_path, ref_settings,
-                             batch_size, progress)
-    answered = time.perf_counter()
-    draft = Eagle3Draft.from_pretrained(Path(draft_dir), device=device, dtype=torch_dtype, target_dir=target.path)
-    by_k = replay(model, draft, refs, ks, max_new_tokens, stop_ids, progress)
-    extra = {"references": str(refs_path), "batch_size": batch_size,
-             "references_seconds_this_run": round(answered - start, 1),
-             "replay_seconds": round(time.perf_counter() - answered, 1)}
-    if device.startswith("cuda"):
-        extra["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return by_k, extra
-
-
-SPEED_PROMPTS = 32  # first turns timed per concurrency (more when a concurrency is higher), round and round
-SPEED_MIN_WAVES = 3  # waves of `concurrency` requests that each serving-speed point runs at least
-
-
-RUN_STATE = "vllm-run.json"  # what a finished vLLM run found: a resumed one needs no engine
-
-
-def _run_vllm(target, draft_dir, questions, tokenizer, stop_ids, k, temperature, max_new_tokens,
-              dtype, seed, vllm, sub, settings, progress, vllm_draft=None, speed_concurrency=(), in_flight=64,
-              min_seconds=0.0, plain=None):
-    """The vllm engine's records, and its report extras: with ``speed_concurrency``, the serving speed
-    with the draft at each concurrency and, unless ``plain`` hands it in (the -k run's), without."""
-    import json
-    import time
-    import warnings
-
-    from eyas.evaluate.prompts import read_questions, render_turn
-    from eyas.evaluate.runner import run_questions, unanswered
-    from eyas.evaluate.vllm_metrics import VllmEngine, VllmPool, find_vllm_python
-    from eyas.export.run import export_checkpoint
-    from eyas.fsio import atomic_write_text
-
-    python = find_vllm_python(vllm)
-    speed_concurrency = list(speed_concurrency)
-    # the speed prompts come from the whole prompt file, so --max-prompts limits the acceptance run only
-    every = read_questions(Path(settings["prompts"]), None, None) if speed_concurrency else []
-    plan = {"prompts": min(len(every), max(SPEED_PROMPTS, *speed_concurrency)), "max_new_tokens": max_new_tokens,
-            "min_seconds": min_seconds, "min_waves": SPEED_MIN_WAVES} if speed_concurrency else {}
-    prompts = [render_turn(tokenizer, q, 0, []) for q in every[:plan.get("prompts", 0)]]
-    state_path = sub / RUN_STATE
-    saved = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    if saved.get("settings") != settings:
-        saved = {}
-    speed = saved.get("serving_speed")
-    if not speed_concurrency:
-        speed = None
-    elif speed and ([d["concurrency"] for d in speed["draft"]] != speed_concurrency
-                    or any(speed.get(key) != value for key, value in plan.items())):
-        speed = None  # measured with other prompts, lengths or durations
-    elif speed and plain is None and speed.get("plain_from"):  # an -k run's baseline: time this run's own
-        speed = {key: v for key, v in speed.items() if key not in ("plain", "plain_from", "speedup")}
-    timed = not speed_concurrency or bool(speed and (plain is not None or "plain" in speed))
-    if saved and timed and not unanswered(questions, sub / "records.jsonl", settings):
-        # every question answered and the serving speed measured by an earlier run: no engine to
-        # start (a cold vLLM start is minutes on a GPU)
-        records = run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, sub / "records.jsonl",
-                                settings, progress, pool=lambda todo: iter(()))
-        return records, {**saved["extra"], "serving_speed": _with_plain(speed, plain),
-                         "wall_seconds_this_run": 0.0}
-    if vllm_draft is not None:  # checked up front, in evaluate_draft
-        exported = Path(vllm_draft)
-    else:
-        exported = export_checkpoint(Path(draft_dir), "vllm", sub / "draft-vllm", str(target.path),
-                                     num_speculative_tokens=k, overwrite=True)
-    with VllmEngine(python, target.path, exported, k=k, dtype=dtype, seed=seed,
-                    log_path=sub / "vllm.log") as eng:
-        pool = VllmPool(eng, k, temperature, seed, tokenizer, max_new_tokens, stop_ids, in_flight)
-        start = time.perf_counter()
-        records = run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, sub / "records.jsonl",
-                                settings, progress, pool=pool)
-        wall = round(time.perf_counter() - start, 1)
-        info = dict(eng.info)
-        if pool.disagreed:
-            warnings.warn(f"vLLM {info.get('vllm')}: for {pool.disagreed} of {pool.checked} requests the drafts "
-                          "accepted per round, read from the tokens per engine step, differ from vLLM's own "
-                          "per-request counts; this evaluation's tau is not trustworthy on this version "
-                          "(please report it with vLLM's version)", stacklevel=2)
-        if speed_concurrency and not speed:
-            speed = {**plan, "what": "first turns, greedy, wall clock, waves of `concurrency` requests "
-                     "submitted together (the next once one is done), each point at least min_waves waves "
-                     "and min_seconds", "draft": [eng.speed(prompts, max_new_tokens, stop_ids, c, min_seconds,
-                                                             SPEED_MIN_WAVES) for c in speed_concurrency]}
-    if speed and plain is None and "plain" not in speed:
-        # the same prompts without the draft, once the draft's engine is gone
-        with VllmEngine(python, target.path, None, k=k, dtype=dtype, seed=seed,
-                        log_path=sub / "vllm-plain.log") as eng:
-            speed = _with_plain(speed, [eng.speed(prompts, max_new_tokens, stop_ids, c, min_seconds,
-                                                  SPEED_MIN_WAVES) for c in speed_concurrency], shared=False)
-    speed = _with_plain(speed, plain)
-    extra = {"vllm_version": info.get("vllm"), "vllm_python": str(python), "exported_draft": str(exported),
-             "in_flight": in_flight,
-             # requests of this run compared with vLLM's own per-request acceptance (0.31+)
-             "vllm_own_acceptance": {"compared": pool.checked, "differed": pool.disagreed}}
-    atomic_write_text(state_path, json.dumps({"settings": settings, "extra": extra, "serving_speed": speed},
-                                             indent=1))
-    return records, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall}
-
-
-def _with_plain(speed: dict[str, Any] | None, plain: list[dict[str, Any]] | None,
-                shared: bool = True) -> dict[str, Any] | None:
-    """``speed`` with ``plain`` as its serving without the draft and the speedup at each concurrency;
-    ``shared``: ``plain`` is the -k run's (timed once for every k), not this run's own."""
-    if not speed or plain is None:
-        return speed
-    speed = {**speed, "plain": plain, **({"plain_from": "the -k run"} if shared else {})}
-    speed["speedup"] = {str(d["concurrency"]): d["tokens_per_s"] / p["tokens_per_s"]
-                        for d, p in zip(speed["draft"], speed["plain"])
-                        if d["tokens_per_s"] and p["tokens_per_s"]}
-    return speed
 
 
 def _training_tau(draft_dir: Path, k: int) -> dict[str, Any]:

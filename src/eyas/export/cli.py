@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from eyas.export.config import ExportConfig
 from eyas.settings import command
 
 
-def _run(cfg: ExportConfig) -> None:
+def _run(cfg: ExportConfig) -> Path:
     """Export a trained draft for vLLM (speculators format) or SGLang (EAGLE-3 format)."""
-    from eyas.export.run import export
+    from eyas.export.run import run  # imported when the command runs: `eyas --help` stays quick
 
-    path = export(cfg)
-    typer.echo(f"wrote {cfg.format} draft to {path}, with its model card {path / 'README.md'}")
+    return run(cfg)
 
 
 def register(app: typer.Typer) -> None:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-
-from typing import Any
 
 from eyas.errors import EyasError
 from eyas.export.config import ExportConfig
@@ -12,14 +11,10 @@ from eyas.fsio import refuse_overlap
 from eyas.outdir import check_out, writer_lock
 
 
-def export_checkpoint(ckpt_dir: Path, fmt: str, out: Path, target_spec: str | None = None,
-                      **settings: Any) -> Path:
-    """:func:`export` with the settings as keywords (the fields of :class:`ExportConfig`)."""
-    return export(ExportConfig(ckpt=Path(ckpt_dir), format=fmt, out=Path(out), target=target_spec, **settings))
-
-
-def export(cfg: ExportConfig) -> Path:
-    """Check the draft against ``target_spec`` when given, then write the ``fmt`` directory.
+def run(cfg: ExportConfig) -> Path:
+    """The export stage's entry point (`eyas export`, the pipeline, evaluate's vllm engine): check the
+    draft against ``cfg.target`` when given, then write the ``cfg.format`` directory with its model
+    card; returns that directory.
 
     Without a target nothing is resolved (no download, no conversion): the verifier and the
     target's token ids come from what the draft recorded about its target at train time.
@@ -33,7 +28,10 @@ def export(cfg: ExportConfig) -> Path:
     check_out(out, inputs={"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier,
                            "the --speed-report": cfg.speed_report}, replaces=True)
     with writer_lock(out, command="eyas export"):
-        return _export(cfg, torch_dtype)
+        path = _export(cfg, torch_dtype)
+    print(f"wrote {cfg.format} draft to {path}, with its model card {path / 'README.md'}", file=sys.stderr,
+          flush=True)
+    return path
 
 
 def _export(cfg: ExportConfig, torch_dtype) -> Path:

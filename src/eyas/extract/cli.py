@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -50,22 +49,11 @@ def _verify(verify: Path | None = None, against: Path | None = None, min_cosine:
     return True
 
 
-def _run(cfg: ExtractConfig, **_: object) -> None:
+def _run(cfg: ExtractConfig) -> Path:
     """Run the target over a prepared dataset and store aux + final hidden states."""
-    from rich.console import Console
+    from eyas.extract.run import run  # imported when the command runs: `eyas --help` stays quick
 
-    from eyas.extract.run import extract
-
-    if cfg.plan_only:
-        cfg = dataclasses.replace(cfg, progress=False)
-    s = extract(cfg)
-    if cfg.plan_only:
-        print("\n".join(s["lines"]))  # stdout: the answer to --plan, for scripts too
-        return
-    Console(stderr=True).print(
-        f"stored {s['samples']} samples ({s['resumed_from']} were already there): {s['tokens']:,} tokens "
-        f"this run, {s['bytes'] / 1e9:.3f} GB, {s['bytes_per_token']:.0f} B/token, {s['seconds']:.1f} s, "
-        f"{s['tokens_per_s']:,.0f} tokens/s -> {cfg.out}")
+    return run(cfg)
 
 
 def register(app: typer.Typer) -> None:

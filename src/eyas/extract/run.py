@@ -21,7 +21,7 @@ import os
 import queue
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -261,14 +261,23 @@ def make_plan(tgt, ds, out: Path, fields: dict[str, Any], batch_tokens: int, dev
                        free_bytes=free, free_where=where, tokens_per_s=rate, rate_note=note)
 
 
-def run_extract(target: str, data: str | Path, out: str | Path, layers: list[int] | None = None,
-                **settings: Any) -> dict[str, Any]:
-    """:func:`extract` with the settings as keywords (the fields of :class:`ExtractConfig`)."""
-    return extract(ExtractConfig(target=target, data=Path(data), out=Path(out), layers=layers, **settings))
+def run(cfg: ExtractConfig) -> Path:
+    """The extract stage's entry point (`eyas extract`, the pipeline): :func:`extract`, then what it
+    stored on stderr; returns the store directory. ``plan_only``: the plan on stdout, nothing written."""
+    if cfg.plan_only:
+        s = extract(replace(cfg, progress=False))
+        print("\n".join(s["lines"]), flush=True)  # stdout: the answer to --plan, for scripts too
+        return Path(cfg.out)
+    s = extract(cfg)
+    print(f"stored {s['samples']} samples ({s['resumed_from']} were already there): {s['tokens']:,} tokens "
+          f"this run, {s['bytes'] / 1e9:.3f} GB, {s['bytes_per_token']:.0f} B/token, {s['seconds']:.1f} s, "
+          f"{s['tokens_per_s']:,.0f} tokens/s -> {cfg.out}", file=sys.stderr, flush=True)
+    return Path(cfg.out)
 
 
 def extract(cfg: ExtractConfig) -> dict[str, Any]:
-    """Fill (or finish) the store at ``cfg.out``; returns the summary (tokens, bytes, tokens/s).
+    """Fill (or finish) the store at ``cfg.out``; returns the summary (tokens, bytes, tokens/s) for
+    callers that want the figures (:func:`run` is the stage's entry point).
 
     Before any work it plans the bytes to write and the time (printed when ``progress``) and
     refuses when the filesystem of ``out`` has less free space. ``plan_only``: return the plan
@@ -285,45 +294,40 @@ def extract(cfg: ExtractConfig) -> dict[str, Any]:
 
 
 def _extract(cfg: ExtractConfig) -> dict[str, Any]:
-    from tqdm import tqdm
-
     from eyas.data.dataset import open_prepared
     from eyas.features.writer import check_resumable
     from eyas.target import resolve_target
 
-    target, data, out, layers, backend, dtype = cfg.target, cfg.data, cfg.out, cfg.layers, cfg.backend, cfg.dtype
-    model_dtype, progress, vllm_python = cfg.model_dtype, cfg.progress, cfg.vllm_python
-    fp8_group_size, plan_only, self_check = cfg.fp8_group_size, cfg.plan_only, cfg.self_check
-    _check_dtypes(dtype, fp8_group_size)
-    requested = backend
-    backend, why, vllm_version = resolve_auto_backend(backend, vllm_python)
-    if why and progress:
+    out = Path(cfg.out)
+    _check_dtypes(cfg.dtype, cfg.fp8_group_size)
+    backend, why, vllm_version = resolve_auto_backend(cfg.backend, cfg.vllm_python)
+    if why and cfg.progress:
         print(f"eyas extract: backend {why}", file=sys.stderr, flush=True)
     fill = _load_backend(backend)
-    tgt = resolve_target(target)
-    ds = open_prepared(data, tgt)
+    tgt = resolve_target(cfg.target)
+    ds = open_prepared(cfg.data, tgt)
     tcfg = tgt.config()
     text_cfg = tcfg.get("text_config", tcfg)
-    aux, final_id = resolve_layers(int(text_cfg["num_hidden_layers"]), layers)
+    aux, final_id = resolve_layers(int(text_cfg["num_hidden_layers"]), cfg.layers)
     device = resolve_device(cfg.device)
     on_cuda = device.startswith("cuda")
     batch_tokens = int(cfg.batch_tokens or (65536 if on_cuda else 4096))
-    # On CUDA the disk side is the bottleneck (4.6 kB/token): 16 writers beat 8 on the H200 host.
+    # On CUDA the disk side is the bottleneck: 16 writers beat 8 on the H200 host (benchmarks/extract_results.md).
     writers = int(cfg.writers or (min(16, os.cpu_count() or 16) if on_cuda else 2))
     hidden = int(text_cfg["hidden_size"])
     fields = {
         "target": tgt.identity, "aux_layers": aux, "final_layer": final_id,
-        "convention": CONVENTION, "dtype": dtype, "hidden_size": hidden,
-        "scale_groups": _scale_groups(dtype, hidden, fp8_group_size),
-        "prepared_id": ds.manifest.get("id"), "prepared_path": str(Path(data).resolve()),
+        "convention": CONVENTION, "dtype": cfg.dtype, "hidden_size": hidden,
+        "scale_groups": _scale_groups(cfg.dtype, hidden, cfg.fp8_group_size),
+        "prepared_id": ds.manifest.get("id"), "prepared_path": str(Path(cfg.data).resolve()),
         "num_samples": len(ds), "backend": backend, "plan": {"batch_tokens": batch_tokens},
     }
     check_resumable(out, fields)  # other settings are refused before the plan, as by the writer
-    plan = make_plan(tgt, ds, Path(out), fields, batch_tokens, device, backend,
-                     cfg.tensor_parallel_size * cfg.data_parallel_size, _stored_samples(Path(out)))
-    if plan_only:
+    plan = make_plan(tgt, ds, out, fields, batch_tokens, device, backend,
+                     cfg.tensor_parallel_size * cfg.data_parallel_size, _stored_samples(out))
+    if cfg.plan_only:
         return {"plan": plan.as_dict(), "lines": plan.lines()}
-    if progress:
+    if cfg.progress:
         print("eyas extract " + "\n".join(plan.lines()), file=sys.stderr, flush=True)
     plan.check_space()
     writer = StoreWriter(out, fields, shard_tokens=batch_tokens, num_writers=writers,
@@ -332,44 +336,14 @@ def _extract(cfg: ExtractConfig) -> dict[str, Any]:
         print(f"eyas extract: {out}: stored shard {bad} failed its checksum and is extracted again",
               file=sys.stderr, flush=True)
     todo = [i for i in range(len(ds)) if i not in writer.done]
-    checked_first = None
-    if self_check and todo and vllm_version is not None:
-        from eyas.extract.backends import vllm_tested
-        from eyas.extract.selfcheck import self_check as run_self_check
-
-        status = vllm_tested(vllm_version, backend)
-        if not status.tested:
-            try:
-                checked_first = run_self_check(target, tgt, ds, todo, self_check, backend, Path(out), aux,
-                                               device, model_dtype, vllm_python, cfg.tensor_parallel_size,
-                                               status.note)
-            except BaseException:
-                writer.abort()
-                raise
-    total = int(ds.lengths[todo].sum()) if todo else 0
-    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract ({backend}, {device})",
-               disable=not progress, smoothing=0.1)
-    start = time.perf_counter()
-    writer.on_commit = lambda rec: bar.update(rec["tokens"])
     job = ExtractJob(target=tgt, dataset=ds, todo=todo, writer=writer, aux_layers=aux,
-                     final_layer=final_id, dtype=dtype, device=device, batch_tokens=batch_tokens,
-                     options={"writers": writers, "model_dtype": model_dtype,
-                              "vllm_python": vllm_python, "vllm_requested": requested,
+                     final_layer=final_id, dtype=cfg.dtype, device=device, batch_tokens=batch_tokens,
+                     options={"writers": writers, "model_dtype": cfg.model_dtype,
+                              "vllm_python": cfg.vllm_python, "vllm_requested": cfg.backend,
                               "tensor_parallel_size": cfg.tensor_parallel_size,
                               "data_parallel_size": cfg.data_parallel_size})
-    try:
-        fill(job)
-        manifest = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        bar.close()
-    elapsed = time.perf_counter() - job.stats.get("t_first_batch", start)
-    if not manifest["complete"]:
-        missing = sorted(set(range(len(ds))) - writer.done)
-        raise EyasError(f"store {out}: backend {backend!r} left {len(missing)} samples unstored "
-                        f"(first {missing[:5]}); re-run to finish")
+    checked_first = _self_check_first(cfg, job, backend, vllm_version)
+    elapsed, manifest = _fill(fill, job, backend, out, cfg.progress)
     tokens = writer.tokens_written
     return {"tokens": tokens, "bytes": writer.bytes_written,
             "bytes_per_token": writer.bytes_written / tokens if tokens else 0.0,
@@ -378,3 +352,50 @@ def _extract(cfg: ExtractConfig) -> dict[str, Any]:
             "planned_shard_bytes": plan.shard_bytes_todo,
             "self_check": checked_first}
 
+
+def _self_check_first(cfg: ExtractConfig, job: ExtractJob, backend: str,
+                      vllm_version: str | None) -> dict[str, Any] | None:
+    """The self-check of a vLLM backend on a version eyas has not tested (:mod:`eyas.extract.selfcheck`);
+    None where it does not run. A failed check leaves the store as it was."""
+    if not (cfg.self_check and job.todo and vllm_version is not None):
+        return None
+    from eyas.extract.backends import vllm_tested
+    from eyas.extract.selfcheck import self_check
+
+    status = vllm_tested(vllm_version, backend)
+    if status.tested:
+        return None
+    try:
+        return self_check(cfg.target, job.target, job.dataset, job.todo, cfg.self_check, backend, Path(cfg.out),
+                          job.aux_layers, job.device, cfg.model_dtype, cfg.vllm_python, cfg.tensor_parallel_size,
+                          status.note)
+    except BaseException:
+        job.writer.abort()
+        raise
+
+
+def _fill(fill: Callable[[ExtractJob], None], job: ExtractJob, backend: str, out: Path,
+          progress: bool) -> tuple[float, dict[str, Any]]:
+    """Run the backend over ``job.todo`` and close the store; returns the seconds from its first batch
+    and the store's manifest."""
+    from tqdm import tqdm
+
+    ds, writer = job.dataset, job.writer
+    total = int(ds.lengths[job.todo].sum()) if job.todo else 0
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract ({backend}, {job.device})",
+               disable=not progress, smoothing=0.1)
+    start = time.perf_counter()
+    writer.on_commit = lambda rec: bar.update(rec["tokens"])
+    try:
+        fill(job)
+        manifest = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        bar.close()
+    if not manifest["complete"]:
+        missing = sorted(set(range(len(ds))) - writer.done)
+        raise EyasError(f"store {out}: backend {backend!r} left {len(missing)} samples unstored "
+                        f"(first {missing[:5]}); re-run to finish")
+    return time.perf_counter() - job.stats.get("t_first_batch", start), manifest

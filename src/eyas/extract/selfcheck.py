@@ -121,7 +121,8 @@ def self_check(target_spec: str, target, ds, todo: list[int], n: int, backend: s
     """Run the check (see the module doc); returns its summary, None when skipped; raises
     EyasError with the figures when the vLLM backend's states differ from hf's."""
     from eyas.features.compare import compare_stores
-    from eyas.extract.run import run_extract
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
 
     say = lambda msg: print(f"eyas extract: self-check: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     indices = todo[:n]
@@ -139,14 +140,15 @@ def self_check(target_spec: str, target, ds, todo: list[int], n: int, backend: s
     say(f"{why}; extracting samples {indices[:5]}{'...' if len(indices) > 5 else ''} ({len(indices)}) "
         f"with {backend} and with hf ({dtype}; {sized}) into {work}")
     data = subset(ds, indices, target, work / "data")
-    common = dict(layers=list(aux_layers), dtype="fp32", progress=False, self_check=0)
+    common = dict(target=target_spec, data=data, layers=list(aux_layers), dtype="fp32", device=device,
+                  progress=False, self_check=0)
     try:
-        run_extract(target_spec, data, work / backend, backend=backend, device=device, model_dtype=model_dtype,
-                    vllm_python=vllm_python, tensor_parallel_size=tensor_parallel_size, **common)
+        extract(ExtractConfig(out=work / backend, backend=backend, model_dtype=model_dtype, vllm_python=vllm_python,
+                              tensor_parallel_size=tensor_parallel_size, **common))
     except EyasError as e:
         raise EyasError(f"self-check: {backend} failed on the first {len(indices)} samples, before any "
                         f"comparison ({why}): {e}") from e
-    run_extract(target_spec, data, work / "hf", backend="hf", device=device, model_dtype=dtype, **common)
+    extract(ExtractConfig(out=work / "hf", backend="hf", model_dtype=dtype, **common))
     gc.collect()  # the hf model goes before the real run's vLLM engine asks for device memory
     if device.startswith("cuda"):
         import torch

@@ -66,11 +66,12 @@ class TrainConfig:
     target: str = setting("smollm2-135m-instruct", "HF dir, .gguf file or built-in name.")
     data: str = setting(help="Prepared dataset directory (from `eyas prepare`).")
     out: str = setting(help="Run directory: checkpoints/, draft/, metrics.jsonl, loss.png.")
-    store: str | None = setting(None, "Extraction store (offline features, from `eyas extract`).")
-    online: bool = setting(False, "Run the target in this job (no store).", "--online")
     features: FeatureSource | None = setting(
-        None, "Where features come from: offline (--store), online (--online), or vllm: a vLLM engine makes "
-              "them while the draft trains, through a bounded buffer (--feature-buffer-gb); no store on disk.")
+        None, "Where the target's features come from: offline (the store at --store, from `eyas extract`), "
+              "online (the target runs in this job; no store), or vllm (a vLLM engine makes them while the "
+              "draft trains, through a bounded buffer, --feature-buffer-gb; no store on disk).",
+        aliases={"--online": "online"})
+    store: str | None = setting(None, "With --features offline: the extraction store (from `eyas extract`).")
     feature_buffer_gb: float = setting(
         2.0, "With --features vllm: the most features (decimal GB) waiting in the buffer directory; the engine "
              "is held back while it is full.", check=positive("feature buffer size in GB", "e.g. 2"))
@@ -226,11 +227,13 @@ class TrainConfig:
         if self.budget is not None and self.features == "vllm":
             raise EyasError("--budget with --features vllm: the engine is fed the run's planned batches ahead "
                             "of training, so the step count must be known up front; use --max-steps or --epochs")
-        given = self.feature_flags()
-        if self.features is not None and given and self.features not in given:
-            raise EyasError(f"--features {self.features} does not go with "
-                            f"{' and '.join('--online' if g == 'online' else '--store' for g in given)}; "
-                            "pass one feature source")
+        if self.store and self.features is None:
+            raise EyasError(f"--store {self.store}: the store is read with --features offline; pass that too")
+        if self.store and self.features != "offline":
+            raise EyasError(f"--features {self.features} does not go with --store (the offline store); pass "
+                            "--features offline to train from the store, or leave --store out")
+        if self.features == "offline" and not self.store:
+            raise EyasError("--features offline needs --store STORE (from `eyas extract`)")
         _check_draft_config(self.draft_config)
         if not self.experimental:
             for (key, value), why in EXPERIMENTAL.items():
@@ -242,10 +245,6 @@ class TrainConfig:
                 raise EyasError(f"--draft-config {', '.join(f'{k}=true' for k in heads)}: measured no gain on "
                                 "the CPU proxy (benchmarks/draft_options_cpu.md); pass --experimental "
                                 "(train.experimental: true) to use it anyway")
-
-    def feature_flags(self) -> list[str]:
-        """The feature sources --store (offline) and --online ask for."""
-        return [k for k, on in (("offline", bool(self.store)), ("online", self.online)) if on]
 
 
 def _check_draft_config(overrides: dict[str, Any]) -> None:

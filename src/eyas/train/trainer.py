@@ -68,14 +68,12 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
 
 
 def feature_kind(cfg: TrainConfig) -> str:
-    """offline, online or vllm, from --features, --store and --online (which must agree)."""
-    given = cfg.feature_flags()  # a --features that contradicts them was refused by TrainConfig
-    kind = cfg.features or (given[0] if len(given) == 1 else None)
-    if kind is None or len(given) > 1 or (kind == "offline" and not cfg.store):
-        raise EyasError("pass exactly one feature source: --store STORE (offline, from `eyas extract`), "
-                        "--online (the target runs in the training job) or --features vllm (a vLLM engine "
-                        "makes them as training goes)")
-    return kind
+    """--features: offline, online or vllm (refused when not given, before the target loads)."""
+    if cfg.features is None:
+        raise EyasError("pass exactly one feature source with --features: offline (with --store STORE, from "
+                        "`eyas extract`), online (the target runs in the training job; --online for short) or "
+                        "vllm (a vLLM engine makes them as training goes)")
+    return cfg.features
 
 
 def build_source(cfg: TrainConfig, target, dataset, device: torch.device, dist: parallel.Dist | None = None):
@@ -549,9 +547,10 @@ class Trainer:
         return out
 
 
-def train(cfg: TrainConfig) -> Path:
-    """Run (or resume) training; returns RUN_DIR/draft. The run directory is checked, and held by one
-    writer (rank 0 holds it for every rank of a torchrun run)."""
+def run(cfg: TrainConfig) -> Path:
+    """The train stage's entry point (`eyas train`, the pipeline, each torchrun process): train (or
+    resume), say where the draft is and the tau measured while training; returns RUN_DIR/draft. The
+    run directory is checked, and held by one writer (rank 0 holds it for every rank of a torchrun run)."""
     from eyas.outdir import check_out, writer_lock
 
     if int(os.environ.get("RANK", "0")) != 0:
@@ -561,4 +560,12 @@ def train(cfg: TrainConfig) -> Path:
     if cfg.resume and not ckpt.checkpoint_dirs(Path(cfg.out)):  # said before the target loads
         print(ckpt.no_checkpoint_note(Path(cfg.out)), file=sys.stderr, flush=True)
     with writer_lock(cfg.out, command="eyas train"):
-        return Trainer(cfg).train()
+        draft = Trainer(cfg).train()
+    print(f"draft -> {draft}", file=sys.stderr, flush=True)
+    measured = Path(draft) / TAU_FILE
+    if measured.is_file():
+        m = json.loads(measured.read_text())
+        print(f"tau by replay on {m['turns']} turns of {m['prompts']} ({m['max_new_tokens']} tokens, step "
+              f"{m['step']}): " + ", ".join(f"k={k} {t:.3f}" for k, t in m["tau"].items() if t),
+              file=sys.stderr, flush=True)
+    return draft
