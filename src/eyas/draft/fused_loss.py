@@ -154,7 +154,7 @@ def target_rows(head: TargetHead, final: torch.Tensor, flat: torch.Tensor, chunk
     token is in the loss mask), row index per flat position [B*T] or -1). Logits stay in the head's
     matmul dtype (bf16 on the GPU: half the bytes of fp32, and all the precision the matmul gave).
     ``compiled``: logsumexp and argmax in one compiled pass over the logits (eager, they took
-    several fp32 passes over [R, draft_vocab]: about 4 ms of a 92 ms H200 step); eager, chunk by
+    several fp32 passes over [R, draft_vocab]; benchmarks/train_bench.md); eager, chunk by
     chunk so that no fp32 copy of all the logits exists."""
     global _compiled_stats
     b, t = final.shape[:2]

