@@ -29,10 +29,12 @@ vllm-envs:
 PYTEST := $(BIN)/python -m pytest -q -rs -n 2 --dist loadfile
 
 test: setup vllm-envs
+	$(BIN)/ruff format --check src tests benchmarks scripts
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(PYTEST)
 
 # Without the vLLM environments and the slow end-to-end tests.
 test-fast: setup
+	$(BIN)/ruff format --check src tests benchmarks scripts
 	$(BIN)/ruff check src tests benchmarks scripts
 	$(PYTEST) -m "not slow and not vllm"

@@ -36,9 +36,18 @@ def build(state: str, ttt: int, device: torch.device):
 
     g = torch.Generator().manual_seed(0)
     h, b, t = 576, 4, 2048
-    cfg = DraftConfig(hidden_size=h, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                      intermediate_size=1536, vocab_size=49152, draft_vocab_size=32000, aux_layer_ids=[2, 15, 27],
-                      target_hidden_size=h, norm_before_residual=True)
+    cfg = DraftConfig(
+        hidden_size=h,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        draft_vocab_size=32000,
+        aux_layer_ids=[2, 15, 27],
+        target_hidden_size=h,
+        norm_before_residual=True,
+    )
     torch.manual_seed(0)
     model = Eagle3Draft(cfg)
     if state == "peaky":
@@ -54,8 +63,8 @@ def build(state: str, ttt: int, device: torch.device):
         while at < t - 200:
             n = int(torch.randint(20, 900, (1,), generator=g))
             n = min(n, t - 100 - at)
-            doc[r, at:at + n] = d
-            pos[r, at:at + n] = torch.arange(n)
+            doc[r, at : at + n] = d
+            pos[r, at : at + n] = torch.arange(n)
             at, d = at + n, d + 1
         pos[r, at:] = torch.arange(t - at)
     loss_mask = torch.rand(b, t, generator=g) < 0.5
@@ -85,16 +94,22 @@ def run(variant: str, state: str, ttt: int, work: Path) -> None:
     loss, stats = ttt_loss(out, tgt, loss_mask, doc, 0.8)
     loss.backward()
     grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
-    torch.save({"loss": loss.item(), "step_loss": [(s.loss_sum / s.count).item() for s in stats],
-                "logits": [o.detach().float()[:, :, :256].cpu() for o in out], "grads": grads},
-               work / f"{variant}-{state}-ttt{ttt}.pt")
+    torch.save(
+        {
+            "loss": loss.item(),
+            "step_loss": [(s.loss_sum / s.count).item() for s in stats],
+            "logits": [o.detach().float()[:, :, :256].cpu() for o in out],
+            "grads": grads,
+        },
+        work / f"{variant}-{state}-ttt{ttt}.pt",
+    )
     print(f"{variant} {state} ttt{ttt}: loss {loss.item():.6f}", flush=True)
 
 
 def compare(work: Path, out_json: Path | None) -> None:
     rows = []
     for ref_path in sorted(work.glob("ref-*.pt")):
-        key = ref_path.stem[len("ref-"):]
+        key = ref_path.stem[len("ref-") :]
         ref = torch.load(ref_path)
         for v in VARIANTS[1:]:
             p = work / f"{v}-{key}.pt"
@@ -104,12 +119,24 @@ def compare(work: Path, out_json: Path | None) -> None:
             errs = {n: ((x["grads"][n] - g).norm() / g.norm().clamp_min(1e-30)).item() for n, g in ref["grads"].items()}
             logit_err = [((a - r).norm() / r.norm()).item() for a, r in zip(x["logits"], ref["logits"])]
             nonfinite = [n for n, g in x["grads"].items() if not torch.isfinite(g).all()]
-            rows.append({"variant": v, "case": key, "loss": x["loss"], "ref_loss": ref["loss"],
-                         "logit_rel_err_per_step": logit_err, "grad_rel_err": errs, "nonfinite_grads": nonfinite})
+            rows.append(
+                {
+                    "variant": v,
+                    "case": key,
+                    "loss": x["loss"],
+                    "ref_loss": ref["loss"],
+                    "logit_rel_err_per_step": logit_err,
+                    "grad_rel_err": errs,
+                    "nonfinite_grads": nonfinite,
+                }
+            )
             worst = sorted(errs.items(), key=lambda kv: -kv[1])[:4]
-            print(f"{key:18s} {v:16s} loss {x['loss']:.5f} (ref {ref['loss']:.5f}) logits err "
-                  f"{max(logit_err):.2e}  worst grads " + ", ".join(f"{n} {e:.2e}" for n, e in worst)
-                  + (f"  NONFINITE {nonfinite}" if nonfinite else ""))
+            print(
+                f"{key:18s} {v:16s} loss {x['loss']:.5f} (ref {ref['loss']:.5f}) logits err "
+                f"{max(logit_err):.2e}  worst grads "
+                + ", ".join(f"{n} {e:.2e}" for n, e in worst)
+                + (f"  NONFINITE {nonfinite}" if nonfinite else "")
+            )
     if out_json:
         out_json.write_text(json.dumps(rows, indent=1))
 

@@ -36,15 +36,47 @@ TOL_FIRST, TOL_WINDOW, TOL_ACC = 0.02, 0.05, 0.03
 
 def run_name(ttt: int, fused: bool, compiled: bool, scope: str = "model") -> str:
     return f"ttt{ttt}-{'fused' if fused else 'default'}-{'compiled' if compiled else 'eager'}" + (
-        f"-{scope}" if compiled and scope != "model" else "")
+        f"-{scope}" if compiled and scope != "model" else ""
+    )
 
 
 def train_cmd(a, name: str, ttt: int, fused: bool, compiled: bool, scope: str) -> list[str]:
-    cmd = [a.eyas, "train", "--target", a.target, "--data", a.data, "--features", "offline", "--store", a.store,
-           "--out",
-           str(a.work / name), "--ttt-steps", str(ttt), "--max-steps", str(a.steps), "--tokens-per-batch", "2048",
-           "--batch-size", str(a.batch_size), "--lr", str(a.lr), "--warmup", str(a.warmup), "--device", "cuda",
-           "--precision", "bf16", "--eval-every", "0", "--save-every", str(10 * a.steps), "--seed", "0"]
+    cmd = [
+        a.eyas,
+        "train",
+        "--target",
+        a.target,
+        "--data",
+        a.data,
+        "--features",
+        "offline",
+        "--store",
+        a.store,
+        "--out",
+        str(a.work / name),
+        "--ttt-steps",
+        str(ttt),
+        "--max-steps",
+        str(a.steps),
+        "--tokens-per-batch",
+        "2048",
+        "--batch-size",
+        str(a.batch_size),
+        "--lr",
+        str(a.lr),
+        "--warmup",
+        str(a.warmup),
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--eval-every",
+        "0",
+        "--save-every",
+        str(10 * a.steps),
+        "--seed",
+        "0",
+    ]
     if compiled:
         cmd += ["--compile", "--compile-scope", scope] + (["--experimental"] if scope == "regions" else [])
     if fused:
@@ -87,9 +119,15 @@ def compare(eager: list[dict], comp: list[dict], steps: int) -> dict:
     out["last_window_acc_eager"], out["last_window_acc_compiled"] = acc_e, acc_c
     out["last_window_acc_max_diff"] = max(abs(x - y) for x, y in zip(acc_e, acc_c))
     out["final_loss_eager"], out["final_loss_compiled"] = e[max(e)]["loss"], c[max(c)]["loss"]
-    out["ok"] = (not out["nonfinite_eager"] and not out["nonfinite_compiled"] and len(comp) >= steps
-                 and len(eager) >= steps and out["first_step_rel_diff"] <= TOL_FIRST
-                 and worst <= TOL_WINDOW and out["last_window_acc_max_diff"] <= TOL_ACC)
+    out["ok"] = (
+        not out["nonfinite_eager"]
+        and not out["nonfinite_compiled"]
+        and len(comp) >= steps
+        and len(eager) >= steps
+        and out["first_step_rel_diff"] <= TOL_FIRST
+        and worst <= TOL_WINDOW
+        and out["last_window_acc_max_diff"] <= TOL_ACC
+    )
     return out
 
 
@@ -118,8 +156,10 @@ def main() -> None:
         name = run_name(k, f, c, scope)
         log = open(a.work / f"{name}.log", "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        procs[name] = (subprocess.Popen(train_cmd(a, name, k, f, c, scope), stdout=log, stderr=subprocess.STDOUT,
-                                        env=env), (k, f, c, scope))
+        procs[name] = (
+            subprocess.Popen(train_cmd(a, name, k, f, c, scope), stdout=log, stderr=subprocess.STDOUT, env=env),
+            (k, f, c, scope),
+        )
     codes = {name: p.wait() for name, (p, _) in procs.items()}
     wall = time.time() - t0
     pairs = []
@@ -130,34 +170,55 @@ def main() -> None:
             res.update(ttt=k, fused_loss=f, eager_exit=codes[e], compiled_exit=codes[c])
             res["ok"] = res["ok"] and codes[e] == 0 and codes[c] == 0
             pairs.append(res)
-            print(f"TTT {k} {'fused' if f else 'default'} loss: {'OK ' if res['ok'] else 'FAIL'} "
-                  f"step-1 diff {res.get('first_step_rel_diff', float('nan')):.2e}, worst {WINDOW}-step window "
-                  f"{res.get('worst_window_rel_diff', float('nan')):.2%} (from step {res.get('worst_window_start')}), "
-                  f"acc diff {res.get('last_window_acc_max_diff', float('nan')):.3f}, final loss eager "
-                  f"{res.get('final_loss_eager', float('nan')):.3f} "
-                  f"compiled {res.get('final_loss_compiled', float('nan')):.3f}, "
-                  f"non-finite steps {res['nonfinite_eager']} / {res['nonfinite_compiled']}", flush=True)
+            print(
+                f"TTT {k} {'fused' if f else 'default'} loss: {'OK ' if res['ok'] else 'FAIL'} "
+                f"step-1 diff {res.get('first_step_rel_diff', float('nan')):.2e}, worst {WINDOW}-step window "
+                f"{res.get('worst_window_rel_diff', float('nan')):.2%} (from step {res.get('worst_window_start')}), "
+                f"acc diff {res.get('last_window_acc_max_diff', float('nan')):.3f}, final loss eager "
+                f"{res.get('final_loss_eager', float('nan')):.3f} "
+                f"compiled {res.get('final_loss_compiled', float('nan')):.3f}, "
+                f"non-finite steps {res['nonfinite_eager']} / {res['nonfinite_compiled']}",
+                flush=True,
+            )
     extra = {}
     for name, (_, (k, f, c, scope)) in procs.items():
         if scope != "model":
             recs = records(a.work / name)
-            extra[name] = {"exit": codes[name], "steps": len(recs),
-                           "nonfinite": [r["step"] for r in recs if not r.get("finite", True)],
-                           "final_loss": recs[-1]["loss"] if recs else None}
+            extra[name] = {
+                "exit": codes[name],
+                "steps": len(recs),
+                "nonfinite": [r["step"] for r in recs if not r.get("finite", True)],
+                "final_loss": recs[-1]["loss"] if recs else None,
+            }
             print(f"{name}: exit {codes[name]}, {len(recs)} steps, non-finite {extra[name]['nonfinite']}")
     summaries = {}
     for name in procs:
         p = a.work / name / "summary.json"
         if p.is_file():
             summaries[name] = json.loads(p.read_text())
-    record = {"benchmark": "compile_parity", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv), "steps": a.steps,
-              "batch_size": a.batch_size, "tokens_per_batch": 2048, "lr": a.lr, "warmup": a.warmup,
-              "tolerances": {"first_step_rel": TOL_FIRST, "window_rel": TOL_WINDOW, "window": WINDOW,
-                             "last_window_acc": TOL_ACC},
-              "wall_s_all_runs_at_once": wall, "pairs": pairs, "other_runs": extra,
-              "first_step_s": {n: s.get("first_step_s") for n, s in summaries.items()},
-              "train_commands": {n: " ".join(train_cmd(a, n, *spec)) for n, (_, spec) in procs.items()}}
+    record = {
+        "benchmark": "compile_parity",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "machine": _machine(),
+        "command": " ".join(sys.argv),
+        "steps": a.steps,
+        "batch_size": a.batch_size,
+        "tokens_per_batch": 2048,
+        "lr": a.lr,
+        "warmup": a.warmup,
+        "tolerances": {
+            "first_step_rel": TOL_FIRST,
+            "window_rel": TOL_WINDOW,
+            "window": WINDOW,
+            "last_window_acc": TOL_ACC,
+        },
+        "wall_s_all_runs_at_once": wall,
+        "pairs": pairs,
+        "other_runs": extra,
+        "first_step_s": {n: s.get("first_step_s") for n, s in summaries.items()},
+        "train_commands": {n: " ".join(train_cmd(a, n, *spec)) for n, (_, spec) in procs.items()},
+    }
     if a.json:
         a.json.write_text(json.dumps(record, indent=1))
     sys.exit(0 if all(p["ok"] for p in pairs) else 1)
@@ -168,16 +229,20 @@ def _commit() -> str:
     if os.environ.get("EYAS_COMMIT"):
         return os.environ["EYAS_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip()
     except OSError:
         return ""
 
 
 def _machine() -> str:
     try:
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True).stdout.strip().splitlines()
+        gpu = (
+            subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True)
+            .stdout.strip()
+            .splitlines()
+        )
     except OSError:
         gpu = []
     import torch

@@ -30,9 +30,17 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    cfg = DraftConfig(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                      intermediate_size=1536, vocab_size=49152, draft_vocab_size=32000,
-                      aux_layer_ids=[2, 15, 27], target_hidden_size=576)
+    cfg = DraftConfig(
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        draft_vocab_size=32000,
+        aux_layer_ids=[2, 15, 27],
+        target_hidden_size=576,
+    )
     m = Eagle3Draft(cfg).to(dev)
     b, t = a.packs, a.tokens
     g = torch.Generator().manual_seed(0)
@@ -84,8 +92,9 @@ def main() -> None:
     mark("fused-loss chunk (compiled, two lengths)")
     print(json.dumps(rec))
     if a.json:
-        open(a.json, "w").write(json.dumps({"seconds_since_start": rec, "args": vars(a),
-                                            "torch": torch.__version__}, indent=2))
+        open(a.json, "w").write(
+            json.dumps({"seconds_since_start": rec, "args": vars(a), "torch": torch.__version__}, indent=2)
+        )
 
 
 if __name__ == "__main__":

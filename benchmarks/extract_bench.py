@@ -42,9 +42,15 @@ def subset(ds, target, n: int | None, out: Path) -> Path:
     n = len(ds) if n is None else min(n, len(ds))
     rows = [ds[i] for i in range(n)]
     d2t, t2d = ds.draft_vocab()
-    return write_prepared(out, [r.input_ids.tolist() for r in rows],
-                          [r.loss_mask.astype(np.int8).tolist() for r in rows],
-                          [r.source_id for r in rows], target, d2t, t2d)
+    return write_prepared(
+        out,
+        [r.input_ids.tolist() for r in rows],
+        [r.loss_mask.astype(np.int8).tolist() for r in rows],
+        [r.source_id for r in rows],
+        target,
+        d2t,
+        t2d,
+    )
 
 
 def sync(device: str) -> None:
@@ -139,8 +145,10 @@ def main() -> None:
     if src.manifest["target"] != target.identity:
         if src.manifest["target"].get("tokenizer") != target.identity["tokenizer"]:
             sys.exit("the prepared data was tokenized for another tokenizer; prepare it for this target")
-        note.append("prepared data re-labelled for this machine's conversion of the same target "
-                    f"(tokenizer fingerprint equal; ids {src.manifest['target']['id']} -> {target.id})")
+        note.append(
+            "prepared data re-labelled for this machine's conversion of the same target "
+            f"(tokenizer fingerprint equal; ids {src.manifest['target']['id']} -> {target.id})"
+        )
     data = subset(src, target, a.max_samples, work / "data")
     ds = open_prepared(data, target)
     warm = subset(ds, target, 32, work / "warm")
@@ -153,27 +161,53 @@ def main() -> None:
     info = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": (torch.cuda.get_device_name() if on_cuda else platform.processor() or "cpu")
-                   + f", {os.cpu_count()} CPU cores",
-        "torch": torch.__version__, "command": " ".join(sys.argv), "device": device,
-        "store_dir": str(work), "samples": len(ds), "tokens": int(ds.lengths.sum()),
-        "mean_len": float(ds.lengths.mean()), "max_len": int(ds.lengths.max()),
-        "batch_tokens": bt, "batches": len(plan), "padding_fraction": 1 - int(ds.lengths.sum()) / padded,
-        "aux_layers": aux, "notes": note,
+        + f", {os.cpu_count()} CPU cores",
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "device": device,
+        "store_dir": str(work),
+        "samples": len(ds),
+        "tokens": int(ds.lengths.sum()),
+        "mean_len": float(ds.lengths.mean()),
+        "max_len": int(ds.lengths.max()),
+        "batch_tokens": bt,
+        "batches": len(plan),
+        "padding_fraction": 1 - int(ds.lengths.sum()) / padded,
+        "aux_layers": aux,
+        "notes": note,
     }
     print(json.dumps(info, indent=1), flush=True)
 
-    extract(ExtractConfig(target=str(target.path), data=warm, out=work / "warm-store", layers=aux, device=device,
-                          batch_tokens=bt, writers=a.writers,
-                          progress=False))  # CUDA context, cuBLAS, allocator, page cache
+    extract(
+        ExtractConfig(
+            target=str(target.path),
+            data=warm,
+            out=work / "warm-store",
+            layers=aux,
+            device=device,
+            batch_tokens=bt,
+            writers=a.writers,
+            progress=False,
+        )
+    )  # CUDA context, cuBLAS, allocator, page cache
     shutil.rmtree(work / "warm-store")
     model = target.load_model(dtype=torch.bfloat16 if on_cuda else torch.float32, device=device)
     runs = []
-    configs = [(bt, a.writers)] + [tuple(int(x) or None for x in c.split(":"))
-                                   for c in (a.also or "").split(",") if c]
+    configs = [(bt, a.writers)] + [tuple(int(x) or None for x in c.split(":")) for c in (a.also or "").split(",") if c]
     for cbt, cw in configs:
         try:
-            r = extract(ExtractConfig(target=str(target.path), data=data, out=work / "store", layers=aux, device=device,
-                                      batch_tokens=cbt, writers=cw, progress=True))
+            r = extract(
+                ExtractConfig(
+                    target=str(target.path),
+                    data=data,
+                    out=work / "store",
+                    layers=aux,
+                    device=device,
+                    batch_tokens=cbt,
+                    writers=cw,
+                    progress=True,
+                )
+            )
             r.update(batch_tokens=cbt, writers=cw)
             print("eyas:", r, flush=True)
             if not runs:  # check the first store fully: checksums, shapes, states vs HF
@@ -199,9 +233,11 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     print(f"\n{'what':<44}{'tokens':>12}{'tokens/s':>12}")
     rows = [(f"eyas extract, to disk (bt={r['batch_tokens']}, w={r['writers']})", r) for r in ok]
-    for name, r in (*rows,
-                    ("forward + hooks only (no copy, no write)", fwd),
-                    ("naive: output_hidden_states + .to('cpu')", naive)):
+    for name, r in (
+        *rows,
+        ("forward + hooks only (no copy, no write)", fwd),
+        ("naive: output_hidden_states + .to('cpu')", naive),
+    ):
         print(f"{name:<44}{r['tokens']:>12,}{r['tokens_per_s']:>12,.0f}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

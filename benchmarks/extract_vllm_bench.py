@@ -42,9 +42,15 @@ RUNS = [("hf", None), ("vllm", "0.32.0"), ("vllm-hooks", "0.16.0")]
 def subset(ds, target, n: int, out: Path) -> Path:
     rows = [ds[i] for i in range(min(n, len(ds)))]
     d2t, t2d = ds.draft_vocab()
-    return write_prepared(out, [r.input_ids.tolist() for r in rows],
-                          [r.loss_mask.astype(np.int8).tolist() for r in rows],
-                          [r.source_id for r in rows], target, d2t, t2d)
+    return write_prepared(
+        out,
+        [r.input_ids.tolist() for r in rows],
+        [r.loss_mask.astype(np.int8).tolist() for r in rows],
+        [r.source_id for r in rows],
+        target,
+        d2t,
+        t2d,
+    )
 
 
 def min_cosine(a_dir: Path, b_dir: Path) -> float:
@@ -88,22 +94,40 @@ def main() -> None:
         store = work / f"store-{backend}"
         shutil.rmtree(store, ignore_errors=True)
         t0 = time.perf_counter()
-        s = extract(ExtractConfig(target=tgt.spec, data=data, out=store, backend=backend, dtype="bf16", device="cpu",
-                                  batch_tokens=args.batch_tokens, model_dtype=args.model_dtype,
-                                  vllm_python=str(py) if py else None, progress=False))
+        s = extract(
+            ExtractConfig(
+                target=tgt.spec,
+                data=data,
+                out=store,
+                backend=backend,
+                dtype="bf16",
+                device="cpu",
+                batch_tokens=args.batch_tokens,
+                model_dtype=args.model_dtype,
+                vllm_python=str(py) if py else None,
+                progress=False,
+            )
+        )
         wall = time.perf_counter() - t0
         problems = verify_store(store)
         assert not problems, problems
         assert len(open_store(store)) == len(ds)
-        row = {"backend": backend, "vllm": version, "samples": len(ds), "tokens": s["tokens"],
-               "loadavg_1m_after": round(os.getloadavg()[0], 1),
-               "wall_s": round(wall, 2), "wall_tok_s": round(s["tokens"] / wall, 1)}
+        row = {
+            "backend": backend,
+            "vllm": version,
+            "samples": len(ds),
+            "tokens": s["tokens"],
+            "loadavg_1m_after": round(os.getloadavg()[0], 1),
+            "wall_s": round(wall, 2),
+            "wall_tok_s": round(s["tokens"] / wall, 1),
+        }
         if backend == "hf":
             row.update(steady_s=round(s["seconds"], 2), steady_tok_s=round(s["tokens_per_s"], 1))
         else:
             (eng,) = engine_timings(store)
-            row.update(startup_s=eng["startup_s"], steady_s=eng["loop_s"],
-                       steady_tok_s=round(eng["tokens"] / eng["loop_s"], 1))
+            row.update(
+                startup_s=eng["startup_s"], steady_s=eng["loop_s"], steady_tok_s=round(eng["tokens"] / eng["loop_s"], 1)
+            )
         if backend != "hf" and (work / "store-hf").is_dir():
             row["min_cos_vs_hf"] = round(min_cosine(store, work / "store-hf"), 5)
         print(json.dumps(row), flush=True)
@@ -111,10 +135,12 @@ def main() -> None:
     record = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
-                   f"{len(os.sched_getaffinity(0))} CPU cores, no GPU",
-        "command": "benchmarks/extract_vllm_bench.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "target": args.target, "model_dtype": args.model_dtype, "store_dtype": "bf16",
+        f"{len(os.sched_getaffinity(0))} CPU cores, no GPU",
+        "command": "benchmarks/extract_vllm_bench.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "target": args.target,
+        "model_dtype": args.model_dtype,
+        "store_dtype": "bf16",
         "results": results,
     }
     print(json.dumps(record, indent=1))

@@ -22,8 +22,16 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from eyas.draft import flex
 
-FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+FIELDS = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
 
 
 def layout(b: int, t: int, seed: int) -> torch.Tensor:
@@ -33,7 +41,7 @@ def layout(b: int, t: int, seed: int) -> torch.Tensor:
         at, d = 0, 0
         while at < t - 150:
             n = min(int(torch.randint(20, 700, (1,), generator=g)), t - 100 - at)
-            doc[r, at:at + n] = d
+            doc[r, at : at + n] = d
             at, d = at + n, d + 1
     return doc.cuda()
 
@@ -71,8 +79,11 @@ def main() -> None:
                 same = torch.equal(valid_sets(num, x), valid_sets(num_c, y))
             else:
                 same = exact
-            out[f"tables step {j} {f}"] = {"same_sets": same, "bitwise": exact,
-                                           "strides": [list(x.stride()), list(y.stride())]}
+            out[f"tables step {j} {f}"] = {
+                "same_sets": same,
+                "bitwise": exact,
+                "strides": [list(x.stride()), list(y.stride())],
+            }
             if not same or not exact:
                 print(f"tables step {j} {f}: same sets {same}, bitwise {exact}, strides {x.stride()} vs {y.stride()}")
     print("tables: all compared", flush=True)
@@ -96,7 +107,7 @@ def main() -> None:
     same = (doc[:, :, None] == doc[:, None, :]) & torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
     kk = k[:, :, :t].repeat_interleave(h // kvh, 1)
     vv = v[:, :, :t].repeat_interleave(h // kvh, 1)
-    s = (q @ kk.transpose(-1, -2)) / d ** 0.5
+    s = (q @ kk.transpose(-1, -2)) / d**0.5
     dense = torch.softmax(s.masked_fill(~same[:, None], float("-inf")), -1) @ vv
     for name, o in (("masks built inside the graph", o_in), ("masks passed in", o_out)):
         err = ((o - dense).norm() / dense.norm()).item()

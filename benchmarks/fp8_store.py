@@ -43,13 +43,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _meta(args) -> dict:
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
     except OSError:
         commit = None
     dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
-    return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
-            "machine": dev, "torch": torch.__version__, "command": " ".join(sys.argv)}
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
+        "machine": dev,
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+    }
 
 
 # ------------------------------------------------------------------------------ error
@@ -86,8 +92,9 @@ def error(args) -> dict:
     schemes = {"bf16": lambda v: v.to(torch.bfloat16).float()}
     for group in (h, 192, 64, 32):
         g = h // group
-        schemes[f"fp8 e4m3, {g} scale(s) per token and state" + (" (default)" if g == 1 else "")] = \
-            lambda v, g=g: dequantize(*quantize(v, g))
+        schemes[f"fp8 e4m3, {g} scale(s) per token and state" + (" (default)" if g == 1 else "")] = lambda v, g=g: (
+            dequantize(*quantize(v, g))
+        )
     norm, head = model.model.norm, model.lm_head
     with torch.inference_mode():
         ref = torch.log_softmax(head(norm(x[:, -1])), -1)
@@ -98,16 +105,29 @@ def error(args) -> dict:
             cos = torch.nn.functional.cosine_similarity(y, x, dim=-1)
             lp = torch.log_softmax(head(norm(y[:, -1])), -1)
             kl = (ref.exp() * (ref - lp)).sum(-1)
-            rows[name] = {"rel_err_mean": float(rel.mean()), "rel_err_p99": float(rel.quantile(0.99)),
-                          "rel_err_max": float(rel.max()), "min_cosine": float(cos.min()),
-                          "rel_err_mean_per_slot": [float(v) for v in rel.mean(0)],
-                          "teacher_kl_mean": float(kl.mean()), "teacher_kl_p99": float(kl.quantile(0.99)),
-                          "teacher_argmax_changed": float((lp.argmax(-1) != ref.argmax(-1)).float().mean())}
+            rows[name] = {
+                "rel_err_mean": float(rel.mean()),
+                "rel_err_p99": float(rel.quantile(0.99)),
+                "rel_err_max": float(rel.max()),
+                "min_cosine": float(cos.min()),
+                "rel_err_mean_per_slot": [float(v) for v in rel.mean(0)],
+                "teacher_kl_mean": float(kl.mean()),
+                "teacher_kl_p99": float(kl.quantile(0.99)),
+                "teacher_argmax_changed": float((lp.argmax(-1) != ref.argmax(-1)).float().mean()),
+            }
     ratio = x.abs().amax(-1) / x.abs().median(-1).values
-    return {"tokens": int(x.shape[0]), "samples": len(convs), "hidden": h, "aux_layers": cap.aux_layers,
-            "amax_over_median_per_state": {"median": float(ratio.median()), "p99": float(ratio.quantile(0.99)),
-                                           "max": float(ratio.max())},
-            "schemes": rows}
+    return {
+        "tokens": int(x.shape[0]),
+        "samples": len(convs),
+        "hidden": h,
+        "aux_layers": cap.aux_layers,
+        "amax_over_median_per_state": {
+            "median": float(ratio.median()),
+            "p99": float(ratio.quantile(0.99)),
+            "max": float(ratio.max()),
+        },
+        "schemes": rows,
+    }
 
 
 # ------------------------------------------------------------------------------ speed
@@ -120,10 +140,21 @@ def _target(out: Path) -> Path:
 
     tok = tiny.make_tokenizer(out)
     torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
-                         rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=2,
-                         pad_token_id=3)
+    cfg = tf.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
     return out
 
@@ -142,8 +173,15 @@ def _data(out: Path, target, tokens: int) -> Path:
     masks = [[1] * n for n in lens]
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[:64] = True
-    return write_prepared(out, ids, masks, [f"rand:{i}" for i in range(len(lens))], target,
-                          torch.nonzero(t2d).flatten() - torch.arange(64), t2d)
+    return write_prepared(
+        out,
+        ids,
+        masks,
+        [f"rand:{i}" for i in range(len(lens))],
+        target,
+        torch.nonzero(t2d).flatten() - torch.arange(64),
+        t2d,
+    )
 
 
 def speed(args) -> dict:
@@ -162,21 +200,36 @@ def speed(args) -> dict:
     data = _data(work / "data", tgt, args.tokens)
     ds = open_prepared(data, tgt)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = {"target": "random Llama of SmolLM2-135M's shape (30 layers, H=576), bf16 compute on CUDA",
-           "samples": len(ds), "tokens": int(ds.lengths.sum()), "device": device, "runs": {}}
+    out = {
+        "target": "random Llama of SmolLM2-135M's shape (30 layers, H=576), bf16 compute on CUDA",
+        "samples": len(ds),
+        "tokens": int(ds.lengths.sum()),
+        "device": device,
+        "runs": {},
+    }
     for dtype in ("bf16", "fp8"):
         for rep in range(2):
             st = work / f"store-{dtype}"
             shutil.rmtree(st, ignore_errors=True)
-            s = extract(ExtractConfig(target=str(tgt.path), data=data, out=st, layers=[2, 15, 27], dtype=dtype,
-                                      device=device, progress=False))
-            out["runs"][f"{dtype} run {rep + 1}"] = {k: s[k] for k in ("tokens", "bytes", "bytes_per_token",
-                                                                        "seconds", "tokens_per_s")}
+            s = extract(
+                ExtractConfig(
+                    target=str(tgt.path),
+                    data=data,
+                    out=st,
+                    layers=[2, 15, 27],
+                    dtype=dtype,
+                    device=device,
+                    progress=False,
+                )
+            )
+            out["runs"][f"{dtype} run {rep + 1}"] = {
+                k: s[k] for k in ("tokens", "bytes", "bytes_per_token", "seconds", "tokens_per_s")
+            }
         assert verify_store(st) == []
         feats_dtype = torch.bfloat16 if device == "cuda" else torch.float32
         f = OfflineFeatures(st, tgt, ds, None, torch.device(device), feats_dtype, 2048)
         packs = pack_indices(np.arange(len(ds)), ds.lengths, 2048, seed=0)
-        batches = [packs[i:i + 16] for i in range(0, len(packs), 16)]
+        batches = [packs[i : i + 16] for i in range(0, len(packs), 16)]
         if device == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
@@ -189,8 +242,11 @@ def speed(args) -> dict:
             n_tok += batch.num_tokens
         if device == "cuda":
             torch.cuda.synchronize()
-        out["runs"][f"{dtype} offline loader"] = {"tokens": n_tok, "seconds": time.perf_counter() - t,
-                                                  "tokens_per_s": n_tok / (time.perf_counter() - t)}
+        out["runs"][f"{dtype} offline loader"] = {
+            "tokens": n_tok,
+            "seconds": time.perf_counter() - t,
+            "tokens_per_s": n_tok / (time.perf_counter() - t),
+        }
         shutil.rmtree(st)
     shutil.rmtree(work, ignore_errors=True)
     return out
@@ -206,11 +262,38 @@ def tau(args) -> dict:
     target = ["--target", args.target, "--data", args.data]
     seconds: dict[str, float] = {}
     for dtype in ("bf16", "fp8"):
-        for stage, cmd in (("extract", [*eyas, "extract", *target, "--out", str(work / f"store-{dtype}"),
-                                        "--dtype", dtype, *args.extract.split(), "--quiet"]),
-                           ("train", [*eyas, "train", *target, "--features", "offline", "--store",
-                                      str(work / f"store-{dtype}"),
-                                      "--out", str(work / f"run-{dtype}"), *args.train.split(), "--quiet"])):
+        for stage, cmd in (
+            (
+                "extract",
+                [
+                    *eyas,
+                    "extract",
+                    *target,
+                    "--out",
+                    str(work / f"store-{dtype}"),
+                    "--dtype",
+                    dtype,
+                    *args.extract.split(),
+                    "--quiet",
+                ],
+            ),
+            (
+                "train",
+                [
+                    *eyas,
+                    "train",
+                    *target,
+                    "--features",
+                    "offline",
+                    "--store",
+                    str(work / f"store-{dtype}"),
+                    "--out",
+                    str(work / f"run-{dtype}"),
+                    *args.train.split(),
+                    "--quiet",
+                ],
+            ),
+        ):
             t = time.perf_counter()
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
@@ -218,11 +301,20 @@ def tau(args) -> dict:
             seconds[f"{stage} {dtype}"] = round(time.perf_counter() - t, 1)
         shutil.rmtree(work / f"store-{dtype}")  # the stores are the large part; the runs stay
     runs = {d: json.loads((work / f"run-{d}" / "summary.json").read_text()) for d in ("bf16", "fp8")}
-    paired = evaluate_and_pair({d: work / f"run-{d}" / "draft" for d in ("bf16", "fp8")}, work,
-                               ["--target", args.target, *args.evaluate.split()])
-    return {"data": args.data, "train": args.train, "extract": args.extract, "seconds": seconds,
-            "steps": {d: r["steps"] for d, r in runs.items()},
-            "heldout_acc": {d: (r.get("heldout") or {}).get("acc") for d, r in runs.items()}, "tau": paired}
+    paired = evaluate_and_pair(
+        {d: work / f"run-{d}" / "draft" for d in ("bf16", "fp8")},
+        work,
+        ["--target", args.target, *args.evaluate.split()],
+    )
+    return {
+        "data": args.data,
+        "train": args.train,
+        "extract": args.extract,
+        "seconds": seconds,
+        "steps": {d: r["steps"] for d, r in runs.items()},
+        "heldout_acc": {d: (r.get("heldout") or {}).get("acc") for d, r in runs.items()},
+        "tau": paired,
+    }
 
 
 def main() -> None:
@@ -232,8 +324,11 @@ def main() -> None:
     ap.add_argument("--data", help="tau: a prepared dataset (`eyas prepare`)")
     ap.add_argument("--extract", default="--layers 2,15,27", help="tau: more `eyas extract` settings")
     ap.add_argument("--train", default="--ttt-steps 3 --max-steps 60 --device cpu", help="tau: `eyas train` settings")
-    ap.add_argument("--evaluate", default="--max-per-category 2 --max-new-tokens 64 -k 3",
-                    help="tau: `eyas evaluate` settings (replay)")
+    ap.add_argument(
+        "--evaluate",
+        default="--max-per-category 2 --max-new-tokens 64 -k 3",
+        help="tau: `eyas evaluate` settings (replay)",
+    )
     ap.add_argument("--samples", type=int, default=24)
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=1_500_000)

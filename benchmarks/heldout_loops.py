@@ -28,7 +28,7 @@ def repeats(ids: list[int], n: int) -> int:
     """Tokens whose preceding ``n`` tokens occurred as a context earlier in ``ids``."""
     seen, hits = set(), 0
     for i in range(n, len(ids)):
-        key = tuple(ids[i - n:i])
+        key = tuple(ids[i - n : i])
         hits += key in seen
         seen.add(key)
     return hits
@@ -48,22 +48,28 @@ def main() -> None:
     whole = [0, 0]
     first = [0, 0]
     for i in range(0, len(answers), 2000):
-        for ids in tok(answers[i:i + 2000], add_special_tokens=False)["input_ids"]:
+        for ids in tok(answers[i : i + 2000], add_special_tokens=False)["input_ids"]:
             whole[0] += repeats(ids, a.context)
             whole[1] += len(ids)
-            first[0] += repeats(ids[:a.horizon], a.context)
-            first[1] += len(ids[:a.horizon])
+            first[0] += repeats(ids[: a.horizon], a.context)
+            first[1] += len(ids[: a.horizon])
     recs = [json.loads(x) for x in a.records.read_text().splitlines()[1:] if x.strip()]
     mt = [sum(repeats(r["output_ids"], a.context) for r in recs), sum(len(r["output_ids"]) for r in recs)]
     out = {
-        "context_tokens": a.context, "horizon": a.horizon,
+        "context_tokens": a.context,
+        "horizon": a.horizon,
         "sharegpt_regenerated": {"answers": len(answers), "tokens": whole[1], "repeat_fraction": whole[0] / whole[1]},
         "sharegpt_regenerated_first": {"tokens": first[1], "repeat_fraction": first[0] / first[1]},
-        "mt_bench_answers": {"records": str(a.records.relative_to(ROOT)), "turns": len(recs), "tokens": mt[1],
-                             "repeat_fraction": mt[0] / mt[1]},
+        "mt_bench_answers": {
+            "records": str(a.records.relative_to(ROOT)),
+            "turns": len(recs),
+            "tokens": mt[1],
+            "repeat_fraction": mt[0] / mt[1],
+        },
         "date": datetime.date.today().isoformat(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
         "machine": f"{platform.machine()} {platform.node()}",
         "command": "python benchmarks/heldout_loops.py",
     }

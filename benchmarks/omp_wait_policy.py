@@ -33,8 +33,12 @@ print(time.perf_counter() - t0)
 
 # each an environment for torch's OpenMP runtime (libgomp on Linux); eyas sets none of these itself
 # when one is given, so the probe runs as the setting says
-SETTINGS = {"ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
-            "GOMP_SPINCOUNT=1000": {"GOMP_SPINCOUNT": "1000"}, "GOMP_SPINCOUNT=10000": {"GOMP_SPINCOUNT": "10000"}}
+SETTINGS = {
+    "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "GOMP_SPINCOUNT=1000": {"GOMP_SPINCOUNT": "1000"},
+    "GOMP_SPINCOUNT=10000": {"GOMP_SPINCOUNT": "10000"},
+}
 
 
 def measure(setting: str) -> float:
@@ -55,17 +59,29 @@ def main() -> None:
         try:
             for setting in SETTINGS:
                 secs = [measure(setting) for _ in range(a.repeats)]
-                rows.append({"busy_core": busy, "setting": setting, "seconds_32_tokens": secs,
-                             "best": min(secs), "load_avg_after": os.getloadavg()[0]})
+                rows.append(
+                    {
+                        "busy_core": busy,
+                        "setting": setting,
+                        "seconds_32_tokens": secs,
+                        "best": min(secs),
+                        "load_avg_after": os.getloadavg()[0],
+                    }
+                )
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             if spinner:
                 spinner.kill()
-    rec = {"what": "SmolLM2-135M fp32, HF generate, 32 greedy tokens after an 8-token prompt, torch's default threads",
-           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                    capture_output=True, text=True).stdout.strip(),
-           "machine": f"{platform.machine()} {os.cpu_count()} cpus", "command": " ".join(sys.argv), "rows": rows}
+    rec = {
+        "what": "SmolLM2-135M fp32, HF generate, 32 greedy tokens after an 8-token prompt, torch's default threads",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "command": " ".join(sys.argv),
+        "rows": rows,
+    }
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rec, fh, indent=1)

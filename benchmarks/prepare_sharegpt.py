@@ -31,10 +31,10 @@ def _uptime() -> str:
 
 
 def _commit() -> str:
-    res = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         cwd=HERE)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src/eyas/data"],
-                           capture_output=True, text=True, cwd=HERE.parent).stdout.strip()
+    res = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "src/eyas/data"], capture_output=True, text=True, cwd=HERE.parent
+    ).stdout.strip()
     return res.stdout.strip() + ("+dirty" if dirty else "")
 
 
@@ -51,8 +51,21 @@ def _cpu_model() -> str:
 def run_once(workers: int, target: str, data: str, max_samples: int | None, root: Path) -> dict:
     out = root / f"prepared-w{workers}"
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "eyas.cli", "prepare", "--target", target, "--data", data,
-           "--out", str(out), "--workers", str(workers), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eyas.cli",
+        "prepare",
+        "--target",
+        target,
+        "--data",
+        data,
+        "--out",
+        str(out),
+        "--workers",
+        str(workers),
+        "--quiet",
+    ]
     if max_samples:
         cmd += ["--max-samples", str(max_samples)]
     before = _uptime()
@@ -100,10 +113,13 @@ def main() -> None:
             r = run_once(w, args.target, args.data, args.max_samples, Path(tmp))
             with open(args.results, "a") as fh:
                 fh.write(json.dumps(r) + "\n")
-            print(f"workers={w}: wall {r['wall_s']} s, child CPU {r['child_cpu_s']} s, stage "
-                  f"{r['stage_s']} s, read {r['read']}, kept {r['samples']}, trained tokens "
-                  f"{r['trained_tokens']:,}; load before: {r['uptime_before'].split('load average:')[-1]}"
-                  f", after: {r['uptime_after'].split('load average:')[-1]}", flush=True)
+            print(
+                f"workers={w}: wall {r['wall_s']} s, child CPU {r['child_cpu_s']} s, stage "
+                f"{r['stage_s']} s, read {r['read']}, kept {r['samples']}, trained tokens "
+                f"{r['trained_tokens']:,}; load before: {r['uptime_before'].split('load average:')[-1]}"
+                f", after: {r['uptime_after'].split('load average:')[-1]}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -18,8 +18,11 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     prompts = []
     for i in range(n):
-        ids = tok.apply_chat_template([{"role": "user", "content": f"Explain topic number {i} about science "
-                                        "and history in detail."}], add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": f"Explain topic number {i} about science and history in detail."}],
+            add_generation_prompt=True,
+            tokenize=True,
+        )
         prompts.append(ids["input_ids"] if hasattr(ids, "keys") else ids)
     llm = LLM(path, dtype=dtype, max_model_len=2048, seed=0)
     t = time.time()

@@ -40,18 +40,21 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--result", type=Path, help="JSON-lines file to append the summary to")
     ap.add_argument("--also-k", default="", help="replay only: more k from the same pass, e.g. 1,2,5,7")
-    ap.add_argument("--builtin-from", type=Path,
-                    help="an earlier `eyas evaluate` --out with builtin/report.json at the same settings: "
-                         "compared against instead of running the builtin engine")
+    ap.add_argument(
+        "--builtin-from",
+        type=Path,
+        help="an earlier `eyas evaluate` --out with builtin/report.json at the same settings: "
+        "compared against instead of running the builtin engine",
+    )
     ap.add_argument("evaluate_args", nargs="*", help="after --: the settings both engines share")
     a = ap.parse_args()
     eyas = [sys.executable, "-m", "eyas.cli", "evaluate", "--draft", a.draft, "--quiet", *a.evaluate_args]
     # the speculative loop alone (no plain-decoding baseline): what replay stands in for
     builtin_s = None if a.builtin_from else run([*eyas, "--engine", "builtin", "--no-plain", "--out", str(a.out)])
-    replay_s = run([*eyas, "--engine", "replay", "--out", str(a.out),
-                    *(["--also-k", a.also_k] if a.also_k else [])])
+    replay_s = run([*eyas, "--engine", "replay", "--out", str(a.out), *(["--also-k", a.also_k] if a.also_k else [])])
     b = json.loads(((a.builtin_from or a.out) / "builtin" / "report.json").read_text())
     r = json.loads((a.out / "replay" / "report.json").read_text())
+
     def norm(key, value):  # paths as given may be relative to the run's directory or absolute
         return str(Path(value).resolve()) if key in ("prompts", "draft") and value else value
 
@@ -66,27 +69,45 @@ def main() -> None:
     rb, rr = {key(p): p for p in b["per_prompt"]}, {key(p): p for p in r["per_prompt"]}
     common = sorted(set(rb) & set(rr))
     same_out = sum(rb[t]["output_ids"] == rr[t]["output_ids"] for t in common)
-    same_rec = sum((rb[t]["output_ids"], rb[t]["rounds"], rb[t]["accepted_per_pos"])
-                   == (rr[t]["output_ids"], rr[t]["rounds"], rr[t]["accepted_per_pos"]) for t in common)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    same_rec = sum(
+        (rb[t]["output_ids"], rb[t]["rounds"], rb[t]["accepted_per_pos"])
+        == (rr[t]["output_ids"], rr[t]["rounds"], rr[t]["accepted_per_pos"])
+        for t in common
+    )
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     summary = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit,
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}",
         "command": shlex.join([sys.argv[0], *sys.argv[1:]]),
-        "k": b["num_speculative_tokens"], "turns": len(common), "device": b.get("device"), "dtype": b.get("dtype"),
-        "tau_builtin": b["overall"]["tau"], "tau_replay": r["overall"]["tau"],
-        "rounds_builtin": b["overall"]["rounds"], "rounds_replay": r["overall"]["rounds"],
+        "k": b["num_speculative_tokens"],
+        "turns": len(common),
+        "device": b.get("device"),
+        "dtype": b.get("dtype"),
+        "tau_builtin": b["overall"]["tau"],
+        "tau_replay": r["overall"]["tau"],
+        "rounds_builtin": b["overall"]["rounds"],
+        "rounds_replay": r["overall"]["rounds"],
         "accepted_per_pos_builtin": b["overall"]["accepted_per_pos"],
         "accepted_per_pos_replay": r["overall"]["accepted_per_pos"],
-        "identical_outputs": same_out, "identical_records": same_rec,
+        "identical_outputs": same_out,
+        "identical_records": same_rec,
         "builtin_from": str(a.builtin_from) if a.builtin_from else None,
-        "builtin_wall_s": b.get("wall_seconds_this_run"), "builtin_command_s": builtin_s,
-        "replay_references_s": r.get("references_seconds_this_run"), "replay_s": r.get("replay_seconds"),
+        "builtin_wall_s": b.get("wall_seconds_this_run"),
+        "builtin_command_s": builtin_s,
+        "replay_references_s": r.get("references_seconds_this_run"),
+        "replay_s": r.get("replay_seconds"),
         "replay_command_s": replay_s,
-        "replay_also_k": {k: v["replay"]["overall"]["tau"] for k, v in
-                          ((d.name, {"replay": json.loads((d / "replay" / "report.json").read_text())})
-                           for d in sorted(a.out.glob("k*")) if (d / "replay" / "report.json").is_file())},
+        "replay_also_k": {
+            k: v["replay"]["overall"]["tau"]
+            for k, v in (
+                (d.name, {"replay": json.loads((d / "replay" / "report.json").read_text())})
+                for d in sorted(a.out.glob("k*"))
+                if (d / "replay" / "report.json").is_file()
+            )
+        },
     }
     (a.out / "replay_vs_builtin.json").write_text(json.dumps(summary, indent=2) + "\n")
     if a.result:

@@ -57,13 +57,20 @@ def rewrite_for(ds, target, out: Path, n: int | None) -> Path:
         shutil.rmtree(out)
     rows = [ds[i] for i in range(min(n or len(ds), len(ds)))]
     d2t, t2d = ds.draft_vocab()
-    return write_prepared(out, [r.input_ids.tolist() for r in rows],
-                          [r.loss_mask.astype(np.int8).tolist() for r in rows],
-                          [r.source_id for r in rows], target, d2t, t2d)
+    return write_prepared(
+        out,
+        [r.input_ids.tolist() for r in rows],
+        [r.loss_mask.astype(np.int8).tolist() for r in rows],
+        [r.source_id for r in rows],
+        target,
+        d2t,
+        t2d,
+    )
 
 
-def flops_per_token(cfg: DraftConfig, ttt: int, pack: int, target_cfg: dict, fractions: list[float],
-                    fused: bool) -> dict[str, float]:
+def flops_per_token(
+    cfg: DraftConfig, ttt: int, pack: int, target_cfg: dict, fractions: list[float], fused: bool
+) -> dict[str, float]:
     h, d, nh, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     layer = 2 * h * (nh * d + 2 * nkv * d) + nh * d * h + 3 * h * cfg.intermediate_size
     per_step = layer + h * cfg.draft_vocab_size
@@ -71,17 +78,21 @@ def flops_per_token(cfg: DraftConfig, ttt: int, pack: int, target_cfg: dict, fra
     tc = target_cfg.get("text_config", target_cfg)
     th, ti, tl = tc["hidden_size"], tc["intermediate_size"], tc["num_hidden_layers"]
     thd = tc.get("head_dim") or th // tc["num_attention_heads"]
-    tparams = tl * (th * thd * (tc["num_attention_heads"]
-                                + 2 * tc.get("num_key_value_heads", tc["num_attention_heads"]))
-                    + tc["num_attention_heads"] * thd * th + 3 * th * ti)
+    tparams = tl * (
+        th * thd * (tc["num_attention_heads"] + 2 * tc.get("num_key_value_heads", tc["num_attention_heads"]))
+        + tc["num_attention_heads"] * thd * th
+        + 3 * th * ti
+    )
     head = h * cfg.draft_vocab_size
     scored = sum(fractions)
-    return {"draft_matmul": ttt * 3 * 2 * per_step + 2 * 2 * fc,
-            "model": ttt * 3 * 2 * layer + 3 * 2 * head * scored + 2 * 2 * fc,
-            "attention": ttt * 3 * 4 * pack * nh * d,
-            # fused: once per batch, on the positions whose next token the loss counts (~ step 0's)
-            "target_head": 2 * head * (fractions[0] if fused else 1.0),
-            "online_target": 2 * tparams}
+    return {
+        "draft_matmul": ttt * 3 * 2 * per_step + 2 * 2 * fc,
+        "model": ttt * 3 * 2 * layer + 3 * 2 * head * scored + 2 * 2 * fc,
+        "attention": ttt * 3 * 4 * pack * nh * d,
+        # fused: once per batch, on the positions whose next token the loss counts (~ step 0's)
+        "target_head": 2 * head * (fractions[0] if fused else 1.0),
+        "online_target": 2 * tparams,
+    }
 
 
 def flex_tiles(doc: np.ndarray, steps: int) -> int:
@@ -89,14 +100,16 @@ def flex_tiles(doc: np.ndarray, steps: int) -> int:
     t = len(doc)
     nq = -(-t // TILE)
     d = np.where(doc < 0, doc.max() + 1, doc)  # padding is one more "document" at the end
-    lo = [d[a * TILE:(a + 1) * TILE].min() for a in range(nq)]
-    hi = [d[a * TILE:(a + 1) * TILE].max() for a in range(nq)]
+    lo = [d[a * TILE : (a + 1) * TILE].min() for a in range(nq)]
+    hi = [d[a * TILE : (a + 1) * TILE].max() for a in range(nq)]
     # block 0: kv tile b <= q tile a is visible iff the tiles share a document (documents are contiguous)
     block0 = sum(1 for a in range(nq) for b in range(a + 1) if hi[b] >= lo[a])
     # block n >= 1: kv tiles touched by the diagonal kv = n*T + q, per q tile
-    diag = [sum((n * t + min((a + 1) * TILE, t) - 1) // TILE - (n * t + a * TILE) // TILE + 1
-                for a in range(nq)) for n in range(steps)]
-    return sum(block0 + sum(diag[1:j + 1]) for j in range(steps))
+    diag = [
+        sum((n * t + min((a + 1) * TILE, t) - 1) // TILE - (n * t + a * TILE) // TILE + 1 for a in range(nq))
+        for n in range(steps)
+    ]
+    return sum(block0 + sum(diag[1 : j + 1]) for j in range(steps))
 
 
 def epoch0_packs(ds, pack: int, seed: int = 0):
@@ -116,7 +129,7 @@ def scored_fractions(ds, pack: int, ttt: int, seed: int = 0) -> list[float]:
     scored, real = np.zeros(ttt), 0
     for masks in epoch0_packs(ds, pack, seed):
         for m in masks:
-            scored += [m[2 + j:].sum() for j in range(ttt)]
+            scored += [m[2 + j :].sum() for j in range(ttt)]
             real += len(m)
     return (scored / max(real, 1)).tolist()
 
@@ -131,7 +144,7 @@ def attention_flops_per_token(cfg: DraftConfig, ttt: int, pack: int, kind: str, 
         doc = np.full(pack, -1, np.int64)
         at = 0
         for k, m in enumerate(masks):
-            doc[at:at + len(m)] = k
+            doc[at : at + len(m)] = k
             at += len(m)
         tiles += flex_tiles(doc, ttt)
         real += at
@@ -150,8 +163,15 @@ def measure(run: Path, warmup: int) -> dict[str, float]:
             seconds += step_tokens / r["tokens_per_s"]
         else:  # compilation included
             warm_s += step_tokens / r["tokens_per_s"]
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "warmup_s": warm_s,
-            "steps": len(recs) - warmup, "final_loss": recs[-1]["loss"], "acc_step0": recs[-1]["acc"][0]}
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "warmup_s": warm_s,
+        "steps": len(recs) - warmup,
+        "final_loss": recs[-1]["loss"],
+        "acc_step0": recs[-1]["acc"][0],
+    }
 
 
 def main() -> None:
@@ -169,17 +189,24 @@ def main() -> None:
     ap.add_argument("--compile", default="0", help="comma list of 0/1: torch.compile variants")
     ap.add_argument("--fused-loss", action="store_true", help="train with --fused-loss")
     ap.add_argument("--compile-scope", default="model", help="model or regions (eyas train --compile-scope)")
-    ap.add_argument("--compile-mode", default="default",
-                    help="torch.compile mode for --compile-scope model (eyas train --compile-mode)")
+    ap.add_argument(
+        "--compile-mode",
+        default="default",
+        help="torch.compile mode for --compile-scope model (eyas train --compile-mode)",
+    )
     ap.add_argument("--loss-chunk", type=int, default=4096, help="rows per chunk of --fused-loss")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--peak-tflops", type=float, default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--attention", default="auto", help="TTT attention: auto, dense or flex (trainer's --attention)")
     ap.add_argument("--parallel", default="ddp", help="ddp or fsdp2 (used under torchrun with >1 process)")
-    ap.add_argument("--profile", type=int, default=0,
-                    help="N > 0: also profile N steady steps of the first configuration (torch.profiler), "
-                         "written next to --json as profile-<config>.txt")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="N > 0: also profile N steady steps of the first configuration (torch.profiler), "
+        "written next to --json as profile-<config>.txt",
+    )
     args = ap.parse_args()
 
     # under torchrun every rank trains; rank 0 alone prepares files, measures and reports
@@ -208,29 +235,50 @@ def main() -> None:
                 if store.exists():
                     shutil.rmtree(store)
                 t0 = time.perf_counter()
-                s = extract(ExtractConfig(target=str(target.path), data=data, out=store, dtype="bf16",
-                                          device=args.device, progress=False))
+                s = extract(
+                    ExtractConfig(
+                        target=str(target.path), data=data, out=store, dtype="bf16", device=args.device, progress=False
+                    )
+                )
                 print(f"store: {s['tokens']:,} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
             dist.barrier()
         for bs in [int(x) for x in args.batch_sizes.split(",")]:
             for comp in [bool(int(x)) for x in args.compile.split(",")]:
-                tag = ("-regions" if comp and args.compile_scope == "regions" else "") + (
-                    f"-{args.compile_mode}" if comp and args.compile_mode != "default" else "") + (
-                    f"-fused{args.loss_chunk}" if args.fused_loss else "")
+                tag = (
+                    ("-regions" if comp and args.compile_scope == "regions" else "")
+                    + (f"-{args.compile_mode}" if comp and args.compile_mode != "default" else "")
+                    + (f"-fused{args.loss_chunk}" if args.fused_loss else "")
+                )
                 run = work / f"run-{mode}-b{bs}-c{int(comp)}{tag}-{attention}-w{dist.world}"
                 if main_rank and run.exists():
                     shutil.rmtree(run)
                 dist.barrier()
-                cfg = TrainConfig(target=str(target.path), data=str(data), out=str(run),
-                                  features=mode, store=str(store) if mode == "offline" else None,
-                                  ttt_steps=args.ttt_steps, tokens_per_batch=args.tokens_per_batch,
-                                  batch_size=bs, max_steps=args.warmup_steps + args.steps, warmup=5,
-                                  save_every=0, eval_every=0, eval_batches=1, heldout=0.01,
-                                  device=args.device, progress=False, compile=comp, compile_scope=args.compile_scope,
-                                  compile_mode=args.compile_mode, fused_loss=args.fused_loss,
-                                  loss_chunk=args.loss_chunk,
-                                  attention=args.attention, parallel=args.parallel,
-                                  experimental=True)  # a benchmark measures the experimental settings too
+                cfg = TrainConfig(
+                    target=str(target.path),
+                    data=str(data),
+                    out=str(run),
+                    features=mode,
+                    store=str(store) if mode == "offline" else None,
+                    ttt_steps=args.ttt_steps,
+                    tokens_per_batch=args.tokens_per_batch,
+                    batch_size=bs,
+                    max_steps=args.warmup_steps + args.steps,
+                    warmup=5,
+                    save_every=0,
+                    eval_every=0,
+                    eval_batches=1,
+                    heldout=0.01,
+                    device=args.device,
+                    progress=False,
+                    compile=comp,
+                    compile_scope=args.compile_scope,
+                    compile_mode=args.compile_mode,
+                    fused_loss=args.fused_loss,
+                    loss_chunk=args.loss_chunk,
+                    attention=args.attention,
+                    parallel=args.parallel,
+                    experimental=True,
+                )  # a benchmark measures the experimental settings too
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 t0 = time.perf_counter()
@@ -238,8 +286,15 @@ def main() -> None:
                     draft_dir = train(cfg)
                 except Exception as e:  # record and go on: one failing variant must not lose the rest
                     print(f"{mode} b{bs} compile={comp}: FAILED {type(e).__name__}: {e}", flush=True)
-                    results.append({"mode": mode, "batch_packs": bs, "compile": comp, "attention": attention,
-                                    "error": str(e)[:500]})
+                    results.append(
+                        {
+                            "mode": mode,
+                            "batch_packs": bs,
+                            "compile": comp,
+                            "attention": attention,
+                            "error": str(e)[:500],
+                        }
+                    )
                     continue
                 wall = time.perf_counter() - t0
                 peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
@@ -253,40 +308,56 @@ def main() -> None:
                 m = measure(run, args.warmup_steps)
                 dcfg = DraftConfig.from_dict(json.loads((draft_dir / "config.json").read_text()))
                 fractions = scored_fractions(open_prepared(data), args.tokens_per_batch, args.ttt_steps)
-                f = flops_per_token(dcfg, args.ttt_steps, args.tokens_per_batch, target.config(), fractions,
-                                    args.fused_loss)
-                f["attention"] = attention_flops_per_token(dcfg, args.ttt_steps, args.tokens_per_batch, attention,
-                                                           open_prepared(data))
+                f = flops_per_token(
+                    dcfg, args.ttt_steps, args.tokens_per_batch, target.config(), fractions, args.fused_loss
+                )
+                f["attention"] = attention_flops_per_token(
+                    dcfg, args.ttt_steps, args.tokens_per_batch, attention, open_prepared(data)
+                )
                 # what this configuration runs: lm_head on every position, or (fused) on the scored ones
                 matmuls = f["model"] if args.fused_loss else f["draft_matmul"]
                 executed = matmuls + f["attention"] + f["target_head"] + (f["online_target"] if mode == "online" else 0)
                 tps = m["tokens_per_s"]
-                row = {"mode": mode, "batch_packs": bs, "compile": comp,
-                       "compile_scope": args.compile_scope if comp else None,
-                       "compile_mode": args.compile_mode if comp else None,
-                       "loss_chunk": args.loss_chunk if args.fused_loss else None,
-                       "attention": attention,
-                       "fused_loss": args.fused_loss, "parallel": args.parallel if dist.world > 1 else "single",
-                       "world_size": dist.world,
-                       **m, "wall_s_total": wall, "max_memory_allocated_gib": peak_mem,
-                       "scored_fraction_per_step": fractions,
-                       "flops_per_token": f,
-                       "model_tflops": f["model"] * tps / 1e12,
-                       "draft_matmul_tflops": f["draft_matmul"] * tps / 1e12,
-                       "executed_tflops": executed * tps / 1e12}
+                row = {
+                    "mode": mode,
+                    "batch_packs": bs,
+                    "compile": comp,
+                    "compile_scope": args.compile_scope if comp else None,
+                    "compile_mode": args.compile_mode if comp else None,
+                    "loss_chunk": args.loss_chunk if args.fused_loss else None,
+                    "attention": attention,
+                    "fused_loss": args.fused_loss,
+                    "parallel": args.parallel if dist.world > 1 else "single",
+                    "world_size": dist.world,
+                    **m,
+                    "wall_s_total": wall,
+                    "max_memory_allocated_gib": peak_mem,
+                    "scored_fraction_per_step": fractions,
+                    "flops_per_token": f,
+                    "model_tflops": f["model"] * tps / 1e12,
+                    "draft_matmul_tflops": f["draft_matmul"] * tps / 1e12,
+                    "executed_tflops": executed * tps / 1e12,
+                }
                 if peak:  # per-GPU peak times the GPUs training
                     row["mfu"] = row["model_tflops"] / (peak * dist.world)
                     row["mfu_draft_matmul"] = row["draft_matmul_tflops"] / (peak * dist.world)
                     row["hfu_executed"] = row["executed_tflops"] / (peak * dist.world)
                 results.append(row)
                 report(args, device_name, peak, data, results)
-                print(f"{mode:8} packs/micro={bs} compile={int(comp)}"
-                      f"{'/model' if comp and args.compile_scope == 'model' else ''}"
-                      f"{'/' + args.compile_mode if comp else ''} fused={int(args.fused_loss)} {attention} "
-                      f"x{dist.world}  {tps:>12,.0f} tok/s  model {row['model_tflops']:.1f} TFLOP/s"
-                      + (f"  MFU {row['mfu']:.1%} (lm_head on all positions: {row['mfu_draft_matmul']:.1%}; "
-                         f"executed FLOPs {row['hfu_executed']:.1%})" if peak else "")
-                      + f"  warm-up {m['warmup_s']:.1f} s  loss {m['final_loss']:.3f}", flush=True)
+                print(
+                    f"{mode:8} packs/micro={bs} compile={int(comp)}"
+                    f"{'/model' if comp and args.compile_scope == 'model' else ''}"
+                    f"{'/' + args.compile_mode if comp else ''} fused={int(args.fused_loss)} {attention} "
+                    f"x{dist.world}  {tps:>12,.0f} tok/s  model {row['model_tflops']:.1f} TFLOP/s"
+                    + (
+                        f"  MFU {row['mfu']:.1%} (lm_head on all positions: {row['mfu_draft_matmul']:.1%}; "
+                        f"executed FLOPs {row['hfu_executed']:.1%})"
+                        if peak
+                        else ""
+                    )
+                    + f"  warm-up {m['warmup_s']:.1f} s  loss {m['final_loss']:.3f}",
+                    flush=True,
+                )
     if main_rank:
         print(json.dumps(report(args, device_name, peak, data, results)))
 
@@ -306,8 +377,9 @@ def profile(cfg: TrainConfig, name: str, args) -> None:
     cfg = replace(cfg, out=str(run), max_steps=args.warmup_steps + args.profile + 1)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     marks: list[float] = []
-    with torch_profile(activities=acts, schedule=schedule(wait=args.warmup_steps, warmup=1, active=args.profile,
-                                                          repeat=1)) as prof:
+    with torch_profile(
+        activities=acts, schedule=schedule(wait=args.warmup_steps, warmup=1, active=args.profile, repeat=1)
+    ) as prof:
         first: list[int] = []
 
         def on_step(opt, *_):
@@ -317,6 +389,7 @@ def profile(cfg: TrainConfig, name: str, args) -> None:
             first[:] = [id(opt)]
             marks.append(time.perf_counter())
             prof.step()
+
         handle = register_optimizer_step_post_hook(on_step)
         try:
             train(cfg)
@@ -326,14 +399,19 @@ def profile(cfg: TrainConfig, name: str, args) -> None:
     events = prof.key_averages()
     # kernels only, as the table's "Self CUDA time total": user annotations (ProfilerStep*) repeat
     # their kernels' time; counting them gave >100% of wall before
-    dev_us = sum(e.self_device_time_total for e in events
-                 if e.device_type != torch.autograd.DeviceType.CPU and not getattr(e, "is_user_annotation", False))
+    dev_us = sum(
+        e.self_device_time_total
+        for e in events
+        if e.device_type != torch.autograd.DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+    )
     by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    text = (f"{args.profile} steps profiled ({name}): wall {wall:.3f} s, {wall / args.profile * 1e3:.1f} ms/step; "
-            f"GPU kernel time {dev_us / 1e6:.3f} s ({dev_us / 1e6 / max(wall, 1e-9):.0%} of wall)\n\n"
-            + events.table(sort_by=by, row_limit=45, max_name_column_width=70)
-            + "\n\nBy self CPU time (where the host's time goes):\n"
-            + events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+    text = (
+        f"{args.profile} steps profiled ({name}): wall {wall:.3f} s, {wall / args.profile * 1e3:.1f} ms/step; "
+        f"GPU kernel time {dev_us / 1e6:.3f} s ({dev_us / 1e6 / max(wall, 1e-9):.0%} of wall)\n\n"
+        + events.table(sort_by=by, row_limit=45, max_name_column_width=70)
+        + "\n\nBy self CPU time (where the host's time goes):\n"
+        + events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    )
     out = Path(args.json).parent if args.json else Path(args.work)
     (out / f"profile-{name}.txt").write_text(text)
     print(text.split("\n\n")[0], flush=True)
@@ -341,10 +419,18 @@ def profile(cfg: TrainConfig, name: str, args) -> None:
 
 def report(args, device_name: str, peak, data: Path, results: list) -> dict:
     """The result record; rewritten after every configuration so a cut-off run keeps what it measured."""
-    rep = {"benchmark": "train_bench", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "machine": device_name, "torch": torch.__version__, "peak_tflops": peak,
-           "command": " ".join(sys.argv), "tokens_per_batch": args.tokens_per_batch,
-           "ttt_steps": args.ttt_steps, "samples": len(open_prepared(data)), "results": results}
+    rep = {
+        "benchmark": "train_bench",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": device_name,
+        "torch": torch.__version__,
+        "peak_tflops": peak,
+        "command": " ".join(sys.argv),
+        "tokens_per_batch": args.tokens_per_batch,
+        "ttt_steps": args.ttt_steps,
+        "samples": len(open_prepared(data)),
+        "results": results,
+    }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(rep, indent=2))

@@ -43,9 +43,23 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="eyas-cuda-defaults-"))
     target = resolve_target(tiny.make_target(work / "target", "llama"))
     prepared = data(work / "data", target)
-    base = dict(target=str(target.path), data=str(prepared), features="online", layers=[1, 4, 6], ttt_steps=3,
-                tokens_per_batch=128, batch_size=2, max_steps=40, warmup=2, lr=1e-3, save_every=0,
-                eval_every=0, eval_batches=2, heldout=0.1, progress=False)
+    base = dict(
+        target=str(target.path),
+        data=str(prepared),
+        features="online",
+        layers=[1, 4, 6],
+        ttt_steps=3,
+        tokens_per_batch=128,
+        batch_size=2,
+        max_steps=40,
+        warmup=2,
+        lr=1e-3,
+        save_every=0,
+        eval_every=0,
+        eval_batches=2,
+        heldout=0.1,
+        progress=False,
+    )
     runs = {}
     for name, kw in (("defaults", {}), ("eager", {"compile": False, "fused_loss": False})):
         out = work / name
@@ -53,15 +67,24 @@ def main() -> int:
         train(TrainConfig(out=str(out), **base, **kw))
         recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         cfg = json.loads((out / "train_config.json").read_text())
-        runs[name] = {"compile": cfg["compile"], "fused_loss": cfg["fused_loss"], "seconds": time.perf_counter() - t,
-                      "loss": [r["loss"] for r in recs if r.get("split") == "train"]}
+        runs[name] = {
+            "compile": cfg["compile"],
+            "fused_loss": cfg["fused_loss"],
+            "seconds": time.perf_counter() - t,
+            "loss": [r["loss"] for r in recs if r.get("split") == "train"],
+        }
     a, b = runs["defaults"]["loss"], runs["eager"]["loss"]
     worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
     ok = runs["defaults"]["compile"] is True and runs["defaults"]["fused_loss"] is True and worst < 0.03
-    result = {"ok": ok, "worst_relative_loss_difference": worst, "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "steps": len(a), **{k: {kk: vv for kk, vv in v.items() if kk != "loss"}
-                                                             for k, v in runs.items()},
-              "loss_first_last": {k: [v["loss"][0], v["loss"][-1]] for k, v in runs.items()}}
+    result = {
+        "ok": ok,
+        "worst_relative_loss_difference": worst,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "steps": len(a),
+        **{k: {kk: vv for kk, vv in v.items() if kk != "loss"} for k, v in runs.items()},
+        "loss_first_last": {k: [v["loss"][0], v["loss"][-1]] for k, v in runs.items()},
+    }
     print(json.dumps(result, indent=2))
     if len(sys.argv) > 1:
         Path(sys.argv[1]).write_text(json.dumps(result, indent=2) + "\n")

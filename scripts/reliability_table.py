@@ -47,7 +47,7 @@ def split_doc(doc: str) -> tuple[str, str]:
         if ch == "`":
             quoted = not quoted
         elif not quoted and text.startswith(": ", i):
-            return text[:i], text[i + 2:]
+            return text[:i], text[i + 2 :]
     return text, ""
 
 
@@ -81,9 +81,13 @@ def collect(tests_dir: Path = ROOT / "tests") -> list[dict[str, str]]:
                 raise SystemExit(f"{f.name}::{fn.name} has no docstring: it is this test's row in {OUT.name}")
             what, gives = split_doc(doc)
             for cid, match in _cases(fn):
-                rows.append({"input": what + (f" [`{cid}`]" if cid else ""),
-                             "gives": gives + (f" Message: “{match}”." if match else ""),
-                             "test": f"`{f.name}::{fn.name}" + (f"[{cid}]`" if cid else "`")})
+                rows.append(
+                    {
+                        "input": what + (f" [`{cid}`]" if cid else ""),
+                        "gives": gives + (f" Message: “{match}”." if match else ""),
+                        "test": f"`{f.name}::{fn.name}" + (f"[{cid}]`" if cid else "`"),
+                    }
+                )
     return rows
 
 
@@ -91,8 +95,14 @@ def render(rows: list[dict[str, str]]) -> str:
     def cell(s: str) -> str:
         return s.replace("|", "\\|")
 
-    lines = [HEADER.rstrip("\n"), "", f"{len(rows)} cases.", "",
-             "| input or fault | what it gives | test |", "|---|---|---|"]
+    lines = [
+        HEADER.rstrip("\n"),
+        "",
+        f"{len(rows)} cases.",
+        "",
+        "| input or fault | what it gives | test |",
+        "|---|---|---|",
+    ]
     lines += [f"| {cell(r['input'])} | {cell(r['gives'])} | {cell(r['test'])} |" for r in rows]
     return "\n".join(lines) + "\n"
 

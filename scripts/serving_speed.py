@@ -20,8 +20,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "serving_speed.json"
-WHAT = ("vLLM output tokens/s with and without the draft, per target, k and number of concurrent requests; "
-        "the rows of `eyas evaluate --engine vllm --speed-concurrency ... -k K --also-k ...` (OUT/vllm/report.json)")
+WHAT = (
+    "vLLM output tokens/s with and without the draft, per target, k and number of concurrent requests; "
+    "the rows of `eyas evaluate --engine vllm --speed-concurrency ... -k K --also-k ...` (OUT/vllm/report.json)"
+)
 
 
 def run_of(eval_dir: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
@@ -32,12 +34,22 @@ def run_of(eval_dir: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any], d
         sys.exit(f"{path}: no serving_speed_by_k; evaluate with --engine vllm --speed-concurrency 1,8,32")
     target = rep.get("target_name") or rep["target"]["id"]
     speed = rep["serving_speed"]
-    run = {"report": str(path), "draft": rep.get("draft"), "draft_sha256": rep.get("draft_sha256"),
-           "target_id": (rep.get("target") or {}).get("id"), "vllm": rep.get("vllm_version"),
-           "machine": rep.get("machine"), "dtype": rep.get("dtype"), "created": rep.get("created"),
-           "prompts": rep.get("prompts"), "first_turns": speed.get("prompts"),
-           "max_new_tokens": speed.get("max_new_tokens"), "min_waves": speed.get("min_waves"),
-           "min_seconds": speed.get("min_seconds"), "tau_by_k": rep.get("tau_by_k")}
+    run = {
+        "report": str(path),
+        "draft": rep.get("draft"),
+        "draft_sha256": rep.get("draft_sha256"),
+        "target_id": (rep.get("target") or {}).get("id"),
+        "vllm": rep.get("vllm_version"),
+        "machine": rep.get("machine"),
+        "dtype": rep.get("dtype"),
+        "created": rep.get("created"),
+        "prompts": rep.get("prompts"),
+        "first_turns": speed.get("prompts"),
+        "max_new_tokens": speed.get("max_new_tokens"),
+        "min_waves": speed.get("min_waves"),
+        "min_seconds": speed.get("min_seconds"),
+        "tau_by_k": rep.get("tau_by_k"),
+    }
     rows = [{"target": target, **r} for r in rep["serving_speed_by_k"]]
     return target, rows, rep.get("best_k") or {}, run
 

@@ -12,9 +12,11 @@ import torch
 import tiny
 
 AUX = [1, 3, 4]
-WORDS = ("the quick brown fox jumps over lazy dog speculative decoding drafts tokens small model "
-         "verify large hello how can help you today please tell me more about question paris "
-         "capital france berlin germany sky blue numbers").split()
+WORDS = (
+    "the quick brown fox jumps over lazy dog speculative decoding drafts tokens small model "
+    "verify large hello how can help you today please tell me more about question paris "
+    "capital france berlin germany sky blue numbers"
+).split()
 
 
 def make_eval_target(out: Path, seed: int = 0, sharpen: float = 20.0) -> Path:
@@ -50,19 +52,22 @@ def self_distilled(target, n: int, new_tokens: int = 48, seed: int = 1):
     ids, masks = [], []
     for _ in range(n):
         text = " ".join(rng.choice(WORDS, size=int(rng.integers(3, 12))))
-        prompt = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                         add_generation_prompt=True)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         p = tok(prompt, add_special_tokens=False)["input_ids"]
         with torch.inference_mode():
-            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)[0].tolist()
+            out = model.generate(
+                torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+            )[0].tolist()
         ids.append(out)
         masks.append([0] * len(p) + [1] * (len(out) - len(p)))
     return ids, masks
 
 
-def train_draft(target, work: Path, steps: int = 150, n: int = 96, draft_vocab: int = 256,
-                seed: int = 0, **draft_overrides) -> Path:
+def train_draft(
+    target, work: Path, steps: int = 150, n: int = 96, draft_vocab: int = 256, seed: int = 0, **draft_overrides
+) -> Path:
     """Prepared self-distilled data -> `eyas train` online for ``steps`` -> RUN_DIR/draft."""
     from eyas.data.dataset import write_prepared
     from eyas.data.vocab import build_draft_vocab, count_trained_tokens
@@ -72,11 +77,27 @@ def train_draft(target, work: Path, steps: int = 150, n: int = 96, draft_vocab: 
     vocab = target.config()["vocab_size"]
     d2t, t2d, _ = build_draft_vocab(count_trained_tokens(ids, masks, vocab), draft_vocab)
     data = write_prepared(work / "data", ids, masks, [f"self:{i}" for i in range(n)], target, d2t, t2d)
-    cfg = TrainConfig(target=str(target.path), data=str(data), out=str(work / "run"), features="online",
-                      layers=AUX, ttt_steps=3, tokens_per_batch=512, max_steps=steps, warmup=10,
-                      lr=3e-3, save_every=10_000, eval_every=0, eval_batches=1, heldout=0.05,
-                      progress=False, seed=seed, epochs=100, draft_config=draft_overrides,
-                      experimental=bool(draft_overrides))  # the head options are experimental
+    cfg = TrainConfig(
+        target=str(target.path),
+        data=str(data),
+        out=str(work / "run"),
+        features="online",
+        layers=AUX,
+        ttt_steps=3,
+        tokens_per_batch=512,
+        max_steps=steps,
+        warmup=10,
+        lr=3e-3,
+        save_every=10_000,
+        eval_every=0,
+        eval_batches=1,
+        heldout=0.05,
+        progress=False,
+        seed=seed,
+        epochs=100,
+        draft_config=draft_overrides,
+        experimental=bool(draft_overrides),
+    )  # the head options are experimental
     return Path(train(cfg))
 
 
@@ -103,11 +124,17 @@ def session_dirs(tmp_path_factory) -> tuple[Path, Path]:
 def chat_prompts(tokenizer, texts: list[str]) -> list[list[int]]:
     out = []
     for text in texts:
-        s = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                          add_generation_prompt=True)
+        s = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
         out.append(tokenizer(s, add_special_tokens=False)["input_ids"])
     return out
 
 
-PROMPTS = ["hello how can you help", "paris capital of france blue sky", "numbers dog fox",
-           "tell me more about the lazy dog", "speculative decoding verify tokens"]
+PROMPTS = [
+    "hello how can you help",
+    "paris capital of france blue sky",
+    "numbers dog fox",
+    "tell me more about the lazy dog",
+    "speculative decoding verify tokens",
+]

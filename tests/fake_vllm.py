@@ -19,8 +19,18 @@ TIMED: list[dict[str, Any]] = []  # each speed point: k, concurrency, min_second
 
 
 class FakeVllmEngine:
-    def __init__(self, python, target_dir, draft_dir, k: int = 3, dtype: str = "float32", max_model_len=None,
-                 seed: int = 0, log_path=None, kv_cache_gib: int = 2):
+    def __init__(
+        self,
+        python,
+        target_dir,
+        draft_dir,
+        k: int = 3,
+        dtype: str = "float32",
+        max_model_len=None,
+        seed: int = 0,
+        log_path=None,
+        kv_cache_gib: int = 2,
+    ):
         self.k = k if draft_dir is not None else None
         STARTED.append(self.k)
         self.info = {"vllm": "fake-0.0", "load_seconds": 0.0}
@@ -35,14 +45,28 @@ class FakeVllmEngine:
             outs.append({"key": key, "token_ids": [TOKEN] * max_tokens, "steps": steps, "seconds": 0.01})
         return outs
 
-    def speed(self, prompts, max_new_tokens: int, stop_ids, concurrency: int, min_seconds: float = 0.0,
-              min_waves: int = 1) -> dict[str, Any]:
-        TIMED.append({"k": self.k, "concurrency": concurrency, "min_seconds": min_seconds, "min_waves": min_waves,
-                      "prompts": len(prompts)})
+    def speed(
+        self, prompts, max_new_tokens: int, stop_ids, concurrency: int, min_seconds: float = 0.0, min_waves: int = 1
+    ) -> dict[str, Any]:
+        TIMED.append(
+            {
+                "k": self.k,
+                "concurrency": concurrency,
+                "min_seconds": min_seconds,
+                "min_waves": min_waves,
+                "prompts": len(prompts),
+            }
+        )
         tps = TOKENS_PER_S[(self.k, concurrency)]
         tokens = min_waves * concurrency * max_new_tokens
-        return {"concurrency": concurrency, "waves": min_waves, "requests": min_waves * concurrency,
-                "tokens": tokens, "seconds": tokens / tps, "tokens_per_s": tps}
+        return {
+            "concurrency": concurrency,
+            "waves": min_waves,
+            "requests": min_waves * concurrency,
+            "tokens": tokens,
+            "seconds": tokens / tps,
+            "tokens_per_s": tps,
+        }
 
     def close(self) -> None:
         pass

@@ -30,30 +30,58 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     h, vocab, k = 32, 50, 3
-    cfg = DraftConfig(hidden_size=h, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      intermediate_size=64, vocab_size=vocab, draft_vocab_size=dv,
-                      aux_layer_ids=[1, 2, 3], target_hidden_size=h)
+    cfg = DraftConfig(
+        hidden_size=h,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=vocab,
+        draft_vocab_size=dv,
+        aux_layer_ids=[1, 2, 3],
+        target_hidden_size=h,
+    )
     model = Eagle3Draft(cfg).double()
     with torch.no_grad():
         for mod in model.modules():
             if isinstance(mod, RMSNorm):
                 mod.weight.uniform_(0.5, 1.5)
     ids = torch.randperm(vocab)[:dv].sort().values
-    head = TargetHead(torch.rand(h, dtype=torch.float64) + 0.5, torch.randn(vocab, h, dtype=torch.float64),
-                      ids - torch.arange(dv), 1e-6)
+    head = TargetHead(
+        torch.rand(h, dtype=torch.float64) + 0.5,
+        torch.randn(vocab, h, dtype=torch.float64),
+        ids - torch.arange(dv),
+        1e-6,
+    )
     batches = []
     for r in range(world):  # the same on every rank: rank r trains on batches[r]
         b, t = (2, 17) if r != 1 else (1, 4)  # rank 1: T = 4, no position for TTT step 2
         doc = torch.zeros(b, t, dtype=torch.long)
-        doc[0, t // 2:] = 1
-        batches.append(dict(aux=torch.randn(b, t, 3 * h, dtype=torch.float64), x=torch.randint(0, vocab, (b, t)),
-                            pos=torch.arange(t).repeat(b, 1), doc=doc, mask=torch.rand(b, t) > 0.3,
-                            final=torch.randn(b, t, h, dtype=torch.float64) * 3))
+        doc[0, t // 2 :] = 1
+        batches.append(
+            dict(
+                aux=torch.randn(b, t, 3 * h, dtype=torch.float64),
+                x=torch.randint(0, vocab, (b, t)),
+                pos=torch.arange(t).repeat(b, 1),
+                doc=doc,
+                mask=torch.rand(b, t) > 0.3,
+                final=torch.randn(b, t, h, dtype=torch.float64) * 3,
+            )
+        )
 
     def loss_of(m, bt):
         normed = m(bt["aux"], bt["x"], bt["pos"], bt["doc"], k, return_normed=True)
-        return fused_ttt_loss(normed, m.lm_head.weight, head, bt["final"], bt["mask"], bt["doc"], 0.8, chunk=chunk,
-                              compiled=compiled and isinstance(m.lm_head.weight, DTensor))
+        return fused_ttt_loss(
+            normed,
+            m.lm_head.weight,
+            head,
+            bt["final"],
+            bt["mask"],
+            bt["doc"],
+            0.8,
+            chunk=chunk,
+            compiled=compiled and isinstance(m.lm_head.weight, DTensor),
+        )
 
     ref = copy.deepcopy(model)
     ref_loss, ref_grads = [], {}
@@ -82,8 +110,9 @@ def main() -> None:
         assert set(got) == set(ref_grads) and "lm_head.weight" in got, (sorted(got), sorted(ref_grads))
         for n in ref_grads:
             # the CE is fp32 in both (summed in another order here): ~1e-6 apart
-            torch.testing.assert_close(got[n], ref_grads[n], rtol=1e-5, atol=1e-6 * float(ref_grads[n].abs().max()),
-                                       msg=f"rank {rank}: {n}")
+            torch.testing.assert_close(
+                got[n], ref_grads[n], rtol=1e-5, atol=1e-6 * float(ref_grads[n].abs().max()), msg=f"rank {rank}: {n}"
+            )
     with torch.no_grad():  # held-out evaluation: forward only, the same numbers
         loss, _ = loss_of(model, batches[rank])
         torch.testing.assert_close(loss, ref_loss[rank][0], rtol=1e-6, atol=1e-7)

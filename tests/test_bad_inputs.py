@@ -19,8 +19,13 @@ from eyas.errors import EyasError
 
 
 def _conv(i: int) -> dict:
-    return {"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}: the quick brown fox?"},
-                                             {"from": "gpt", "value": f"answer {i}: the lazy dog."}]}
+    return {
+        "id": f"c{i}",
+        "conversations": [
+            {"from": "human", "value": f"question {i}: the quick brown fox?"},
+            {"from": "gpt", "value": f"answer {i}: the lazy dog."},
+        ],
+    }
 
 
 def eyas(*args: str) -> tuple[int, str]:
@@ -39,8 +44,23 @@ def eyas(*args: str) -> tuple[int, str]:
 
 
 def _prepare_args(target: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return ["prepare", "--target", str(target), "--data", str(data), "--out", str(out),
-            "--draft-vocab-size", "40", "--max-length", "256", "--workers", "1", "--quiet", *extra]
+    return [
+        "prepare",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--draft-vocab-size",
+        "40",
+        "--max-length",
+        "256",
+        "--workers",
+        "1",
+        "--quiet",
+        *extra,
+    ]
 
 
 def test_bad_input_json_missing_comma(tmp_path, tiny_llama_dir):
@@ -48,7 +68,7 @@ def test_bad_input_json_missing_comma(tmp_path, tiny_llama_dir):
     the reason; nothing is written."""
     text = json.dumps([_conv(i) for i in range(40)])
     at = text.index("}, {", len(text) // 3)
-    bad = text[:at + 1] + text[at + 2:]  # drop one comma between two items
+    bad = text[: at + 1] + text[at + 2 :]  # drop one comma between two items
     f = tmp_path / "chats.json"
     f.write_text(bad)
     code, msg = eyas(*_prepare_args(tiny_llama_dir, f, tmp_path / "out"))
@@ -89,7 +109,8 @@ def test_bad_input_json_known_truncated_sharegpt_is_read_to_the_cut(tmp_path, mo
     from eyas.fsio import sha256_file
 
     assert formats.KNOWN_TRUNCATED_SHA256 == {
-        "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772": "sharegpt"}
+        "99af0276a84059eca22886be5ea278454a05a505f455436f2f2e78a8faa77772": "sharegpt"
+    }
     text = json.dumps([_conv(i) for i in range(5)])
     f = tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json"
     f.write_text(text[:-30])
@@ -138,14 +159,18 @@ def test_bad_input_config_lr_1e_4_is_a_number(tmp_path):
     assert cfg.section("train")["lr"] == 1e-4 and isinstance(cfg.section("train")["lr"], float)
 
 
-@pytest.mark.parametrize("text, match", [
-    ("train:\n  lr: fast\n", "train.lr = 'fast' is a string; expected a number"),
-    ("train:\n  compile: 'yes'\n", "train.compile = 'yes' is a string; expected true or false"),
-    ("train:\n  layers: 2,3\n", "train.layers = '2,3' is a string; expected a list of integers"),
-    ("evaluate:\n  k: 2.5\n", "evaluate.k = 2.5 is a number; expected an integer"),
-    ("prepare:\n  regenerate:\n    top_p: high\n", "prepare.regenerate.top_p = 'high' is a string"),
-    ("train:\n  max_steps: 1e30\n", "train.max_steps = '1e30' is a number too large to be a count (above 2^53)"),
-], ids=["lr_fast", "compile_yes_string", "layers_string", "k_2.5", "regenerate_top_p_high", "max_steps_1e30"])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("train:\n  lr: fast\n", "train.lr = 'fast' is a string; expected a number"),
+        ("train:\n  compile: 'yes'\n", "train.compile = 'yes' is a string; expected true or false"),
+        ("train:\n  layers: 2,3\n", "train.layers = '2,3' is a string; expected a list of integers"),
+        ("evaluate:\n  k: 2.5\n", "evaluate.k = 2.5 is a number; expected an integer"),
+        ("prepare:\n  regenerate:\n    top_p: high\n", "prepare.regenerate.top_p = 'high' is a string"),
+        ("train:\n  max_steps: 1e30\n", "train.max_steps = '1e30' is a number too large to be a count (above 2^53)"),
+    ],
+    ids=["lr_fast", "compile_yes_string", "layers_string", "k_2.5", "regenerate_top_p_high", "max_steps_1e30"],
+)
 def test_bad_input_config_value_of_the_wrong_type(tmp_path, text, match):
     """A YAML value of the wrong type: exit 2 naming the key, the value and the expected type,
     before any stage runs."""
@@ -154,17 +179,30 @@ def test_bad_input_config_value_of_the_wrong_type(tmp_path, text, match):
     assert not (tmp_path / "work").exists()
 
 
-@pytest.mark.parametrize("text, match", [
-    ("evaluate:\n  engine: bogus\n", "evaluate.engine = 'bogus' is not one of 'builtin', 'vllm', 'both', 'replay'"),
-    ("evaluate:\n  dtype: fp7\n", "evaluate.dtype = 'fp7' is not one of 'auto', 'float32', 'bfloat16', 'float16'"),
-    ("train:\n  optimizer: bogus\n", "train.optimizer = 'bogus' is not one of 'muon', 'adamw'"),
-    ("train:\n  attention: sdpa\n", "train.attention = 'sdpa' is not one of 'auto', 'dense', 'flex'"),
-    ("export:\n  format: onnx\n", "export.format = 'onnx' is not one of 'vllm', 'sglang'"),
-    ("extract:\n  dtype: int8\n", "extract.dtype = 'int8' is not one of 'bf16', 'fp16', 'fp32', 'fp8'"),
-    ("prepare:\n  regenerate:\n    backend: sglang\n",
-     "prepare.regenerate.backend = 'sglang' is not one of 'auto', 'hf', 'vllm'"),
-], ids=["evaluate_engine_bogus", "evaluate_dtype_fp7", "train_optimizer_bogus", "train_attention_sdpa",
-        "export_format_onnx", "extract_dtype_int8", "regenerate_backend_sglang"])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("evaluate:\n  engine: bogus\n", "evaluate.engine = 'bogus' is not one of 'builtin', 'vllm', 'both', 'replay'"),
+        ("evaluate:\n  dtype: fp7\n", "evaluate.dtype = 'fp7' is not one of 'auto', 'float32', 'bfloat16', 'float16'"),
+        ("train:\n  optimizer: bogus\n", "train.optimizer = 'bogus' is not one of 'muon', 'adamw'"),
+        ("train:\n  attention: sdpa\n", "train.attention = 'sdpa' is not one of 'auto', 'dense', 'flex'"),
+        ("export:\n  format: onnx\n", "export.format = 'onnx' is not one of 'vllm', 'sglang'"),
+        ("extract:\n  dtype: int8\n", "extract.dtype = 'int8' is not one of 'bf16', 'fp16', 'fp32', 'fp8'"),
+        (
+            "prepare:\n  regenerate:\n    backend: sglang\n",
+            "prepare.regenerate.backend = 'sglang' is not one of 'auto', 'hf', 'vllm'",
+        ),
+    ],
+    ids=[
+        "evaluate_engine_bogus",
+        "evaluate_dtype_fp7",
+        "train_optimizer_bogus",
+        "train_attention_sdpa",
+        "export_format_onnx",
+        "extract_dtype_int8",
+        "regenerate_backend_sglang",
+    ],
+)
 def test_bad_input_config_value_not_one_of_its_choices(tmp_path, text, match):
     """A YAML value outside its setting's fixed set of values, in any stage: exit 2 naming the key,
     the value and the values allowed, before any stage runs (was: accepted at load, refused only
@@ -179,23 +217,46 @@ def test_bad_input_config_value_not_one_of_its_choices(tmp_path, text, match):
 
 def _train_args(tmp_path: Path, *extra: str) -> list[str]:
     # the target does not exist: a range error must come before anything is loaded
-    return ["train", "--target", str(tmp_path / "no-such-target"), "--data", str(tmp_path / "d"),
-            "--out", str(tmp_path / "run"), "--online", *extra]
+    return [
+        "train",
+        "--target",
+        str(tmp_path / "no-such-target"),
+        "--data",
+        str(tmp_path / "d"),
+        "--out",
+        str(tmp_path / "run"),
+        "--online",
+        *extra,
+    ]
 
 
-@pytest.mark.parametrize("flag, value, match", [
-    ("--ttt-steps", "0", "--ttt-steps 0 (training-time-test steps unrolled) must be >= 1"),
-    ("--tokens-per-batch", "1", "--tokens-per-batch 1 (tokens per pack) must be >= 3"),
-    ("--lr", "-0.001", "--lr -0.001 (peak learning rate) must be > 0"),
-    ("--lr", "0", "--lr 0.0 (peak learning rate) must be > 0"),
-    ("--max-steps", "0", "--max-steps 0 (optimizer steps) must be >= 1"),
-    ("--heldout", "1", "--heldout 1.0 (fraction of samples held out) must be < 1"),
-    ("--grad-accum", "0", "--grad-accum 0 (micro-batches per optimizer step) must be >= 1"),
-    ("--eval-batches", "0", "--eval-batches 0"),
-    ("--warmup", "-1", "--warmup -1 (warmup steps) must be >= 0"),
-    ("--lr", "inf", "--lr inf (peak learning rate) is not finite"),
-], ids=["ttt_steps_0", "tokens_per_batch_1", "lr_negative", "lr_0", "max_steps_0", "heldout_1",
-        "grad_accum_0", "eval_batches_0", "warmup_negative", "lr_inf"])
+@pytest.mark.parametrize(
+    "flag, value, match",
+    [
+        ("--ttt-steps", "0", "--ttt-steps 0 (training-time-test steps unrolled) must be >= 1"),
+        ("--tokens-per-batch", "1", "--tokens-per-batch 1 (tokens per pack) must be >= 3"),
+        ("--lr", "-0.001", "--lr -0.001 (peak learning rate) must be > 0"),
+        ("--lr", "0", "--lr 0.0 (peak learning rate) must be > 0"),
+        ("--max-steps", "0", "--max-steps 0 (optimizer steps) must be >= 1"),
+        ("--heldout", "1", "--heldout 1.0 (fraction of samples held out) must be < 1"),
+        ("--grad-accum", "0", "--grad-accum 0 (micro-batches per optimizer step) must be >= 1"),
+        ("--eval-batches", "0", "--eval-batches 0"),
+        ("--warmup", "-1", "--warmup -1 (warmup steps) must be >= 0"),
+        ("--lr", "inf", "--lr inf (peak learning rate) is not finite"),
+    ],
+    ids=[
+        "ttt_steps_0",
+        "tokens_per_batch_1",
+        "lr_negative",
+        "lr_0",
+        "max_steps_0",
+        "heldout_1",
+        "grad_accum_0",
+        "eval_batches_0",
+        "warmup_negative",
+        "lr_inf",
+    ],
+)
 def test_bad_input_train_flag_out_of_range(tmp_path, flag, value, match):
     """`eyas train` with a numeric flag out of range: exit 2 naming the flag, the value and the
     allowed range before the target loads (was: an autograd/torch traceback after it loaded, or a
@@ -205,10 +266,14 @@ def test_bad_input_train_flag_out_of_range(tmp_path, flag, value, match):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("flag, value, match", [
-    ("--optimizer", "bogus", "'bogus' is not one of 'muon', 'adamw'"),
-    ("--schedule", "step", "'step' is not one of 'cosine', 'linear', 'wsd'"),
-], ids=["optimizer_bogus", "schedule_step"])
+@pytest.mark.parametrize(
+    "flag, value, match",
+    [
+        ("--optimizer", "bogus", "'bogus' is not one of 'muon', 'adamw'"),
+        ("--schedule", "step", "'step' is not one of 'cosine', 'linear', 'wsd'"),
+    ],
+    ids=["optimizer_bogus", "schedule_step"],
+)
 def test_bad_input_train_flag_not_one_of_its_choices(tmp_path, flag, value, match):
     """`eyas train` with a flag outside its fixed set of values: exit 2 naming the flag, the value and
     the values allowed, before the target loads."""
@@ -229,27 +294,46 @@ def test_bad_input_config_train_ttt_steps_0(tmp_path):
 
 def test_bad_input_evaluate_max_new_tokens_0(tmp_path):
     """`eyas evaluate --max-new-tokens 0`: exit 2 before any model loads (was: "tau n/a", exit 0)."""
-    code, msg = eyas("evaluate", "--draft", tmp_path / "draft", "--target", tmp_path / "no-target",
-                     "--max-new-tokens", "0")
+    code, msg = eyas(
+        "evaluate", "--draft", tmp_path / "draft", "--target", tmp_path / "no-target", "--max-new-tokens", "0"
+    )
     assert code == 2 and "--max-new-tokens 0 (tokens generated per turn) must be >= 1" in msg
 
 
 def test_bad_input_evaluate_replay_with_sampling(tmp_path):
     """`eyas evaluate --engine replay --temperature 0.7`: exit 2 before any model loads; replay reads
     greedy acceptance only (with sampling the output depends on the draft)."""
-    code, msg = eyas("evaluate", "--draft", tmp_path / "draft", "--target", tmp_path / "no-target",
-                     "--engine", "replay", "--temperature", "0.7")
+    code, msg = eyas(
+        "evaluate",
+        "--draft",
+        tmp_path / "draft",
+        "--target",
+        tmp_path / "no-target",
+        "--engine",
+        "replay",
+        "--temperature",
+        "0.7",
+    )
     assert code == 2 and "replay measures greedy acceptance only" in msg and "--engine builtin or vllm" in msg
 
 
-@pytest.mark.parametrize("text, match", [
-    ("evaluate:\n  max_new_tokens: 0\n", "evaluate.max_new_tokens = 0"),
-    ("export:\n  num_speculative_tokens: 0\n", "export.num_speculative_tokens = 0"),
-    ("prepare:\n  max_length: 1\n", "prepare.max_length = 1"),
-    ("prepare:\n  regenerate:\n    temperature: -1\n", "prepare.regenerate.temperature = -1"),
-    ("extract:\n  batch_tokens: 0\n", "extract.batch_tokens = 0"),
-], ids=["evaluate_max_new_tokens_0", "export_k_0", "prepare_max_length_1",
-        "regenerate_temperature_negative", "extract_batch_tokens_0"])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("evaluate:\n  max_new_tokens: 0\n", "evaluate.max_new_tokens = 0"),
+        ("export:\n  num_speculative_tokens: 0\n", "export.num_speculative_tokens = 0"),
+        ("prepare:\n  max_length: 1\n", "prepare.max_length = 1"),
+        ("prepare:\n  regenerate:\n    temperature: -1\n", "prepare.regenerate.temperature = -1"),
+        ("extract:\n  batch_tokens: 0\n", "extract.batch_tokens = 0"),
+    ],
+    ids=[
+        "evaluate_max_new_tokens_0",
+        "export_k_0",
+        "prepare_max_length_1",
+        "regenerate_temperature_negative",
+        "extract_batch_tokens_0",
+    ],
+)
 def test_bad_input_config_number_out_of_range(tmp_path, text, match):
     """A YAML number out of range in any stage: exit 2 naming it, before any stage runs."""
     code, msg = eyas("pipeline", _yaml(tmp_path, text))
@@ -288,8 +372,7 @@ def test_bad_input_export_out_overlaps_an_input_with_overwrite(tmp_path, export_
     (was: exit 0 with the draft or the run directory deleted)."""
     run = tmp_path / "run"
     draft = _run_dir_with_draft(export_target, run)
-    out = {"draft": draft, "run_dir": run, "inside_draft": draft / "vllm",
-           "target": export_target.path}[where]
+    out = {"draft": draft, "run_dir": run, "inside_draft": draft / "vllm", "target": export_target.path}[where]
     before, tgt_before = _snapshot(run), _snapshot(export_target.path)
     code, msg = eyas("export", draft, "--out", out, "--target", export_target.path, "--overwrite")
     assert code == 2
@@ -331,8 +414,7 @@ def _resume(tiny_target, train_data, run: Path):
     import test_train_run
     from eyas.train.trainer import run as train
 
-    return train(test_train_run._cfg(tiny_target, train_data, run, keep_checkpoints=3, eval_every=0,
-                                     resume=True))
+    return train(test_train_run._cfg(tiny_target, train_data, run, keep_checkpoints=3, eval_every=0, resume=True))
 
 
 def _draft_weights(run: Path) -> dict:
@@ -342,8 +424,7 @@ def _draft_weights(run: Path) -> dict:
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "trainer_state.json"])
-def test_bad_input_checkpoint_latest_file_truncated(tmp_path, tiny_target, train_data, finished_run,
-                                                    capfd, name):
+def test_bad_input_checkpoint_latest_file_truncated(tmp_path, tiny_target, train_data, finished_run, capfd, name):
     """`eyas train --resume` when the latest checkpoint's model.safetensors or trainer_state.json is cut
     in half: the file is named, the checkpoint moved aside, and training resumes from the newest complete
     one to the same draft (was: a raw SafetensorError / JSONDecodeError traceback)."""
@@ -363,8 +444,7 @@ def test_bad_input_checkpoint_latest_file_truncated(tmp_path, tiny_target, train
     assert all(torch.equal(want[k], got[k]) for k in want)  # resumed exactly from step 2
 
 
-def test_bad_input_checkpoint_pickle_payload_in_optimizer_pt(tmp_path, tiny_target, train_data, finished_run,
-                                                             capfd):
+def test_bad_input_checkpoint_pickle_payload_in_optimizer_pt(tmp_path, tiny_target, train_data, finished_run, capfd):
     """A latest checkpoint whose optimizer.pt is a pickle that would run code on load: nothing runs
     (weights_only=True refuses it), the file is named, and --resume falls back to the earlier one
     (was: torch.load(weights_only=False) ran it)."""
@@ -408,8 +488,18 @@ def _extract(out: Path, tiny_target, train_data, dtype: str) -> Path:
     from eyas.extract.config import ExtractConfig
     from eyas.extract.run import extract
 
-    extract(ExtractConfig(target=str(tiny_target.path), data=train_data, out=out, layers=[1, 4, 6], dtype=dtype,
-                          device="cpu", batch_tokens=400, progress=False))
+    extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=train_data,
+            out=out,
+            layers=[1, 4, 6],
+            dtype=dtype,
+            device="cpu",
+            batch_tokens=400,
+            progress=False,
+        )
+    )
     return out
 
 
@@ -426,8 +516,9 @@ def test_bad_input_store_shard_flipped_byte_stops_training(tmp_path, tiny_target
 
     bad = sorted(store.glob("shard-*.safetensors"))[1]
     _flip_a_byte(bad)
-    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", features="offline", store=str(store),
-                              max_steps=6, eval_every=0)
+    cfg = test_train_run._cfg(
+        tiny_target, train_data, tmp_path / "run", features="offline", store=str(store), max_steps=6, eval_every=0
+    )
     with pytest.raises(EyasError) as e:
         train(cfg)
     msg = str(e.value)
@@ -435,8 +526,7 @@ def test_bad_input_store_shard_flipped_byte_stops_training(tmp_path, tiny_target
     assert f"eyas extract --data {train_data.resolve()} --out {store}" in msg
 
 
-def test_bad_input_store_shard_flipped_byte_rewritten_by_extract_rerun(tmp_path, tiny_target, train_data,
-                                                                      store, capfd):
+def test_bad_input_store_shard_flipped_byte_rewritten_by_extract_rerun(tmp_path, tiny_target, train_data, store, capfd):
     """`eyas extract` re-run over a complete store with a flipped byte in one shard: the shard is
     re-checked, named and extracted again, and the store verifies clean (was: "already there")."""
     from eyas.extract.config import ExtractConfig
@@ -446,8 +536,18 @@ def test_bad_input_store_shard_flipped_byte_rewritten_by_extract_rerun(tmp_path,
     bad = sorted(store.glob("shard-*.safetensors"))[1]
     _flip_a_byte(bad)
     assert verify_store(store)
-    s = extract(ExtractConfig(target=str(tiny_target.path), data=train_data, out=store, layers=[1, 4, 6], dtype="fp32",
-                              device="cpu", batch_tokens=400, progress=False))
+    s = extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=train_data,
+            out=store,
+            layers=[1, 4, 6],
+            dtype="fp32",
+            device="cpu",
+            batch_tokens=400,
+            progress=False,
+        )
+    )
     assert f"stored shard {bad.name} (checksum" in capfd.readouterr().err
     assert 0 < s["samples"] - s["resumed_from"] < s["samples"]  # only that shard's samples redone
     assert verify_store(store) == []
@@ -486,8 +586,16 @@ def test_bad_input_fp8_store_scale_flipped_byte(tmp_path, tiny_target, train_dat
     assert problems[0].endswith("(corrupted in tensor hidden_scale)")
     code, out = eyas("extract", "--verify", fp8_store)
     assert code == 1 and "hidden_scale" in out
-    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", features="offline", store=str(fp8_store),
-                              layers=None, max_steps=6, eval_every=0)
+    cfg = test_train_run._cfg(
+        tiny_target,
+        train_data,
+        tmp_path / "run",
+        features="offline",
+        store=str(fp8_store),
+        layers=None,
+        max_steps=6,
+        eval_every=0,
+    )
     with pytest.raises(EyasError, match=f"{bad.name} is corrupt"):
         train(cfg)
 
@@ -523,24 +631,49 @@ def test_bad_input_fp8_store_nan_scale_with_consistent_checksums(tmp_path, tiny_
             sh["checksum"], sh["tensor_checksums"] = rec["checksum"], rec["tensor_checksums"]
     write_manifest(fp8_store, m)
     problems = verify_store(fp8_store)
-    assert problems == [f"{bad.name}: tensor hidden_scale: 1 scale(s) non-finite or negative (first at "
-                        "token 2, slot 1: nan); every value of such a group decodes wrong"]
-    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", features="offline", store=str(fp8_store),
-                              layers=None, max_steps=6, eval_every=0)
+    assert problems == [
+        f"{bad.name}: tensor hidden_scale: 1 scale(s) non-finite or negative (first at "
+        "token 2, slot 1: nan); every value of such a group decodes wrong"
+    ]
+    cfg = test_train_run._cfg(
+        tiny_target,
+        train_data,
+        tmp_path / "run",
+        features="offline",
+        store=str(fp8_store),
+        layers=None,
+        max_steps=6,
+        eval_every=0,
+    )
     with pytest.raises(EyasError, match=f"{bad.name} is corrupt \\(tensor hidden_scale: 1 scale"):
         train(cfg)
 
 
-@pytest.mark.parametrize("first, again, match", [
-    (["--dtype", "bf16"], ["--dtype", "fp8"], "dtype: 'bf16' in the store, 'fp8' now"),
-    (["--dtype", "fp8"], ["--dtype", "fp8", "--fp8-group-size", "16"], "scale: .*'groups': 1.* in the store"),
-], ids=["bf16_store_resumed_as_fp8", "fp8_store_resumed_with_other_scales"])
+@pytest.mark.parametrize(
+    "first, again, match",
+    [
+        (["--dtype", "bf16"], ["--dtype", "fp8"], "dtype: 'bf16' in the store, 'fp8' now"),
+        (["--dtype", "fp8"], ["--dtype", "fp8", "--fp8-group-size", "16"], "scale: .*'groups': 1.* in the store"),
+    ],
+    ids=["bf16_store_resumed_as_fp8", "fp8_store_resumed_with_other_scales"],
+)
 def test_bad_input_store_resumed_with_another_dtype(tmp_path, tiny_target, train_data, first, again, match):
     """`eyas extract` into an existing store with another --dtype or fp8 scale layout: exit 2 naming
     the field, its value in the store and now; the store is untouched."""
     st = tmp_path / "st"
-    args = ["extract", "--target", tiny_target.path, "--data", train_data, "--out", st, "--layers", "1,4,6",
-            "--device", "cpu"]
+    args = [
+        "extract",
+        "--target",
+        tiny_target.path,
+        "--data",
+        train_data,
+        "--out",
+        st,
+        "--layers",
+        "1,4,6",
+        "--device",
+        "cpu",
+    ]
     code, out = eyas(*args, *first)
     assert code == 0, out
     before = {p.name: p.read_bytes() for p in st.iterdir() if p.is_file() and p.name != ".lock"}
@@ -558,10 +691,24 @@ def test_bad_input_extract_out_on_a_filesystem_too_small(tmp_path, tiny_target, 
     from eyas.extract.run import extract
 
     st = tmp_path / "st"
-    args = ["extract", "--target", tiny_target.path, "--data", train_data, "--out", st, "--layers", "1,4,6",
-            "--device", "cpu"]
-    plan = extract(ExtractConfig(target=str(tiny_target.path), data=train_data, out=st, layers=[1, 4, 6], device="cpu",
-                                 plan_only=True))["plan"]
+    args = [
+        "extract",
+        "--target",
+        tiny_target.path,
+        "--data",
+        train_data,
+        "--out",
+        st,
+        "--layers",
+        "1,4,6",
+        "--device",
+        "cpu",
+    ]
+    plan = extract(
+        ExtractConfig(
+            target=str(tiny_target.path), data=train_data, out=st, layers=[1, 4, 6], device="cpu", plan_only=True
+        )
+    )["plan"]
     need = plan["bytes_todo"]
     monkeypatch.setenv("EYAS_FREE_BYTES", str(need - 1))
     code, msg = eyas(*args)
@@ -664,11 +811,13 @@ def _stage_args(stage: str, tmp_path: Path, out: Path) -> tuple[list, str]:
         cfg = tmp_path / "job.yaml"
         cfg.write_text(f"target: {missing}\nworkdir: {out}\n")
         return ["pipeline", cfg], "workdir"
-    return {"prepare": ["prepare", "--data", missing / "c.jsonl", "--target", missing, "--out", out],
-            "extract": ["extract", "--data", missing, "--target", missing, "--out", out],
-            "train": ["train", "--data", missing, "--target", missing, "--out", out, "--online"],
-            "export": ["export", missing, "--out", out],
-            "evaluate": ["evaluate", "--draft", missing, "--target", missing, "--out", out]}[stage], "--out"
+    return {
+        "prepare": ["prepare", "--data", missing / "c.jsonl", "--target", missing, "--out", out],
+        "extract": ["extract", "--data", missing, "--target", missing, "--out", out],
+        "train": ["train", "--data", missing, "--target", missing, "--out", out, "--online"],
+        "export": ["export", missing, "--out", out],
+        "evaluate": ["evaluate", "--draft", missing, "--target", missing, "--out", out],
+    }[stage], "--out"
 
 
 @contextlib.contextmanager
@@ -677,11 +826,14 @@ def _held_by_another_process(folder: Path):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom eyas.outdir import writer_lock\n"
-            "with writer_lock(sys.argv[1], command='eyas train'):\n"
-            "    print('held', flush=True)\n    sys.stdin.read()\n")
-    p = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    code = (
+        "import sys\nfrom eyas.outdir import writer_lock\n"
+        "with writer_lock(sys.argv[1], command='eyas train'):\n"
+        "    print('held', flush=True)\n    sys.stdin.read()\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert p.stdout.readline().strip() == "held"
         yield p.pid
@@ -777,11 +929,15 @@ def test_bad_input_eyas_cache_is_a_file(tmp_path, tiny_llama_dir, monkeypatch):
 # ---------------------------------------------------------------------------- prepare's inputs
 
 
-@pytest.mark.parametrize("encoding, match", [
-    ("utf-16", "encoded as UTF-16-LE (it starts with that byte-order mark)"),
-    ("utf-16-le", "encoded as UTF-16-LE (no byte-order mark; every other byte is 0)"),
-    ("latin-1", ":3: byte 0xe9 at byte"),
-], ids=["utf16_bom", "utf16_no_bom", "latin1"])
+@pytest.mark.parametrize(
+    "encoding, match",
+    [
+        ("utf-16", "encoded as UTF-16-LE (it starts with that byte-order mark)"),
+        ("utf-16-le", "encoded as UTF-16-LE (no byte-order mark; every other byte is 0)"),
+        ("latin-1", ":3: byte 0xe9 at byte"),
+    ],
+    ids=["utf16_bom", "utf16_no_bom", "latin1"],
+)
 def test_bad_input_jsonl_in_another_encoding(tmp_path, tiny_llama_dir, encoding, match):
     """A JSONL file of 6 conversations in UTF-16 (with or without a byte-order mark) or Latin-1 to
     `eyas prepare`: exit 2 naming the encoding (or the first byte that is not UTF-8, with its line) and
@@ -897,8 +1053,19 @@ def test_bad_input_prepared_manifest_names_a_file_outside(tmp_path, tiny_target,
     m = json.loads((d / "manifest.json").read_text())
     m["shards"][0]["file"] = name
     (d / "manifest.json").write_text(json.dumps(m))
-    code, msg = eyas("extract", "--target", tiny_target.path, "--data", d, "--out", tmp_path / "st",
-                     "--layers", "1,4,6", "--device", "cpu")
+    code, msg = eyas(
+        "extract",
+        "--target",
+        tiny_target.path,
+        "--data",
+        d,
+        "--out",
+        tmp_path / "st",
+        "--layers",
+        "1,4,6",
+        "--device",
+        "cpu",
+    )
     assert code == 2 and f"names the file {name!r}, which is not a plain file name inside that folder" in msg
     assert not (tmp_path / "st").exists()
 
@@ -918,8 +1085,9 @@ def test_bad_input_store_manifest_names_a_file_outside(tmp_path, tiny_target, tr
     code, out = eyas("extract", "--verify", store)
     # the console wraps long lines where the temporary folder's length puts them
     assert code == 1 and f"names the file {name!r}, which is not a plain file name" in " ".join(out.split())
-    cfg = test_train_run._cfg(tiny_target, train_data, tmp_path / "run", features="offline", store=str(store),
-                              max_steps=2, eval_every=0)
+    cfg = test_train_run._cfg(
+        tiny_target, train_data, tmp_path / "run", features="offline", store=str(store), max_steps=2, eval_every=0
+    )
     with pytest.raises(EyasError, match="not a plain file name inside that folder"):
         train(cfg)
 
@@ -942,8 +1110,9 @@ def test_bad_input_target_weights_damaged_in_place(tmp_path, tiny_llama_dir, tra
     f = tgt / "model.safetensors"
     st = f.stat()
     start, header = read_header(f)
-    big = max((v for k, v in header.items() if k != "__metadata__"),
-              key=lambda v: v["data_offsets"][1] - v["data_offsets"][0])
+    big = max(
+        (v for k, v in header.items() if k != "__metadata__"), key=lambda v: v["data_offsets"][1] - v["data_offsets"][0]
+    )
     at = start + big["data_offsets"][0] + 64  # after the tensor's first sampled value, well before its second
     with open(f, "r+b") as fh:
         fh.seek(at)
@@ -952,8 +1121,19 @@ def test_bad_input_target_weights_damaged_in_place(tmp_path, tiny_llama_dir, tra
         fh.write(bytes(b ^ 0xFF for b in chunk))
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert _weights_fingerprint(tgt)[:16] == before["weights"]  # the sampled identity does not see it
-    code, msg = eyas("extract", "--target", tgt, "--data", train_data, "--out", tmp_path / "st",
-                     "--layers", "1,4,6", "--device", "cpu")
+    code, msg = eyas(
+        "extract",
+        "--target",
+        tgt,
+        "--data",
+        train_data,
+        "--out",
+        tmp_path / "st",
+        "--layers",
+        "1,4,6",
+        "--device",
+        "cpu",
+    )
     assert code == 2 and "weight file model.safetensors (checksum" in msg
     assert "changed since eyas recorded it" in msg and "damaged" in msg
     assert not (tmp_path / "st").exists()
@@ -974,13 +1154,21 @@ def test_bad_input_gguf_cut_off(tmp_path):
 # ------------------------------------------------------------------------------------ drafts
 
 
-@pytest.mark.parametrize("field, value, stage", [
-    ("intermediate_size", 2_000_000_000, "export_with_target"),
-    ("intermediate_size", 2_000_000_000, "export"),
-    ("draft_vocab_size", 60_000, "export"),
-    ("intermediate_size", 2_000_000_000, "evaluate"),
-], ids=["intermediate_2e9_export_target", "intermediate_2e9_export", "draft_vocab_60000_export",
-        "intermediate_2e9_evaluate"])
+@pytest.mark.parametrize(
+    "field, value, stage",
+    [
+        ("intermediate_size", 2_000_000_000, "export_with_target"),
+        ("intermediate_size", 2_000_000_000, "export"),
+        ("draft_vocab_size", 60_000, "export"),
+        ("intermediate_size", 2_000_000_000, "evaluate"),
+    ],
+    ids=[
+        "intermediate_2e9_export_target",
+        "intermediate_2e9_export",
+        "draft_vocab_60000_export",
+        "intermediate_2e9_evaluate",
+    ],
+)
 def test_bad_input_draft_config_does_not_fit_weights(tmp_path, export_target, field, value, stage):
     """A draft whose config.json does not fit its weights (`intermediate_size` 2e9 over weights 256 wide,
     `draft_vocab_size` 60,000 over 200 rows), exported with or without `--target`, or evaluated: exit 2
@@ -996,8 +1184,19 @@ def test_bad_input_draft_config_does_not_fit_weights(tmp_path, export_target, fi
     if stage.startswith("export"):
         args = ["export", draft, "--out", out, *(["--target", export_target.path] if "target" in stage else [])]
     else:
-        args = ["evaluate", "--draft", draft, "--target", export_target.path, "--out", out, "--max-new-tokens", "4",
-                "--device", "cpu"]
+        args = [
+            "evaluate",
+            "--draft",
+            draft,
+            "--target",
+            export_target.path,
+            "--out",
+            out,
+            "--max-new-tokens",
+            "4",
+            "--device",
+            "cpu",
+        ]
     code, msg = eyas(*args)
     assert code == 2 and "config.json does not fit model.safetensors" in msg and f"{field}={value}" in msg
     assert not out.exists()
@@ -1007,8 +1206,8 @@ def _rewrite_header(f: Path, edit) -> None:
     """Rewrite the safetensors header of ``f`` through ``edit(header) -> header | bytes``."""
     raw = f.read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    header = edit(json.loads(raw[8:8 + n]))
-    data = raw[8 + n:]
+    header = edit(json.loads(raw[8 : 8 + n]))
+    data = raw[8 + n :]
     if isinstance(header, bytes):  # a raw length prefix: the header as it claims to be
         f.write_bytes(header + raw[8:])
         return
@@ -1028,12 +1227,16 @@ def _overlapping(h: dict) -> dict:
     return h
 
 
-@pytest.mark.parametrize("damage, match", [
-    ("cut", "it is cut off, damaged or not a safetensors file"),
-    ("huge_header", "its header claims 1,099,511,627,776 bytes"),
-    ("offsets_past_end", "tensor 'fc.weight' spans bytes"),
-    ("overlapping", "overlap"),
-], ids=["cut_in_half", "header_length_1tb", "offsets_past_the_end", "overlapping_tensors"])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        ("cut", "it is cut off, damaged or not a safetensors file"),
+        ("huge_header", "its header claims 1,099,511,627,776 bytes"),
+        ("offsets_past_end", "tensor 'fc.weight' spans bytes"),
+        ("overlapping", "overlap"),
+    ],
+    ids=["cut_in_half", "header_length_1tb", "offsets_past_the_end", "overlapping_tensors"],
+)
 def test_bad_input_draft_weights_damaged(tmp_path, export_target, damage, match):
     """A draft's model.safetensors cut in half, with a header length of 1 TB, a tensor's offsets past the
     end, or two tensors' bytes overlapping, to `eyas export`: exit 2 naming the file and what is wrong
@@ -1062,22 +1265,40 @@ def test_bad_input_evaluate_draft_cut_off(tmp_path, export_target):
     draft = test_export._draft(export_target, tmp_path / "draft")
     f = draft / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    code, msg = eyas("evaluate", "--draft", draft, "--target", export_target.path, "--out", tmp_path / "out",
-                     "--device", "cpu")
+    code, msg = eyas(
+        "evaluate", "--draft", draft, "--target", export_target.path, "--out", tmp_path / "out", "--device", "cpu"
+    )
     assert code == 2 and str(f) in msg and "cut off, damaged or not a safetensors file" in msg
 
 
-@pytest.mark.parametrize("value, match", [
-    ("abc", "intermediate_size = 'abc' is not an integer"),
-    ("-5", "intermediate_size = -5 must be >= 1"),
-], ids=["abc", "minus_5"])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("abc", "intermediate_size = 'abc' is not an integer"),
+        ("-5", "intermediate_size = -5 must be >= 1"),
+    ],
+    ids=["abc", "minus_5"],
+)
 def test_bad_input_train_draft_config_value(tmp_path, tiny_target, train_data, value, match):
     """`eyas train --draft-config intermediate_size=abc` or `=-5`: exit 2 naming the field and the value
     (was: a TypeError or RuntimeError traceback from building the layer)."""
-    code, msg = eyas("train", "--target", tiny_target.path, "--data", train_data, "--out", tmp_path / "run",
-                     "--online", "--layers", "1,4,6", "--max-steps", "1",
-                     "--draft-config", f"intermediate_size={value}",
-                     "--quiet")
+    code, msg = eyas(
+        "train",
+        "--target",
+        tiny_target.path,
+        "--data",
+        train_data,
+        "--out",
+        tmp_path / "run",
+        "--online",
+        "--layers",
+        "1,4,6",
+        "--max-steps",
+        "1",
+        "--draft-config",
+        f"intermediate_size={value}",
+        "--quiet",
+    )
     assert code == 2 and match in msg
 
 
@@ -1127,7 +1348,7 @@ def test_bad_input_checkpoint_trainer_state_step_edited(tmp_path, tiny_target, t
     run = _copy_run(finished_run, tmp_path)
     f = run / "checkpoints" / "step-00000004" / "trainer_state.json"
     state = json.loads(f.read_text())
-    state["step"] = 10 ** 9
+    state["step"] = 10**9
     f.write_text(json.dumps(state))
     want = _draft_weights(finished_run)
     _resume(tiny_target, train_data, run)
@@ -1139,11 +1360,15 @@ def test_bad_input_checkpoint_trainer_state_step_edited(tmp_path, tiny_target, t
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
 
 
-@pytest.mark.parametrize("file, key, value, match", [
-    ("trainer_state.json", "step", "abc", "step 'abc' is not a step number"),
-    ("trainer_state.json", "step", 2, "says step 2, but it is the checkpoint of step 4"),
-    ("config.json", "intermediate_size", 999, "config.json does not fit it: midlayer.mlp"),
-], ids=["step_abc", "step_of_another_checkpoint", "config_intermediate_999"])
+@pytest.mark.parametrize(
+    "file, key, value, match",
+    [
+        ("trainer_state.json", "step", "abc", "step 'abc' is not a step number"),
+        ("trainer_state.json", "step", 2, "says step 2, but it is the checkpoint of step 4"),
+        ("config.json", "intermediate_size", 999, "config.json does not fit it: midlayer.mlp"),
+    ],
+    ids=["step_abc", "step_of_another_checkpoint", "config_intermediate_999"],
+)
 def test_bad_input_checkpoint_does_not_match_its_own_record(tmp_path, finished_run, file, key, value, match):
     """A checkpoint whose trainer_state.json says another step ("abc", or an earlier checkpoint's) or
     whose config.json does not fit its weights (`intermediate_size` 999 over weights 128 wide): refused
@@ -1205,8 +1430,17 @@ def test_bad_input_six_layer_target_default_layers():
 def test_bad_input_evaluate_k_more_than_max_new_tokens(tmp_path):
     """`eyas evaluate -k 1000 --max-new-tokens 8`, and the same in a pipeline config: exit 2 before any
     model loads, saying k is more than the tokens a turn generates (was: nothing recorded in 300 s)."""
-    code, msg = eyas("evaluate", "--draft", tmp_path / "draft", "--target", tmp_path / "no-target",
-                     "-k", "1000", "--max-new-tokens", "8")
+    code, msg = eyas(
+        "evaluate",
+        "--draft",
+        tmp_path / "draft",
+        "--target",
+        tmp_path / "no-target",
+        "-k",
+        "1000",
+        "--max-new-tokens",
+        "8",
+    )
     assert code == 2 and "-k 1000 is more than --max-new-tokens 8" in msg
     code, msg = eyas("pipeline", _yaml(tmp_path, "evaluate:\n  k: 1000\n  max_new_tokens: 8\n"))
     assert code == 2 and "evaluate.k 1000 is more than evaluate.max_new_tokens 8" in msg
@@ -1222,8 +1456,25 @@ def test_bad_input_prompts_file_rewritten_in_place(tmp_path, export_target):
 
     draft = test_export._draft(export_target, tmp_path / "draft")
     prompts = evalkit.write_questions(tmp_path / "question.jsonl", 1, turns=1)
-    args = ["evaluate", "--draft", draft, "--target", export_target.path, "--prompts", prompts,
-            "--out", tmp_path / "ev", "-k", "2", "--max-new-tokens", "4", "--no-plain", "--device", "cpu", "--quiet"]
+    args = [
+        "evaluate",
+        "--draft",
+        draft,
+        "--target",
+        export_target.path,
+        "--prompts",
+        prompts,
+        "--out",
+        tmp_path / "ev",
+        "-k",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--no-plain",
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     code, msg = eyas(*args)
     assert code == 0, msg
     records = tmp_path / "ev" / "builtin" / "records.jsonl"
@@ -1325,8 +1576,25 @@ def test_bad_input_evaluate_prompt_longer_than_the_context(tmp_path, export_targ
     draft = test_export._draft(export_target, tmp_path / "draft")
     q = tmp_path / "question.jsonl"
     q.write_text(json.dumps({"question_id": 7, "category": "writing", "turns": ["the lazy dog " * 230]}) + "\n")
-    code, msg = eyas("evaluate", "--draft", draft, "--target", export_target.path, "--prompts", q, "--out",
-                     tmp_path / "ev", "-k", "2", "--max-new-tokens", "2", "--no-plain", "--device", "cpu", "--quiet")
+    code, msg = eyas(
+        "evaluate",
+        "--draft",
+        draft,
+        "--target",
+        export_target.path,
+        "--prompts",
+        q,
+        "--out",
+        tmp_path / "ev",
+        "-k",
+        "2",
+        "--max-new-tokens",
+        "2",
+        "--no-plain",
+        "--device",
+        "cpu",
+        "--quiet",
+    )
     assert code == 0, msg
     assert "exceeds the target's context of 512 tokens" in msg and "question 7:" in msg
 
@@ -1345,13 +1613,21 @@ def _with_embedding(folder: Path, target_dir: Path) -> None:
     save_file({**w, "embed_tokens.weight": embed}, str(folder / "model.safetensors"))
 
 
-@pytest.mark.parametrize("output, match", [
-    ("draft", "holds the target's embedding (embed_tokens.weight), which only a pre-release eyas saved"),
-    ("checkpoint", "holds the target's embedding (embed_tokens.weight), which only a pre-release eyas saved"),
-    ("store", "its manifest has no scale record, so a pre-release eyas wrote it"),
-    ("pipeline_record", "no stage records with their status and time, so a pre-release eyas wrote it"),
-], ids=["draft_holding_the_target_embedding", "checkpoints_holding_the_target_embedding",
-        "store_from_before_fp8", "pipeline_record_with_sections_only"])
+@pytest.mark.parametrize(
+    "output, match",
+    [
+        ("draft", "holds the target's embedding (embed_tokens.weight), which only a pre-release eyas saved"),
+        ("checkpoint", "holds the target's embedding (embed_tokens.weight), which only a pre-release eyas saved"),
+        ("store", "its manifest has no scale record, so a pre-release eyas wrote it"),
+        ("pipeline_record", "no stage records with their status and time, so a pre-release eyas wrote it"),
+    ],
+    ids=[
+        "draft_holding_the_target_embedding",
+        "checkpoints_holding_the_target_embedding",
+        "store_from_before_fp8",
+        "pipeline_record_with_sections_only",
+    ],
+)
 def test_bad_input_output_of_a_pre_release_eyas(tmp_path, request, output, match):
     """An output of a pre-release eyas (a draft or checkpoints holding the target's embedding, a store
     from before fp8 stores without a scale record, a pipeline-config.json of sections only) exported,
@@ -1373,8 +1649,11 @@ def test_bad_input_output_of_a_pre_release_eyas(tmp_path, request, output, match
         run = _copy_run(request.getfixturevalue("finished_run"), tmp_path)
         for ck in checkpoint_dirs(run):
             _with_embedding(ck, tiny_target.path)
-        with pytest.raises(EyasError, match=r"no checkpoint .* can be read: .*step-00000004/model.safetensors: "
-                                            rf".*{re.escape(match)}.*Start again with a new --out"):
+        with pytest.raises(
+            EyasError,
+            match=r"no checkpoint .* can be read: .*step-00000004/model.safetensors: "
+            rf".*{re.escape(match)}.*Start again with a new --out",
+        ):
             _resume(tiny_target, train_data, run)
     elif output == "store":
         import torch
@@ -1384,8 +1663,15 @@ def test_bad_input_output_of_a_pre_release_eyas(tmp_path, request, output, match
         from eyas.features.writer import StoreWriter
 
         st = tmp_path / "store"
-        fields = {"target": {"id": "fixture"}, "aux_layers": [1, 2], "final_layer": 4,
-                  "convention": "vllm-input-of-layer", "dtype": "bf16", "hidden_size": 8, "num_samples": 2}
+        fields = {
+            "target": {"id": "fixture"},
+            "aux_layers": [1, 2],
+            "final_layer": 4,
+            "convention": "vllm-input-of-layer",
+            "dtype": "bf16",
+            "hidden_size": 8,
+            "num_samples": 2,
+        }
         w = StoreWriter(st, fields, shard_tokens=5, num_writers=1)
         for i in range(2):
             s = torch.randn(4, 3, 8)

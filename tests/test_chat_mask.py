@@ -71,14 +71,26 @@ NOT_INCREMENTAL = (
 
 # name -> (template, bos, end-of-turn token, extra special tokens)
 STYLES = {
-    "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>",
-               ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]),
+    "llama3": (
+        LLAMA3,
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    ),
     "chatml": (SMOL_CHATML, "<|im_start|>", "<|im_end|>", []),
     "gemma": (GEMMA, "<bos>", "<end_of_turn>", ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]),
-    "deepseek_v3": (DEEPSEEK_V3, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>",
-                    ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"]),
-    "kimi": (KIMI, "[BOS]", "<|im_end|>", ["[BOS]", "<|im_system|>", "<|im_user|>",
-                                          "<|im_assistant|>", "<|im_middle|>"]),
+    "deepseek_v3": (
+        DEEPSEEK_V3,
+        "<｜begin▁of▁sentence｜>",
+        "<｜end▁of▁sentence｜>",
+        ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"],
+    ),
+    "kimi": (
+        KIMI,
+        "[BOS]",
+        "<|im_end|>",
+        ["[BOS]", "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"],
+    ),
     "chatml_generation": (CHATML_GENERATION, "<|im_start|>", "<|im_end|>", []),
 }
 
@@ -136,7 +148,7 @@ def _expected_mask(tok, messages, eot_id):
         covered = [t for t, (a, b) in enumerate(offsets) if a < end and b > start]
         nxt = covered[-1] + 1
         assert ids[nxt] == eot_id, "the end-of-turn token follows the content"
-        mask[covered[0]:nxt + 1] = 1
+        mask[covered[0] : nxt + 1] = 1
     return np.array(ids), mask
 
 
@@ -186,9 +198,12 @@ def test_long_text_cut_equals_full_encoding(base_dir):
     """Encoding only a character prefix of long conversations gives the same tokens."""
     tok = _tokenizer(base_dir, "chatml")
     long = " ".join(["The quick brown fox jumps over the lazy dog, 12345!"] * 200)  # ~10k chars
-    messages = [{"role": "user", "content": "Tell me a long story."},
-                {"role": "assistant", "content": long},
-                {"role": "user", "content": "More."}, {"role": "assistant", "content": long}]
+    messages = [
+        {"role": "user", "content": "Tell me a long story."},
+        {"role": "assistant", "content": long},
+        {"role": "user", "content": "More."},
+        {"role": "assistant", "content": long},
+    ]
     enc = ChatEncoder(tok)
     (big,) = enc.encode([messages], max_length=100_000)
     for max_length in (40, 300, 1500):
@@ -200,8 +215,11 @@ def test_long_text_cut_equals_full_encoding(base_dir):
 
 def test_template_problems_are_skips(base_dir):
     tok = _tokenizer(base_dir, "gemma")
-    bad_order = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-                 {"role": "assistant", "content": "c"}]
+    bad_order = [
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": "c"},
+    ]
     good = CONVS["single"]
     out = ChatEncoder(tok).encode([bad_order, good], max_length=512)
     assert isinstance(out[0], Skip) and out[0].reason == "template_error"

@@ -41,13 +41,16 @@ def test_seed_case_config():
     assert cfg.section("train")["parallel"] == "fsdp2"
 
 
-@pytest.mark.parametrize("raw, match", [
-    ({"target": "x", "train": {"ttt_step": 3}}, r"section 'train' has unknown keys \['ttt_step'\]"),
-    ({"target": "x", "extract": {"out": "/tmp/x"}}, r"unknown keys \['out'\]"),  # wired by the pipeline
-    ({"target": "x", "trian": {}}, r"unknown top-level keys \['trian'\]"),
-    ({"train": {}}, "'target' is required"),
-    ({"target": "x", "features": "disk"}, "features = 'disk' is not one of 'offline', 'online', 'vllm'"),
-])
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        ({"target": "x", "train": {"ttt_step": 3}}, r"section 'train' has unknown keys \['ttt_step'\]"),
+        ({"target": "x", "extract": {"out": "/tmp/x"}}, r"unknown keys \['out'\]"),  # wired by the pipeline
+        ({"target": "x", "trian": {}}, r"unknown top-level keys \['trian'\]"),
+        ({"train": {}}, "'target' is required"),
+        ({"target": "x", "features": "disk"}, "features = 'disk' is not one of 'offline', 'online', 'vllm'"),
+    ],
+)
 def test_bad_configs_are_named(raw, match):
     with pytest.raises(EyasError, match=match):
         validate(raw, "test.yaml")

@@ -25,9 +25,18 @@ def _vocab(vocab: int, draft_vocab: int, seed: int = 0):
 
 def _small_draft(seed: int = 0, **options) -> Eagle3Draft:
     torch.manual_seed(seed)
-    cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      intermediate_size=64, vocab_size=50, draft_vocab_size=20,
-                      aux_layer_ids=[1, 2, 3], target_hidden_size=32, **options)
+    cfg = DraftConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=50,
+        draft_vocab_size=20,
+        aux_layer_ids=[1, 2, 3],
+        target_hidden_size=32,
+        **options,
+    )
     m = Eagle3Draft(cfg).double()
     with torch.no_grad():  # non-trivial norm weights, so a path that skips one is caught
         for mod in m.modules():
@@ -36,8 +45,11 @@ def _small_draft(seed: int = 0, **options) -> Eagle3Draft:
     return m
 
 
-DRAFT_OPTIONS = [{"norm_before_residual": False}, {"fc_norm": True},
-                 {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}]
+DRAFT_OPTIONS = [
+    {"norm_before_residual": False},
+    {"fc_norm": True},
+    {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+]
 
 
 @pytest.mark.parametrize("options", DRAFT_OPTIONS, ids=["plain", "fc_norm", "speculators_defaults"])
@@ -56,11 +68,11 @@ def test_ttt_unroll_matches_incremental_step_with_kv_cache(options):
         checked = 0
         for p in range(t - k - 1):
             cache = DraftKVCache()
-            logits, hid = m.step(aux[:, :p + 1], x[:, 1:p + 2], pos[:, :p + 1], cache)
+            logits, hid = m.step(aux[:, : p + 1], x[:, 1 : p + 2], pos[:, : p + 1], cache)
             torch.testing.assert_close(logits[0, p], ttt[0][0, p], rtol=0, atol=1e-10)
-            h = hid[:, p:p + 1]
+            h = hid[:, p : p + 1]
             for j in range(1, k):
-                logits, h = m.step(h, x[:, p + 1 + j:p + 2 + j], pos[:, p:p + 1] + j, cache)
+                logits, h = m.step(h, x[:, p + 1 + j : p + 2 + j], pos[:, p : p + 1] + j, cache)
                 torch.testing.assert_close(logits[0, 0], ttt[j][0, p], rtol=0, atol=1e-10)
                 checked += 1
             assert len(cache) == p + 1 + (k - 1)
@@ -155,9 +167,17 @@ def test_from_target_reads_embeddings_and_lm_head_rows(tiny_target, tmp_path):
         assert torch.equal(v, again.state_dict()[k]), k
     assert again.config == cfg
     names = set(draft.state_dict())
-    for n in ["fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight",
-              "midlayer.mlp.down_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-              "embed_tokens.weight"]:
+    for n in [
+        "fc.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.mlp.down_proj.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        "embed_tokens.weight",
+    ]:
         assert n in names
     bad = json.loads((tmp_path / "d" / "config.json").read_text())
     bad["kind"] = "other"
@@ -186,7 +206,7 @@ def _reference_loss(step_logits, target_logits, mask, decay):
                 p = torch.softmax(target_logits[0, i + 1 + j], -1)
                 s += float(-(p * torch.log_softmax(lg[0, i].detach(), -1)).sum())
                 n += 1
-        total += decay ** j * s / max(n, 1)
+        total += decay**j * s / max(n, 1)
     return total
 
 
@@ -257,17 +277,23 @@ def _packed_batch(seed: int = 0):
 
 def _gqa_draft(kv_heads: int) -> Eagle3Draft:
     torch.manual_seed(0)
-    cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=kv_heads,
-                      head_dim=16,  # flex's Triton kernel needs head_dim >= 16
-                      intermediate_size=64, vocab_size=50, draft_vocab_size=20,
-                      aux_layer_ids=[1, 2, 3], target_hidden_size=32)
+    cfg = DraftConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=16,  # flex's Triton kernel needs head_dim >= 16
+        intermediate_size=64,
+        vocab_size=50,
+        draft_vocab_size=20,
+        aux_layer_ids=[1, 2, 3],
+        target_hidden_size=32,
+    )
     return Eagle3Draft(cfg)
 
 
 def _flex_vs_dense(m: Eagle3Draft, aux, x, pos, doc, grads: bool):
     """Per-step logits (and parameter gradients of a random projection of them) under both kernels."""
-    weights = [torch.randn(*doc.shape, 20, generator=torch.Generator().manual_seed(j)).to(aux.device)
-               for j in range(3)]
+    weights = [torch.randn(*doc.shape, 20, generator=torch.Generator().manual_seed(j)).to(aux.device) for j in range(3)]
     out = {}
     for kind in ("dense", "flex"):
         m.zero_grad(set_to_none=True)
@@ -321,7 +347,7 @@ def _block_sets(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(*idx.shape, dtype=torch.bool)
     for b in range(num.shape[0]):
         for r in range(num.shape[2]):
-            out[b, 0, r, idx[b, 0, r, :num[b, 0, r]].long()] = True
+            out[b, 0, r, idx[b, 0, r, : num[b, 0, r]].long()] = True
     return out
 
 
@@ -343,15 +369,18 @@ def test_tiled_block_mask_equals_create_block_mask(seed):
         def mask_mod(bi, h, q, kv):
             block = kv // t
             src = kv - block * t
-            return (((block == 0) & (src <= q) & (doc[bi, src] == doc[bi, q]))
-                    | ((block >= 1) & (block <= last) & (src == q)))
+            return ((block == 0) & (src <= q) & (doc[bi, src] == doc[bi, q])) | (
+                (block >= 1) & (block <= last) & (src == q)
+            )
 
         ref = create_block_mask(mask_mod, b, None, t, steps * t, device="cpu")
         got = masks[step]
         for kind in ("kv", "full_kv", "q", "full_q"):
-            torch.testing.assert_close(_block_sets(getattr(got, f"{kind}_num_blocks"), getattr(got, f"{kind}_indices")),
-                                       _block_sets(getattr(ref, f"{kind}_num_blocks"), getattr(ref, f"{kind}_indices")),
-                                       msg=f"step {step} {kind}")
+            torch.testing.assert_close(
+                _block_sets(getattr(got, f"{kind}_num_blocks"), getattr(got, f"{kind}_indices")),
+                _block_sets(getattr(ref, f"{kind}_num_blocks"), getattr(ref, f"{kind}_indices")),
+                msg=f"step {step} {kind}",
+            )
 
 
 def test_flex_with_tiled_block_mask_matches_dense_logits():
@@ -534,8 +563,7 @@ def test_fused_loss_equals_unfused_value_stats_and_gradients(chunk, compiled):
     b, t, h, vocab, dv, k = 2, 17, 32, 50, 20, 3
     m = _small_draft()
     d2t, _ = _vocab(vocab, dv)
-    head = TargetHead(torch.rand(h, dtype=torch.float64) + 0.5, torch.randn(vocab, h, dtype=torch.float64),
-                      d2t, 1e-6)
+    head = TargetHead(torch.rand(h, dtype=torch.float64) + 0.5, torch.randn(vocab, h, dtype=torch.float64), d2t, 1e-6)
     x = torch.randint(0, 50, (b, t))
     aux = torch.randn(b, t, 96, dtype=torch.float64)
     pos = torch.arange(t).repeat(b, 1)
@@ -550,8 +578,17 @@ def test_fused_loss_equals_unfused_value_stats_and_gradients(chunk, compiled):
 
     ref, ref_stats = ttt_loss(m(aux, x, pos, doc, k), head(final), mask, doc, 0.8)
     ref_g = grads(ref)
-    got, got_stats = fused_ttt_loss(m(aux, x, pos, doc, k, return_normed=True), m.lm_head.weight, head,
-                                    final, mask, doc, 0.8, chunk=chunk, compiled=compiled)
+    got, got_stats = fused_ttt_loss(
+        m(aux, x, pos, doc, k, return_normed=True),
+        m.lm_head.weight,
+        head,
+        final,
+        mask,
+        doc,
+        0.8,
+        chunk=chunk,
+        compiled=compiled,
+    )
     got_g = grads(got)
     torch.testing.assert_close(got, ref.float(), rtol=1e-6, atol=1e-6)
     for r, g in zip(ref_stats, got_stats):
@@ -562,8 +599,9 @@ def test_fused_loss_equals_unfused_value_stats_and_gradients(chunk, compiled):
         torch.testing.assert_close(got_g[n], ref_g[n], rtol=1e-5, atol=1e-6, msg=n)  # CE in fp32 (both)
 
 
-@pytest.mark.parametrize("world,draft_vocab,chunk,compiled", [(2, 21, 5, False), (2, 21, 4096, False),
-                                                              (3, 4, 3, False), (2, 21, 5, True)])
+@pytest.mark.parametrize(
+    "world,draft_vocab,chunk,compiled", [(2, 21, 5, False), (2, 21, 4096, False), (3, 4, 3, False), (2, 21, 5, True)]
+)
 def test_sharded_fused_loss_equals_single_process(world, draft_vocab, chunk, compiled):
     """The fused loss with lm_head sharded over the vocab by FSDP2 (eyas.draft.sharded_loss), on
     gloo ranks with a micro-batch each (one too short for the last TTT step): each rank's loss and
@@ -578,9 +616,24 @@ def test_sharded_fused_loss_equals_single_process(world, draft_vocab, chunk, com
     from pathlib import Path
 
     worker = Path(__file__).parent / "sharded_loss_worker.py"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(world), str(worker), str(draft_vocab), str(chunk)] + (["compiled"] if compiled else []),
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world),
+            str(worker),
+            str(draft_vocab),
+            str(chunk),
+        ]
+        + (["compiled"] if compiled else []),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
     assert all(f"rank {r} ok:" in res.stdout for r in range(world)), res.stdout
 

@@ -96,7 +96,6 @@ def test_verify_greedy_accepts_the_matching_prefix():
     assert verify_greedy(logits, drafts) == (1, int(best[1]))
 
 
-
 def _tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return 0.5 * float((counts / counts.sum() - probs).abs().sum())
 
@@ -131,8 +130,7 @@ def test_speculative_sampling_end_to_end_matches_target(setup):
     from eyas.draft.model import DraftConfig, Eagle3Draft
 
     target, model = setup[0], setup[1]
-    cfg = DraftConfig.from_target(target.config(), evalkit.AUX, setup[2].config.draft_vocab_size,
-                                  target.identity)
+    cfg = DraftConfig.from_target(target.config(), evalkit.AUX, setup[2].config.draft_vocab_size, target.identity)
     draft = Eagle3Draft.from_target(cfg, target.path, setup[2].d2t, setup[2].t2d, seed=1)
     tr, dr = TargetRunner(model, evalkit.AUX), DraftRunner(draft)
     prompt = evalkit.chat_prompts(target.load_tokenizer(), ["the quick brown fox"])[0]
@@ -250,8 +248,10 @@ def test_acceptance_read_from_steps_is_checked_against_vllms_own():
 
 
 def test_aggregate_pools_counts_like_vllm():
-    recs = [{"category": "a", "rounds": 4, "accepted_per_pos": [3, 2, 1], "new_tokens": 11, "seconds": 1.0},
-            {"category": "b", "rounds": 6, "accepted_per_pos": [2, 0, 0], "new_tokens": 9, "seconds": 1.0}]
+    recs = [
+        {"category": "a", "rounds": 4, "accepted_per_pos": [3, 2, 1], "new_tokens": 11, "seconds": 1.0},
+        {"category": "b", "rounds": 6, "accepted_per_pos": [2, 0, 0], "new_tokens": 9, "seconds": 1.0},
+    ]
     o = aggregate(recs, 3)
     assert o["rounds"] == 10 and o["accepted_per_pos"] == [5, 2, 1]
     assert o["tau"] == pytest.approx(1 + 8 / 10)
@@ -265,16 +265,37 @@ def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
     target, draft_dir = setup[0], setup[3]
     # a draft with the tau `eyas train --tau` measured beside it (tau.json)
     draft_dir = Path(shutil.copytree(draft_dir, tmp_path / "draft"))
-    trained = {"step": 9, "tau": {"3": 1.234, "5": 1.3}, "turns": 8, "questions": 4, "prompts": "q.jsonl",
-               "max_new_tokens": 24}
+    trained = {
+        "step": 9,
+        "tau": {"3": 1.234, "5": 1.3},
+        "turns": 8,
+        "questions": 4,
+        "prompts": "q.jsonl",
+        "max_new_tokens": 24,
+    }
     (draft_dir / "tau.json").write_text(json.dumps(trained))
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 4)
     app = typer.Typer()
     register(app)
     app.command("noop")(lambda: None)  # typer: keep sub-command names with two commands
     out = tmp_path / "eval"
-    args = ["evaluate", "--target", str(target.path), "--draft", str(draft_dir), "--prompts", str(qfile),
-            "--out", str(out), "-k", "3", "--max-new-tokens", "24", "--max-prompts", "3"]
+    args = [
+        "evaluate",
+        "--target",
+        str(target.path),
+        "--draft",
+        str(draft_dir),
+        "--prompts",
+        str(qfile),
+        "--out",
+        str(out),
+        "-k",
+        "3",
+        "--max-new-tokens",
+        "24",
+        "--max-prompts",
+        "3",
+    ]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert "builtin: tau" in res.output
@@ -305,8 +326,9 @@ def test_evaluate_cli_builtin_report_and_resume(setup, tmp_path):
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     lines = rec_file.read_text().splitlines()
-    assert [json.loads(x)["question_id"] for x in lines[1:]] == [json.loads(x)["question_id"]
-                                                                 for x in before.splitlines()[1:]]
+    assert [json.loads(x)["question_id"] for x in lines[1:]] == [
+        json.loads(x)["question_id"] for x in before.splitlines()[1:]
+    ]
     # other settings in the same --out are refused, not mixed
     res = CliRunner().invoke(app, args[:-4] + ["--max-new-tokens", "10"])
     assert res.exit_code != 0 and "other settings" in str(res.exception)
@@ -324,8 +346,19 @@ def test_also_k_evaluates_each_k_as_its_own_run_would(setup, tmp_path):
     app = typer.Typer()
     register(app)
     app.command("noop")(lambda: None)
-    base = ["evaluate", "--target", str(target.path), "--draft", str(draft_dir), "--prompts", str(qfile),
-            "--max-new-tokens", "16", "--no-plain", "--quiet"]
+    base = [
+        "evaluate",
+        "--target",
+        str(target.path),
+        "--draft",
+        str(draft_dir),
+        "--prompts",
+        str(qfile),
+        "--max-new-tokens",
+        "16",
+        "--no-plain",
+        "--quiet",
+    ]
     res = CliRunner().invoke(app, base + ["--out", str(tmp_path / "both"), "-k", "3", "--also-k", "2"])
     assert res.exit_code == 0, res.output
     assert "k=3 builtin: tau" in res.output and "k=2 builtin: tau" in res.output
@@ -342,16 +375,16 @@ def test_also_k_evaluates_each_k_as_its_own_run_would(setup, tmp_path):
     assert res.exit_code == 0 and (tmp_path / "both" / "k2" / "builtin" / "records.jsonl").read_text() == before
 
 
-@pytest.mark.parametrize("device,message", [("gpu", "choose auto"), ("cuda:x", "choose auto"),
-                                            ("CPU", "choose auto")])
+@pytest.mark.parametrize("device,message", [("gpu", "choose auto"), ("cuda:x", "choose auto"), ("CPU", "choose auto")])
 def test_evaluate_bad_device_is_refused_before_any_model_loads(tmp_path, device, message):
     from eyas.evaluate.config import EvaluateConfig
     from eyas.evaluate.run import evaluate
 
     # neither the target nor the draft exists: a load would fail with another message
     with pytest.raises(EyasError, match=rf"--device {device!r}: {message}"):
-        evaluate(EvaluateConfig(target="no-such-target", draft=tmp_path / "no-draft", out=tmp_path / "e",
-                                device=device))
+        evaluate(
+            EvaluateConfig(target="no-such-target", draft=tmp_path / "no-draft", out=tmp_path / "e", device=device)
+        )
     with pytest.raises(EyasError, match="--dtype 'fp8'"):
         evaluate(EvaluateConfig(target="no-such-target", draft=tmp_path / "no-draft", out=tmp_path / "e", dtype="fp8"))
 
@@ -363,8 +396,9 @@ def test_evaluate_cuda_without_a_gpu_is_refused_by_the_cli(tmp_path):
     app = typer.Typer()
     register(app)
     app.command("noop")(lambda: None)
-    res = CliRunner().invoke(app, ["evaluate", "--target", "no-such-target", "--draft", str(tmp_path),
-                                   "--device", "cuda"])
+    res = CliRunner().invoke(
+        app, ["evaluate", "--target", "no-such-target", "--draft", str(tmp_path), "--device", "cuda"]
+    )
     assert res.exit_code != 0 and "CUDA is not available" in str(res.exception)
 
 
@@ -377,20 +411,36 @@ def test_evaluate_device_cpu_equals_the_default_on_the_cpu(setup, tmp_path):
     target, model, draft, draft_dir = setup
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 2)
     kw = dict(prompts=qfile, k=3, max_new_tokens=16, progress=False)
-    cpu = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "cpu", device="cpu",
-                                  **kw))["builtin"]
-    default = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "default",
-                                      **kw))["builtin"]
+    cpu = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "cpu", device="cpu", **kw))[
+        "builtin"
+    ]
+    default = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "default", **kw))[
+        "builtin"
+    ]
     assert cpu["device"] == "cpu" and cpu["dtype"] == "float32"
-    strip = [{k: r[k] for k in ("output_ids", "rounds", "accepted_per_pos", "matches_plain")}
-             for r in cpu["per_prompt"]]
-    assert strip == [{k: r[k] for k in ("output_ids", "rounds", "accepted_per_pos", "matches_plain")}
-                     for r in default["per_prompt"]]
+    strip = [
+        {k: r[k] for k in ("output_ids", "rounds", "accepted_per_pos", "matches_plain")} for r in cpu["per_prompt"]
+    ]
+    assert strip == [
+        {k: r[k] for k in ("output_ids", "rounds", "accepted_per_pos", "matches_plain")} for r in default["per_prompt"]
+    ]
     assert cpu["overall"]["tau"] == default["overall"]["tau"]
     header = json.loads((tmp_path / "cpu" / "builtin" / "records.jsonl").read_text().splitlines()[0])
-    assert set(header["settings"]) == {"target_id", "draft", "draft_sha256", "k", "temperature", "max_new_tokens",
-                                       "dtype", "seed", "prompts", "prompts_sha256", "device", "engine",
-                                       "plain_baseline"}
+    assert set(header["settings"]) == {
+        "target_id",
+        "draft",
+        "draft_sha256",
+        "k",
+        "temperature",
+        "max_new_tokens",
+        "dtype",
+        "seed",
+        "prompts",
+        "prompts_sha256",
+        "device",
+        "engine",
+        "plain_baseline",
+    }
     assert header["settings"]["dtype"] == "float32" and header["settings"]["device"] == "cpu"
     # the loop itself, on the float32 model of the fixture: the same tokens
     first = cpu["per_prompt"][0]
@@ -400,8 +450,14 @@ def test_evaluate_device_cpu_equals_the_default_on_the_cpu(setup, tmp_path):
 
     q = read_questions(qfile, None, None)[0]
     prompt = render_turn(tok, q, 0, [])
-    res = speculative_generate(TargetRunner(model, list(draft.config.aux_layer_ids)), DraftRunner(draft),
-                               prompt, 16, set(stop_token_ids(tok, target.path)), 3)
+    res = speculative_generate(
+        TargetRunner(model, list(draft.config.aux_layer_ids)),
+        DraftRunner(draft),
+        prompt,
+        16,
+        set(stop_token_ids(tok, target.path)),
+        3,
+    )
     assert res.tokens == first["output_ids"] and res.accepted_per_pos == first["accepted_per_pos"]
 
 
@@ -416,8 +472,9 @@ def test_worker_processes_give_the_records_of_one_process(setup, tmp_path):
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 3)
     kw = dict(prompts=qfile, k=3, max_new_tokens=12, progress=False, compare_plain=False)
     one = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "one", **kw))["builtin"]
-    two = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "two", workers=2,
-                                  **kw))["builtin"]
+    two = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "two", workers=2, **kw))[
+        "builtin"
+    ]
     keys = ("question_id", "turn", "output_ids", "rounds", "accepted_per_pos")
     assert [{k: r[k] for k in keys} for r in two["per_prompt"]] == [{k: r[k] for k in keys} for r in one["per_prompt"]]
     assert len(two["per_prompt"]) == 6 and two["workers"] == 2 and two["overall"]["tau"] == one["overall"]["tau"]
@@ -484,5 +541,14 @@ def test_vllm_draft_must_be_an_export_of_the_draft(setup, tmp_path):
         check_export_of(exported, other)
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 1)
     with pytest.raises(EyasError, match="exported from another draft"):
-        evaluate(EvaluateConfig(target=str(target.path), draft=other, prompts=qfile, out=tmp_path / "e", engine="vllm",
-                                vllm_draft=exported, progress=False))
+        evaluate(
+            EvaluateConfig(
+                target=str(target.path),
+                draft=other,
+                prompts=qfile,
+                out=tmp_path / "e",
+                engine="vllm",
+                vllm_draft=exported,
+                progress=False,
+            )
+        )

@@ -27,8 +27,15 @@ def target(tmp_path_factory):
     return resolve_target(evalkit.make_eval_target(tmp_path_factory.mktemp("exp-target")))
 
 
-def _draft(target, out: Path, layers=(1, 3, 4), draft_vocab: int = 200, seed: int = 0,
-           target_dir: Path | None = None, **overrides) -> Path:
+def _draft(
+    target,
+    out: Path,
+    layers=(1, 3, 4),
+    draft_vocab: int = 200,
+    seed: int = 0,
+    target_dir: Path | None = None,
+    **overrides,
+) -> Path:
     """A draft initialised from ``target_dir`` (default: the target) with a non-trivial d2t."""
     from eyas.draft.model import DraftConfig, Eagle3Draft
     from eyas.target import resolve_target
@@ -47,8 +54,9 @@ def _draft(target, out: Path, layers=(1, 3, 4), draft_vocab: int = 200, seed: in
 
 def test_vllm_format(target, tmp_path):
     ckpt = _draft(target, tmp_path / "ckpt")
-    out = run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "vllm", target=str(target.path),
-                                  num_speculative_tokens=4))
+    out = run_export(
+        ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "vllm", target=str(target.path), num_speculative_tokens=4)
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
@@ -78,8 +86,14 @@ def test_vllm_format_with_fc_norm(target, tmp_path):
     assert json.loads((out / "config.json").read_text())["fc_norm"] is True
     got = load_file(str(out / "model.safetensors"))
     assert sorted(k for k in got if k.startswith("fc_norm.")) == [f"fc_norm.{i}.weight" for i in range(3)]
-    plain = run_export(ExportConfig(ckpt=_draft(target, tmp_path / "c2", norm_before_residual=False), format="vllm",
-                                    out=tmp_path / "v2", target=str(target.path)))
+    plain = run_export(
+        ExportConfig(
+            ckpt=_draft(target, tmp_path / "c2", norm_before_residual=False),
+            format="vllm",
+            out=tmp_path / "v2",
+            target=str(target.path),
+        )
+    )
     plain_cfg = json.loads((plain / "config.json").read_text())
     assert "fc_norm" not in plain_cfg  # what vLLM 0.16 reads
     assert plain_cfg["norm_before_residual"] is False  # explicit: vLLM takes True when it is absent
@@ -104,11 +118,12 @@ def test_vllm_format_with_speculators_head_options(target, tmp_path):
 
 def test_sglang_format_ids_in_both_conventions(target, tmp_path):
     ckpt = _draft(target, tmp_path / "ckpt")
-    out = run_export(ExportConfig(ckpt=ckpt, format="sglang", out=tmp_path / "sgl", target=str(target.path),
-                                  dtype="bfloat16"))
+    out = run_export(
+        ExportConfig(ckpt=ckpt, format="sglang", out=tmp_path / "sgl", target=str(target.path), dtype="bfloat16")
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]            # vLLM: input of layer k
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # vLLM: input of layer k
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]  # SGLang: output of k
     assert cfg["torch_dtype"] == "bfloat16"
     got = load_file(str(out / "model.safetensors"))
@@ -118,8 +133,14 @@ def test_sglang_format_ids_in_both_conventions(target, tmp_path):
     assert torch.equal(got["midlayer.mlp.down_proj.weight"], src["midlayer.mlp.down_proj.weight"].bfloat16())
     # id 0 (the embeddings) has no SGLang spelling: refused, not silently shifted to -1
     with pytest.raises(EyasError, match="id 0"):
-        run_export(ExportConfig(ckpt=_draft(target, tmp_path / "c0", layers=(0, 3, 4)), format="sglang",
-                                out=tmp_path / "s0", target=str(target.path)))
+        run_export(
+            ExportConfig(
+                ckpt=_draft(target, tmp_path / "c0", layers=(0, 3, 4)),
+                format="sglang",
+                out=tmp_path / "s0",
+                target=str(target.path),
+            )
+        )
 
 
 def test_refuses_a_draft_for_another_target(target, tmp_path):
@@ -149,8 +170,9 @@ def test_refuses_a_draft_for_another_target(target, tmp_path):
     ckpt = _draft(target, tmp_path / "c4", target_dir=twin)
     with pytest.raises(EyasError, match="target identity.*weights"):
         run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "o4", target=str(target.path)))
-    run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "o4", target=str(target.path),
-                            check_identity=False))
+    run_export(
+        ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "o4", target=str(target.path), check_identity=False)
+    )
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()
 
 
@@ -168,10 +190,12 @@ def test_export_cli(target, tmp_path):
     assert CliRunner().invoke(app, args + ["--overwrite"]).exit_code == 0
     res = CliRunner().invoke(app, args[:2] + ["--format", "onnx"] + args[4:] + ["--overwrite"])
     assert res.exit_code == 2 and "'onnx' is not one of 'vllm', 'sglang'" in " ".join(
-        re.sub(r"[│╭╮╰╯─]", " ", res.output).split())  # typer's error box, unwrapped
+        re.sub(r"[│╭╮╰╯─]", " ", res.output).split()
+    )  # typer's error box, unwrapped
     (tmp_path / "not-a-draft").mkdir()
-    res = CliRunner().invoke(app, ["export", str(tmp_path / "not-a-draft"), "--out", str(tmp_path / "x"),
-                                   "--target", str(target.path)])
+    res = CliRunner().invoke(
+        app, ["export", str(tmp_path / "not-a-draft"), "--out", str(tmp_path / "x"), "--target", str(target.path)]
+    )
     assert res.exit_code != 0 and "needs config.json and model.safetensors" in str(res.exception)
 
 
@@ -217,11 +241,15 @@ def test_export_of_a_draft_without_target(target, tmp_path):
     (ckpt / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(EyasError, match="--target.*--verifier"):
         run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "v"))
-    out = run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "v",
-                                  verifier="HuggingFaceTB/SmolLM2-135M-Instruct"))
-    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] \
+    out = run_export(
+        ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "v", verifier="HuggingFaceTB/SmolLM2-135M-Instruct")
+    )
+    assert (
+        json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
         == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
     out = run_export(ExportConfig(ckpt=ckpt, format="vllm", out=tmp_path / "v2", target=str(target.path)))  # as before
-    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] \
-        == str(target.path)
+    assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == str(
+        target.path
+    )
     run_export(ExportConfig(ckpt=ckpt, format="sglang", out=tmp_path / "s"))  # needs no verifier

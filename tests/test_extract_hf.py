@@ -22,12 +22,29 @@ def _model(arch: str, seed: int = 0):
         from transformers import DeepseekV2Config
 
         cfg = DeepseekV2Config(
-            vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=N_LAYERS,
-            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
-            kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
-            first_k_dense_replace=1, n_group=1, topk_group=1, bos_token_id=0, eos_token_id=2,
-            pad_token_id=3)
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=N_LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=512,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            pad_token_id=3,
+        )
     else:
         cfg = tiny.tiny_config(arch, vocab_size=300, num_layers=N_LAYERS, hidden=64)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -87,8 +104,7 @@ def test_padded_batch_equals_each_sample_alone(arch_model, side):
         for i, s in enumerate(seqs):
             alone = cap.capture_into(s[None])[0]
             sl = slice(0, len(s)) if side == "right" else slice(T - len(s), T)
-            torch.testing.assert_close(batch[i, sl], alone, rtol=1e-5, atol=1e-5,
-                                       msg=f"{arch} {side} row {i}")
+            torch.testing.assert_close(batch[i, sl], alone, rtol=1e-5, atol=1e-5, msg=f"{arch} {side} row {i}")
 
 
 def test_right_padding_without_mask_is_exact_for_causal_models(arch_model):
@@ -103,8 +119,7 @@ def test_right_padding_without_mask_is_exact_for_causal_models(arch_model):
         batch = cap.capture_into(ids)
         for i, s in enumerate(seqs):
             alone = cap.capture_into(s[None])[0]
-            torch.testing.assert_close(batch[i, : len(s)], alone, rtol=1e-5, atol=1e-5,
-                                       msg=f"{arch} row {i}")
+            torch.testing.assert_close(batch[i, : len(s)], alone, rtol=1e-5, atol=1e-5, msg=f"{arch} row {i}")
 
 
 def test_no_logits_and_hooks_removed():
@@ -115,8 +130,7 @@ def test_no_logits_and_hooks_removed():
     cap.capture(_ids([9])[0][None])
     assert calls == []  # the base model ran alone
     cap.remove()
-    assert all(not layer._forward_pre_hooks and not layer._forward_hooks
-               for layer in find_decoder(model)[1])
+    assert all(not layer._forward_pre_hooks and not layer._forward_hooks for layer in find_decoder(model)[1])
     h.remove()
 
 

@@ -30,14 +30,35 @@ def _on_disk(st: Path) -> tuple[int, int]:
 def test_plan_bytes_are_the_bytes_the_store_takes(tmp_path, tiny_target, dtype):
     data = test_store._prepared(tmp_path / "p", tiny_target, 40)
     st = tmp_path / "st"
-    plan = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=st, layers=LAYERS, dtype=dtype,
-                                 batch_tokens=200, plan_only=True))["plan"]
+    plan = extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=st,
+            layers=LAYERS,
+            dtype=dtype,
+            batch_tokens=200,
+            plan_only=True,
+        )
+    )["plan"]
     assert not st.exists()  # planning writes nothing
     lay = Layout(dtype, 4, 64, 1 if dtype == "fp8" else 0)
-    assert plan["bytes_per_token"] == lay.bytes_per_token == (8 + 4 * 64 * (1 if dtype == "fp8" else 2)
-                                                             + (16 if dtype == "fp8" else 0) + 1)
-    s = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=st, layers=LAYERS, dtype=dtype,
-                              batch_tokens=200, progress=False))
+    assert (
+        plan["bytes_per_token"]
+        == lay.bytes_per_token
+        == (8 + 4 * 64 * (1 if dtype == "fp8" else 2) + (16 if dtype == "fp8" else 0) + 1)
+    )
+    s = extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=st,
+            layers=LAYERS,
+            dtype=dtype,
+            batch_tokens=200,
+            progress=False,
+        )
+    )
     shards, meta = _on_disk(st)
     assert plan["tokens_todo"] == s["tokens"] and plan["samples_todo"] == 40
     assert plan["shard_bytes_todo"] == shards == s["bytes"]  # exact
@@ -49,8 +70,17 @@ def test_plan_bytes_are_the_bytes_the_store_takes(tmp_path, tiny_target, dtype):
     for p in lost:
         p.with_suffix(".json").unlink()
         p.unlink()
-    again = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=st, layers=LAYERS, dtype=dtype,
-                                  batch_tokens=200, plan_only=True))["plan"]
+    again = extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=st,
+            layers=LAYERS,
+            dtype=dtype,
+            batch_tokens=200,
+            plan_only=True,
+        )
+    )["plan"]
     assert again["samples_todo"] == lost_samples and again["shards_todo"] == 2
     assert again["shard_bytes_todo"] == lost_bytes
 
@@ -62,8 +92,23 @@ def test_plan_flag_prints_the_plan_and_writes_nothing(tmp_path, tiny_target):
 
     data = test_store._prepared(tmp_path / "p", tiny_target, 12)
     st = tmp_path / "st"
-    res = CliRunner().invoke(app, ["extract", "--target", str(tiny_target.path), "--data", str(data),
-                                   "--out", str(st), "--layers", "1,4,6", "--dtype", "fp8", "--plan"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "extract",
+            "--target",
+            str(tiny_target.path),
+            "--data",
+            str(data),
+            "--out",
+            str(st),
+            "--layers",
+            "1,4,6",
+            "--dtype",
+            "fp8",
+            "--plan",
+        ],
+    )
     assert res.exit_code == 0, res.output
     out = res.stdout
     assert f"plan for {st}: 12 samples" in out
@@ -90,15 +135,16 @@ def test_active_parameters_of_a_moe_target_count_routed_experts_at_top_k(tmp_pat
     dense = tiny.make_target(tmp_path / "llama", "llama")
     m = AutoModelForCausalLM.from_pretrained(dense)
     assert count_active_params(dense, json.loads((dense / "config.json").read_text()))[0] == sum(
-        p.numel() for n, p in m.named_parameters() if "embed_tokens" not in n and "lm_head" not in n)
+        p.numel() for n, p in m.named_parameters() if "embed_tokens" not in n and "lm_head" not in n
+    )
 
 
 def test_big_case_numbers_are_the_plan_arithmetic():
     """docs/targets.md's storage table for the seed target (Kimi-K2.5: aux 2, 30, 58 + final, H = 7168)
     is the arithmetic `eyas extract --plan` prints."""
     text = (ROOT / "docs" / "targets.md").read_text()
-    section = text[text.index("## The big case"):]
-    section = section[:section.index("\n## ", 4)]
+    section = text[text.index("## The big case") :]
+    section = section[: section.index("\n## ", 4)]
     for dtype in ("bf16", "fp8"):
         lay = Layout(dtype, 4, 7168, 1 if dtype == "fp8" else 0)
         row = next(line for line in section.splitlines() if line.startswith(f"| {dtype} "))

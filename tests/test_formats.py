@@ -9,12 +9,15 @@ import pytest
 from eyas.data.formats import Skip, normalize, open_source
 from eyas.errors import EyasError
 
-GOOD_SHAREGPT = {"id": "a1", "conversations": [{"from": "human", "value": "Hi"},
-                                               {"from": "gpt", "value": "Hello!"}]}
-GOOD_OPENAI = {"messages": [{"role": "system", "content": "Be brief."},
-                            {"role": "user", "content": "2+2?"},
-                            {"role": "assistant", "content": "4"},
-                            {"role": "user", "content": "trailing question with no answer"}]}
+GOOD_SHAREGPT = {"id": "a1", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]}
+GOOD_OPENAI = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "trailing question with no answer"},
+    ]
+}
 GOOD_PROMPT = {"prompt": "Name a colour.", "response": "Blue."}
 
 
@@ -33,31 +36,43 @@ def _read(spec):
 
 
 def test_jsonl_all_shapes_and_bad_records(tmp_path):
-    f = _lines(tmp_path / "mix.jsonl", [
-        GOOD_SHAREGPT,
-        GOOD_OPENAI,
-        GOOD_PROMPT,
-        '{"conversations": [ broken',
-        {"conversations": [{"from": "wizard", "value": "x"}, {"from": "gpt", "value": "y"}]},
-        {"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "y"}]},
-        {"messages": [{"role": "user", "content": ["a", "list"]}, {"role": "assistant", "content": "y"}]},
-        {"conversations": [{"from": "gpt", "value": "I speak first"}, {"from": "human", "value": "ok"}]},
-        {"messages": [{"role": "user", "content": "no answer"}]},
-        {"text": "plain text"},
-        "[1, 2]",
-    ])
+    f = _lines(
+        tmp_path / "mix.jsonl",
+        [
+            GOOD_SHAREGPT,
+            GOOD_OPENAI,
+            GOOD_PROMPT,
+            '{"conversations": [ broken',
+            {"conversations": [{"from": "wizard", "value": "x"}, {"from": "gpt", "value": "y"}]},
+            {"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "y"}]},
+            {"messages": [{"role": "user", "content": ["a", "list"]}, {"role": "assistant", "content": "y"}]},
+            {"conversations": [{"from": "gpt", "value": "I speak first"}, {"from": "human", "value": "ok"}]},
+            {"messages": [{"role": "user", "content": "no answer"}]},
+            {"text": "plain text"},
+            "[1, 2]",
+        ],
+    )
     info, out = _read(f)
     assert info.records == 11 and info.truncated is None and info.sha256
     msgs = [n for _, n in out]
     assert msgs[0] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     assert out[0][0].source_id == "mix:0:a1"
     assert msgs[1] == GOOD_OPENAI["messages"][:3]  # trailing user turn dropped
-    assert msgs[2] == [{"role": "user", "content": "Name a colour."},
-                       {"role": "assistant", "content": "Blue."}]
+    assert msgs[2] == [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
     reasons = [n.reason if isinstance(n, Skip) else None for n in msgs]
-    assert reasons == [None, None, None, "malformed_json", "unknown_role", "empty_content",
-                       "non_string_content", "starts_with_assistant", "no_assistant_turn",
-                       "unknown_format", "unknown_format"]
+    assert reasons == [
+        None,
+        None,
+        None,
+        "malformed_json",
+        "unknown_role",
+        "empty_content",
+        "non_string_content",
+        "starts_with_assistant",
+        "no_assistant_turn",
+        "unknown_format",
+        "unknown_format",
+    ]
     assert out[3][0].location == f"{f}:4"  # file and line of the malformed line
     assert "wizard" in msgs[4].detail
 

@@ -25,15 +25,15 @@ def _bound(x: torch.Tensor, scale: torch.Tensor, groups: int) -> torch.Tensor:
     """e4m3's rounding error per element: half an ulp, 2^-4 of the value for normal numbers (3
     mantissa bits) and 2^-10 of the scale below the normal range (subnormal spacing 2^-9)."""
     s = scale.repeat_interleave(x.shape[-1] // groups, dim=-1)
-    return torch.maximum(x.abs() * 2.0 ** -4, s * 2.0 ** -10) * (1 + 1e-6)
+    return torch.maximum(x.abs() * 2.0**-4, s * 2.0**-10) * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("groups", [1, 4])
 def test_quantize_round_trip_stays_within_e4m3_rounding(groups):
     torch.manual_seed(0)
     x = torch.randn(50, 4, 64) * torch.logspace(-3, 2, 50)[:, None, None]
-    x[7, 2, 5] = 3e4            # an outlier channel, as real hidden states have
-    x[9, 1] = 0.0               # an all-zero state
+    x[7, 2, 5] = 3e4  # an outlier channel, as real hidden states have
+    x[9, 1] = 0.0  # an all-zero state
     q, scale = quantize(x, groups)
     assert q.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
     assert q.shape == x.shape and scale.shape == (50, 4, groups)
@@ -59,15 +59,41 @@ def test_quantize_round_trip_stays_within_e4m3_rounding(groups):
 
 def test_fp8_store_holds_the_states_within_the_bound_at_about_half_the_bytes(tmp_path, tiny_target):
     data = test_store._prepared(tmp_path / "p", tiny_target, 24)
-    s8 = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st8", layers=LAYERS,
-                               dtype="fp8", model_dtype="fp32", batch_tokens=200, progress=False))
-    s16 = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st16", layers=LAYERS,
-                                dtype="bf16", model_dtype="fp32", batch_tokens=200, progress=False))
+    s8 = extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=tmp_path / "st8",
+            layers=LAYERS,
+            dtype="fp8",
+            model_dtype="fp32",
+            batch_tokens=200,
+            progress=False,
+        )
+    )
+    s16 = extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=tmp_path / "st16",
+            layers=LAYERS,
+            dtype="bf16",
+            model_dtype="fp32",
+            batch_tokens=200,
+            progress=False,
+        )
+    )
     r8 = open_store(tmp_path / "st8")
     m = r8.manifest
     assert m["dtype"] == "fp8" and m["format_version"] == 2
-    assert m["scale"] == {"format": "float8_e4m3fn", "dtype": "float32", "tensor": "hidden_scale",
-                          "groups": 1, "per": "token and state", "rule": "amax / 448"}
+    assert m["scale"] == {
+        "format": "float8_e4m3fn",
+        "dtype": "float32",
+        "tensor": "hidden_scale",
+        "groups": 1,
+        "per": "token and state",
+        "rule": "amax / 448",
+    }
     # bytes: exactly the layout's arithmetic; with H=64 the ids, mask and scales weigh more than at
     # a real H, so "about half" is checked at H=7168 from the same arithmetic
     lay8, _ = Layout("fp8", 4, 64, 1), Layout("bf16", 4, 64)
@@ -103,17 +129,44 @@ def test_fp8_store_holds_the_states_within_the_bound_at_about_half_the_bytes(tmp
 
 def test_fp8_group_scales(tmp_path, tiny_target):
     data = test_store._prepared(tmp_path / "p", tiny_target, 8)
-    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "g", layers=LAYERS, dtype="fp8",
-                          fp8_group_size=16, model_dtype="fp32", progress=False))
+    extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=tmp_path / "g",
+            layers=LAYERS,
+            dtype="fp8",
+            fp8_group_size=16,
+            model_dtype="fp32",
+            progress=False,
+        )
+    )
     r = open_store(tmp_path / "g")
     assert r.manifest["scale"]["groups"] == 4 and r.raw(2).scale.shape[1:] == (4, 4)
     assert verify_store(tmp_path / "g") == []
     with pytest.raises(EyasError, match="must divide the target's hidden size 64"):
-        extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "g2", layers=LAYERS, dtype="fp8",
-                              fp8_group_size=24, progress=False))
+        extract(
+            ExtractConfig(
+                target=str(tiny_target.path),
+                data=data,
+                out=tmp_path / "g2",
+                layers=LAYERS,
+                dtype="fp8",
+                fp8_group_size=24,
+                progress=False,
+            )
+        )
     with pytest.raises(EyasError, match="only for --dtype fp8"):
-        extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "g3", layers=LAYERS,
-                              fp8_group_size=16, progress=False))
+        extract(
+            ExtractConfig(
+                target=str(tiny_target.path),
+                data=data,
+                out=tmp_path / "g3",
+                layers=LAYERS,
+                fp8_group_size=16,
+                progress=False,
+            )
+        )
 
 
 def test_training_on_an_fp8_store_gives_the_bf16_losses(tmp_path, tiny_target, one_thread):
@@ -128,11 +181,32 @@ def test_training_on_an_fp8_store_gives_the_bf16_losses(tmp_path, tiny_target, o
     losses = {}
     for name, layers, dtype in (("bf16", LAYERS, "bf16"), ("fp8", LAYERS, "fp8"), ("other", [2, 5, 6], "bf16")):
         st = tmp_path / f"st-{name}"
-        extract(ExtractConfig(target=str(tiny_target.path), data=data, out=st, layers=layers, dtype=dtype, device="cpu",
-                              model_dtype="fp32", progress=False))
+        extract(
+            ExtractConfig(
+                target=str(tiny_target.path),
+                data=data,
+                out=st,
+                layers=layers,
+                dtype=dtype,
+                device="cpu",
+                model_dtype="fp32",
+                progress=False,
+            )
+        )
         run = tmp_path / f"run-{name}"
-        test_train_run.train(test_train_run._cfg(tiny_target, data, run, features="offline", store=str(st), layers=None,
-                                                 save_every=0, max_steps=12, lr=3e-3))
+        test_train_run.train(
+            test_train_run._cfg(
+                tiny_target,
+                data,
+                run,
+                features="offline",
+                store=str(st),
+                layers=None,
+                save_every=0,
+                max_steps=12,
+                lr=3e-3,
+            )
+        )
         losses[name] = np.array([r["loss"] for r in test_train_run._records(run)])
     ref = losses["bf16"]
     fall = ref[0] - ref.min()
@@ -147,16 +221,28 @@ def test_training_on_an_fp8_store_gives_the_bf16_losses(tmp_path, tiny_target, o
 def test_fp8_on_cuda_quantizes_on_the_device_like_the_cpu(tmp_path, tiny_target):
     data = test_store._prepared(tmp_path / "p", tiny_target, 24)
     for dev in ("cpu", "cuda"):
-        extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / dev, layers=LAYERS, dtype="fp8",
-                              device=dev, model_dtype="fp32", batch_tokens=200, progress=False))
+        extract(
+            ExtractConfig(
+                target=str(tiny_target.path),
+                data=data,
+                out=tmp_path / dev,
+                layers=LAYERS,
+                dtype="fp8",
+                device=dev,
+                model_dtype="fp32",
+                batch_tokens=200,
+                progress=False,
+            )
+        )
         assert verify_store(tmp_path / dev) == []
     a, b = open_store(tmp_path / "cpu"), open_store(tmp_path / "cuda")
     for i in range(24):
         ra = a.raw(i)
         x, y = a[i], b[i]
         bound = 2 * _bound(torch.cat([x.aux, x.final[:, None]], 1), ra.scale, 1) + 1e-5
-        assert ((torch.cat([y.aux, y.final[:, None]], 1) - torch.cat([x.aux, x.final[:, None]], 1)).abs()
-                <= bound).all()
+        assert (
+            (torch.cat([y.aux, y.final[:, None]], 1) - torch.cat([x.aux, x.final[:, None]], 1)).abs() <= bound
+        ).all()
     # the trainer decodes on the device what the host decodes
     from eyas.data.dataset import open_prepared
     from eyas.train.features import OfflineFeatures

@@ -54,11 +54,16 @@ def _rewrite_tokenizer(d: Path) -> None:
     (d / "chat_template.jinja").unlink()
     cfg = _json(d / "tokenizer_config.json")
     added = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in tj["added_tokens"]}
-    cfg.update(chat_template="\n  " + template + "\n\n", legacy=False, added_tokens_decoder=added,
-               clean_up_tokenization_spaces=True, eos_token={"__type": "AddedToken", "content": cfg["eos_token"],
-                                                   "lstrip": False})
-    (d / "special_tokens_map.json").write_text(json.dumps(
-        {k: cfg[k] for k in ("bos_token", "pad_token", "unk_token")}, indent=1))
+    cfg.update(
+        chat_template="\n  " + template + "\n\n",
+        legacy=False,
+        added_tokens_decoder=added,
+        clean_up_tokenization_spaces=True,
+        eos_token={"__type": "AddedToken", "content": cfg["eos_token"], "lstrip": False},
+    )
+    (d / "special_tokens_map.json").write_text(
+        json.dumps({k: cfg[k] for k in ("bos_token", "pad_token", "unk_token")}, indent=1)
+    )
     (d / "tokenizer_config.json").write_text(json.dumps(_reversed(cfg), indent=3))
 
 
@@ -77,11 +82,16 @@ def _reshard(d: Path) -> None:
     weights = load_file(d / "model.safetensors")
     (d / "model.safetensors").unlink()
     names = sorted(weights)
-    parts = {"model-00001-of-00002.safetensors": names[len(names) // 2:],
-             "model-00002-of-00002.safetensors": names[: len(names) // 2]}
+    parts = {
+        "model-00001-of-00002.safetensors": names[len(names) // 2 :],
+        "model-00002-of-00002.safetensors": names[: len(names) // 2],
+    }
     for i, (fname, keys) in enumerate(parts.items()):
-        save_file({k: weights[k] for k in reversed(keys)}, d / fname,
-                  metadata={"format": "pt", "shard": str(i), "writer": "another tool"})
+        save_file(
+            {k: weights[k] for k in reversed(keys)},
+            d / fname,
+            metadata={"format": "pt", "shard": str(i), "writer": "another tool"},
+        )
     index = {"metadata": {"total_size": 0}, "weight_map": {k: f for f, ks in parts.items() for k in ks}}
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
 
@@ -124,8 +134,17 @@ def _swap_vocab_ids(tj):
 
 def _add_token(tj):
     n = max(tj["model"]["vocab"].values()) + 1
-    tj["added_tokens"].append({"id": n, "content": "<tool>", "single_word": False, "lstrip": False,
-                               "rstrip": False, "normalized": False, "special": True})
+    tj["added_tokens"].append(
+        {
+            "id": n,
+            "content": "<tool>",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+    )
 
 
 def _unspecial(tj):
@@ -142,18 +161,19 @@ def _no_byte_level(tj):
 
 TOKENIZER_CHANGES = {
     "template": lambda d: (d / "chat_template.jinja").write_text(
-        (d / "chat_template.jinja").read_text().replace("assistant", "Assistant")),
+        (d / "chat_template.jinja").read_text().replace("assistant", "Assistant")
+    ),
     "template-in-config": lambda d: (  # chat_template.jinja wins over it, as in transformers
         (d / "chat_template.jinja").unlink(),
-        _edit_json(d / "tokenizer_config.json", lambda c: c.update(chat_template="{{ messages[0]['content'] }}"))),
+        _edit_json(d / "tokenizer_config.json", lambda c: c.update(chat_template="{{ messages[0]['content'] }}")),
+    ),
     "merge-order": lambda d: _edit_json(d / "tokenizer.json", _swap_merges),
     "merge-dropped": lambda d: _edit_json(d / "tokenizer.json", lambda t: t["model"]["merges"].pop(5)),
     "vocab-ids": lambda d: _edit_json(d / "tokenizer.json", _swap_vocab_ids),
     "added-token": lambda d: _edit_json(d / "tokenizer.json", _add_token),
     "token-not-special": lambda d: _edit_json(d / "tokenizer.json", _unspecial),
     "token-lstrip": lambda d: _edit_json(d / "tokenizer.json", _lstrip),
-    "eos-role": lambda d: _edit_json(d / "tokenizer_config.json",
-                                     lambda c: c.update(eos_token="<|endoftext|>")),
+    "eos-role": lambda d: _edit_json(d / "tokenizer_config.json", lambda c: c.update(eos_token="<|endoftext|>")),
     "pre-tokenizer": lambda d: _edit_json(d / "tokenizer.json", _no_byte_level),
 }
 
@@ -182,6 +202,7 @@ def _bump(flat_index):
         flat = t.view(-1)
         flat[flat_index(flat.numel())] += 0.5
         return t
+
     return fn
 
 
@@ -210,8 +231,11 @@ def test_config_change_is_refused(base, copy):
     assert target_identity(copy)["config"] != before["config"]
 
     def linear_rope(c):  # a non-default rope is not folded into rope_parameters: refused, not guessed
-        c.update(rms_norm_eps=1e-6, rope_theta=c.pop("rope_parameters")["rope_theta"],
-                 rope_scaling={"rope_type": "linear", "factor": 2.0})
+        c.update(
+            rms_norm_eps=1e-6,
+            rope_theta=c.pop("rope_parameters")["rope_theta"],
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        )
 
     _edit_json(copy / "config.json", linear_rope)
     assert target_identity(copy)["config"] != before["config"]
@@ -273,8 +297,11 @@ def test_gguf_conversion_takes_specials_from_metadata(tmp_path):
     w.write_tensors_to_file()
     w.close()
     tok = tiny.make_tokenizer(tmp_path / "tok")
-    assert _gguf_special_tokens(path, tok) == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
-                                               "pad_token": "<|im_end|>"}
+    assert _gguf_special_tokens(path, tok) == {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+    }
     out = tmp_path / "conv"
     out.mkdir()
     (out / ".eyas-complete").write_text("ok\n")

@@ -16,13 +16,19 @@ from eyas.pipeline import run_pipeline
 
 def _write_inputs(tmp_path: Path) -> tuple[Path, Path]:
     data = tmp_path / "convs.jsonl"
-    rows = [{"prompt": f"Tell me about the number {i} and the quick brown fox.",
-             "response": f"The number {i} is a number. The quick brown fox jumps over the lazy dog."}
-            for i in range(24)]
+    rows = [
+        {
+            "prompt": f"Tell me about the number {i} and the quick brown fox.",
+            "response": f"The number {i} is a number. The quick brown fox jumps over the lazy dog.",
+        }
+        for i in range(24)
+    ]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     prompts = tmp_path / "question.jsonl"
-    qs = [{"question_id": 1, "category": "writing", "turns": ["Hello! How can I help?", "Why is the sky blue?"]},
-          {"question_id": 2, "category": "math", "turns": ["What is 1 + 2?"]}]
+    qs = [
+        {"question_id": 1, "category": "writing", "turns": ["Hello! How can I help?", "Why is the sky blue?"]},
+        {"question_id": 2, "category": "math", "turns": ["What is 1 + 2?"]},
+    ]
     prompts.write_text("\n".join(json.dumps(q) for q in qs) + "\n")
     return data, prompts
 
@@ -30,11 +36,20 @@ def _write_inputs(tmp_path: Path) -> tuple[Path, Path]:
 def _config(tmp_path: Path, target: Path, features: str) -> Path:
     data, prompts = _write_inputs(tmp_path)
     cfg = {
-        "target": str(target), "workdir": str(tmp_path / "run"), "features": features,
+        "target": str(target),
+        "workdir": str(tmp_path / "run"),
+        "features": features,
         "prepare": {"data": str(data), "max_length": 64, "draft_vocab_size": 128, "workers": 1},
         "extract": {"device": "cpu"},
-        "train": {"ttt_steps": 2, "max_steps": 3, "tokens_per_batch": 128, "warmup": 1,
-                  "save_every": 2, "eval_every": 0, "device": "cpu"},
+        "train": {
+            "ttt_steps": 2,
+            "max_steps": 3,
+            "tokens_per_batch": 128,
+            "warmup": 1,
+            "save_every": 2,
+            "eval_every": 0,
+            "device": "cpu",
+        },
         "export": {"format": "vllm"},
         "evaluate": {"engine": "builtin", "prompts": str(prompts), "k": 2, "max_new_tokens": 6},
     }
@@ -68,8 +83,7 @@ def test_pipeline_runs_every_stage_and_resumes(tmp_path, tiny_llama_dir, feature
 def test_pipeline_cli_refuses_bad_config(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("target: x\ntrain:\n  ttt_step: 3\n")
-    res = subprocess.run([sys.executable, "-m", "eyas.cli", "pipeline", str(bad)],
-                         capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "eyas.cli", "pipeline", str(bad)], capture_output=True, text=True)
     assert res.returncode == 2
     assert "ttt_step" in res.stderr
 
@@ -106,8 +120,10 @@ def test_pipeline_passes_the_device_and_the_export_to_evaluate(tmp_path, tiny_ll
     cfg["evaluate"]["device"] = "cpu"
     cfg_path.write_text(yaml.safe_dump(cfg))
     run_pipeline(load_config(cfg_path))
-    assert json.loads((run / "pipeline-config.json").read_text())["stages"]["evaluate"]["fingerprint"] \
+    assert (
+        json.loads((run / "pipeline-config.json").read_text())["stages"]["evaluate"]["fingerprint"]
         == rec["stages"]["evaluate"]["fingerprint"]
+    )
     assert (run / "eval" / "builtin" / "records.jsonl").read_text() == records
     assert not list(run.glob("eval.stale-*"))
 

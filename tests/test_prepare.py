@@ -18,8 +18,16 @@ from eyas.data.prepare import PrepareOptions, prepare
 from eyas.data.vocab import draft_to_target_ids
 from eyas.errors import EyasError
 
-WORDS = ["the quick brown fox", "capital of France", "numbers 1 2 3", "Hello! How can I help",
-         "def add(a, b): return a + b", "blue sky", "lazy dog jumps", "Paris. Berlin."]
+WORDS = [
+    "the quick brown fox",
+    "capital of France",
+    "numbers 1 2 3",
+    "Hello! How can I help",
+    "def add(a, b): return a + b",
+    "blue sky",
+    "lazy dog jumps",
+    "Paris. Berlin.",
+]
 
 
 def _conv(i, turns=2):
@@ -45,8 +53,16 @@ def _data(tmp_path, n=14):
 
 
 def _opts(out, target, data, **kw):
-    base = dict(out=out, target=str(target.path), data=[str(data)], draft_vocab_size=40,
-                max_length=256, workers=1, chunk_size=4, progress=False)
+    base = dict(
+        out=out,
+        target=str(target.path),
+        data=[str(data)],
+        draft_vocab_size=40,
+        max_length=256,
+        workers=1,
+        chunk_size=4,
+        progress=False,
+    )
     base.update(kw)
     return PrepareOptions(**base)
 
@@ -56,8 +72,7 @@ def test_prepare_counts_masks_and_vocab(tmp_path, tiny_target):
     m = prepare(_opts(tmp_path / "out", tiny_target, data), log=lambda s: None)
     c = m["counts"]
     assert c["read"] == 18 and c["samples"] == 14 and c["dropped_total"] == 4
-    assert c["dropped"] == {"malformed_json": 1, "starts_with_assistant": 1, "unknown_role": 1,
-                            "empty_content": 1}
+    assert c["dropped"] == {"malformed_json": 1, "starts_with_assistant": 1, "unknown_role": 1, "empty_content": 1}
     assert m["skip_examples"]["malformed_json"][0].startswith(f"{data}:6")
     assert m["settings"]["target"] == tiny_target.identity and m["max_length"] == 256
     assert m["sources"][0]["records"] == 18 and m["mask_method"] == "prefix_renders"
@@ -123,8 +138,7 @@ def test_resume_after_crash_matches_clean_run(tmp_path, tiny_target, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         prepare(_opts(tmp_path / "out", tiny_target, data), log=lambda s: None)
     assert not (tmp_path / "out" / "manifest.json").exists()
-    assert sorted(p.name for p in (tmp_path / "out").glob("shard-*")) == ["shard-00000.parquet",
-                                                                        "shard-00001.parquet"]
+    assert sorted(p.name for p in (tmp_path / "out").glob("shard-*")) == ["shard-00000.parquet", "shard-00001.parquet"]
     monkeypatch.setattr(dataset, "write_shard", orig)
     encoded = []
     real_encode = prep._encode_chunk
@@ -219,9 +233,23 @@ def test_cli_prints_summary(tmp_path, tiny_target):
     from eyas.data.cli import register
 
     register(app)
-    res = CliRunner().invoke(app, ["prepare", "--target", str(tiny_target.path), "--data", str(data),
-                                   "--out", str(tmp_path / "o"), "--draft-vocab-size", "50",
-                                   "--workers", "1", "--quiet"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "prepare",
+            "--target",
+            str(tiny_target.path),
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "o"),
+            "--draft-vocab-size",
+            "50",
+            "--workers",
+            "1",
+            "--quiet",
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "read 18 conversations, kept 14, dropped 4" in res.output
     assert "malformed_json" in res.output and "trained on" in res.output

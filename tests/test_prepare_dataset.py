@@ -19,7 +19,7 @@ def _samples(rng, n, vocab):
         t = int(rng.integers(3, 40))
         ids.append(rng.integers(0, vocab, size=t).tolist())
         m = np.zeros(t, dtype=np.int8)
-        m[t // 2:] = 1
+        m[t // 2 :] = 1
         masks.append(m.tolist())
         srcs.append(f"unit:{i}")
     return ids, masks, srcs
@@ -31,8 +31,9 @@ def test_round_trip(tmp_path, tiny_target):
     ids, masks, srcs = _samples(rng, 23, vocab)
     counts = count_trained_tokens([np.array(x) for x in ids], [np.array(m) for m in masks], vocab)
     d2t, t2d, cov = build_draft_vocab(counts, 50)
-    out = write_prepared(tmp_path / "ds", ids, masks, srcs, tiny_target, d2t, t2d,
-                         extra_manifest={"note": "x"}, shard_size=10)
+    out = write_prepared(
+        tmp_path / "ds", ids, masks, srcs, tiny_target, d2t, t2d, extra_manifest={"note": "x"}, shard_size=10
+    )
     ds = open_prepared(out, tiny_target)
     assert len(ds) == 23
     assert len(ds.manifest["shards"]) == 3

@@ -15,10 +15,17 @@ from eyas.errors import EyasError
 
 
 def _data(tmp_path, n=3):
-    rows = [{"conversations": [{"from": "human", "value": f"question {i}: the quick brown fox?"},
-                               {"from": "gpt", "value": "ORIGINAL ANSWER ONE"},
-                               {"from": "human", "value": f"and capital of France {i}?"},
-                               {"from": "gpt", "value": "ORIGINAL ANSWER TWO"}]} for i in range(n)]
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question {i}: the quick brown fox?"},
+                {"from": "gpt", "value": "ORIGINAL ANSWER ONE"},
+                {"from": "human", "value": f"and capital of France {i}?"},
+                {"from": "gpt", "value": "ORIGINAL ANSWER TWO"},
+            ]
+        }
+        for i in range(n)
+    ]
     f = tmp_path / "c.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return f, rows
@@ -27,8 +34,16 @@ def _data(tmp_path, n=3):
 def _opts(out, target_dir, data, **kw):
     r = dict(temperature=0.8, top_p=0.9, max_new_tokens=4, seed=3, batch_size=2, device="auto", backend="hf")
     r.update(kw)
-    return PrepareOptions(out=out, target=str(target_dir), data=[str(data)], draft_vocab_size=40,
-                          max_length=256, workers=1, progress=False, regenerate=RegenerateOptions(**r))
+    return PrepareOptions(
+        out=out,
+        target=str(target_dir),
+        data=[str(data)],
+        draft_vocab_size=40,
+        max_length=256,
+        workers=1,
+        progress=False,
+        regenerate=RegenerateOptions(**r),
+    )
 
 
 def _cache(out):
@@ -61,8 +76,7 @@ def test_regenerate_structure_conditioning_and_resume(tmp_path, tiny_target, mon
     assert len(calls) == 2
     cache = _cache(out)
     assert cache[:2] == first  # cached answers are kept, not regenerated
-    assert sorted((r["id"], r["turn"]) for r in cache) == sorted(
-        (f"c:{i}", t) for i in range(3) for t in (0, 1))
+    assert sorted((r["id"], r["turn"]) for r in cache) == sorted((f"c:{i}", t) for i in range(3) for t in (0, 1))
     r = m["regenerate"]
     assert r["settings"] == {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 4, "seed": 3}
     assert r["answers"] == 6
@@ -77,10 +91,12 @@ def test_regenerate_structure_conditioning_and_resume(tmp_path, tiny_target, mon
     for s, (i, row) in zip(ds, enumerate(rows)):
         sid = f"c:{i}"
         assert s.source_id == sid
-        msgs = [{"role": "user", "content": row["conversations"][0]["value"]},
-                {"role": "assistant", "content": answers[(sid, 0)]},
-                {"role": "user", "content": row["conversations"][2]["value"]},
-                {"role": "assistant", "content": answers[(sid, 1)]}]
+        msgs = [
+            {"role": "user", "content": row["conversations"][0]["value"]},
+            {"role": "assistant", "content": answers[(sid, 0)]},
+            {"role": "user", "content": row["conversations"][2]["value"]},
+            {"role": "assistant", "content": answers[(sid, 1)]},
+        ]
         expect = tok.apply_chat_template(msgs, tokenize=False)
         np.testing.assert_array_equal(s.input_ids, tok(expect, add_special_tokens=False)["input_ids"])
         assert "ORIGINAL" not in tok.decode(s.input_ids)

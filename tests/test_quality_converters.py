@@ -29,8 +29,7 @@ def _spec_run(code: str, tmp: Path, *args: str) -> str:
     script = tmp / "spec_ref.py"
     script.write_text(code)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), CUDA_VISIBLE_DEVICES="")
-    r = subprocess.run([str(SPEC_PY), str(script), *args], capture_output=True, text=True, env=env,
-                       timeout=300)
+    r = subprocess.run([str(SPEC_PY), str(script), *args], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -52,14 +51,23 @@ def tiny_store(tmp_path_factory, tiny_llama_dir):
         n = int(rng.integers(12, 40))
         ids.append(rng.integers(5, 300, n).tolist())
         m = np.zeros(n, dtype=int)
-        m[int(rng.integers(1, n // 2)):] = 1
+        m[int(rng.integers(1, n // 2)) :] = 1
         masks.append(m.tolist())
     vocab = int(json.loads((Path(tiny_llama_dir) / "config.json").read_text())["vocab_size"])
     counts = count_trained_tokens([np.array(x) for x in ids], [np.array(m, bool) for m in masks], vocab)
     d2t, t2d, _ = build_draft_vocab(counts, 64)
     prep = write_prepared(tmp / "prep", ids, masks, [f"s{i}" for i in range(len(ids))], tgt, d2t, t2d)
-    extract(ExtractConfig(target=str(tiny_llama_dir), data=prep, out=tmp / "store", layers=AUX, device="cpu",
-                          dtype="fp32", progress=False))
+    extract(
+        ExtractConfig(
+            target=str(tiny_llama_dir),
+            data=prep,
+            out=tmp / "store",
+            layers=AUX,
+            device="cpu",
+            dtype="fp32",
+            progress=False,
+        )
+    )
     return tmp, prep, tmp / "store"
 
 
@@ -175,11 +183,14 @@ print("OK")
 
 
 @needs_spec
-@pytest.mark.parametrize("flags", [
-    {"nbr": True, "nbf": True, "nout": True},     # speculators 0.9.0's EAGLE-3 defaults
-    {"nbr": False, "nbf": False, "nout": False},  # the classic head
-    {"nbr": True, "nbf": False, "nout": False, "fcn": True},  # a norm per aux layer
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"nbr": True, "nbf": True, "nout": True},  # speculators 0.9.0's EAGLE-3 defaults
+        {"nbr": False, "nbf": False, "nout": False},  # the classic head
+        {"nbr": True, "nbf": False, "nout": False, "fcn": True},  # a norm per aux layer
+    ],
+)
 def test_speculators_checkpoint_runs_in_eyas_step_loop(tiny_store, tiny_llama_dir, flags):
     """Logits of every TTT step of speculators' own forward = the converted draft driven through
     eyas's inference API (step + DraftKVCache), position by position."""
@@ -202,15 +213,25 @@ def test_speculators_checkpoint_runs_in_eyas_step_loop(tiny_store, tiny_llama_di
     aux = s.aux[:-1].reshape(t, -1).float().contiguous()
     ids = s.input_ids[1:].long().contiguous()
     save_file({"aux": aux, "ids": ids}, str(case / "inputs.safetensors"))
-    _spec_run(SPEC_REF, case, str(tiny_llama_dir), str(case / "spec_ckpt"),
-              str(case / "inputs.safetensors"), json.dumps(flags))
+    _spec_run(
+        SPEC_REF,
+        case,
+        str(tiny_llama_dir),
+        str(case / "spec_ckpt"),
+        str(case / "inputs.safetensors"),
+        json.dumps(flags),
+    )
     ref = load_file(str(case / "spec_ckpt" / "ref_logits.safetensors"))
 
     from_speculators.convert(case / "spec_ckpt", tiny_llama_dir, case / "eyas_draft")
     draft = Eagle3Draft.from_pretrained(case / "eyas_draft")  # eyas's own head and loader
     cfg = draft.config
-    assert (cfg.norm_before_residual, cfg.norm_before_fc, cfg.norm_output, cfg.fc_norm) == \
-        (flags["nbr"], flags["nbf"], flags["nout"], flags.get("fcn", False))
+    assert (cfg.norm_before_residual, cfg.norm_before_fc, cfg.norm_output, cfg.fc_norm) == (
+        flags["nbr"],
+        flags["nbf"],
+        flags["nout"],
+        flags.get("fcn", False),
+    )
     draft.eval()
     with torch.no_grad():
         cache = DraftKVCache()
@@ -220,16 +241,20 @@ def test_speculators_checkpoint_runs_in_eyas_step_loop(tiny_store, tiny_llama_di
         for i in range(t - 2):
             c = cache.clone()
             c.crop(i + 1)
-            h = h0[:, i:i + 1]
+            h = h0[:, i : i + 1]
             for j in (1, 2):
-                lj, h = draft.step(h, ids[None, i + j:i + j + 1], torch.tensor([[i + j]]), c,
-                                   from_target=False)
+                lj, h = draft.step(h, ids[None, i + j : i + j + 1], torch.tensor([[i + j]]), c, from_target=False)
                 torch.testing.assert_close(lj[0, 0], ref[f"step{j}"][i], rtol=1e-4, atol=1e-4)
                 checked += 1
         # eyas's own training unroll (what `eyas train` optimises) agrees with speculators' too
-        unroll = draft(s.aux.reshape(t + 1, -1).float()[None], s.input_ids.long()[None],
-                       torch.arange(t + 1)[None], torch.zeros(1, t + 1, dtype=torch.long), 3,
-                       attention="dense")
+        unroll = draft(
+            s.aux.reshape(t + 1, -1).float()[None],
+            s.input_ids.long()[None],
+            torch.arange(t + 1)[None],
+            torch.zeros(1, t + 1, dtype=torch.long),
+            3,
+            attention="dense",
+        )
         for j in range(3):
-            torch.testing.assert_close(unroll[j][0, :t - 2], ref[f"step{j}"][:t - 2], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(unroll[j][0, : t - 2], ref[f"step{j}"][: t - 2], rtol=1e-4, atol=1e-4)
     assert checked == 2 * (t - 2)

@@ -38,10 +38,17 @@ def target(tmp_path_factory) -> Path:
 
 
 def _data(tmp_path: Path, n: int = 5) -> Path:
-    rows = [{"conversations": [{"from": "human", "value": f"question {i}: why is the sky blue?"},
-                               {"from": "gpt", "value": "ORIGINAL"},
-                               {"from": "human", "value": f"and the capital of France {i}?"},
-                               {"from": "gpt", "value": "ORIGINAL"}]} for i in range(n)]
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"question {i}: why is the sky blue?"},
+                {"from": "gpt", "value": "ORIGINAL"},
+                {"from": "human", "value": f"and the capital of France {i}?"},
+                {"from": "gpt", "value": "ORIGINAL"},
+            ]
+        }
+        for i in range(n)
+    ]
     f = tmp_path / "c.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return f
@@ -50,13 +57,20 @@ def _data(tmp_path: Path, n: int = 5) -> Path:
 def _opts(out: Path, target: Path, data: Path, **kw) -> PrepareOptions:
     r = dict(temperature=0.0, max_new_tokens=12, seed=0, batch_size=3, dtype="fp32")
     r.update(kw)
-    return PrepareOptions(out=out, target=str(target), data=[str(data)], draft_vocab_size=64,
-                          max_length=256, workers=1, progress=False, regenerate=RegenerateOptions(**r))
+    return PrepareOptions(
+        out=out,
+        target=str(target),
+        data=[str(data)],
+        draft_vocab_size=64,
+        max_length=256,
+        workers=1,
+        progress=False,
+        regenerate=RegenerateOptions(**r),
+    )
 
 
 def _answers(out: Path) -> dict[tuple[str, int], str]:
-    return {(r["id"], r["turn"]): r["text"] for r in
-            map(json.loads, (out / regen.CACHE).read_text().splitlines())}
+    return {(r["id"], r["turn"]): r["text"] for r in map(json.loads, (out / regen.CACHE).read_text().splitlines())}
 
 
 @pytest.mark.parametrize("version", versions(BACKEND_VERSIONS))
@@ -66,8 +80,9 @@ def test_vllm_greedy_answers_equal_hf(tmp_path, target, version, one_thread):
     hf = prepare(_opts(tmp_path / "hf", target, data, backend="hf"), log=lambda s: None)
     try:
         # two engines, 3 prompts in flight each: answers stream back and follow-ups join the queue
-        vl = prepare(_opts(tmp_path / "vllm", target, data, backend="vllm", vllm_python=py, engines=2),
-                     log=lambda s: None)
+        vl = prepare(
+            _opts(tmp_path / "vllm", target, data, backend="vllm", vllm_python=py, engines=2), log=lambda s: None
+        )
     except EyasError as e:
         why = vllm_own_failure(e)
         if why:  # vLLM's own bug in that build, or what it demands of the machine: not eyas's
@@ -93,8 +108,10 @@ def test_vllm_greedy_answers_equal_hf(tmp_path, target, version, one_thread):
         prepare(_opts(seeded, target, data, backend="vllm", vllm_python=py), log=lambda s: None)
 
     # sampling runs too (vLLM's CPU runner cannot take per-request seeds; the engine seeds it)
-    s = prepare(_opts(tmp_path / "sampled", target, data, backend="vllm", vllm_python=py,
-                      temperature=1.0, top_p=0.95), log=lambda s: None)
+    s = prepare(
+        _opts(tmp_path / "sampled", target, data, backend="vllm", vllm_python=py, temperature=1.0, top_p=0.95),
+        log=lambda s: None,
+    )
     assert s["regenerate"]["answers"] + s["regenerate"]["turns_beyond_max_length"] == 10
 
 

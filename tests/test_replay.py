@@ -28,9 +28,7 @@ def setup(tmp_path_factory):
 
 
 def test_chain_lengths_count_the_leading_right_steps_only():
-    correct = torch.tensor([[1, 1, 0, 1],
-                            [1, 0, 1, 1],
-                            [0, 1, 1, 1]], dtype=torch.bool)
+    correct = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
     assert chain_lengths(correct).tolist() == [2, 1, 0, 3]
 
 
@@ -58,8 +56,14 @@ def test_replay_gives_the_builtin_loops_record_for_every_k(setup, stop_at):
         lengths = scorer.lengths(prompt, answer, top)
         for k in range(1, top + 1):
             want = speculative_generate(tr, dr, prompt, max_new, stop, k=k)
-            ref = {"question_id": "q", "category": "c", "turn": 0, "prompt_tokens": len(prompt),
-                   "uncut_ids": answer, "output_ids": want.tokens}
+            ref = {
+                "question_id": "q",
+                "category": "c",
+                "turn": 0,
+                "prompt_tokens": len(prompt),
+                "uncut_ids": answer,
+                "output_ids": want.tokens,
+            }
             got = replay_record(ref, lengths, k, max_new, stop)
             assert (got["rounds"], got["accepted_per_pos"]) == (want.rounds, want.accepted_per_pos), k
             accepted += want.accepted
@@ -72,9 +76,24 @@ def test_replay_gives_the_builtin_loops_record_for_every_k(setup, stop_at):
 
 def _evaluate(setup, questions, out, *args):
     target, _, _, draft_dir = setup
-    res = CliRunner().invoke(app, ["evaluate", "--target", str(target.path), "--draft", str(draft_dir),
-                                   "--prompts", str(questions), "--out", str(out), "--max-new-tokens", "24",
-                                   "--quiet", *args])
+    res = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            "--target",
+            str(target.path),
+            "--draft",
+            str(draft_dir),
+            "--prompts",
+            str(questions),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            "24",
+            "--quiet",
+            *args,
+        ],
+    )
     assert res.exit_code == 0, res.output
     return res.output
 
@@ -93,8 +112,9 @@ def test_replay_cli_reports_every_k_as_the_builtin_engine_does(setup, tmp_path):
         assert r["engine"] == "replay" and r["num_speculative_tokens"] == b["num_speculative_tokens"]
         assert r["overall"]["tau"] == b["overall"]["tau"]
         assert r["overall"]["accepted_per_pos"] == b["overall"]["accepted_per_pos"]
-        assert [(p["output_ids"], p["rounds"]) for p in r["per_prompt"]] == \
-               [(p["output_ids"], p["rounds"]) for p in b["per_prompt"]]
+        assert [(p["output_ids"], p["rounds"]) for p in r["per_prompt"]] == [
+            (p["output_ids"], p["rounds"]) for p in b["per_prompt"]
+        ]
         assert "speedup" not in r["overall"]
     assert r["overall"]["accepted_tokens"] > 0
 
@@ -109,7 +129,6 @@ def test_replay_cli_reports_every_k_as_the_builtin_engine_does(setup, tmp_path):
     assert r2["references"] == str(refs) and r2["num_speculative_tokens"] == 2
 
 
-
 def test_tau_measured_while_training_is_what_evaluate_replay_gives(setup, tmp_path, monkeypatch):
     """`eyas train --tau`: at every --tau-every mark and at the end, the draft is replayed on the
     prompts; the last figure (in the draft's tau.json, summary.json and metrics.jsonl) equals `eyas
@@ -120,10 +139,28 @@ def test_tau_measured_while_training_is_what_evaluate_replay_gives(setup, tmp_pa
     monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
     target, _, _, draft_dir = setup
     questions = evalkit.write_questions(tmp_path / "q.jsonl", 4)
-    kw = dict(target=str(target.path), data=str(draft_dir.parents[1] / "data"), features="online", layers=evalkit.AUX,
-              ttt_steps=3, tokens_per_batch=512, max_steps=30, warmup=5, lr=3e-3, save_every=0, eval_every=0,
-              eval_batches=1, heldout=0.05, progress=False, tau=True, tau_prompts=questions, tau_per_category=0,
-              tau_max_new_tokens=24, tau_k=[3, 5, 7], tau_every="1s")
+    kw = dict(
+        target=str(target.path),
+        data=str(draft_dir.parents[1] / "data"),
+        features="online",
+        layers=evalkit.AUX,
+        ttt_steps=3,
+        tokens_per_batch=512,
+        max_steps=30,
+        warmup=5,
+        lr=3e-3,
+        save_every=0,
+        eval_every=0,
+        eval_batches=1,
+        heldout=0.05,
+        progress=False,
+        tau=True,
+        tau_prompts=questions,
+        tau_per_category=0,
+        tau_max_new_tokens=24,
+        tau_k=[3, 5, 7],
+        tau_every="1s",
+    )
     run = tmp_path / "run"
     draft = train(TrainConfig(out=str(run), **kw))
     recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
@@ -133,8 +170,19 @@ def test_tau_measured_while_training_is_what_evaluate_replay_gives(setup, tmp_pa
     measured = json.loads((draft / "tau.json").read_text())
     assert measured["tau"] == tau[-1]["tau"] == json.loads((run / "summary.json").read_text())["tau"]["tau"]
     assert (run / "tau.png").is_file()
-    _evaluate((target, None, None, draft), questions, tmp_path / "e", "--engine", "replay", "-k", "3",
-              "--also-k", "5,7", "--max-new-tokens", "24")
+    _evaluate(
+        (target, None, None, draft),
+        questions,
+        tmp_path / "e",
+        "--engine",
+        "replay",
+        "-k",
+        "3",
+        "--also-k",
+        "5,7",
+        "--max-new-tokens",
+        "24",
+    )
     for k, sub in ((3, ""), (5, "k5/"), (7, "k7/")):
         rep = json.loads((tmp_path / f"e/{sub}replay/report.json").read_text())
         assert measured["tau"][str(k)] == pytest.approx(rep["overall"]["tau"], abs=1e-12), k

@@ -24,9 +24,16 @@ from eyas.errors import EyasError
 
 # output tokens/s: (k, concurrent requests) -> with the draft; (None, c) -> without.
 # At 1 request k=2 is best (1.9x); at 4 no k pays (k=1 is the least slow, 0.95x).
-SPEEDS = {(None, 1): 100.0, (None, 4): 400.0,
-          (1, 1): 150.0, (2, 1): 190.0, (3, 1): 170.0,
-          (1, 4): 380.0, (2, 4): 360.0, (3, 4): 300.0}
+SPEEDS = {
+    (None, 1): 100.0,
+    (None, 4): 400.0,
+    (1, 1): 150.0,
+    (2, 1): 190.0,
+    (3, 1): 170.0,
+    (1, 4): 380.0,
+    (2, 4): 360.0,
+    (3, 4): 300.0,
+}
 
 
 # ------------------------------------------------------------------- the worker's timing loop
@@ -47,8 +54,14 @@ class _LLM:
 def test_a_speed_point_runs_at_least_its_waves_and_its_seconds():
     from eyas.vllm.worker.serve import speed
 
-    req = {"op": "speed", "prompts": [[i] for i in range(5)], "max_tokens": 4, "concurrency": 2,
-           "min_seconds": 0.0, "min_waves": 3}
+    req = {
+        "op": "speed",
+        "prompts": [[i] for i in range(5)],
+        "max_tokens": 4,
+        "concurrency": 2,
+        "min_seconds": 0.0,
+        "min_waves": 3,
+    }
     llm = _LLM(0.0)
     got = speed(llm, lambda **kw: kw, req)
     # an untimed warm-up wave, then 3 waves of 2, the prompts taken round and round
@@ -96,8 +109,16 @@ def _evaluate(target, draft: Path, qfile: Path, out: Path, **settings):
     from eyas.evaluate.config import EvaluateConfig
     from eyas.evaluate.run import evaluate
 
-    opts = {"engine": "vllm", "k": 2, "also_k": [1, 3], "speed_concurrency": [1, 4], "speed_min_seconds": 0.5,
-            "max_new_tokens": 8, "progress": False, **settings}
+    opts = {
+        "engine": "vllm",
+        "k": 2,
+        "also_k": [1, 3],
+        "speed_concurrency": [1, 4],
+        "speed_min_seconds": 0.5,
+        "max_new_tokens": 8,
+        "progress": False,
+        **settings,
+    }
     return evaluate(EvaluateConfig(target=str(target.path), draft=draft, prompts=qfile, out=out, **opts))
 
 
@@ -107,15 +128,30 @@ def test_evaluate_times_every_k_against_one_baseline_and_names_the_best_k(evalua
     reports, out, _ = evaluated
     assert fake_vllm.STARTED == [2, None, 1, 3]  # an engine per k; the one without the draft once
     assert [(t["k"], t["concurrency"]) for t in fake_vllm.TIMED] == [
-        (2, 1), (2, 4), (None, 1), (None, 4), (1, 1), (1, 4), (3, 1), (3, 4)]
+        (2, 1),
+        (2, 4),
+        (None, 1),
+        (None, 4),
+        (1, 1),
+        (1, 4),
+        (3, 1),
+        (3, 4),
+    ]
     assert {(t["min_seconds"], t["min_waves"]) for t in fake_vllm.TIMED} == {(0.5, 3)}
     saved = json.loads((out / "vllm" / "report.json").read_text())
-    assert saved["best_k"] == {"1": {"k": 2, "speedup": pytest.approx(1.9), "pays": True},
-                               "4": {"k": 1, "speedup": pytest.approx(0.95), "pays": False}}
+    assert saved["best_k"] == {
+        "1": {"k": 2, "speedup": pytest.approx(1.9), "pays": True},
+        "4": {"k": 1, "speedup": pytest.approx(0.95), "pays": False},
+    }
     rows = {(r["k"], r["concurrency"]): r for r in saved["serving_speed_by_k"]}
     assert sorted(rows) == [(k, c) for k in (1, 2, 3) for c in (1, 4)]
-    assert rows[(3, 4)] == {"k": 3, "concurrency": 4, "tokens_per_s_draft": 300.0, "tokens_per_s_plain": 400.0,
-                            "speedup": pytest.approx(0.75)}
+    assert rows[(3, 4)] == {
+        "k": 3,
+        "concurrency": 4,
+        "tokens_per_s_draft": 300.0,
+        "tokens_per_s_plain": 400.0,
+        "speedup": pytest.approx(0.75),
+    }
     # every answer accepted whole by the stand-in: tau is k + 1 at each k
     assert saved["tau_by_k"] == {"1": pytest.approx(2.0), "2": pytest.approx(3.0), "3": pytest.approx(4.0)}
     assert reports["vllm"]["best_k"] == saved["best_k"]
@@ -127,8 +163,9 @@ def test_evaluate_times_every_k_against_one_baseline_and_names_the_best_k(evalua
     assert (also["min_seconds"], also["min_waves"]) == (0.5, 3)
     lines = summary_lines(reports, out)
     assert lines.count("vllm serving, 1 concurrent: best k=2, 1.90x") == 1
-    assert any(line.startswith("vllm serving, 4 concurrent: no k speeds it up (the least slow: k=1, 0.95x)")
-               for line in lines)
+    assert any(
+        line.startswith("vllm serving, 4 concurrent: no k speeds it up (the least slow: k=1, 0.95x)") for line in lines
+    )
     assert "k=3 vllm serving, 4 concurrent: 300 tok/s with the draft, 400 without (0.75x)" in lines
 
 
@@ -152,18 +189,26 @@ def test_best_k_from_the_reports_of_each_k():
     from eyas.evaluate.report import build_report, serving_summary
 
     def report(k, draft, plain):
-        speed = {"draft": [{"concurrency": c, "tokens_per_s": t} for c, t in draft],
-                 "plain": [{"concurrency": c, "tokens_per_s": t} for c, t in plain]}
+        speed = {
+            "draft": [{"concurrency": c, "tokens_per_s": t} for c, t in draft],
+            "plain": [{"concurrency": c, "tokens_per_s": t} for c, t in plain],
+        }
         rec = {"category": "writing", "rounds": 2, "accepted_per_pos": [1] * k, "new_tokens": 4}
         return build_report([rec], k, {"engine": "vllm", "serving_speed": speed})
 
     plain = [(1, 100.0), (8, 500.0), (32, 1000.0)]
-    got = serving_summary({3: report(3, [(1, 200.0), (8, 450.0), (32, 900.0)], plain),
-                           5: report(5, [(1, 200.0), (8, 600.0), (32, 700.0)], plain),
-                           1: report(1, [(1, 150.0), (8, 550.0), (32, None)], plain)})
-    assert got["best_k"] == {"1": {"k": 3, "speedup": 2.0, "pays": True},
-                             "8": {"k": 5, "speedup": 1.2, "pays": True},
-                             "32": {"k": 3, "speedup": 0.9, "pays": False}}
+    got = serving_summary(
+        {
+            3: report(3, [(1, 200.0), (8, 450.0), (32, 900.0)], plain),
+            5: report(5, [(1, 200.0), (8, 600.0), (32, 700.0)], plain),
+            1: report(1, [(1, 150.0), (8, 550.0), (32, None)], plain),
+        }
+    )
+    assert got["best_k"] == {
+        "1": {"k": 3, "speedup": 2.0, "pays": True},
+        "8": {"k": 5, "speedup": 1.2, "pays": True},
+        "32": {"k": 3, "speedup": 0.9, "pays": False},
+    }
     assert [(r["concurrency"], r["k"]) for r in got["serving_speed_by_k"]][:3] == [(1, 1), (1, 3), (1, 5)]
     assert got["tau_by_k"] == {"1": 1.5, "3": 2.5, "5": 3.5}
 
@@ -190,14 +235,17 @@ def test_the_card_of_an_export_without_tau_or_speed(drafted, tmp_path):
 
     target, work = drafted
     draft = _card_draft(drafted, tmp_path)
-    out = run_export(ExportConfig(ckpt=draft, format="vllm", out=tmp_path / "exp", target=None,
-                                  num_speculative_tokens=4))
+    out = run_export(
+        ExportConfig(ckpt=draft, format="vllm", out=tmp_path / "exp", target=None, num_speculative_tokens=4)
+    )
     card = (out / "README.md").read_text()
     assert card.startswith(f"# EAGLE-3 draft for {target.path}\n")
     assert f"- eyas target id: `{target.id}`" in card
     manifest = json.loads((work / "data" / "manifest.json").read_text())
-    assert (f"- prepared dataset `{work / 'data'}` (id `{manifest['id']}`): 16 conversations, "
-            f"{manifest['counts']['trained_tokens']:,} trained-on tokens") in card
+    assert (
+        f"- prepared dataset `{work / 'data'}` (id `{manifest['id']}`): 16 conversations, "
+        f"{manifest['counts']['trained_tokens']:,} trained-on tokens"
+    ) in card
     assert "- trained 2 steps," in card
     assert "Not measured: no tau.json beside the draft" in card
     assert "## Serving speed (vLLM, output tokens/s)\n\nNot measured: `eyas evaluate --engine vllm" in card
@@ -214,14 +262,25 @@ def test_the_card_with_tau_and_the_measured_speedups(drafted, evaluated, tmp_pat
 
     _, out_eval, _ = evaluated
     draft = _card_draft(drafted, tmp_path)
-    (draft / TAU_FILE).write_text(json.dumps({"step": 2, "tau": {"1": 1.25, "3": 1.5, "5": 1.75}, "turns": 6,
-                                              "questions": 3, "prompts": "q.jsonl", "max_new_tokens": 8}))
+    (draft / TAU_FILE).write_text(
+        json.dumps(
+            {
+                "step": 2,
+                "tau": {"1": 1.25, "3": 1.5, "5": 1.75},
+                "turns": 6,
+                "questions": 3,
+                "prompts": "q.jsonl",
+                "max_new_tokens": 8,
+            }
+        )
+    )
     app = typer.Typer()
     register(app)
     app.command("noop")(lambda: None)
     report = out_eval / "vllm" / "report.json"
-    res = CliRunner().invoke(app, ["export", str(draft), "--out", str(tmp_path / "exp"), "-k", "4",
-                                   "--speed-report", str(report)])
+    res = CliRunner().invoke(
+        app, ["export", str(draft), "--out", str(tmp_path / "exp"), "-k", "4", "--speed-report", str(report)]
+    )
     assert res.exit_code == 0, res.output
     card = (tmp_path / "exp" / "README.md").read_text()
     # tau per k: while training (tau.json) and in evaluate (vLLM), "not measured" where one has no k
@@ -243,17 +302,19 @@ def test_a_speed_report_of_another_draft_or_without_speed_is_refused(drafted, ev
     _, out_eval, _ = evaluated
     draft = _card_draft(drafted, tmp_path)
     rep = json.loads((out_eval / "vllm" / "report.json").read_text())
-    cases = {"another draft": {**rep, "draft_sha256": "0" * 64},
-             "no serving speed": {**rep, "serving_speed": None},
-             "not the vllm engine's report": {**rep, "engine": "builtin"}}
+    cases = {
+        "another draft": {**rep, "draft_sha256": "0" * 64},
+        "no serving speed": {**rep, "serving_speed": None},
+        "not the vllm engine's report": {**rep, "engine": "builtin"},
+    }
     for i, (message, bad) in enumerate(cases.items()):
         path = tmp_path / f"report{i}.json"
         path.write_text(json.dumps(bad))
         with pytest.raises(EyasError, match=message):
-            run_export(ExportConfig(ckpt=draft, format="vllm", out=tmp_path / f"exp{i}", target=None,
-                                    speed_report=path))
+            run_export(
+                ExportConfig(ckpt=draft, format="vllm", out=tmp_path / f"exp{i}", target=None, speed_report=path)
+            )
         assert not (tmp_path / f"exp{i}").exists()  # refused before anything is written
-
 
 
 def test_the_benchmark_table_takes_the_rows_of_each_targets_run(evaluated, tmp_path):
@@ -266,8 +327,9 @@ def test_the_benchmark_table_takes_the_rows_of_each_targets_run(evaluated, tmp_p
     table = tmp_path / "serving_speed.json"
     script = Path(__file__).resolve().parents[1] / "scripts" / "serving_speed.py"
     for _ in range(2):
-        res = subprocess.run([sys.executable, str(script), "--out", str(table), str(out_eval)],
-                             capture_output=True, text=True)
+        res = subprocess.run(
+            [sys.executable, str(script), "--out", str(table), str(out_eval)], capture_output=True, text=True
+        )
         assert res.returncode == 0, res.stderr
     got = json.loads(table.read_text())
     rep = json.loads((out_eval / "vllm" / "report.json").read_text())

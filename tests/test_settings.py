@@ -78,19 +78,52 @@ def _parse(*args: str) -> TrainConfig:
 
 def test_cli_defaults_are_the_dataclass_defaults_and_flags_keep_their_names():
     assert _parse("--data", "d", "--out", "o") == TrainConfig(data="d", out="o")
-    cfg = _parse("--data", "d", "--out", "o", "--heldout", "0.1", "--draft-config", "intermediate_size=80",
-                 "--layers", "1,4,6", "--betas", "0.8", "0.9", "--keep-checkpoints", "5", "--min-lr-ratio", "0.2",
-                 "--no-compile", "--fused-loss", "--online", "--quiet", "--ttt-steps", "3")
-    assert (cfg.heldout, cfg.draft_config, cfg.layers, cfg.betas, cfg.keep_checkpoints, cfg.min_lr_ratio) == \
-        (0.1, {"intermediate_size": 80}, [1, 4, 6], (0.8, 0.9), 5, 0.2)
+    cfg = _parse(
+        "--data",
+        "d",
+        "--out",
+        "o",
+        "--heldout",
+        "0.1",
+        "--draft-config",
+        "intermediate_size=80",
+        "--layers",
+        "1,4,6",
+        "--betas",
+        "0.8",
+        "0.9",
+        "--keep-checkpoints",
+        "5",
+        "--min-lr-ratio",
+        "0.2",
+        "--no-compile",
+        "--fused-loss",
+        "--online",
+        "--quiet",
+        "--ttt-steps",
+        "3",
+    )
+    assert (cfg.heldout, cfg.draft_config, cfg.layers, cfg.betas, cfg.keep_checkpoints, cfg.min_lr_ratio) == (
+        0.1,
+        {"intermediate_size": 80},
+        [1, 4, 6],
+        (0.8, 0.9),
+        5,
+        0.2,
+    )
     assert (cfg.compile, cfg.fused_loss, cfg.features, cfg.progress, cfg.ttt_steps) == (False, True, "online", False, 3)
     # unset: decided by the device (on for CUDA, off on the CPU); the CPU job is unchanged
     assert TrainConfig(data="d", out="o").compile is None and TrainConfig(data="d", out="o").fused_loss is None
 
 
-@pytest.mark.parametrize("kw, flagname", [({"compile_scope": "regions"}, "--compile-scope regions"),
-                                          ({"compile_mode": "reduce-overhead"}, "--compile-mode reduce-overhead"),
-                                          ({"draft_config": {"fc_norm": True}}, "--draft-config fc_norm=true")])
+@pytest.mark.parametrize(
+    "kw, flagname",
+    [
+        ({"compile_scope": "regions"}, "--compile-scope regions"),
+        ({"compile_mode": "reduce-overhead"}, "--compile-mode reduce-overhead"),
+        ({"draft_config": {"fc_norm": True}}, "--draft-config fc_norm=true"),
+    ],
+)
 def test_settings_that_measured_no_gain_need_experimental(kw, flagname):
     with pytest.raises(EyasError, match=rf"{re.escape(flagname)}.*measured no gain.*--experimental"):
         TrainConfig(data="d", out="o", **kw)
@@ -116,20 +149,41 @@ def _choice_settings(wired: bool = False) -> list[tuple[str, str, str, tuple]]:
 def test_the_settings_with_a_fixed_set_of_values_are_declared_so():
     """The settings whose values are a fixed set carry it in their annotation (one list, eyas.checks)."""
     declared = {(s, k) for s, k, _, _ in _choice_settings(wired=True)}
-    assert {("train", k) for k in ("features", "schedule", "precision", "compile_scope", "compile_mode",
-                                   "optimizer", "parallel", "attention")} <= declared
-    assert {("evaluate", "engine"), ("evaluate", "dtype"), ("export", "format"), ("export", "dtype"),
-            ("extract", "backend"), ("extract", "dtype"), ("extract", "model_dtype"),
-            ("prepare", "regenerate.backend"), ("prepare", "regenerate.dtype")} <= declared
+    assert {
+        ("train", k)
+        for k in (
+            "features",
+            "schedule",
+            "precision",
+            "compile_scope",
+            "compile_mode",
+            "optimizer",
+            "parallel",
+            "attention",
+        )
+    } <= declared
+    assert {
+        ("evaluate", "engine"),
+        ("evaluate", "dtype"),
+        ("export", "format"),
+        ("export", "dtype"),
+        ("extract", "backend"),
+        ("extract", "dtype"),
+        ("extract", "model_dtype"),
+        ("prepare", "regenerate.backend"),
+        ("prepare", "regenerate.dtype"),
+    } <= declared
 
 
-@pytest.mark.parametrize("stage, key, flagname, allowed", _choice_settings(),
-                         ids=[f"{s}.{k}" for s, k, _, _ in _choice_settings()])
+@pytest.mark.parametrize(
+    "stage, key, flagname, allowed", _choice_settings(), ids=[f"{s}.{k}" for s, k, _, _ in _choice_settings()]
+)
 def test_a_value_outside_a_settings_choices_is_refused_at_load_and_on_the_cli(stage, key, flagname, allowed):
     """The YAML, the CLI and the constructor refuse the same values, naming the allowed ones."""
     listed = ", ".join(map(repr, allowed))
-    with pytest.raises(EyasError, match=re.escape(f"t.yaml: {stage}.{key} = 'nope' is not one of {listed}; "
-                                                  "choose one of them")):
+    with pytest.raises(
+        EyasError, match=re.escape(f"t.yaml: {stage}.{key} = 'nope' is not one of {listed}; choose one of them")
+    ):
         validate({"target": "x", stage: _nested(key, "nope")}, "t.yaml")
     validate({"target": "x", stage: _nested(key, allowed[0])}, "t.yaml")  # each allowed value loads
     validate({"target": "x", stage: _nested(key, allowed[-1])}, "t.yaml")

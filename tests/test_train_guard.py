@@ -82,8 +82,20 @@ def test_repeated_nonfinite_steps_stop_naming_step_samples_and_ttt_step(tiny_tar
 def test_exploding_learning_rate_stops_and_leaves_no_nan_draft(tiny_target, data, tmp_path):
     run = tmp_path / "run"
     with pytest.raises(NonFiniteError) as e:
-        train(_cfg(tiny_target, data, run, max_steps=12, save_every=1, eval_every=0, lr=1e36, warmup=1, clip=0.0,
-                   keep_checkpoints=20))
+        train(
+            _cfg(
+                tiny_target,
+                data,
+                run,
+                max_steps=12,
+                save_every=1,
+                eval_every=0,
+                lr=1e36,
+                warmup=1,
+                clip=0.0,
+                keep_checkpoints=20,
+            )
+        )
     assert "non-finite" in str(e.value)
     assert not (run / "draft").exists()
     for c in checkpoint_dirs(run):
@@ -105,9 +117,17 @@ def test_fused_adamw_skip_happens_on_the_device_without_touching_state():
 
 
 def _nan_draft(tmp_path: Path) -> Path:
-    cfg = DraftConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                      intermediate_size=64, vocab_size=100, draft_vocab_size=50, aux_layer_ids=[1, 2, 3],
-                      target_hidden_size=32)
+    cfg = DraftConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=100,
+        draft_vocab_size=50,
+        aux_layer_ids=[1, 2, 3],
+        target_hidden_size=32,
+    )
     d = Eagle3Draft(cfg).save_pretrained(tmp_path / "draft")
     w = load_file(str(d / "model.safetensors"))
     w["midlayer.mlp.up_proj.weight"][0, 0] = float("nan")
@@ -116,9 +136,17 @@ def _nan_draft(tmp_path: Path) -> Path:
 
 
 def test_nan_weights_are_never_saved_loaded_or_exported(tmp_path):
-    cfg = DraftConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                      intermediate_size=64, vocab_size=100, draft_vocab_size=50, aux_layer_ids=[1, 2, 3],
-                      target_hidden_size=32)
+    cfg = DraftConfig(
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=100,
+        draft_vocab_size=50,
+        aux_layer_ids=[1, 2, 3],
+        target_hidden_size=32,
+    )
     m = Eagle3Draft(cfg)
     with torch.no_grad():
         m.fc.weight[0, 0] = float("inf")
@@ -128,7 +156,10 @@ def test_nan_weights_are_never_saved_loaded_or_exported(tmp_path):
     d = _nan_draft(tmp_path)
     with pytest.raises(NonFiniteError, match="'midlayer.mlp.up_proj.weight' has 1 non-finite"):
         Eagle3Draft.from_pretrained(d)
-    res = subprocess.run([sys.executable, "-m", "eyas.cli", "export", str(d), "--format", "vllm",
-                          "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "eyas.cli", "export", str(d), "--format", "vllm", "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode != 0 and "midlayer.mlp.up_proj.weight" in res.stderr, res.stderr
     assert not (tmp_path / "x").exists()

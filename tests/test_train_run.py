@@ -34,9 +34,23 @@ def data(tiny_target, tmp_path_factory) -> Path:
 
 
 def _cfg(tiny_target, data, out, **kw) -> TrainConfig:
-    base = dict(target=str(tiny_target.path), data=str(data), out=str(out), features="online", layers=[1, 4, 6],
-                ttt_steps=3, tokens_per_batch=128, max_steps=4, warmup=1, lr=1e-3, save_every=2,
-                eval_every=2, eval_batches=2, heldout=0.1, progress=False)
+    base = dict(
+        target=str(tiny_target.path),
+        data=str(data),
+        out=str(out),
+        features="online",
+        layers=[1, 4, 6],
+        ttt_steps=3,
+        tokens_per_batch=128,
+        max_steps=4,
+        warmup=1,
+        lr=1e-3,
+        save_every=2,
+        eval_every=2,
+        eval_batches=2,
+        heldout=0.1,
+        progress=False,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -56,11 +70,39 @@ def test_online_run_writes_draft_logs_plot(tiny_target, data, tmp_path):
     from eyas.draft.model import Eagle3Draft
 
     run = tmp_path / "run"
-    res = CliRunner().invoke(app, ["train", "--target", str(tiny_target.path), "--data", str(data),
-                                   "--out", str(run), "--online", "--layers", "1,4,6", "--ttt-steps", "3",
-                                   "--tokens-per-batch", "128", "--max-steps", "6", "--warmup", "1",
-                                   "--lr", "3e-3", "--save-every", "3", "--eval-every", "3",
-                                   "--eval-batches", "2", "--heldout", "0.1"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--target",
+            str(tiny_target.path),
+            "--data",
+            str(data),
+            "--out",
+            str(run),
+            "--online",
+            "--layers",
+            "1,4,6",
+            "--ttt-steps",
+            "3",
+            "--tokens-per-batch",
+            "128",
+            "--max-steps",
+            "6",
+            "--warmup",
+            "1",
+            "--lr",
+            "3e-3",
+            "--save-every",
+            "3",
+            "--eval-every",
+            "3",
+            "--eval-batches",
+            "2",
+            "--heldout",
+            "0.1",
+        ],
+    )
     assert res.exit_code == 0, res.output
     draft = Eagle3Draft.from_pretrained(run / "draft")
     assert draft.config.aux_layer_ids == [1, 4, 6] and draft.config.target["id"] == tiny_target.id
@@ -86,8 +128,21 @@ def test_online_run_writes_draft_logs_plot(tiny_target, data, tmp_path):
     with safe_open(str(tiny_target.path / "model.safetensors"), "pt") as fh:
         assert torch.equal(draft.embed_tokens.weight, fh.get_tensor("model.embed_tokens.weight").float())
     # a second run into the same directory is refused unless it resumes
-    res2 = CliRunner().invoke(app, ["train", "--target", str(tiny_target.path), "--data", str(data),
-                                    "--out", str(run), "--online", "--tokens-per-batch", "128"])
+    res2 = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--target",
+            str(tiny_target.path),
+            "--data",
+            str(data),
+            "--out",
+            str(run),
+            "--online",
+            "--tokens-per-batch",
+            "128",
+        ],
+    )
     assert res2.exit_code != 0 and "--resume" in str(res2.exception)
 
 
@@ -96,11 +151,22 @@ def test_offline_store_equals_online_and_refuses_mismatches(tiny_target, data, t
     from eyas.extract.run import extract
 
     store = tmp_path / "store"
-    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=store, layers=[1, 4, 6], dtype="fp32",
-                          device="cpu", model_dtype="fp32", progress=False))
+    extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=store,
+            layers=[1, 4, 6],
+            dtype="fp32",
+            device="cpu",
+            model_dtype="fp32",
+            progress=False,
+        )
+    )
     on = train(_cfg(tiny_target, data, tmp_path / "on", save_every=0))
-    off = train(_cfg(tiny_target, data, tmp_path / "off", features="offline", store=str(store), layers=None,
-                     save_every=0))
+    off = train(
+        _cfg(tiny_target, data, tmp_path / "off", features="offline", store=str(store), layers=None, save_every=0)
+    )
     l_on = [r["loss"] for r in _records(tmp_path / "on")]
     l_off = [r["loss"] for r in _records(tmp_path / "off")]
     assert l_on == pytest.approx(l_off, rel=1e-4, abs=1e-5)
@@ -116,8 +182,11 @@ def test_offline_store_equals_online_and_refuses_mismatches(tiny_target, data, t
     other = resolve_target(tiny.make_target(tmp_path / "other", "llama", seed=7))
     data2 = tiny.random_prepared(tmp_path / "data2", other)
     store2 = tmp_path / "store2"
-    extract(ExtractConfig(target=str(other.path), data=data2, out=store2, layers=[1, 4, 6], dtype="fp32", device="cpu",
-                          progress=False))
+    extract(
+        ExtractConfig(
+            target=str(other.path), data=data2, out=store2, layers=[1, 4, 6], dtype="fp32", device="cpu", progress=False
+        )
+    )
     with pytest.raises(EyasError, match="another target weights"):
         train(_cfg(tiny_target, data, tmp_path / "x2", features="offline", store=str(store2), layers=None))
     # a dataset made for the other target is refused before anything runs
@@ -128,20 +197,47 @@ def test_offline_store_equals_online_and_refuses_mismatches(tiny_target, data, t
 
 
 def _train_args(tiny_target, data, out, *extra):
-    return ["--target", str(tiny_target.path), "--data", str(data), "--out", str(out), "--online",
-            "--layers", "1,4,6", "--ttt-steps", "3", "--tokens-per-batch", "128", "--warmup", "2",
-            "--lr", "2e-3", "--eval-every", "0", "--eval-batches", "1", "--heldout", "0.1",
-            "--device", "cpu", *extra]
+    return [
+        "--target",
+        str(tiny_target.path),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--online",
+        "--layers",
+        "1,4,6",
+        "--ttt-steps",
+        "3",
+        "--tokens-per-batch",
+        "128",
+        "--warmup",
+        "2",
+        "--lr",
+        "2e-3",
+        "--eval-every",
+        "0",
+        "--eval-batches",
+        "1",
+        "--heldout",
+        "0.1",
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def test_sigkill_then_resume_equals_uninterrupted(tiny_target, data, tmp_path):
     steps = ["--max-steps", "24", "--save-every", "3"]
     full = tmp_path / "full"
-    subprocess.run(_cli(*_train_args(tiny_target, data, full, *steps)), env=ENV, check=True,
-                   capture_output=True)
+    subprocess.run(_cli(*_train_args(tiny_target, data, full, *steps)), env=ENV, check=True, capture_output=True)
     run = tmp_path / "killed"
-    proc = subprocess.Popen(_cli(*_train_args(tiny_target, data, run, *steps)), env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cli(*_train_args(tiny_target, data, run, *steps)),
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 900  # generous: the shared CI box can be heavily loaded
     while not any(int(p.name.split("-")[1]) >= 6 for p in checkpoint_dirs(run)):
         assert proc.poll() is None, "training ended before the kill"
@@ -152,8 +248,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny_target, data, tmp_path):
     assert not (run / "draft").exists(), "the run finished before SIGKILL; nothing was tested"
     done = [r["step"] for r in _records(run)]
     assert max(done) < 24
-    subprocess.run(_cli(*_train_args(tiny_target, data, run, *steps, "--resume")), env=ENV, check=True,
-                   capture_output=True)
+    subprocess.run(
+        _cli(*_train_args(tiny_target, data, run, *steps, "--resume")), env=ENV, check=True, capture_output=True
+    )
     a = load_file(str(full / "draft" / "model.safetensors"))
     b = load_file(str(run / "draft" / "model.safetensors"))
     assert a.keys() == b.keys()
@@ -163,24 +260,46 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny_target, data, tmp_path):
     assert [r["step"] for r in _records(run)] == list(range(1, 25))
     assert [r["loss"] for r in _records(run)] == [r["loss"] for r in _records(full)]
     # changing what fixes the data order is refused on resume
-    res = subprocess.run(_cli(*_train_args(tiny_target, data, run, "--max-steps", "30", "--seed", "5",
-                                           "--resume")), env=ENV, capture_output=True, text=True)
+    res = subprocess.run(
+        _cli(*_train_args(tiny_target, data, run, "--max-steps", "30", "--seed", "5", "--resume")),
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode != 0 and "seed" in res.stderr
 
 
 def _torchrun(*args: str) -> list[str]:
-    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
-            "train", *args]
+    return [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "eyas.cli",
+        "train",
+        *args,
+    ]
 
 
 def test_torchrun_two_processes_match_single_process(tiny_target, data, tmp_path):
     steps = ["--max-steps", "4", "--save-every", "0"]
     single = tmp_path / "single"
-    subprocess.run(_cli(*_train_args(tiny_target, data, single, *steps, "--grad-accum", "2")), env=ENV,
-                   check=True, capture_output=True)
+    subprocess.run(
+        _cli(*_train_args(tiny_target, data, single, *steps, "--grad-accum", "2")),
+        env=ENV,
+        check=True,
+        capture_output=True,
+    )
     ddp = tmp_path / "ddp"
-    res = subprocess.run(_torchrun(*_train_args(tiny_target, data, ddp, *steps, "--grad-accum", "1")),
-                         env=ENV, capture_output=True, text=True)
+    res = subprocess.run(
+        _torchrun(*_train_args(tiny_target, data, ddp, *steps, "--grad-accum", "1")),
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     l1 = [r["loss"] for r in _records(single)]
     l2 = [r["loss"] for r in _records(ddp)]
@@ -198,8 +317,12 @@ def _resume_first_checkpoint_in_one_process(tiny_target, data, run: Path, steps,
     for later in checkpoint_dirs(run)[1:]:
         shutil.rmtree(later)
     shutil.rmtree(run / "draft")
-    subprocess.run(_cli(*_train_args(tiny_target, data, run, *steps, "--save-every", "2",
-                                     "--grad-accum", "2", "--resume")), env=ENV, check=True, capture_output=True)
+    subprocess.run(
+        _cli(*_train_args(tiny_target, data, run, *steps, "--save-every", "2", "--grad-accum", "2", "--resume")),
+        env=ENV,
+        check=True,
+        capture_output=True,
+    )
     assert [r["loss"] for r in _records(run)] == pytest.approx(losses, rel=1e-5)
     return load_file(str(run / "draft" / "model.safetensors"))
 
@@ -212,11 +335,19 @@ def _single_and_fsdp2(tiny_target, data, tmp_path, steps: list[str]) -> tuple[Pa
     """The same global batch twice: grad-accum 2 in one process, and FSDP2 over 2 gloo ranks (which
     checkpoints at step 2). Returns the two run directories."""
     single = tmp_path / "single"
-    subprocess.run(_cli(*_train_args(tiny_target, data, single, *steps, "--save-every", "0",
-                                     "--grad-accum", "2")), env=ENV, check=True, capture_output=True)
+    subprocess.run(
+        _cli(*_train_args(tiny_target, data, single, *steps, "--save-every", "0", "--grad-accum", "2")),
+        env=ENV,
+        check=True,
+        capture_output=True,
+    )
     fsdp = tmp_path / "fsdp"
-    res = subprocess.run(_torchrun(*_train_args(tiny_target, data, fsdp, *steps, "--save-every", "2",
-                                                "--parallel", "fsdp2")), env=ENV, capture_output=True, text=True)
+    res = subprocess.run(
+        _torchrun(*_train_args(tiny_target, data, fsdp, *steps, "--save-every", "2", "--parallel", "fsdp2")),
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return single, fsdp
 
@@ -270,14 +401,28 @@ def test_fsdp2_resumes_a_single_process_checkpoint(tiny_target, data, tmp_path):
     """The other direction: a one-process checkpoint continued by FSDP2 on 2 processes."""
     args = ["--max-steps", "4", "--save-every", "2", *ADAMW]
     full = tmp_path / "full"
-    subprocess.run(_cli(*_train_args(tiny_target, data, full, *args, "--grad-accum", "2")), env=ENV,
-                   check=True, capture_output=True)
+    subprocess.run(
+        _cli(*_train_args(tiny_target, data, full, *args, "--grad-accum", "2")),
+        env=ENV,
+        check=True,
+        capture_output=True,
+    )
     run = tmp_path / "run"
-    subprocess.run(_cli(*_train_args(tiny_target, data, run, "--max-steps", "2", "--save-every", "2",
-                                     "--grad-accum", "2", *ADAMW)), env=ENV, check=True, capture_output=True)
+    subprocess.run(
+        _cli(
+            *_train_args(tiny_target, data, run, "--max-steps", "2", "--save-every", "2", "--grad-accum", "2", *ADAMW)
+        ),
+        env=ENV,
+        check=True,
+        capture_output=True,
+    )
     shutil.rmtree(run / "draft")
-    res = subprocess.run(_torchrun(*_train_args(tiny_target, data, run, *args, "--parallel", "fsdp2",
-                                                "--resume")), env=ENV, capture_output=True, text=True)
+    res = subprocess.run(
+        _torchrun(*_train_args(tiny_target, data, run, *args, "--parallel", "fsdp2", "--resume")),
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["parallel"] == "fsdp2"
     assert [r["step"] for r in _records(run)] == [1, 2, 3, 4]
@@ -307,8 +452,9 @@ def test_drafts_and_checkpoints_leave_out_the_target_embedding(tiny_target, data
     (run / "draft" / "config.json").write_text(json.dumps({**cfg, "target_name_or_path": ""}))
     with pytest.raises(EyasError, match="holds no embedding.*pass the target"):
         Eagle3Draft.from_pretrained(run / "draft")
-    assert torch.equal(Eagle3Draft.from_pretrained(run / "draft", target_dir=tiny_target.path).embed_tokens.weight,
-                       embed)
+    assert torch.equal(
+        Eagle3Draft.from_pretrained(run / "draft", target_dir=tiny_target.path).embed_tokens.weight, embed
+    )
 
 
 def test_flex_attention_cannot_train_on_cpu(tiny_target, data, tmp_path):
@@ -327,12 +473,24 @@ def test_compiled_training_matches_eager(tiny_target, data, tmp_path, scope, fus
     refused before any work."""
     kw = dict(device="cpu", precision="fp32", max_steps=3, save_every=0, eval_every=0)
     eager = train(_cfg(tiny_target, data, tmp_path / "eager", **kw))
-    comp = train(_cfg(tiny_target, data, tmp_path / scope, compile=True, compile_scope=scope, fused_loss=fused,
-                      experimental=scope == "regions", **kw))
+    comp = train(
+        _cfg(
+            tiny_target,
+            data,
+            tmp_path / scope,
+            compile=True,
+            compile_scope=scope,
+            fused_loss=fused,
+            experimental=scope == "regions",
+            **kw,
+        )
+    )
     assert [r["loss"] for r in _records(comp.parent)] == pytest.approx(
-        [r["loss"] for r in _records(eager.parent)], rel=1e-4)
+        [r["loss"] for r in _records(eager.parent)], rel=1e-4
+    )
     assert _records(comp.parent, "heldout")[-1]["acc"] == pytest.approx(
-        _records(eager.parent, "heldout")[-1]["acc"], abs=1e-6)
+        _records(eager.parent, "heldout")[-1]["acc"], abs=1e-6
+    )
     with pytest.raises(EyasError, match="--compile-scope 'graph'"):
         train(_cfg(tiny_target, data, tmp_path / "bad", compile=True, compile_scope="graph", **kw))
     assert not (tmp_path / "bad").exists()
@@ -387,8 +545,20 @@ def test_a_budget_plans_the_steps_so_the_lr_reaches_its_floor_at_the_last_step(t
 
     run = tmp_path / "run"
     lr, floor = 1e-3, 0.1
-    train(_cfg(tiny_target, data, run, max_steps=None, budget="3s", lr=lr, min_lr_ratio=floor, warmup=2,
-               save_every=0, eval_every=0))
+    train(
+        _cfg(
+            tiny_target,
+            data,
+            run,
+            max_steps=None,
+            budget="3s",
+            lr=lr,
+            min_lr_ratio=floor,
+            warmup=2,
+            save_every=0,
+            eval_every=0,
+        )
+    )
     summary = json.loads((run / "summary.json").read_text())
     recs = _records(run)
     steps = summary["steps"]
@@ -416,7 +586,7 @@ def test_each_schedule_warms_up_then_ends_at_the_floor_on_the_last_step(kind):
     vals = [f(s) for s in range(total)]
     assert vals[0] == pytest.approx(1 / warmup) and vals[warmup - 1] == pytest.approx(1.0)
     assert vals[-1] == pytest.approx(floor) and min(vals[warmup:]) == pytest.approx(floor)
-    assert all(a >= b for a, b in zip(vals[warmup:], vals[warmup + 1:]))
+    assert all(a >= b for a, b in zip(vals[warmup:], vals[warmup + 1 :]))
     if kind == "wsd":
         assert vals[total - 20] == 1.0 and vals[total - 15] < 1.0
     # a plan made later (--budget) decays from the plan's step to the new end
@@ -455,8 +625,12 @@ def test_fused_loss_trains_like_the_unfused_loss_single_and_ddp(tiny_target, dat
     runs = {"plain": (_cli, []), "fused": (_cli, ["--fused-loss"]), "fused_ddp": (_torchrun, ["--fused-loss"])}
     for name, (cmd, extra) in runs.items():
         accum = ["--grad-accum", "1" if cmd is _torchrun else "2"]
-        res = subprocess.run(cmd(*_train_args(tiny_target, data, tmp_path / name, *steps, *accum, *extra)),
-                             env=ENV, capture_output=True, text=True)
+        res = subprocess.run(
+            cmd(*_train_args(tiny_target, data, tmp_path / name, *steps, *accum, *extra)),
+            env=ENV,
+            capture_output=True,
+            text=True,
+        )
         assert res.returncode == 0, res.stderr[-3000:]
     losses = {n: [r["loss"] for r in _records(tmp_path / n)] for n in runs}
     assert len(losses["plain"]) == 4
@@ -480,8 +654,18 @@ def test_fsdp2_fused_loss_matches_single_process(tiny_target, data, tmp_path):
     fused loss's losses, gradient norms, held-out numbers, checkpoint and trained weights (the same
     global batch: grad-accum 2 in one process). Adam moves lm_head by far more than the tolerance,
     so a wrong or missing shard gradient fails. It resumes in one process like any FSDP2 run."""
-    steps = ["--max-steps", "4", "--eval-batches", "3", "--heldout", "0.15", "--fused-loss", "--loss-chunk", "7",
-             *ADAMW]
+    steps = [
+        "--max-steps",
+        "4",
+        "--eval-batches",
+        "3",
+        "--heldout",
+        "0.15",
+        "--fused-loss",
+        "--loss-chunk",
+        "7",
+        *ADAMW,
+    ]
     single, fsdp = _single_and_fsdp2(tiny_target, data, tmp_path, steps)
     assert json.loads((fsdp / "summary.json").read_text())["parallel"] == "fsdp2"
     l1, a = _assert_fsdp2_matches_single(single, fsdp)
@@ -511,8 +695,11 @@ def test_log_every_keeps_every_nth_record_and_its_numbers(tiny_target, data, tmp
         assert r["acc"] == pytest.approx(ref["acc"], abs=1e-9)
     summary = json.loads((tmp_path / "third" / "summary.json").read_text())
     assert summary["tokens_seen"] == every[7]["tokens"]
-    for bad, match in ((dict(log_every=0), "--log-every 0"), (dict(compile_mode="fast"), "--compile-mode 'fast'"),
-                       (dict(loss_chunk=0), "--loss-chunk 0")):
+    for bad, match in (
+        (dict(log_every=0), "--log-every 0"),
+        (dict(compile_mode="fast"), "--compile-mode 'fast'"),
+        (dict(loss_chunk=0), "--loss-chunk 0"),
+    ):
         with pytest.raises(EyasError, match=match):
             train(_cfg(tiny_target, data, tmp_path / "bad", **{**kw, **bad}))
         assert not (tmp_path / "bad").exists()
@@ -531,12 +718,24 @@ def test_offline_batches_copied_on_a_side_stream_equal_the_host_ones(tiny_target
     from eyas.train.packing import pack_indices
 
     store = tmp_path / "store"
-    extract(ExtractConfig(target=str(tiny_target.path), data=data, out=store, layers=[1, 4, 6], dtype="fp32",
-                          device="cpu", model_dtype="fp32", progress=False))
-    target, ds = (resolve_target(str(tiny_target.path)),
-                  open_prepared(data, target=resolve_target(str(tiny_target.path))))
+    extract(
+        ExtractConfig(
+            target=str(tiny_target.path),
+            data=data,
+            out=store,
+            layers=[1, 4, 6],
+            dtype="fp32",
+            device="cpu",
+            model_dtype="fp32",
+            progress=False,
+        )
+    )
+    target, ds = (
+        resolve_target(str(tiny_target.path)),
+        open_prepared(data, target=resolve_target(str(tiny_target.path))),
+    )
     packs = pack_indices(np.arange(len(ds)), ds.lengths, 128, seed=0)
-    batches = [packs[i:i + 2] for i in range(0, 8, 2)]
+    batches = [packs[i : i + 2] for i in range(0, 8, 2)]
     cpu = OfflineFeatures(store, target, ds, None, torch.device("cpu"), torch.float32, 128)
     gpu = OfflineFeatures(store, target, ds, None, torch.device("cuda"), torch.float32, 128)
     busy = torch.randn(4096, 4096, device="cuda")
@@ -547,8 +746,9 @@ def test_offline_batches_copied_on_a_side_stream_equal_the_host_ones(tiny_target
         for _ in range(20):  # keep the training stream busy while the next batch is copied
             busy = busy @ busy / busy.norm()
         x = gpu.batch(b)
-        got.append({k: getattr(x, k).clone()
-                    for k in ("input_ids", "loss_mask", "position_ids", "doc_ids", "aux", "final")})
+        got.append(
+            {k: getattr(x, k).clone() for k in ("input_ids", "loss_mask", "position_ids", "doc_ids", "aux", "final")}
+        )
     for b, g in zip(batches, got):
         ref = cpu.batch(b)
         for k, v in g.items():

@@ -34,12 +34,36 @@ PY = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # The draft is made slow enough (7 TTT steps, a wide MLP) that the trainer, not the engine, is the
 # slower side: the buffer then fills and the engine must be held back, which is what is tested.
-TRAIN = ["--layers", "2,4,5", "--ttt-steps", "7", "--tokens-per-batch", "256", "--batch-size", "2",
-         "--max-steps", "12", "--warmup", "1", "--lr", "1e-3", "--save-every", "4", "--eval-every", "4",
-         "--eval-batches", "2", "--heldout", "0.1", "--device", "cpu", "--draft-config", "intermediate_size=2048",
-         "--quiet"]
+TRAIN = [
+    "--layers",
+    "2,4,5",
+    "--ttt-steps",
+    "7",
+    "--tokens-per-batch",
+    "256",
+    "--batch-size",
+    "2",
+    "--max-steps",
+    "12",
+    "--warmup",
+    "1",
+    "--lr",
+    "1e-3",
+    "--save-every",
+    "4",
+    "--eval-every",
+    "4",
+    "--eval-batches",
+    "2",
+    "--heldout",
+    "0.1",
+    "--device",
+    "cpu",
+    "--draft-config",
+    "intermediate_size=2048",
+    "--quiet",
+]
 LIMIT_GB = 0.003  # about 5 micro-batches of 2 x 256 tokens x 4 fp32 states x H=128 (526 kB each)
-
 
 
 def engine_test(f):
@@ -60,8 +84,24 @@ def setup(tmp_path_factory):
 
 
 def _train(py: str, tdir: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    return [PY, "-m", "eyas.cli", "train", "--target", str(tdir), "--data", str(data), "--out", str(out),
-            *TRAIN, *extra, "--features", "vllm", "--vllm-python", py]
+    return [
+        PY,
+        "-m",
+        "eyas.cli",
+        "train",
+        "--target",
+        str(tdir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        *TRAIN,
+        *extra,
+        "--features",
+        "vllm",
+        "--vllm-python",
+        py,
+    ]
 
 
 def _records(run: Path, split: str = "train") -> list[dict]:
@@ -74,8 +114,12 @@ def streamed(setup):
     py, tdir, data, d = setup
     run, buf = d / "streamed", d / "buffer"
     poll = DiskPeak(buf)
-    res = subprocess.run(_train(py, tdir, data, run, "--feature-buffer-gb", str(LIMIT_GB),
-                                "--feature-buffer-dir", str(buf)), env=ENV, capture_output=True, text=True)
+    res = subprocess.run(
+        _train(py, tdir, data, run, "--feature-buffer-gb", str(LIMIT_GB), "--feature-buffer-dir", str(buf)),
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     peak = poll.stop()
     assert res.returncode == 0, res.stderr[-3000:]
     return run, buf, peak, poll.samples
@@ -86,9 +130,34 @@ def store(setup) -> Path:
     """An `eyas extract --backend vllm` store of the same samples (same engine, fp32)."""
     py, tdir, data, d = setup
     out = d / "store"
-    subprocess.run([PY, "-m", "eyas.cli", "extract", "--target", str(tdir), "--data", str(data), "--out", str(out),
-                    "--layers", "2,4,5", "--backend", "vllm", "--vllm-python", py, "--dtype", "fp32",
-                    "--model-dtype", "fp32", "--quiet"], env=ENV, check=True, capture_output=True)
+    subprocess.run(
+        [
+            PY,
+            "-m",
+            "eyas.cli",
+            "extract",
+            "--target",
+            str(tdir),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--layers",
+            "2,4,5",
+            "--backend",
+            "vllm",
+            "--vllm-python",
+            py,
+            "--dtype",
+            "fp32",
+            "--model-dtype",
+            "fp32",
+            "--quiet",
+        ],
+        env=ENV,
+        check=True,
+        capture_output=True,
+    )
     return out
 
 
@@ -104,8 +173,23 @@ def test_losses_equal_offline_training_on_the_same_samples(setup, streamed, stor
     py, tdir, data, d = setup
     run, _, _, _ = streamed
     off = d / "offline"
-    cmd = [PY, "-m", "eyas.cli", "train", "--target", str(tdir), "--data", str(data), "--out", str(off),
-           "--features", "offline", "--store", str(store), *TRAIN]
+    cmd = [
+        PY,
+        "-m",
+        "eyas.cli",
+        "train",
+        "--target",
+        str(tdir),
+        "--data",
+        str(data),
+        "--out",
+        str(off),
+        "--features",
+        "offline",
+        "--store",
+        str(store),
+        *TRAIN,
+    ]
     subprocess.run(cmd, env=ENV, check=True, capture_output=True)
     a, b = _records(run), _records(off)
     assert [r["step"] for r in a] == list(range(1, 13)) == [r["step"] for r in b]
@@ -164,9 +248,14 @@ def _wait_for(cond, what: str, proc: subprocess.Popen, timeout: float = 600) -> 
 def test_a_killed_engine_stops_training_with_vllms_message(setup, tmp_path):
     py, tdir, data, _ = setup
     run = tmp_path / "run"
-    proc = subprocess.Popen(_train(py, tdir, data, run, "--max-steps", "100000", "--feature-buffer-dir",
-                                   str(tmp_path / "buf")), env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        _train(py, tdir, data, run, "--max-steps", "100000", "--feature-buffer-dir", str(tmp_path / "buf")),
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _wait_for(lambda: (run / "metrics.jsonl").is_file() and len(_records(run)) >= 2, "two steps", proc)
         core = [c for c in _worker(run).children() if "EngineCore" in c.name()]
@@ -196,8 +285,9 @@ def test_resume_after_a_kill_continues_to_the_uninterrupted_losses(setup, stream
     full, _, _, _ = streamed
     run, buf = tmp_path / "run", tmp_path / "buf"
     cmd = _train(py, tdir, data, run, "--feature-buffer-gb", str(LIMIT_GB), "--feature-buffer-dir", str(buf))
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         _wait_for(lambda: any(int(p.name.split("-")[1]) >= 4 for p in checkpoint_dirs(run)), "checkpoint 4", proc)
     finally:
@@ -230,8 +320,14 @@ def test_the_hooks_backend_of_vllm_0_16_streams_the_same_features(setup, streame
     py16 = vllm_python("0.16.0")
     full, _, _, _ = streamed
     run = tmp_path / "run"
-    res = subprocess.run(_train(py16, tdir, data, run, "--feature-buffer-gb", str(LIMIT_GB),
-                                "--feature-buffer-dir", str(tmp_path / "buf")), env=ENV, capture_output=True, text=True)
+    res = subprocess.run(
+        _train(
+            py16, tdir, data, run, "--feature-buffer-gb", str(LIMIT_GB), "--feature-buffer-dir", str(tmp_path / "buf")
+        ),
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rep = json.loads((run / "features.json").read_text())
     assert rep["backend"] == "vllm-hooks" and rep["vllm"].startswith("0.16.0")
@@ -248,17 +344,49 @@ def test_two_ranks_each_with_its_engine_train_like_offline_ddp(setup, store, tmp
     py, tdir, data, _ = setup
 
     def torchrun(out: Path, *extra: str) -> list[str]:
-        return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas.cli",
-                "train", "--target", str(tdir), "--data", str(data), "--out", str(out), *TRAIN,
-                "--max-steps", "4", *extra]
+        return [
+            PY,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "eyas.cli",
+            "train",
+            "--target",
+            str(tdir),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            *TRAIN,
+            "--max-steps",
+            "4",
+            *extra,
+        ]
 
     run, off, buf = tmp_path / "stream", tmp_path / "offline", tmp_path / "buf"
-    res = subprocess.run(torchrun(run, "--features", "vllm", "--vllm-python", py, "--feature-buffer-gb",
-                                  str(LIMIT_GB), "--feature-buffer-dir", str(buf)),
-                         env=ENV, capture_output=True, text=True)
+    res = subprocess.run(
+        torchrun(
+            run,
+            "--features",
+            "vllm",
+            "--vllm-python",
+            py,
+            "--feature-buffer-gb",
+            str(LIMIT_GB),
+            "--feature-buffer-dir",
+            str(buf),
+        ),
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    subprocess.run(torchrun(off, "--features", "offline", "--store", str(store)), env=ENV, check=True,
-                   capture_output=True)
+    subprocess.run(
+        torchrun(off, "--features", "offline", "--store", str(store)), env=ENV, check=True, capture_output=True
+    )
     a, b = _records(run), _records(off)
     assert [r["step"] for r in a] == [1, 2, 3, 4] and [r["tokens"] for r in a] == [r["tokens"] for r in b]
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
@@ -275,8 +403,23 @@ def test_feature_cache_serves_later_epochs_with_the_same_losses(setup, streamed,
     py, tdir, data, _ = setup
     full, _, _, _ = streamed
     run = tmp_path / "run"
-    res = subprocess.run(_train(py, tdir, data, run, "--feature-cache-gb", "1", "--feature-buffer-gb", str(LIMIT_GB),
-                                "--feature-buffer-dir", str(tmp_path / "buf")), env=ENV, capture_output=True, text=True)
+    res = subprocess.run(
+        _train(
+            py,
+            tdir,
+            data,
+            run,
+            "--feature-cache-gb",
+            "1",
+            "--feature-buffer-gb",
+            str(LIMIT_GB),
+            "--feature-buffer-dir",
+            str(tmp_path / "buf"),
+        ),
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "later epochs cached up to 1 GB" in " ".join(res.stderr.split())
     rep, ref = json.loads((run / "features.json").read_text()), json.loads((full / "features.json").read_text())
@@ -286,7 +429,8 @@ def test_feature_cache_serves_later_epochs_with_the_same_losses(setup, streamed,
     assert rep["tokens_extracted"] + rep["tokens_from_cache"] == ref["tokens_extracted"]
     assert rep["tokens_extracted"] < ref["tokens_extracted"]
     assert rep["cache_samples"] > 0 and rep["cache_bytes"] == dir_bytes(run / "feature-cache") - sum(
-        p.stat().st_size for p in (run / "feature-cache").rglob("cache.json"))
+        p.stat().st_size for p in (run / "feature-cache").rglob("cache.json")
+    )
     a, b = _records(run), _records(full)
     assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
 
@@ -300,9 +444,21 @@ def test_features_vllm_in_the_pipeline_config(tmp_path, monkeypatch):
     from eyas.stages import build
 
     cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text(yaml.safe_dump({"target": "x", "workdir": str(tmp_path / "w"), "features": "vllm",
-                                        "train": {"feature_buffer_gb": 0.5, "feature_cache_gb": 4,
-                                                  "gpu_memory_utilization": 0.25, "vllm_python": "0.32.0"}}))
+    cfg_path.write_text(
+        yaml.safe_dump(
+            {
+                "target": "x",
+                "workdir": str(tmp_path / "w"),
+                "features": "vllm",
+                "train": {
+                    "feature_buffer_gb": 0.5,
+                    "feature_cache_gb": 4,
+                    "gpu_memory_utilization": 0.25,
+                    "vllm_python": "0.32.0",
+                },
+            }
+        )
+    )
     cfg = load_config(cfg_path)
     rec = stage_records(cfg)
     assert "extract" not in rec and rec["train"]["upstream"] == "prepare"
@@ -310,8 +466,7 @@ def test_features_vllm_in_the_pipeline_config(tmp_path, monkeypatch):
     assert rec["train"]["settings"]["feature_buffer_gb"] == 0.5
     # the TrainConfig the pipeline's train stage would run (training itself is tested above)
     tc = next(stage.config for stage in build(cfg) if stage.name == "train")
-    assert ((tc.features, tc.store, tc.feature_buffer_gb, tc.feature_cache_gb)
-            == ("vllm", None, 0.5, 4))
+    assert (tc.features, tc.store, tc.feature_buffer_gb, tc.feature_cache_gb) == ("vllm", None, 0.5, 4)
     assert tc.gpu_memory_utilization == 0.25 and tc.vllm_python == "0.32.0"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"target": "x", "features": "vllm", "train": {"gpu_memory_utilization": 0}}))
@@ -329,13 +484,34 @@ def test_a_buffer_smaller_than_one_micro_batch_is_refused(tiny_target, tmp_path)
     from eyas.train.trainer import TrainConfig, run as train
 
     data = tiny.random_prepared(tmp_path / "data", tiny_target, n=16)
-    with pytest.raises(EyasError, match=r"--feature-buffer-gb 1e-05: 10,000 bytes per rank .* cannot hold one "
-                                        r"micro-batch's features .* raise it to at least"):
-        train(TrainConfig(target=str(tiny_target.path), data=str(data), out=str(tmp_path / "run"),
-                          features="vllm", feature_buffer_gb=1e-5, tokens_per_batch=128, max_steps=1,
-                          progress=False))
+    with pytest.raises(
+        EyasError,
+        match=r"--feature-buffer-gb 1e-05: 10,000 bytes per rank .* cannot hold one "
+        r"micro-batch's features .* raise it to at least",
+    ):
+        train(
+            TrainConfig(
+                target=str(tiny_target.path),
+                data=str(data),
+                out=str(tmp_path / "run"),
+                features="vllm",
+                feature_buffer_gb=1e-5,
+                tokens_per_batch=128,
+                max_steps=1,
+                progress=False,
+            )
+        )
     with pytest.raises(EyasError, match="--features vllm does not go with --store"):
-        train(TrainConfig(target=str(tiny_target.path), data=str(data), out=str(tmp_path / "run"),
-                          features="vllm", store=str(tmp_path), max_steps=1, progress=False))
+        train(
+            TrainConfig(
+                target=str(tiny_target.path),
+                data=str(data),
+                out=str(tmp_path / "run"),
+                features="vllm",
+                store=str(tmp_path),
+                max_steps=1,
+                progress=False,
+            )
+        )
     with pytest.raises(EyasError, match="--features 'disk' is not one of 'offline', 'online', 'vllm'"):
         TrainConfig(target="x", data="d", out="o", features="disk")

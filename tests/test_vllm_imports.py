@@ -28,8 +28,11 @@ ALLOWED_VLLM: dict[str, set[str | None]] = {
     "vllm.sampling_params": {"RequestOutputKind"},
     # the stock hidden-states connector we subclass for CPU, and its public file helpers
     "vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector": {
-        "ExampleHiddenStatesConnector", "extract_from_kv_cache", "load_hidden_states",
-        "cleanup_hidden_states"},
+        "ExampleHiddenStatesConnector",
+        "extract_from_kv_cache",
+        "load_hidden_states",
+        "cleanup_hidden_states",
+    },
 }
 WORKER_THIRD_PARTY = {"torch", "numpy", "safetensors", "transformers", "vllm"}
 
@@ -40,8 +43,9 @@ def vllm_imports(source: str) -> list[tuple[int, str, str | None]]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name, None) for a in node.names if a.name.split(".")[0] == "vllm"]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
-                and node.module.split(".")[0] == "vllm":
+        elif (
+            isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] == "vllm"
+        ):
             out += [(node.lineno, node.module, a.name) for a in node.names]
     return out
 
@@ -80,15 +84,21 @@ def test_every_eyas_module_uses_only_allowed_vllm_imports():
 
 
 def test_the_checker_catches_internals():
-    src = ("from vllm import LLM\n"
-           "def f():\n    from vllm.v1.core.sched.output import SchedulerOutput\n"
-           "    import vllm.v1.request\n"
-           "from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import PendingSave\n")
+    src = (
+        "from vllm import LLM\n"
+        "def f():\n    from vllm.v1.core.sched.output import SchedulerOutput\n"
+        "    import vllm.v1.request\n"
+        "from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import PendingSave\n"
+    )
     assert sorted(violations(src)) == [
-        "line 3: vllm.v1.core.sched.output.SchedulerOutput", "line 4: vllm.v1.request",
-        "line 5: vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector.PendingSave"]
+        "line 3: vllm.v1.core.sched.output.SchedulerOutput",
+        "line 4: vllm.v1.request",
+        "line 5: vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector.PendingSave",
+    ]
     assert worker_violations("import typer\nfrom eyas.errors import EyasError\nfrom . import chunks\n") == [
-        "line 1: typer", "line 2: eyas.errors"]
+        "line 1: typer",
+        "line 2: eyas.errors",
+    ]
 
 
 def test_vllm_modules_are_found():
@@ -112,6 +122,11 @@ def test_worker_package_imports_in_the_vllm_env(version, tmp_path):
     shutil.copytree(WORKER, tmp_path / "eyas_vllm_worker")
     mods = ["chunks", "hooks", "engine"] + (["connector"] if version_key(version) >= (0, 18) else [])
     code = "; ".join(f"import eyas_vllm_worker.{m}" for m in mods) + "; print('ok')"
-    res = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                         env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    res = subprocess.run(
+        [str(py), "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]

@@ -35,9 +35,10 @@ def setup(tmp_path_factory):
     tdir, draft = evalkit.session_dirs(tmp_path_factory)
     target = resolve_target(tdir)
     out = tmp_path_factory.mktemp("vllm-exports")
-    exports = {fmt: run_export(ExportConfig(ckpt=draft, format=fmt, out=out / fmt, target=str(tdir),
-                                            num_speculative_tokens=K))
-               for fmt in ("vllm", "sglang")}
+    exports = {
+        fmt: run_export(ExportConfig(ckpt=draft, format=fmt, out=out / fmt, target=str(tdir), num_speculative_tokens=K))
+        for fmt in ("vllm", "sglang")
+    }
     prompts = evalkit.chat_prompts(target.load_tokenizer(), evalkit.PROMPTS)
     yield target, draft, exports, prompts
     torch.set_num_threads(n)
@@ -72,8 +73,10 @@ def test_vllm_serves_the_export_greedy_exact_and_tau_agrees(version, setup, tmp_
     _served_equals_builtin(py, target, draft_dir, exports["vllm"], prompts, tmp_path)
 
 
-HEAD_OPTIONS = {"fc_norm": {"fc_norm": True},
-                "speculators_defaults": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}}
+HEAD_OPTIONS = {
+    "fc_norm": {"fc_norm": True},
+    "speculators_defaults": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+}
 
 
 @pytest.mark.parametrize("name", list(HEAD_OPTIONS))
@@ -88,8 +91,11 @@ def test_vllm_0_32_serves_a_draft_with_head_options(setup, tmp_path, name):
         draft_dir = evalkit.train_draft(target, tmp_path / "work", steps=80, n=48, **HEAD_OPTIONS[name])
     finally:
         torch.set_num_threads(n)
-    export = run_export(ExportConfig(ckpt=draft_dir, format="vllm", out=tmp_path / "vllm", target=str(target.path),
-                                     num_speculative_tokens=K))
+    export = run_export(
+        ExportConfig(
+            ckpt=draft_dir, format="vllm", out=tmp_path / "vllm", target=str(target.path), num_speculative_tokens=K
+        )
+    )
     _served_equals_builtin(vllm_python("0.32.0"), target, draft_dir, export, prompts, tmp_path)
 
 
@@ -103,8 +109,9 @@ def test_vllm_0_16_refuses_head_options_it_would_ignore(setup, tmp_path):
     plain = Eagle3Draft.from_pretrained(draft_dir)
     cfg = DraftConfig.from_dict({**plain.config.to_dict(), "norm_before_fc": True, "norm_output": True})
     Eagle3Draft(cfg).save_pretrained(tmp_path / "draft")
-    export = run_export(ExportConfig(ckpt=tmp_path / "draft", format="vllm", out=tmp_path / "vllm",
-                                     target=str(target.path)))
+    export = run_export(
+        ExportConfig(ckpt=tmp_path / "draft", format="vllm", out=tmp_path / "vllm", target=str(target.path))
+    )
     with pytest.raises(EyasError, match=r"norm_before_fc, norm_output.*vLLM 0\.16\.0"):
         VllmEngine(vllm_python("0.16.0"), target.path, export, k=K, dtype="float32")
 
@@ -163,12 +170,15 @@ def test_vllm_0_16_reads_the_format(setup, fmt):
     recorded in benchmarks/evaluate_vllm_versions.md)."""
     py = vllm_python("0.16.0")
     target, _, exports, _ = setup
-    res = subprocess.run([str(py), str(Path(__file__).with_name("vllm_engine_config.py")),
-                          str(target.path), str(exports[fmt])], capture_output=True, text=True,
-                         timeout=600)
+    res = subprocess.run(
+        [str(py), str(Path(__file__).with_name("vllm_engine_config.py")), str(target.path), str(exports[fmt])],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("EYAS-JSON ")]
     assert lines, res.stdout[-2000:] + res.stderr[-3000:]
-    got = json.loads(lines[-1][len("EYAS-JSON "):])
+    got = json.loads(lines[-1][len("EYAS-JSON ") :])
     assert got["method"] == "eagle3" and got["k"] == K
     assert got["aux"] == evalkit.AUX and got["target_hidden_size"] == 128
     assert got["draft_vocab_size"] == 256 and got["norm_before_residual"] is True  # eyas's default
@@ -183,9 +193,21 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
 
     target, draft_dir, _, _ = setup
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 3)
-    reps = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, prompts=qfile, out=tmp_path / "eval",
-                                   engine="both", k=K, max_new_tokens=32, vllm="0.32.0", progress=False,
-                                   speed_concurrency=[1, 2], speed_min_seconds=0))
+    reps = evaluate(
+        EvaluateConfig(
+            target=str(target.path),
+            draft=draft_dir,
+            prompts=qfile,
+            out=tmp_path / "eval",
+            engine="both",
+            k=K,
+            max_new_tokens=32,
+            vllm="0.32.0",
+            progress=False,
+            speed_concurrency=[1, 2],
+            speed_min_seconds=0,
+        )
+    )
     b, v, c = reps["builtin"], reps["vllm"], reps["comparison"]
     sp = v["serving_speed"]  # the same first turns served with and without the draft
     assert [r["concurrency"] for r in sp["draft"]] == [r["concurrency"] for r in sp["plain"]] == [1, 2]
@@ -211,9 +233,21 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     # rewrite its log) and reports what the first run measured.
     logs = {p: p.stat().st_mtime_ns for p in (tmp_path / "eval" / "vllm").glob("vllm*.log")}
     assert len(logs) == 2
-    again = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, prompts=qfile, out=tmp_path / "eval",
-                                    engine="both", k=K, max_new_tokens=32, vllm="0.32.0", progress=False,
-                                    speed_concurrency=[1, 2], speed_min_seconds=0))
+    again = evaluate(
+        EvaluateConfig(
+            target=str(target.path),
+            draft=draft_dir,
+            prompts=qfile,
+            out=tmp_path / "eval",
+            engine="both",
+            k=K,
+            max_new_tokens=32,
+            vllm="0.32.0",
+            progress=False,
+            speed_concurrency=[1, 2],
+            speed_min_seconds=0,
+        )
+    )
     assert {p: p.stat().st_mtime_ns for p in logs} == logs
     assert again["vllm"]["serving_speed"] == sp and again["vllm"]["wall_seconds_this_run"] == 0.0
     assert again["vllm"]["overall"] == v["overall"] and again["vllm"]["vllm_version"] == "0.32.0"

@@ -36,12 +36,17 @@ def make_tokenizer(out: Path, chat_template: str | None = CHATML, vocab_size: in
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(_CORPUS, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
-                                   eos_token="<|im_end|>", pad_token="<pad>",
-                                   unk_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<pad>",
+        unk_token="<|endoftext|>",
+    )
     if chat_template is not None:
         fast.chat_template = chat_template
     out = Path(out)
@@ -54,10 +59,19 @@ def tiny_config(arch: str = "llama", vocab_size: int = 384, num_layers: int = 8,
     """A small config of the given family; `arch` in llama, qwen2, qwen3, mistral, gemma3, deepseek_v3."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512, tie_word_embeddings=False,
-                  bos_token_id=0, eos_token_id=2, pad_token_id=3)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
     if arch == "llama":
         return tf.LlamaConfig(**common)
     if arch == "qwen2":
@@ -70,17 +84,34 @@ def tiny_config(arch: str = "llama", vocab_size: int = 384, num_layers: int = 8,
         return tf.Gemma3TextConfig(head_dim=hidden // 4, sliding_window=16, **common)
     if arch == "deepseek_v3":
         cfg = dict(common)
-        cfg.update(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
-                   qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, n_shared_experts=1,
-                   num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                   n_group=1, topk_group=1)
+        cfg.update(
+            num_key_value_heads=4,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        )
         return tf.DeepseekV3Config(**cfg)
     raise ValueError(f"unknown tiny arch {arch!r}")
 
 
-def make_target(out: Path, arch: str = "llama", num_layers: int = 8, hidden: int = 64,
-                chat_template: str | None = CHATML, seed: int = 0,
-                dtype: torch.dtype = torch.float32) -> Path:
+def make_target(
+    out: Path,
+    arch: str = "llama",
+    num_layers: int = 8,
+    hidden: int = 64,
+    chat_template: str | None = CHATML,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Save a random `arch` model with the tiny tokenizer into `out`; returns `out`."""
     from transformers import AutoModelForCausalLM
 

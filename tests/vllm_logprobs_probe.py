@@ -17,10 +17,17 @@ def main() -> None:
 
     ids = [int(x) for x in json.loads(sys.argv[2])]
     model = compat_model_dir(sys.argv[1], Path(tempfile.mkdtemp()))
-    llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              max_model_len=max(64, len(ids) + 1), seed=0)
-    out = llm.generate([{"prompt_token_ids": ids}],
-                       SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0))
+    llm = LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=max(64, len(ids) + 1),
+        seed=0,
+    )
+    out = llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0)
+    )
     lps = out[0].prompt_logprobs
     print("EYAS-LOGPROBS " + json.dumps([None if d is None else d[ids[i]].logprob for i, d in enumerate(lps)]))
 

@@ -29,17 +29,28 @@ T0 = time.perf_counter()
 PHASES: list[dict] = []
 TIMEOUT = float(os.environ.get("CHECK_TIMEOUT_S", "420"))
 # Modules the engine-core process and the GPU worker import that `import vllm` does not.
-ENGINE_MODULES = ("vllm.v1.engine.core", "vllm.v1.engine.llm_engine", "vllm.v1.executor.abstract",
-                  "vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner",
-                  "vllm.model_executor.models.llama", "vllm.model_executor.models.llama_eagle3",
-                  "vllm.v1.attention.backends.flash_attn", "vllm.v1.spec_decode.eagle",
-                  "vllm.v1.sample.sampler")
+ENGINE_MODULES = (
+    "vllm.v1.engine.core",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.executor.abstract",
+    "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.model_executor.models.llama",
+    "vllm.model_executor.models.llama_eagle3",
+    "vllm.v1.attention.backends.flash_attn",
+    "vllm.v1.spec_decode.eagle",
+    "vllm.v1.sample.sampler",
+)
 
 
 def summary(stopped_at: str | None) -> dict:
-    out = {"ok": stopped_at is None, "stopped_at": stopped_at, "total_seconds": round(time.perf_counter() - T0, 2),
-           "phases": PHASES, "env": {k: v for k, v in os.environ.items()
-                                     if k.startswith(("VLLM_", "CHECK_", "NCCL_", "GLOO_", "CUDA_"))}}
+    out = {
+        "ok": stopped_at is None,
+        "stopped_at": stopped_at,
+        "total_seconds": round(time.perf_counter() - T0, 2),
+        "phases": PHASES,
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "CHECK_", "NCCL_", "GLOO_", "CUDA_"))},
+    }
     text = json.dumps(out, indent=1)
     print("CHECK-SUMMARY " + text, flush=True)
     if os.environ.get("CHECK_JSON"):
@@ -84,8 +95,9 @@ def watchdog() -> None:
         import psutil
 
         for child in psutil.Process().children(recursive=True):
-            print(f"CHECK child pid={child.pid} cmd={' '.join(child.cmdline())[:200]} "
-                  f"status={child.status()}", flush=True)
+            print(
+                f"CHECK child pid={child.pid} cmd={' '.join(child.cmdline())[:200]} status={child.status()}", flush=True
+            )
             child.send_signal(signal.SIGUSR1)
         time.sleep(5)
     except Exception as e:  # psutil missing or a child gone: the parent's stacks are above
@@ -101,9 +113,19 @@ def tiny_llama(path: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        torch_dtype="bfloat16",
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
 
 
@@ -113,8 +135,11 @@ def main() -> None:
     with Phase("import_torch"):
         import torch
 
-        print(f"CHECK torch {torch.__version__} cuda={torch.cuda.is_available()} "
-              f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else ''}", flush=True)
+        print(
+            f"CHECK torch {torch.__version__} cuda={torch.cuda.is_available()} "
+            f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else ''}",
+            flush=True,
+        )
     with Phase("import_vllm"):
         import vllm
 
@@ -129,9 +154,15 @@ def main() -> None:
     with Phase("LLM_init"):
         from vllm import LLM, SamplingParams
 
-        llm = LLM(model=work, skip_tokenizer_init=True, enforce_eager=os.environ.get("CHECK_EAGER", "1") != "0",
-                  gpu_memory_utilization=float(os.environ.get("CHECK_GPU_MEM", "0.2")),
-                  max_model_len=512, dtype="bfloat16", seed=0)
+        llm = LLM(
+            model=work,
+            skip_tokenizer_init=True,
+            enforce_eager=os.environ.get("CHECK_EAGER", "1") != "0",
+            gpu_memory_utilization=float(os.environ.get("CHECK_GPU_MEM", "0.2")),
+            max_model_len=512,
+            dtype="bfloat16",
+            seed=0,
+        )
     with Phase("generate"):
         params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, detokenize=False)
         outs = llm.generate([{"prompt_token_ids": [1, 5, 6, 7, 8]}], params, use_tqdm=False)

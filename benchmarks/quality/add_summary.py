@@ -53,10 +53,23 @@ def main() -> None:
     k = len(recs[0]["accepted_per_pos"])
     lo, hi = bootstrap(recs)
     trained = json.loads(Path(a.train_tau).read_text()) if a.train_tau else {}
-    entry = {"name": a.name, "target": a.target, "trainer": a.trainer, "budget_s": a.budget_s, "steps": a.steps,
-             "data_conversations": a.data_conversations, "k": k, "prompt_set": a.prompt_set,
-             "turns": len(recs), "questions": len({r["question_id"] for r in recs}), "tau": tau(recs),
-             "tau_ci_low": lo, "tau_ci_high": hi, "source": a.source, "note": a.note}
+    entry = {
+        "name": a.name,
+        "target": a.target,
+        "trainer": a.trainer,
+        "budget_s": a.budget_s,
+        "steps": a.steps,
+        "data_conversations": a.data_conversations,
+        "k": k,
+        "prompt_set": a.prompt_set,
+        "turns": len(recs),
+        "questions": len({r["question_id"] for r in recs}),
+        "tau": tau(recs),
+        "tau_ci_low": lo,
+        "tau_ci_high": hi,
+        "source": a.source,
+        "note": a.note,
+    }
     if trained.get("tau", {}).get(str(k)) is not None:  # what eyas train measured on its own prompts
         entry["training_tau"] = trained["tau"][str(k)]
     if engine:

@@ -37,8 +37,10 @@ def draft_config_from_speculators(spec_cfg: dict[str, Any], target_dir: Path) ->
         raise EyasError(f"speculators draft has {tl.get('num_hidden_layers')} layers; eyas's head has one")
     aux = spec_cfg.get("eagle_aux_hidden_state_layer_ids")
     if not aux:
-        raise EyasError("speculators config has no eagle_aux_hidden_state_layer_ids; pass a trained "
-                        "checkpoint (its trainer writes them)")
+        raise EyasError(
+            "speculators config has no eagle_aux_hidden_state_layer_ids; pass a trained "
+            "checkpoint (its trainer writes them)"
+        )
     h = int(tl["hidden_size"])
     heads = int(tl["num_attention_heads"])
     rope = dict(tl.get("rope_parameters") or {})
@@ -52,13 +54,18 @@ def draft_config_from_speculators(spec_cfg: dict[str, Any], target_dir: Path) ->
         identity = {}
     ttc = target_cfg.get("text_config", target_cfg)
     return DraftConfig(
-        hidden_size=h, num_attention_heads=heads,
+        hidden_size=h,
+        num_attention_heads=heads,
         num_key_value_heads=int(tl.get("num_key_value_heads") or heads),
         head_dim=int(tl.get("head_dim") or h // heads),
-        intermediate_size=int(tl["intermediate_size"]), vocab_size=int(tl["vocab_size"]),
-        draft_vocab_size=int(spec_cfg["draft_vocab_size"]), aux_layer_ids=[int(i) for i in aux],
+        intermediate_size=int(tl["intermediate_size"]),
+        vocab_size=int(tl["vocab_size"]),
+        draft_vocab_size=int(spec_cfg["draft_vocab_size"]),
+        aux_layer_ids=[int(i) for i in aux],
         target_hidden_size=int(spec_cfg.get("target_hidden_size") or h),
-        rms_norm_eps=float(tl.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
+        rms_norm_eps=float(tl.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
         max_position_embeddings=int(tl.get("max_position_embeddings", 4096)),
         hidden_act=tl.get("hidden_act", "silu"),
         norm_before_residual=bool(spec_cfg.get("norm_before_residual", False)),
@@ -67,7 +74,8 @@ def draft_config_from_speculators(spec_cfg: dict[str, Any], target_dir: Path) ->
         norm_output=bool(spec_cfg.get("norm_output", False)),
         target_num_layers=int(ttc.get("num_hidden_layers", 0)),
         target_model_type=ttc.get("model_type", "llama"),
-        target_architectures=list(target_cfg.get("architectures") or []), target=identity,
+        target_architectures=list(target_cfg.get("architectures") or []),
+        target=identity,
         target_name_or_path=str(Path(target_dir).resolve()),  # where the frozen embedding is read from
     )
 
@@ -79,7 +87,7 @@ def rename(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if k.startswith("verifier_"):
             continue
         if k.startswith("layers."):
-            idx, rest = k[len("layers."):].split(".", 1)
+            idx, rest = k[len("layers.") :].split(".", 1)
             if idx != "0":
                 raise EyasError(f"speculators tensor {k}: more than one decoder layer")
             k = "midlayer." + rest
@@ -94,12 +102,13 @@ def convert(ckpt: str | os.PathLike, target: str | os.PathLike, out: str | os.Pa
     ckpt, target, out = Path(ckpt), Path(target), Path(out)
     for f in ("config.json", "model.safetensors"):
         if not (ckpt / f).is_file():
-            raise EyasError(f"speculators checkpoint {ckpt}: {f} is missing (pass an epoch directory, "
-                            "e.g. SAVE_PATH/0, or SAVE_PATH/interrupted)")
+            raise EyasError(
+                f"speculators checkpoint {ckpt}: {f} is missing (pass an epoch directory, "
+                "e.g. SAVE_PATH/0, or SAVE_PATH/interrupted)"
+            )
     spec_cfg = json.loads((ckpt / "config.json").read_text())
     if spec_cfg.get("speculators_model_type") != "eagle3":
-        raise EyasError(f"{ckpt}: speculators_model_type {spec_cfg.get('speculators_model_type')!r}, "
-                        "expected 'eagle3'")
+        raise EyasError(f"{ckpt}: speculators_model_type {spec_cfg.get('speculators_model_type')!r}, expected 'eagle3'")
     cfg = draft_config_from_speculators(spec_cfg, target)
     state = rename(load_file(str(ckpt / "model.safetensors")))
     model = Eagle3Draft(cfg)
@@ -107,15 +116,22 @@ def convert(ckpt: str | os.PathLike, target: str | os.PathLike, out: str | os.Pa
         from eyas.draft.target_weights import read_target_head
 
         state["embed_tokens.weight"] = read_target_head(target)["embed"]
-    missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                 for k, v in state.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False
+    )
     if missing or unexpected:
-        raise EyasError(f"speculators checkpoint {ckpt}: tensors missing {missing}, unexpected "
-                        f"{unexpected} after renaming")
-    summary = {"source": str(ckpt.resolve()), "norm_before_fc": cfg.norm_before_fc, "fc_norm": cfg.fc_norm,
-               "norm_output": cfg.norm_output, "norm_before_residual": cfg.norm_before_residual,
-               "speculators_version": spec_cfg.get("speculators_version"),
-               "sliding_window": spec_cfg["transformer_layer_config"].get("sliding_window")}
+        raise EyasError(
+            f"speculators checkpoint {ckpt}: tensors missing {missing}, unexpected {unexpected} after renaming"
+        )
+    summary = {
+        "source": str(ckpt.resolve()),
+        "norm_before_fc": cfg.norm_before_fc,
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
+        "norm_before_residual": cfg.norm_before_residual,
+        "speculators_version": spec_cfg.get("speculators_version"),
+        "sliding_window": spec_cfg["transformer_layer_config"].get("sliding_window"),
+    }
     model.save_pretrained(out)  # atomic: config.json + model.safetensors
     (out / "conversion.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -38,10 +38,13 @@ def main(argv: list[str] | None = None) -> int:
                 found[rec.source_id] = msgs[: want[rec.source_id]]
     missing = [r["id"] for r in regen if r["id"] not in found]
     if missing:
-        raise SystemExit(f"{len(missing)} regenerated conversations are not in {a.data} "
-                         f"(first: {missing[:3]}); give the --data/--max-samples of the regeneration")
-    a.out.write_text("".join(json.dumps({"id": r["id"], "messages": found[r["id"]]}, ensure_ascii=False)
-                             + "\n" for r in regen))
+        raise SystemExit(
+            f"{len(missing)} regenerated conversations are not in {a.data} "
+            f"(first: {missing[:3]}); give the --data/--max-samples of the regeneration"
+        )
+    a.out.write_text(
+        "".join(json.dumps({"id": r["id"], "messages": found[r["id"]]}, ensure_ascii=False) + "\n" for r in regen)
+    )
     print(json.dumps({"conversations": len(regen), "out": str(a.out)}))
     return 0
 

@@ -61,11 +61,22 @@ def pair(reference: Path, others: list[Path]) -> list[dict]:
         t_ref, r_ref = _tau([ref[c] for c in common])
         t_oth, r_oth = _tau([oth[c] for c in common])
         lo, hi = _bootstrap(ref, oth, common)
-        rows.append({"name": d.name, "prompts": len(common), "tau": t_oth, "reference_tau": t_ref,
-                     "difference": t_oth - t_ref, "difference_ci95": [lo, hi], "rates": r_oth,
-                     "reference_rates": r_ref})
-        print(f"{d.name:32s} prompts {len(common):3d}  tau {t_oth:.3f}  reference {t_ref:.3f}  "
-              f"diff {t_oth - t_ref:+.3f} [{lo:+.3f}, {hi:+.3f}]  rates {' '.join(f'{x:.3f}' for x in r_oth)}")
+        rows.append(
+            {
+                "name": d.name,
+                "prompts": len(common),
+                "tau": t_oth,
+                "reference_tau": t_ref,
+                "difference": t_oth - t_ref,
+                "difference_ci95": [lo, hi],
+                "rates": r_oth,
+                "reference_rates": r_ref,
+            }
+        )
+        print(
+            f"{d.name:32s} prompts {len(common):3d}  tau {t_oth:.3f}  reference {t_ref:.3f}  "
+            f"diff {t_oth - t_ref:+.3f} [{lo:+.3f}, {hi:+.3f}]  rates {' '.join(f'{x:.3f}' for x in r_oth)}"
+        )
     return rows
 
 
@@ -73,9 +84,22 @@ def evaluate_and_pair(drafts: dict[str, Path], out: Path, evaluate_args: list[st
     """Every draft by `eyas evaluate --engine replay` into OUT/eval_NAME (the target's answers decoded
     once, OUT/references.jsonl), then each against the first, paired."""
     for name, draft in drafts.items():
-        cmd = [sys.executable, "-m", "eyas.cli", "evaluate", "--engine", "replay", "--draft", str(draft),
-               "--out", str(out / f"eval_{name}"), "--references", str(out / "references.jsonl"), "--quiet",
-               *evaluate_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "eyas.cli",
+            "evaluate",
+            "--engine",
+            "replay",
+            "--draft",
+            str(draft),
+            "--out",
+            str(out / f"eval_{name}"),
+            "--references",
+            str(out / "references.jsonl"),
+            "--quiet",
+            *evaluate_args,
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise SystemExit(f"failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")

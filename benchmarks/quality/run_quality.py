@@ -76,8 +76,9 @@ class Runner:
     def start(self, name: str, cmd: list[str], env: dict | None = None) -> subprocess.Popen:
         log(f"start {name}: {' '.join(map(str, cmd))}")
         fh = open(self.logs / f"{name}.log", "w")
-        p = subprocess.Popen([str(c) for c in cmd], stdout=fh, stderr=subprocess.STDOUT,
-                             env=env or self.env, start_new_session=True)
+        p = subprocess.Popen(
+            [str(c) for c in cmd], stdout=fh, stderr=subprocess.STDOUT, env=env or self.env, start_new_session=True
+        )
         p._eyas_name, p._eyas_t0, p._eyas_fh = name, time.time(), fh  # type: ignore[attr-defined]
         return p
 
@@ -149,7 +150,7 @@ def eyas_step_time(run_dir: Path) -> float | None:
         times.append(r["tokens"] / r["tokens_per_s"] / r["step"])
     if not times:
         return None
-    steady = times[len(times) // 3:]  # drop the first third (allocator, cudnn warm-up, compilation)
+    steady = times[len(times) // 3 :]  # drop the first third (allocator, cudnn warm-up, compilation)
     # the mean, not the median: a long run also pays its checkpoints, recompilations and stalls
     # (2026-11-30d: the probe's median was 0.020 s, the main run's mean 0.030 s)
     return sum(steady) / len(steady)
@@ -170,8 +171,13 @@ def partial_tau(records: Path, k: int) -> dict[str, Any]:
 
     turns = max((len(v) for v in by_q.values()), default=0)
     o = aggregate([x for v in by_q.values() if len(v) == turns for x in v], k)
-    return {"tau": o["tau"], "acceptance_rate_per_pos": o["acceptance_rate_per_pos"] if o["rounds"] else None,
-            "prompts": o["prompts"], "rounds": o["rounds"], "new_tokens": o["new_tokens"]}
+    return {
+        "tau": o["tau"],
+        "acceptance_rate_per_pos": o["acceptance_rate_per_pos"] if o["rounds"] else None,
+        "prompts": o["prompts"],
+        "rounds": o["rounds"],
+        "new_tokens": o["new_tokens"],
+    }
 
 
 def latest_eyas_draft(run_dir: Path) -> Path | None:
@@ -182,7 +188,6 @@ def latest_eyas_draft(run_dir: Path) -> Path | None:
 
     ck = checkpoint_dirs(run_dir)
     return ck[-1] if ck else None
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,25 +210,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--main-budget-s", type=float, default=180.0)
     ap.add_argument("--eyas-probe-steps", type=int, default=30)
     ap.add_argument("--spec-probe-steps", type=int, default=20)
-    ap.add_argument("--eyas-args", default="--ttt-steps 7 --lr 5e-4 --tokens-per-batch 8192 --warmup 30",
-                    help="eyas train settings of the main run (ablations vary one thing each).")
+    ap.add_argument(
+        "--eyas-args",
+        default="--ttt-steps 7 --lr 5e-4 --tokens-per-batch 8192 --warmup 30",
+        help="eyas train settings of the main run (ablations vary one thing each).",
+    )
     # its fused Triton KL loss breaks torch.compile (dynamo) on torch 2.11, the GPU machine's torch
     # (RESULTS.md, 2026-11-30); its own eager implementation is the switch it offers for that
-    ap.add_argument("--spec-args", default="--loss-implementation eager",
-                    help="Extra speculators flags (default: its eager loss, see above).")
-    ap.add_argument("--spec-epochs", type=int, default=None,
-                    help="With --spec-probe-steps 0: speculators' epochs, planned from an earlier probe.")
-    ap.add_argument("--spec-allowance-s", type=float, default=0.0,
-                    help="With --spec-probe-steps 0: its first validation's compile time (spec_train.py).")
+    ap.add_argument(
+        "--spec-args",
+        default="--loss-implementation eager",
+        help="Extra speculators flags (default: its eager loss, see above).",
+    )
+    ap.add_argument(
+        "--spec-epochs",
+        type=int,
+        default=None,
+        help="With --spec-probe-steps 0: speculators' epochs, planned from an earlier probe.",
+    )
+    ap.add_argument(
+        "--spec-allowance-s",
+        type=float,
+        default=0.0,
+        help="With --spec-probe-steps 0: its first validation's compile time (spec_train.py).",
+    )
     ap.add_argument("--spec-workers", type=int, default=8)
-    ap.add_argument("--ablations", default=",".join(ABLATIONS),
-                    help="rest phase: the ablations to train ('' for none: only the main drafts are evaluated).")
-    ap.add_argument("--train", default="speculators,eyas",
-                    help="main phase: the trainers this call runs (both: at once on 2 GPUs, one after the "
-                         "other on 1); a later main call on the same machine reuses the data and stores")
-    ap.add_argument("--abl-args", action="append", default=[], metavar="NAME=ARGS",
-                    help="rest phase, repeatable: an extra ablation, the main eyas run with ARGS changed "
-                         "(e.g. 'no_fc_norm=--draft-config fc_norm=false'), on the regenerated data")
+    ap.add_argument(
+        "--ablations",
+        default=",".join(ABLATIONS),
+        help="rest phase: the ablations to train ('' for none: only the main drafts are evaluated).",
+    )
+    ap.add_argument(
+        "--train",
+        default="speculators,eyas",
+        help="main phase: the trainers this call runs (both: at once on 2 GPUs, one after the "
+        "other on 1); a later main call on the same machine reuses the data and stores",
+    )
+    ap.add_argument(
+        "--abl-args",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="rest phase, repeatable: an extra ablation, the main eyas run with ARGS changed "
+        "(e.g. 'no_fc_norm=--draft-config fc_norm=false'), on the regenerated data",
+    )
     ap.add_argument("--abl-steps", type=int, default=0, help="0: the main eyas run's steps.")
     ap.add_argument("--eval-max-per-category", type=int, default=10, help="10: all 80 MT-bench questions.")
     ap.add_argument("--abl-eval-max-per-category", type=int, default=10)
@@ -231,14 +261,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-max-new", type=int, default=128)
     ap.add_argument("--eval-dtype", default="bfloat16")
     ap.add_argument("--eval-workers", type=int, default=8, help="`eyas evaluate --workers` of each evaluation.")
-    ap.add_argument("--eval-engine", choices=["replay", "builtin"], default="replay",
-                    help="replay: every k of a draft from one pass over the target's greedy answers, which "
-                         "every draft shares (WORK/references.jsonl); builtin: the speculative loop, one "
-                         "evaluation per k, --eval-workers processes each")
+    ap.add_argument(
+        "--eval-engine",
+        choices=["replay", "builtin"],
+        default="replay",
+        help="replay: every k of a draft from one pass over the target's greedy answers, which "
+        "every draft shares (WORK/references.jsonl); builtin: the speculative loop, one "
+        "evaluation per k, --eval-workers processes each",
+    )
     ap.add_argument("--eval-ks", default="3,5,7", help="k of the main drafts' evaluations.")
-    ap.add_argument("--curve-every-s", type=float, default=120.0,
-                    help="main phase: eyas checkpoints this often (from the probe's step time); rest phase "
-                         "evaluates every checkpoint of both main runs for the tau-against-time curve (0: none)")
+    ap.add_argument(
+        "--curve-every-s",
+        type=float,
+        default=120.0,
+        help="main phase: eyas checkpoints this often (from the probe's step time); rest phase "
+        "evaluates every checkpoint of both main runs for the tau-against-time curve (0: none)",
+    )
     ap.add_argument("--curve-k", type=int, default=5)
     ap.add_argument("--curve-max-per-category", type=int, default=10)
     a = ap.parse_args(argv)
@@ -260,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     state = work / "results.json"
     # a later call on the same machine continues the state (main --train eyas after main --train speculators)
-    res: dict[str, Any] = json.loads(state.read_text()) if state.is_file() else {
-        "kind": "eyas-quality-comparison", "stages": {}}
+    res: dict[str, Any] = (
+        json.loads(state.read_text()) if state.is_file() else {"kind": "eyas-quality-comparison", "stages": {}}
+    )
     # one key per call: main, main-2, ... (a split main phase), rest
     n = sum(1 for k in res.get("args", {}) if k.split("-")[0] == a.phase)
     call = a.phase if n == 0 else f"{a.phase}-{n + 1}"
@@ -325,17 +364,40 @@ def _data(r: Runner, a, work: Path, res: dict, save) -> None:
     layers = ["--layers", a.layers] if a.layers else []
     abls = a.ablations.split(",")
     t = time.time()
-    preps = {"regenerated": work / "prep_regen", "original": work / "prep_orig",
-             "regenerated_small_vocab": work / "prep_regen_small"}
-    srcs = {"regenerated": (a.regenerated, a.vocab), "original": (a.original, a.vocab),
-            "regenerated_small_vocab": (a.regenerated, a.vocab_small)}
+    preps = {
+        "regenerated": work / "prep_regen",
+        "original": work / "prep_orig",
+        "regenerated_small_vocab": work / "prep_regen_small",
+    }
+    srcs = {
+        "regenerated": (a.regenerated, a.vocab),
+        "original": (a.original, a.vocab),
+        "regenerated_small_vocab": (a.regenerated, a.vocab_small),
+    }
     if "original_data" not in abls:
         del preps["original"]
     if "small_vocab" not in abls:
         del preps["regenerated_small_vocab"]
-    procs = {name: r.start(f"prepare_{name}", r.eyas(
-        "prepare", "--target", T, "--data", srcs[name][0], "--out", preps[name], "--draft-vocab-size",
-        srcs[name][1], "--max-length", a.max_length, "--quiet")) for name in preps}
+    procs = {
+        name: r.start(
+            f"prepare_{name}",
+            r.eyas(
+                "prepare",
+                "--target",
+                T,
+                "--data",
+                srcs[name][0],
+                "--out",
+                preps[name],
+                "--draft-vocab-size",
+                srcs[name][1],
+                "--max-length",
+                a.max_length,
+                "--quiet",
+            ),
+        )
+        for name in preps
+    }
     for p in procs.values():
         r.wait(p)
     res["data"] = {}
@@ -356,15 +418,30 @@ def _data(r: Runner, a, work: Path, res: dict, save) -> None:
     while pending or running:
         while pending and len(running) < lanes:
             i, name = pending.pop(0)
-            running[name] = r.start(f"extract_{name}", r.eyas(
-                "extract", "--target", T, "--data", preps[name], "--out", stores[name], "--device", dev, *layers),
-                env=_gpu_env(r, i))
+            running[name] = r.start(
+                f"extract_{name}",
+                r.eyas(
+                    "extract", "--target", T, "--data", preps[name], "--out", stores[name], "--device", dev, *layers
+                ),
+                env=_gpu_env(r, i),
+            )
         name = next(iter(running))  # the oldest; the regenerated set first
         r.wait(running.pop(name))
         if name == "regenerated":
-            p_conv = r.start("to_speculators", [a.spec_python, HERE / "to_speculators.py", "--store",
-                                                stores[name], "--out", spec_data, "--threads", "8"],
-                             env=r.spec_env())
+            p_conv = r.start(
+                "to_speculators",
+                [
+                    a.spec_python,
+                    HERE / "to_speculators.py",
+                    "--store",
+                    stores[name],
+                    "--out",
+                    spec_data,
+                    "--threads",
+                    "8",
+                ],
+                env=r.spec_env(),
+            )
     r.wait(p_conv)
     res["speculators_data"] = json.loads((spec_data / "eyas_conversion.json").read_text())
     res["stores"] = {k: str(v) for k, v in stores.items()}
@@ -374,9 +451,22 @@ def _data(r: Runner, a, work: Path, res: dict, save) -> None:
 
 
 def _spec_start(r: Runner, a, work: Path) -> subprocess.Popen:
-    cmd = [a.spec_python, HERE / "spec_train.py", "--verifier", a.target, "--data", work / "spec_data",
-           "--out", work / "spec_main", "--budget-s", a.main_budget_s,
-           "--probe-steps", a.spec_probe_steps, "--num-workers", a.spec_workers]
+    cmd = [
+        a.spec_python,
+        HERE / "spec_train.py",
+        "--verifier",
+        a.target,
+        "--data",
+        work / "spec_data",
+        "--out",
+        work / "spec_main",
+        "--budget-s",
+        a.main_budget_s,
+        "--probe-steps",
+        a.spec_probe_steps,
+        "--num-workers",
+        a.spec_workers,
+    ]
     if a.spec_probe_steps == 0:
         if not a.spec_epochs:
             raise ValueError("--spec-probe-steps 0 needs --spec-epochs (and --spec-allowance-s)")
@@ -396,8 +486,20 @@ def _spec_finish(r: Runner, a, work: Path, res: dict, ps: subprocess.Popen, time
     sm = json.loads(sj.read_text()) if sj.is_file() else {"error": f"rc={ps.returncode}, see logs/spec_main.log"}
     res["spec_main"] = sm
     if sm.get("checkpoint"):
-        r.run("spec_convert", [a.python, HERE / "from_speculators.py", "--ckpt", sm["checkpoint"],
-                               "--target", a.target, "--out", work / "spec_draft"], env=r.spec_env())
+        r.run(
+            "spec_convert",
+            [
+                a.python,
+                HERE / "from_speculators.py",
+                "--ckpt",
+                sm["checkpoint"],
+                "--target",
+                a.target,
+                "--out",
+                work / "spec_draft",
+            ],
+            env=r.spec_env(),
+        )
         res["spec_main"]["draft"] = str(work / "spec_draft")
 
 
@@ -405,8 +507,11 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
     preps, stores = {k: Path(v) for k, v in res["preps"].items()}, {k: Path(v) for k, v in res["stores"].items()}
     eyas_args = a.eyas_args.split()
     t = time.time()
-    pp = r.start("eyas_probe", eyas_train(r, a, "eyas_probe", preps["regenerated"], stores["regenerated"],
-                                          eyas_args, a.eyas_probe_steps, 0), env=_gpu_env(r, 0))
+    pp = r.start(
+        "eyas_probe",
+        eyas_train(r, a, "eyas_probe", preps["regenerated"], stores["regenerated"], eyas_args, a.eyas_probe_steps, 0),
+        env=_gpu_env(r, 0),
+    )
     r.wait(pp, check=False)
     # fallbacks, measured ones, in order: eager instead of --compile, then dense instead of flex
     fallbacks = []
@@ -416,15 +521,20 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
         fallbacks.append(("--attention", "flex attention failed in the probe; dense used"))
     while pp.returncode != 0 and fallbacks:
         flag, why = fallbacks.pop(0)
-        eyas_args = [x for x in eyas_args if x != "--compile"] if flag == "--compile" \
-            else eyas_args + ["--attention", "dense"]
+        eyas_args = (
+            [x for x in eyas_args if x != "--compile"] if flag == "--compile" else eyas_args + ["--attention", "dense"]
+        )
         log(f"eyas probe failed: {why}")
         res.setdefault("eyas_fallback", []).append(why)
         shutil.rmtree(work / "eyas_probe", ignore_errors=True)
         t = time.time()
-        pp = r.start(f"eyas_probe_{flag.strip('-')}", eyas_train(r, a, "eyas_probe", preps["regenerated"],
-                                                                 stores["regenerated"], eyas_args,
-                                                                 a.eyas_probe_steps, 0), env=_gpu_env(r, 0))
+        pp = r.start(
+            f"eyas_probe_{flag.strip('-')}",
+            eyas_train(
+                r, a, "eyas_probe", preps["regenerated"], stores["regenerated"], eyas_args, a.eyas_probe_steps, 0
+            ),
+            env=_gpu_env(r, 0),
+        )
         r.wait(pp, check=False)
     if pp.returncode != 0:
         raise RuntimeError("eyas probe failed; see logs/eyas_probe*.log")
@@ -434,8 +544,11 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
         raise RuntimeError("eyas probe wrote no step timings (metrics.jsonl)")
     setup_s = max(0.0, probe_wall - a.eyas_probe_steps * step_s)
     steps = max(10, int(a.main_budget_s * 0.97 / step_s))
-    res["eyas_main"] = em = {"probe": {"steps": a.eyas_probe_steps, "wall_s": probe_wall, "step_s": step_s,
-                                       "setup_s": setup_s}, "max_steps": steps, "args": eyas_args}
+    res["eyas_main"] = em = {
+        "probe": {"steps": a.eyas_probe_steps, "wall_s": probe_wall, "step_s": step_s, "setup_s": setup_s},
+        "max_steps": steps,
+        "args": eyas_args,
+    }
     log(f"eyas plan: {steps} steps at {step_s:.3f}s/step (setup {setup_s:.1f}s)")
     save()
     t_e = time.time()
@@ -445,9 +558,20 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
     every = max(1, int(a.curve_every_s / step_s)) if a.curve_every_s else max(1, steps // 4)
     em["save_every"] = every
     keep = ["--keep-checkpoints", 0] if a.curve_every_s else []  # every one is a point of the curve
-    p = r.start("eyas_main", eyas_train(r, a, "eyas_main", preps["regenerated"], stores["regenerated"],
-                                        eyas_args + ["--max-train-seconds", a.main_budget_s, *keep], steps, every),
-                env=_gpu_env(r, 0))
+    p = r.start(
+        "eyas_main",
+        eyas_train(
+            r,
+            a,
+            "eyas_main",
+            preps["regenerated"],
+            stores["regenerated"],
+            eyas_args + ["--max-train-seconds", a.main_budget_s, *keep],
+            steps,
+            every,
+        ),
+        env=_gpu_env(r, 0),
+    )
     dt = r.wait(p, timeout=1.5 * setup_s + 1.1 * a.main_budget_s + 20, check=False)
     em.update(wall_s=dt, rc=p.returncode, metrics_tail=read_metrics(work / "eyas_main")[-3:])
     em["draft"] = str(latest_eyas_draft(work / "eyas_main"))
@@ -455,17 +579,42 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
     em["summary"] = json.loads(summ.read_text()) if summ.is_file() else None
     if started_after is not None:
         em["started_after_speculators_s"] = started_after + (t_e - t)
-    log(f"eyas main: {dt:.0f}s" + (f", started {em['started_after_speculators_s']:.0f}s after speculators"
-                                   if started_after is not None else " (alone on its GPU)"))
+    log(
+        f"eyas main: {dt:.0f}s"
+        + (
+            f", started {em['started_after_speculators_s']:.0f}s after speculators"
+            if started_after is not None
+            else " (alone on its GPU)"
+        )
+    )
     save()
 
 
-def eyas_train(r: Runner, a, name: str, data: Path, store: Path, extra: list[str], steps: int,
-               save_every: int) -> list[str]:
-    return r.eyas("train", "--target", a.target, "--data", data, "--features", "offline", "--store", store,
-                  "--out", Path(a.work) / name,
-                  "--device", _device(a), "--max-steps", steps, "--eval-every", 0,
-                  "--save-every", save_every, *extra)
+def eyas_train(
+    r: Runner, a, name: str, data: Path, store: Path, extra: list[str], steps: int, save_every: int
+) -> list[str]:
+    return r.eyas(
+        "train",
+        "--target",
+        a.target,
+        "--data",
+        data,
+        "--features",
+        "offline",
+        "--store",
+        store,
+        "--out",
+        Path(a.work) / name,
+        "--device",
+        _device(a),
+        "--max-steps",
+        steps,
+        "--eval-every",
+        0,
+        "--save-every",
+        save_every,
+        *extra,
+    )
 
 
 def _with(args: list[str], flag: str, value: Any) -> list[str]:
@@ -498,8 +647,19 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     em, sm = res.get("eyas_main") or {}, res.get("spec_main") or {}
     # `eyas evaluate` itself, for eyas drafts and converted speculators ones alike
     # (from_speculators.py writes plain eyas drafts): --workers processes share the GPU
-    common = ["--target", a.target, "--prompts", a.prompts, "--device", _device(a), "--max-new-tokens",
-              a.eval_max_new, "--dtype", a.eval_dtype, "--quiet"]
+    common = [
+        "--target",
+        a.target,
+        "--prompts",
+        a.prompts,
+        "--device",
+        _device(a),
+        "--max-new-tokens",
+        a.eval_max_new,
+        "--dtype",
+        a.eval_dtype,
+        "--quiet",
+    ]
     ev_base = r.eyas("evaluate", "--engine", "builtin", *common, "--workers", a.eval_workers, "--no-plain")
     # replay: one target answer set for every draft, decoded by the first evaluation (the rest wait for it)
     ev_replay = r.eyas("evaluate", "--engine", "replay", *common, "--references", work / "references.jsonl")
@@ -507,17 +667,22 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     replayed: dict[str, dict] = {}
     slot = [0]
 
-    done_before = {n: e for n, e in (res.get("evaluations") or {}).items()
-                   if e.get("complete") and (res.get("eval_plan") or {}).get(n, {}).get("max_per_category")}
+    done_before = {
+        n: e
+        for n, e in (res.get("evaluations") or {}).items()
+        if e.get("complete") and (res.get("eval_plan") or {}).get(n, {}).get("max_per_category")
+    }
 
     def start_eval(name: str, draft: str, k: int, per_cat: int) -> None:
         plan = {"draft": draft, "k": k, "max_per_category": per_cat}
         if name in done_before and res["eval_plan"][name] == plan:
             log(f"eval {name}: complete from an earlier rest call")
             return
-        eval_procs[name] = r.start(f"eval_{name}", ev_base + [
-            "--draft", draft, "--out", work / f"eval_{name}", "-k", k, "--max-per-category", per_cat],
-            env=_gpu_env(r, slot[0]))
+        eval_procs[name] = r.start(
+            f"eval_{name}",
+            ev_base + ["--draft", draft, "--out", work / f"eval_{name}", "-k", k, "--max-per-category", per_cat],
+            env=_gpu_env(r, slot[0]),
+        )
         slot[0] += 1  # evaluations alternate over the GPUs
         res.setdefault("eval_plan", {})[name] = plan
 
@@ -537,10 +702,12 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     if em.get("max_steps") and (a.ablations.strip() or a.abl_args):
         steps = a.abl_steps or em["max_steps"]
         base = list(em["args"])
-        specs = {"ttt1": ("regenerated", _with(base, "--ttt-steps", 1)),
-                 "ttt3": ("regenerated", _with(base, "--ttt-steps", 3)),
-                 "original_data": ("original", base),
-                 "small_vocab": ("regenerated_small_vocab", base)}
+        specs = {
+            "ttt1": ("regenerated", _with(base, "--ttt-steps", 1)),
+            "ttt3": ("regenerated", _with(base, "--ttt-steps", 3)),
+            "original_data": ("original", base),
+            "small_vocab": ("regenerated_small_vocab", base),
+        }
         specs = {k: v for k, v in specs.items() if k in a.ablations.split(",")}
         for spec in a.abl_args:  # NAME=ARGS: the main run's settings with ARGS changed
             name, _, changes = spec.partition("=")
@@ -548,8 +715,11 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
         for k in [k for k, (data, _) in specs.items() if data not in res["preps"]]:
             log(f"ablation {k}: its data set was not prepared in the main phase (its --ablations); skipped")
             del specs[k]
-        res["ablations"] = {"steps": steps, "reference": f"eyas_main ({' '.join(base)}; regenerated data, "
-                            f"vocab {a.vocab}, {em['max_steps']} steps)", "runs": abl}
+        res["ablations"] = {
+            "steps": steps,
+            "reference": f"eyas_main ({' '.join(base)}; regenerated data, vocab {a.vocab}, {em['max_steps']} steps)",
+            "runs": abl,
+        }
         for n, (name, (data, args)) in enumerate(specs.items()):
             run_dir = work / f"abl_{name}"
             abl[name] = {"data": data, "args": args}
@@ -561,9 +731,20 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
                 continue
             # cut off by an earlier call's deadline: continue from its last checkpoint
             resume = ["--resume"] if run_dir.is_dir() and latest_eyas_draft(run_dir) else []
-            procs[name] = r.start(f"abl_{name}", eyas_train(r, a, f"abl_{name}", Path(res["preps"][data]),
-                                                            Path(res["stores"][data]), args + resume, steps,
-                                                            max(1, steps // 4)), env=_gpu_env(r, n))
+            procs[name] = r.start(
+                f"abl_{name}",
+                eyas_train(
+                    r,
+                    a,
+                    f"abl_{name}",
+                    Path(res["preps"][data]),
+                    Path(res["stores"][data]),
+                    args + resume,
+                    steps,
+                    max(1, steps // 4),
+                ),
+                env=_gpu_env(r, n),
+            )
     for who, d in (("eyas", em.get("draft")), ("speculators", sm.get("draft"))):
         if d in (None, "None") or not Path(d).exists():
             log(f"no {who} draft to evaluate")
@@ -574,9 +755,14 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     save()
     for name, p in procs.items():
         dt = r.wait_by(p, list(procs.values()), margin=60, floor=10)
-        abl[name].update(wall_s=dt, rc=p.returncode, draft=str(latest_eyas_draft(work / f"abl_{name}")),
-                         summary=json.loads((work / f"abl_{name}" / "summary.json").read_text())
-                         if (work / f"abl_{name}" / "summary.json").is_file() else None)
+        abl[name].update(
+            wall_s=dt,
+            rc=p.returncode,
+            draft=str(latest_eyas_draft(work / f"abl_{name}")),
+            summary=json.loads((work / f"abl_{name}" / "summary.json").read_text())
+            if (work / f"abl_{name}" / "summary.json").is_file()
+            else None,
+        )
         if (work / f"abl_{name}" / "draft" / "model.safetensors").is_file():
             evaluate_ks(f"abl_{name}", abl[name]["draft"], ks, a.abl_eval_max_per_category)
         else:  # a checkpoint is not the ablation's draft: another rest call resumes it
@@ -590,17 +776,20 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
         if p.returncode == 0:
             reports[name] = report_summary(sub / "report.json")
         else:  # stopped at the deadline: the questions it finished (a later call resumes the rest)
-            reports[name] = {**partial_tau(sub / "records.jsonl", int(res["eval_plan"][name]["k"])),
-                             "complete": False}
+            reports[name] = {**partial_tau(sub / "records.jsonl", int(res["eval_plan"][name]["k"])), "complete": False}
     res["evaluations"] = reports
     verdict = {}
     for k in [int(k) for k in a.eval_ks.split(",") if k]:
         e, s = reports.get(f"eyas_k{k}", {}), reports.get(f"speculators_k{k}", {})
         if e.get("tau") is not None and s.get("tau") is not None:
-            verdict[f"k{k}"] = {"eyas_tau": e["tau"], "speculators_tau": s["tau"], "difference": e["tau"] - s["tau"],
-                                "relative": (e["tau"] - s["tau"]) / s["tau"],
-                                "eyas_at_least_speculators": e["tau"] >= s["tau"],
-                                "prompts": [e["prompts"], s["prompts"]]}
+            verdict[f"k{k}"] = {
+                "eyas_tau": e["tau"],
+                "speculators_tau": s["tau"],
+                "difference": e["tau"] - s["tau"],
+                "relative": (e["tau"] - s["tau"]) / s["tau"],
+                "eyas_at_least_speculators": e["tau"] >= s["tau"],
+                "prompts": [e["prompts"], s["prompts"]],
+            }
     res["verdict"] = verdict
     res["eval_engine"] = a.eval_engine
     log(f"verdict: {json.dumps(verdict)}")
@@ -612,13 +801,21 @@ def report_summary(path: Path) -> dict[str, Any]:
     """What results.json keeps of one `eyas evaluate` report."""
     rep = json.loads(path.read_text())
     o = rep["overall"]
-    return {"tau": o["tau"], "acceptance_rate_per_pos": o["acceptance_rate_per_pos"], "prompts": o["prompts"],
-            "rounds": o["rounds"], "new_tokens": o["new_tokens"], "engine": rep.get("engine"),
-            "per_category_tau": {c: v["tau"] for c, v in rep["per_category"].items()}, "complete": True}
+    return {
+        "tau": o["tau"],
+        "acceptance_rate_per_pos": o["acceptance_rate_per_pos"],
+        "prompts": o["prompts"],
+        "rounds": o["rounds"],
+        "new_tokens": o["new_tokens"],
+        "engine": rep.get("engine"),
+        "per_category_tau": {c: v["tau"] for c, v in rep["per_category"].items()},
+        "complete": True,
+    }
 
 
-def replay_eval(r: Runner, ev_replay: list[str], out: Path, base: str, draft: str, ks: list[int],
-                per_cat: int) -> dict[str, dict]:
+def replay_eval(
+    r: Runner, ev_replay: list[str], out: Path, base: str, draft: str, ks: list[int], per_cat: int
+) -> dict[str, dict]:
     """`eyas evaluate --engine replay` of ``draft`` at every k of ``ks`` in one run (seconds on a GPU
     once the shared answers exist): ``{base}_k{k}`` -> summary; {} when it failed or ran out of time."""
     cmd = ev_replay + ["--draft", draft, "--out", out, "-k", ks[0], "--max-per-category", per_cat]
@@ -629,8 +826,9 @@ def replay_eval(r: Runner, ev_replay: list[str], out: Path, base: str, draft: st
     except RuntimeError as e:
         log(f"eval {base}: {e}")
         return {}
-    return {f"{base}_k{k}": report_summary(out / ("" if k == ks[0] else f"k{k}") / "replay" / "report.json")
-            for k in ks}
+    return {
+        f"{base}_k{k}": report_summary(out / ("" if k == ks[0] else f"k{k}") / "replay" / "report.json") for k in ks
+    }
 
 
 def curve(r: Runner, a, work: Path, ev_replay: list[str] | None) -> dict[str, list[dict]]:
@@ -647,11 +845,24 @@ def curve(r: Runner, a, work: Path, ev_replay: list[str] | None) -> dict[str, li
     for ck in checkpoint_dirs(work / "eyas_main"):
         step = int(ck.name.split("-")[1])
         at = [m["elapsed_s"] for m in recs if m["step"] <= step]
-        got = replay_eval(r, ev_replay, work / f"curve_eyas_{step}", f"curve_eyas_{step}", str(ck), [a.curve_k],
-                          a.curve_max_per_category)
+        got = replay_eval(
+            r,
+            ev_replay,
+            work / f"curve_eyas_{step}",
+            f"curve_eyas_{step}",
+            str(ck),
+            [a.curve_k],
+            a.curve_max_per_category,
+        )
         if got and at:
-            out["eyas"].append({"step": step, "train_s": at[-1] - recs[0]["elapsed_s"],
-                                "tau": got[f"curve_eyas_{step}_k{a.curve_k}"]["tau"], "draft": str(ck)})
+            out["eyas"].append(
+                {
+                    "step": step,
+                    "train_s": at[-1] - recs[0]["elapsed_s"],
+                    "tau": got[f"curve_eyas_{step}_k{a.curve_k}"]["tau"],
+                    "draft": str(ck),
+                }
+            )
     sj = work / "spec_main" / "spec_train.json"
     saved = (json.loads(sj.read_text()).get("run") or {}).get("ckpt_at", []) if sj.is_file() else []
     for c in saved:  # {"epoch", "after_first_step_s"} per maybe_save_checkpoint call
@@ -661,15 +872,24 @@ def curve(r: Runner, a, work: Path, ev_replay: list[str] | None) -> dict[str, li
         name = f"curve_spec_{c['epoch']}"
         draft = work / f"{name}_draft"
         try:
-            r.run(f"{name}_convert", [a.python, HERE / "from_speculators.py", "--ckpt", ck,
-                                      "--target", a.target, "--out", draft], env=r.spec_env())
+            r.run(
+                f"{name}_convert",
+                [a.python, HERE / "from_speculators.py", "--ckpt", ck, "--target", a.target, "--out", draft],
+                env=r.spec_env(),
+            )
         except RuntimeError as e:
             log(f"curve: {e}")
             continue
         got = replay_eval(r, ev_replay, work / name, name, str(draft), [a.curve_k], a.curve_max_per_category)
         if got:
-            out["speculators"].append({"epoch": c["epoch"], "train_s": c["after_first_step_s"],
-                                       "tau": got[f"{name}_k{a.curve_k}"]["tau"], "draft": str(ck)})
+            out["speculators"].append(
+                {
+                    "epoch": c["epoch"],
+                    "train_s": c["after_first_step_s"],
+                    "tau": got[f"{name}_k{a.curve_k}"]["tau"],
+                    "draft": str(ck),
+                }
+            )
     log(f"curve: {json.dumps(out)}")
     return out
 
@@ -687,12 +907,12 @@ def plot(res: dict, out: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     # the comparison first, then the ablations; one colour per draft, k=3 and k=5 in two shades
     rank = {"eyas": 0, "speculators": 1}
-    names = sorted((n for n in ev if ev[n].get("tau") is not None),
-                   key=lambda n: (rank.get(n.rsplit("_k", 1)[0], 2), n))
+    names = sorted(
+        (n for n in ev if ev[n].get("tau") is not None), key=lambda n: (rank.get(n.rsplit("_k", 1)[0], 2), n)
+    )
     drafts = list(dict.fromkeys(n.rsplit("_k", 1)[0] for n in names))
     cmap = plt.get_cmap("tab20")
-    colour = {n: cmap((2 * drafts.index(n.rsplit("_k", 1)[0])) % 20 + (1 if n.endswith("_k3") else 0))
-              for n in names}
+    colour = {n: cmap((2 * drafts.index(n.rsplit("_k", 1)[0])) % 20 + (1 if n.endswith("_k3") else 0)) for n in names}
     axes[0].barh(names, [ev[n]["tau"] for n in names], color=[colour[n] for n in names])
     for i, n in enumerate(names):  # the turn count: ablations run on fewer questions
         axes[0].text(ev[n]["tau"], i, f" {ev[n]['tau']:.3f} ({ev[n].get('prompts', '?')} turns)", va="center")
@@ -704,12 +924,19 @@ def plot(res: dict, out: Path) -> None:
         rates = ev[n]["acceptance_rate_per_pos"]
         if len(rates) != longest:
             continue
-        axes[1].plot(range(1, len(rates) + 1), rates, marker="o", label=n, color=colour[n],
-                     linestyle=":" if n.startswith("abl") else "-", linewidth=1 if n.startswith("abl") else 2)
+        axes[1].plot(
+            range(1, len(rates) + 1),
+            rates,
+            marker="o",
+            label=n,
+            color=colour[n],
+            linestyle=":" if n.startswith("abl") else "-",
+            linewidth=1 if n.startswith("abl") else 2,
+        )
     axes[1].set_xlabel(f"draft position (k={longest})")
     axes[1].set_ylabel("acceptance rate")
     axes[1].legend(fontsize=7)
-    em = (res.get("eyas_main") or {})
+    em = res.get("eyas_main") or {}
     budget = next(iter((res.get("args") or {}).values()), {}).get("main_budget_s")
     used = []
     if em.get("summary", {}) and em.get("wall_s"):
@@ -717,8 +944,11 @@ def plot(res: dict, out: Path) -> None:
     sm = (res.get("spec_main") or {}).get("run") or {}
     if sm.get("steps"):
         used.append(f"speculators {sm['steps']} steps")
-    fig.suptitle(f"eyas vs speculators 0.9.0, same features, {budget} s training budget planned each "
-                 f"({', '.join(used) or 'see results.json'}; time actually used: RESULTS.md)", fontsize=9)
+    fig.suptitle(
+        f"eyas vs speculators 0.9.0, same features, {budget} s training budget planned each "
+        f"({', '.join(used) or 'see results.json'}; time actually used: RESULTS.md)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(out / "quality.png", dpi=120)
     plt.close(fig)

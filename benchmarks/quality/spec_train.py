@@ -65,14 +65,16 @@ class Probe:
 
     def summary(self) -> dict:
         d = [b - a for a, b in zip(self.steps, self.steps[1:])]
-        steady = d[len(d) // 3:] if len(d) >= 3 else d
+        steady = d[len(d) // 3 :] if len(d) >= 3 else d
         return {
             "steps": len(self.steps),
             "after_first_step_s": (self.run_end - self.steps[0]) if self.steps and self.run_end else None,
             "first_step_s": (self.steps[0] - self.run_start) if self.steps and self.run_start else None,
             "step_s_median": statistics.median(steady) if steady else None,
             "loop_s": (self.run_end - self.run_start) if self.run_end and self.run_start else None,
-            "val_s": self.val_s, "ckpt_s": self.ckpt_s, "ckpt_at": self.ckpt_at,
+            "val_s": self.val_s,
+            "ckpt_s": self.ckpt_s,
+            "ckpt_at": self.ckpt_at,
             "steps_per_epoch": len(self.trainer.train_loader) if self.trainer is not None else None,
             "interrupted": self.interrupted,
         }
@@ -83,8 +85,7 @@ def instrument(probe: Probe, budget_s: float | None, cpu: bool) -> None:
     import speculators.train.trainer as tr
 
     T = tr.Trainer
-    orig = {n: getattr(T, n) for n in ("__init__", "train_epoch", "val_epoch",
-                                       "maybe_save_checkpoint", "run_training")}
+    orig = {n: getattr(T, n) for n in ("__init__", "train_epoch", "val_epoch", "maybe_save_checkpoint", "run_training")}
 
     def __init__(self, *a, **k):
         probe.trainer = self
@@ -102,6 +103,7 @@ def instrument(probe: Probe, budget_s: float | None, cpu: bool) -> None:
                 probe.timer = timer
             if step_callback is not None:
                 step_callback()
+
         return orig["train_epoch"](self, epoch, step_callback=cb)
 
     def val_epoch(self, epoch):
@@ -113,8 +115,7 @@ def instrument(probe: Probe, budget_s: float | None, cpu: bool) -> None:
 
     def maybe_save_checkpoint(self, epoch, local_step=0):
         t = time.perf_counter()
-        probe.ckpt_at.append({"epoch": str(epoch),
-                              "after_first_step_s": (t - probe.steps[0]) if probe.steps else None})
+        probe.ckpt_at.append({"epoch": str(epoch), "after_first_step_s": (t - probe.steps[0]) if probe.steps else None})
         try:
             return orig["maybe_save_checkpoint"](self, epoch, local_step=local_step)
         finally:
@@ -170,10 +171,22 @@ def _cpu_shims() -> None:
 
 def base_argv(a: argparse.Namespace, save_path: Path, extra: list[str]) -> list[str]:
     conv = json.loads((Path(a.data) / "eyas_conversion.json").read_text())
-    argv = ["--verifier-name-or-path", str(a.verifier), "--data-path", str(a.data),
-            "--save-path", str(save_path), "--draft-vocab-size", str(conv["draft_vocab_size"]),
-            "--target-layer-ids", *[str(i) for i in conv["aux_layers"]],
-            "--log-dir", str(save_path / "logs"), "--num-workers", str(a.num_workers)]
+    argv = [
+        "--verifier-name-or-path",
+        str(a.verifier),
+        "--data-path",
+        str(a.data),
+        "--save-path",
+        str(save_path),
+        "--draft-vocab-size",
+        str(conv["draft_vocab_size"]),
+        "--target-layer-ids",
+        *[str(i) for i in conv["aux_layers"]],
+        "--log-dir",
+        str(save_path / "logs"),
+        "--num-workers",
+        str(a.num_workers),
+    ]
     if a.ttt_steps is not None:
         argv += ["--ttt-steps", str(a.ttt_steps)]
     if a.cpu:
@@ -187,8 +200,10 @@ def run_once(argv: list[str], budget_s: float | None, cpu: bool) -> Probe:
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
 
-    saved = {n: getattr(tr.Trainer, n) for n in ("__init__", "train_epoch", "val_epoch",
-                                                  "maybe_save_checkpoint", "run_training")}
+    saved = {
+        n: getattr(tr.Trainer, n)
+        for n in ("__init__", "train_epoch", "val_epoch", "maybe_save_checkpoint", "run_training")
+    }
     probe = Probe()
     instrument(probe, budget_s, cpu)
     try:
@@ -222,16 +237,23 @@ def plan(budget_s: float, p: dict, margin: float = 0.97) -> dict:
     while n > 1 and cost(n) > avail:
         n -= 1
     n = max(1, n)
-    return {"epochs": math.ceil(n / spe), "max_steps": n if n % spe else None, "expected_s": cost(n),
-            "allowance_s": allowance}
+    return {
+        "epochs": math.ceil(n / spe),
+        "max_steps": n if n % spe else None,
+        "expected_s": cost(n),
+        "allowance_s": allowance,
+    }
 
 
 def final_checkpoint(save_path: Path) -> Path | None:
     """The interrupted checkpoint if the budget cut the run, else the highest epoch."""
     if (save_path / "interrupted" / "config.json").is_file():
         return save_path / "interrupted"
-    epochs = [d for d in save_path.iterdir() if d.is_dir() and not d.is_symlink() and d.name.isdigit()
-              and (d / "config.json").is_file()]
+    epochs = [
+        d
+        for d in save_path.iterdir()
+        if d.is_dir() and not d.is_symlink() and d.name.isdigit() and (d / "config.json").is_file()
+    ]
     return max(epochs, key=lambda d: int(d.name)) if epochs else None
 
 
@@ -240,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     extra: list[str] = []
     if "--" in argv:
         i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+        argv, extra = argv[:i], argv[i + 1 :]
     ap = argparse.ArgumentParser(description="speculators 0.9.0 EAGLE-3 trainer under a wall-clock budget")
     ap.add_argument("--verifier", required=True, help="Target HF directory.")
     ap.add_argument("--data", required=True, help="Output of to_speculators.py.")
@@ -249,9 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-steps", type=int, default=30, help="0: no probe, use --epochs/--max-steps.")
     ap.add_argument("--epochs", type=int, default=None, help="With --probe-steps 0 only.")
     ap.add_argument("--max-steps", type=int, default=None, help="With --probe-steps 0 only.")
-    ap.add_argument("--allowance-s", type=float, default=0.0,
-                    help="With --probe-steps 0: timer seconds beyond the budget for the first validation's "
-                         "compilation (a probe measures it).")
+    ap.add_argument(
+        "--allowance-s",
+        type=float,
+        default=0.0,
+        help="With --probe-steps 0: timer seconds beyond the budget for the first validation's "
+        "compilation (a probe measures it).",
+    )
     ap.add_argument("--ttt-steps", type=int, default=None, help="Default: speculators' own (3).")
     ap.add_argument("--num-workers", type=int, default=8, help="Its dataloader workers (its default 12).")
     ap.add_argument("--cpu", action="store_true", help="Tests only: run without an accelerator.")
@@ -268,8 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         result["probe"] = p
         result["plan"] = plan(a.budget_s, p)
     else:
-        result["plan"] = {"epochs": a.epochs, "max_steps": a.max_steps, "expected_s": None,
-                          "allowance_s": a.allowance_s}
+        result["plan"] = {
+            "epochs": a.epochs,
+            "max_steps": a.max_steps,
+            "expected_s": None,
+            "allowance_s": a.allowance_s,
+        }
     run_dir = out / "run"
     ra = base_argv(a, run_dir, extra)
     if result["plan"]["epochs"] is not None:
@@ -288,8 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = out / "spec_train.json.tmp"
     tmp.write_text(json.dumps(result, indent=2))
     os.replace(tmp, out / "spec_train.json")
-    print(json.dumps({k: result[k] for k in ("plan", "checkpoint")} | {"run_loop_s": s["loop_s"],
-                                                                        "steps": s["steps"]}))
+    print(json.dumps({k: result[k] for k in ("plan", "checkpoint")} | {"run_loop_s": s["loop_s"], "steps": s["steps"]}))
     if ck is None:
         print("spec_train: no checkpoint was written", file=sys.stderr)
         return 1

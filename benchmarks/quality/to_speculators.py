@@ -44,14 +44,19 @@ def _write_sample(hs_dir: Path, row: int, sample) -> int:
     states = torch.cat([sample.aux, sample.final[:, None, :]], dim=1).contiguous()
     path = hs_dir / f"hs_{row}.safetensors"
     tmp = path.with_name(path.name + ".tmp")
-    save_file({"hidden_states": states, "token_ids": sample.input_ids.to(torch.long).contiguous()},
-              str(tmp))
+    save_file({"hidden_states": states, "token_ids": sample.input_ids.to(torch.long).contiguous()}, str(tmp))
     os.replace(tmp, path)
     return int(states.shape[0])
 
 
-def convert(store: str | os.PathLike, prepared: str | os.PathLike | None, out: str | os.PathLike,
-            limit: int | None = None, threads: int = 8, progress: bool = True) -> dict:
+def convert(
+    store: str | os.PathLike,
+    prepared: str | os.PathLike | None,
+    out: str | os.PathLike,
+    limit: int | None = None,
+    threads: int = 8,
+    progress: bool = True,
+) -> dict:
     """Write speculators' data directory for the store's samples (all, or the first ``limit``).
 
     Row i of the output is the i-th stored sample in index order. Returns a summary dict that is
@@ -73,12 +78,16 @@ def convert(store: str | os.PathLike, prepared: str | os.PathLike | None, out: s
     if not prepared:
         raise EyasError(f"store {store} records no prepared dataset path; pass --prepared")
     if man.get("convention") not in (None, "vllm") and "vllm" not in str(man.get("convention")):
-        raise EyasError(f"store {store}: layer convention {man.get('convention')!r} is not vLLM's; "
-                        "speculators 0.9.0 expects vLLM's aux ids (input of layer k) + final")
+        raise EyasError(
+            f"store {store}: layer convention {man.get('convention')!r} is not vLLM's; "
+            "speculators 0.9.0 expects vLLM's aux ids (input of layer k) + final"
+        )
     ds = open_prepared(prepared)
     if man.get("prepared_id") and ds.manifest.get("id") and man["prepared_id"] != ds.manifest["id"]:
-        raise EyasError(f"store {store} was extracted from prepared dataset {man['prepared_id']}, "
-                        f"not {prepared} ({ds.manifest.get('id')}); pass the matching --prepared")
+        raise EyasError(
+            f"store {store} was extracted from prepared dataset {man['prepared_id']}, "
+            f"not {prepared} ({ds.manifest.get('id')}); pass the matching --prepared"
+        )
     d2t, t2d = ds.draft_vocab()
     indices = sorted(int(i) for i in _store_indices(reader))
     if limit is not None:
@@ -100,14 +109,21 @@ def convert(store: str | os.PathLike, prepared: str | os.PathLike | None, out: s
 
     tokens = 0
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        for n in tqdm(pool.map(one, range(len(indices))), total=len(indices), disable=not progress,
-                      desc="to speculators", unit="sample"):
+        for n in tqdm(
+            pool.map(one, range(len(indices))),
+            total=len(indices),
+            disable=not progress,
+            desc="to speculators",
+            unit="sample",
+        ):
             tokens += n
-    table = datasets.Dataset.from_dict({
-        "input_ids": [r[0] for r in rows],
-        "loss_mask": [r[1] for r in rows],
-        "seq_len": [len(r[0]) for r in rows],
-    })
+    table = datasets.Dataset.from_dict(
+        {
+            "input_ids": [r[0] for r in rows],
+            "loss_mask": [r[1] for r in rows],
+            "seq_len": [len(r[0]) for r in rows],
+        }
+    )
     table.set_format(type="torch")
     # save_to_disk refuses a non-empty directory: write the table beside, then move it in
     table_dir = staging.with_name(staging.name + "-table")
@@ -120,11 +136,17 @@ def convert(store: str | os.PathLike, prepared: str | os.PathLike | None, out: s
     np.save(staging / f"d2t-{v}.npy", d2t.cpu().numpy().astype(np.int64))
     np.save(staging / f"t2d-{v}.npy", t2d.cpu().numpy().astype(bool))
     summary = {
-        "store": str(Path(store).resolve()), "prepared": str(Path(prepared).resolve()),
-        "samples": len(indices), "tokens": tokens, "aux_layers": list(man["aux_layers"]),
-        "final_layer": man.get("final_layer"), "dtype": man.get("dtype"),
-        "hidden_size": man.get("hidden_size"), "draft_vocab_size": v,
-        "convention": SPEC_CONVENTION, "seconds": round(time.perf_counter() - start, 2),
+        "store": str(Path(store).resolve()),
+        "prepared": str(Path(prepared).resolve()),
+        "samples": len(indices),
+        "tokens": tokens,
+        "aux_layers": list(man["aux_layers"]),
+        "final_layer": man.get("final_layer"),
+        "dtype": man.get("dtype"),
+        "hidden_size": man.get("hidden_size"),
+        "draft_vocab_size": v,
+        "convention": SPEC_CONVENTION,
+        "seconds": round(time.perf_counter() - start, 2),
     }
     (staging / "eyas_conversion.json").write_text(json.dumps(summary, indent=2))
     if out.exists():
@@ -142,8 +164,9 @@ def _store_indices(reader) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--store", required=True)
-    p.add_argument("--prepared", default=None,
-                   help="Prepared dataset (default: the one recorded in the store's manifest).")
+    p.add_argument(
+        "--prepared", default=None, help="Prepared dataset (default: the one recorded in the store's manifest)."
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--threads", type=int, default=8)

@@ -60,13 +60,31 @@ def train(name: str, args: list[str], a, out: Path, timeout_s: float | None) -> 
     if not resume:  # cut off by an earlier call without checkpoints: again from the start
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
-    cmd = ["eyas", "train", "--data", a.data, "--online", "--out", str(out), "--budget", str(a.budget),
-           "--tau-every", str(a.tau_every), "--quiet", *shlex.split(a.common), *args,
-           *(["--save-every", str(a.save_every)] if a.save_every else []), *(["--resume"] if resume else [])]
+    cmd = [
+        "eyas",
+        "train",
+        "--data",
+        a.data,
+        "--online",
+        "--out",
+        str(out),
+        "--budget",
+        str(a.budget),
+        "--tau-every",
+        str(a.tau_every),
+        "--quiet",
+        *shlex.split(a.common),
+        *args,
+        *(["--save-every", str(a.save_every)] if a.save_every else []),
+        *(["--resume"] if resume else []),
+    ]
     t = time.perf_counter()
     rc = run(cmd, out / "train.log", timeout_s if a.save_every else None)
-    log(f"{name}: train " + ("stopped at the deadline: the next call resumes it" if rc is None else f"exit {rc}")
-        + f" after {time.perf_counter() - t:.0f} s")
+    log(
+        f"{name}: train "
+        + ("stopped at the deadline: the next call resumes it" if rc is None else f"exit {rc}")
+        + f" after {time.perf_counter() - t:.0f} s"
+    )
     return rc == 0
 
 
@@ -81,11 +99,28 @@ def evaluate(name: str, out: Path, a) -> dict:
 def evaluate_set(name: str, out: Path, a, pset: str) -> dict | None:
     dest = out / f"eval-{pset}"
     if not (dest / "replay" / "report.json").is_file():
-        cmd = ["eyas", "evaluate", "--engine", "replay", "--draft", str(out / "draft"), "--prompts",
-               str(PROMPT_SETS[pset]), "-k", str(KS[1]), "--also-k", ",".join(str(k) for k in KS if k != KS[1]),
-               "--max-new-tokens", str(a.max_new_tokens),
-               "--references", str(Path(a.runs) / f"references-{pset}.jsonl"),
-               "--out", str(dest), "--quiet", *shlex.split(a.evaluate)]
+        cmd = [
+            "eyas",
+            "evaluate",
+            "--engine",
+            "replay",
+            "--draft",
+            str(out / "draft"),
+            "--prompts",
+            str(PROMPT_SETS[pset]),
+            "-k",
+            str(KS[1]),
+            "--also-k",
+            ",".join(str(k) for k in KS if k != KS[1]),
+            "--max-new-tokens",
+            str(a.max_new_tokens),
+            "--references",
+            str(Path(a.runs) / f"references-{pset}.jsonl"),
+            "--out",
+            str(dest),
+            "--quiet",
+            *shlex.split(a.evaluate),
+        ]
         rc = run(cmd, out / f"eval-{pset}.log")
         if rc:
             log(f"{name}: evaluate {pset} exit {rc}")
@@ -102,15 +137,28 @@ def result(name: str, args: list[str], out: Path, taus: dict, a) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     last = [r for r in recs if r["split"] == "train"][-1]
-    return {"name": name, "args": " ".join(args), "common": a.common, "budget_s": a.budget,
-            "steps": summary["steps"], "steps_s": summary["steps_s"], "first_step_s": summary["first_step_s"],
-            "epochs": summary["epochs"], "tokens_seen": summary["tokens_seen"], "final_loss": last["loss"],
-            "finite": all(r.get("finite", True) for r in recs if r["split"] == "train"),
-            "tau": taus, "train_tau": summary.get("tau"),
-            "train_tau_curve": [{"train_s": r["train_s"], "step": r["step"], "tau": r["tau"]}
-                                for r in recs if r["split"] == "tau"],
-            "max_new_tokens": a.max_new_tokens, "commit": a.commit,
-            "date": time.strftime("%Y-%m-%d"), "machine": a.machine}
+    return {
+        "name": name,
+        "args": " ".join(args),
+        "common": a.common,
+        "budget_s": a.budget,
+        "steps": summary["steps"],
+        "steps_s": summary["steps_s"],
+        "first_step_s": summary["first_step_s"],
+        "epochs": summary["epochs"],
+        "tokens_seen": summary["tokens_seen"],
+        "final_loss": last["loss"],
+        "finite": all(r.get("finite", True) for r in recs if r["split"] == "train"),
+        "tau": taus,
+        "train_tau": summary.get("tau"),
+        "train_tau_curve": [
+            {"train_s": r["train_s"], "step": r["step"], "tau": r["tau"]} for r in recs if r["split"] == "tau"
+        ],
+        "max_new_tokens": a.max_new_tokens,
+        "commit": a.commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": a.machine,
+    }
 
 
 def main() -> int:
@@ -124,11 +172,16 @@ def main() -> int:
     ap.add_argument("--common", default="", help="train args every configuration shares")
     ap.add_argument("--evaluate", default="", help="extra eyas evaluate args (device, dtype)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--deadline-s", type=float, default=None, help="seconds from now: no training starts that "
-                                                                    "would end after it")
+    ap.add_argument(
+        "--deadline-s", type=float, default=None, help="seconds from now: no training starts that would end after it"
+    )
     ap.add_argument("--eval-s", type=float, default=90, help="a configuration's evaluations, for the deadline")
-    ap.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps and resume a training "
-                                                                "cut off by the deadline (budgets past one call)")
+    ap.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="checkpoint every N steps and resume a training cut off by the deadline (budgets past one call)",
+    )
     ap.add_argument("--mirror", default=None, help="a second copy of RESULTS, written with it (the call's $OUT)")
     ap.add_argument("--only", default=None, help="comma-separated names: run just these")
     ap.add_argument("--commit", default="?")
@@ -137,8 +190,11 @@ def main() -> int:
     t0 = time.perf_counter()
     runs, results = Path(a.runs), Path(a.results)
     runs.mkdir(parents=True, exist_ok=True)
-    done = ({json.loads(ln)["name"] for ln in results.read_text().splitlines() if ln.strip()}
-            if results.is_file() else set())
+    done = (
+        {json.loads(ln)["name"] for ln in results.read_text().splitlines() if ln.strip()}
+        if results.is_file()
+        else set()
+    )
     configs = [(n, shlex.split(x)) for n, x in json.loads(Path(a.configs).read_text())]
     if a.only:
         keep = set(a.only.split(","))
@@ -165,8 +221,10 @@ def main() -> int:
             with open(path, "a") as fh:
                 fh.write(line)
         n += 1
-        log(f"{name}: " + "; ".join(f"{p} " + " ".join(f"k{k}={v['tau']:.3f}" for k, v in t.items())
-                                    for p, t in got.items()))
+        log(
+            f"{name}: "
+            + "; ".join(f"{p} " + " ".join(f"k{k}={v['tau']:.3f}" for k, v in t.items()) for p, t in got.items())
+        )
     log(f"done in {time.perf_counter() - t0:.0f} s: {n} configurations this call")
     return 0
 

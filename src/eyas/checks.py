@@ -27,8 +27,8 @@ class Range:
     hi: float | None = None
     lo_open: bool = False  # lo itself is not allowed
     hi_open: bool = False
-    what: str = ""        # what the value means, for the message
-    hint: str = ""        # what to do instead
+    what: str = ""  # what the value means, for the message
+    hint: str = ""  # what to do instead
 
     def problem(self, v: float) -> str | None:
         if isinstance(v, float) and math.isnan(v):
@@ -170,14 +170,14 @@ def coerce(value: Any, tp: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         # an integral float up to 2^53 (exact in a float): 1e30 is no count anyone meant
-        if isinstance(value, float) and value.is_integer() and abs(value) <= 2 ** 53:
+        if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
             return int(value)
         if isinstance(value, str):
             try:
                 f = float(value.strip())
             except ValueError:
                 raise _Mismatch from None
-            if f.is_integer() and abs(f) <= 2 ** 53:
+            if f.is_integer() and abs(f) <= 2**53:
                 return int(f)
         raise _Mismatch
     if tp is str:
@@ -221,8 +221,13 @@ def ranges_of(cls: type) -> dict[str, Range]:
     return {f.name: f.metadata["check"] for f in dataclasses.fields(cls) if f.metadata.get("check")}
 
 
-def check_values(values: Mapping[str, Any], types_: Mapping[str, Any], ranges: Mapping[str, Range],
-                 name: Callable[[str], str], sep: str = " = ") -> dict[str, Any]:
+def check_values(
+    values: Mapping[str, Any],
+    types_: Mapping[str, Any],
+    ranges: Mapping[str, Range],
+    name: Callable[[str], str],
+    sep: str = " = ",
+) -> dict[str, Any]:
     """Type-check and range-check ``values``; returns them coerced. ``name(key)`` spells a key in
     messages (``config X: train.lr`` or ``--lr``), ``sep`` goes between it and the value."""
     out = dict(values)
@@ -233,13 +238,14 @@ def check_values(values: Mapping[str, Any], types_: Mapping[str, Any], ranges: M
         except _Mismatch:
             allowed = choices(tp)
             if any(type(value) is type(c) for c in allowed):  # the right kind, not one of the values
-                raise EyasError(f"{name(key)}{sep}{value!r} is not one of {', '.join(map(repr, allowed))}; "
-                                "choose one of them") from None
+                raise EyasError(
+                    f"{name(key)}{sep}{value!r} is not one of {', '.join(map(repr, allowed))}; choose one of them"
+                ) from None
             what = "a number too large to be a count (above 2^53)" if _too_large(value, tp) else _kind(value)
             raise EyasError(f"{name(key)}{sep}{value!r} is {what}; expected {describe(tp)}") from None
         out[key] = v
         rule = ranges.get(key)
-        for x in (v if isinstance(v, tuple) else (v,)):
+        for x in v if isinstance(v, tuple) else (v,):
             if rule is None or x is None or isinstance(x, bool) or not isinstance(x, (int, float)):
                 continue
             problem = rule.problem(x)
@@ -265,14 +271,20 @@ def _too_large(value: Any, tp: Any) -> bool:
         f = float(value)
     except (TypeError, ValueError):
         return False
-    return math.isfinite(f) and abs(f) > 2 ** 53
+    return math.isfinite(f) and abs(f) > 2**53
 
 
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "a mapping"}.get(type(value), f"a {type(value).__name__}")
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }.get(type(value), f"a {type(value).__name__}")
 
 
 def check_dataclass(obj: Any, section: str) -> None:
@@ -283,8 +295,13 @@ def check_dataclass(obj: Any, section: str) -> None:
     cls = type(obj)
     values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
     types_ = {k: v for k, v in hints(cls).items() if nested_class(v) is None}
-    checked_ = check_values({k: v for k, v in values.items() if k in types_}, types_, ranges_of(cls),
-                            lambda k: f"{section}: {flag(cls, k)}", sep=" ")
+    checked_ = check_values(
+        {k: v for k, v in values.items() if k in types_},
+        types_,
+        ranges_of(cls),
+        lambda k: f"{section}: {flag(cls, k)}",
+        sep=" ",
+    )
     for k, v in checked_.items():
         if v is not values[k]:
             object.__setattr__(obj, k, v)

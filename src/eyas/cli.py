@@ -16,17 +16,22 @@ from rich.table import Table
 
 from eyas.errors import EyasError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Train EAGLE-3 draft models for a target LLM and serve them with vLLM.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Train EAGLE-3 draft models for a target LLM and serve them with vLLM.",
+)
 console = Console(stderr=True)
 
 
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="On an error, also print its traceback "
-                                     "(or set EYAS_DEBUG=1).")) -> None:
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="On an error, also print its traceback (or set EYAS_DEBUG=1)."),
+) -> None:
     """eyas: prepare -> extract -> train -> export -> evaluate."""
     if debug:
         os.environ["EYAS_DEBUG"] = "1"
+
 
 # Each stage module exposes register(app); listed here in pipeline order.
 STAGE_MODULES = [
@@ -59,13 +64,17 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print machine-rea
     auto = info["auto"]
     if auto.get("vllm"):
         flag = "[bold yellow]UNTESTED[/bold yellow] " if not auto["tested"] else ""
-        out.print(f"[bold]{'--backend auto':13}[/bold] {auto['backend']} with vLLM {auto['vllm']} "
-                  f"({auto['python']}): {flag}{auto['note']}")
+        out.print(
+            f"[bold]{'--backend auto':13}[/bold] {auto['backend']} with vLLM {auto['vllm']} "
+            f"({auto['python']}): {flag}{auto['note']}"
+        )
         if not auto["tested"]:
             from eyas.extract.selfcheck import DEFAULT_SAMPLES
 
-            out.print(" " * 14 + f"eyas extract first compares the first {DEFAULT_SAMPLES} samples' states with "
-                      "--backend hf and stops on a mismatch (--self-check N; 0 skips it)")
+            out.print(
+                " " * 14 + f"eyas extract first compares the first {DEFAULT_SAMPLES} samples' states with "
+                "--backend hf and stops on a mismatch (--self-check N; 0 skips it)"
+            )
     else:
         out.print(f"[bold]{'--backend auto':13}[/bold] {auto['backend'] or 'none'}: {auto['why']}")
 
@@ -80,8 +89,10 @@ def _os_error_line(e: OSError) -> str:
     if e.filename2:
         where = f"{e.filename} -> {e.filename2}"
     if e.errno == errno.ENOSPC:
-        return (f"no space left on the device holding {where}: free space there (or choose an --out on "
-                "another filesystem) and re-run the same command; it resumes where it stopped")
+        return (
+            f"no space left on the device holding {where}: free space there (or choose an --out on "
+            "another filesystem) and re-run the same command; it resumes where it stopped"
+        )
     if e.errno == errno.EROFS:
         return f"{where} is on a read-only filesystem; choose an --out on a writable one"
     if e.errno in (errno.EACCES, errno.EPERM):
@@ -100,11 +111,15 @@ def error_line(e: BaseException) -> tuple[str, int]:
     if isinstance(e, OSError):
         return _os_error_line(e), 2
     if isinstance(e, MemoryError):
-        return ("out of memory; lower the batch size (--batch-tokens, --tokens-per-batch, --batch-size) "
-                "or free memory, and re-run"), 2
+        return (
+            "out of memory; lower the batch size (--batch-tokens, --tokens-per-batch, --batch-size) "
+            "or free memory, and re-run"
+        ), 2
     first = (str(e).strip().splitlines() or [""])[0][:300]
-    return (f"unexpected {type(e).__name__}{': ' + first if first else ''}. This is a bug in eyas or an "
-            "input it does not check yet: re-run with --debug for the traceback and report it"), 1
+    return (
+        f"unexpected {type(e).__name__}{': ' + first if first else ''}. This is a bug in eyas or an "
+        "input it does not check yet: re-run with --debug for the traceback and report it"
+    ), 1
 
 
 def main(argv: list[str] | None = None) -> None:

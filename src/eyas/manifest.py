@@ -40,11 +40,11 @@ def read_manifest(directory: Path, name: str = MANIFEST, what: str = "directory"
         raise EyasError(f"{path}: not valid JSON ({e}); remove the directory and re-run the stage") from e
 
 
-def check_matches(found: dict[str, Any], expected: dict[str, Any], keys: Iterable[str],
-                  where: str, fix: str = "") -> None:
+def check_matches(
+    found: dict[str, Any], expected: dict[str, Any], keys: Iterable[str], where: str, fix: str = ""
+) -> None:
     """Raise naming every key whose value in ``found`` differs from ``expected``."""
-    diffs = [f"{k}: {found.get(k)!r} there, {expected.get(k)!r} here" for k in keys
-             if found.get(k) != expected.get(k)]
+    diffs = [f"{k}: {found.get(k)!r} there, {expected.get(k)!r} here" for k in keys if found.get(k) != expected.get(k)]
     if diffs:
         msg = f"{where} does not match: " + "; ".join(diffs)
         raise EyasError(msg + (f". {fix}" if fix else ""))

@@ -51,28 +51,38 @@ def _write_problem(folder: Path) -> str | None:
     return None
 
 
-def check_out(out: str | os.PathLike, flag: str = "--out", inputs: dict[str, Path | str | None] | None = None,
-              replaces: bool = False) -> None:
+def check_out(
+    out: str | os.PathLike,
+    flag: str = "--out",
+    inputs: dict[str, Path | str | None] | None = None,
+    replaces: bool = False,
+) -> None:
     """Raise one line naming ``out`` when a stage could not write it: it is a file (or lies under
     one), its folder is not writable or on a read-only filesystem, it is (or holds) the current
     folder while the stage ``replaces`` it whole, or it overlaps an input (``inputs``: name -> path,
     see :func:`eyas.fsio.refuse_overlap`). Nothing is created."""
     out = Path(out).expanduser()
     if out.exists() and not out.is_dir():
-        raise EyasError(f"{flag} {out} is a file, not a folder; pass the path of a folder (new or "
-                        f"existing), e.g. {out.with_name(out.name + '-out')}")
+        raise EyasError(
+            f"{flag} {out} is a file, not a folder; pass the path of a folder (new or "
+            f"existing), e.g. {out.with_name(out.name + '-out')}"
+        )
     base = _nearest_existing(out)
     if base != out and not base.is_dir():
-        raise EyasError(f"{flag} {out}: {base} is a file, so no folder can be made under it; choose "
-                        f"a {flag} whose parent is a folder")
+        raise EyasError(
+            f"{flag} {out}: {base} is a file, so no folder can be made under it; choose "
+            f"a {flag} whose parent is a folder"
+        )
     if inputs:  # before anything is tried in a folder that may be an input
         refuse_overlap(out, inputs, flag)
     if replaces:
         cwd, o = Path.cwd().resolve(), out.resolve()
         if o == cwd or o in cwd.parents:
-            raise EyasError(f"{flag} {out} is the current folder{'' if o == cwd else ' or holds it'}; "
-                            "replacing it would delete the folder you are in. Choose a new folder for "
-                            f"{flag} (nothing was written)")
+            raise EyasError(
+                f"{flag} {out} is the current folder{'' if o == cwd else ' or holds it'}; "
+                "replacing it would delete the folder you are in. Choose a new folder for "
+                f"{flag} (nothing was written)"
+            )
     where = out.parent if (replaces and out.exists()) else base
     where = _nearest_existing(where)
     problem = _write_problem(where)
@@ -82,8 +92,10 @@ def check_out(out: str | os.PathLike, flag: str = "--out", inputs: dict[str, Pat
             where, problem = out, problem_in
     if problem is not None:
         fix = "on a writable filesystem" if "read-only" in problem else "this user can write, with free space"
-        raise EyasError(f"{flag} {out}: {'the folder ' + str(where) if where != out else 'it'} {problem}; "
-                        f"choose a {flag} {fix} (nothing was written)")
+        raise EyasError(
+            f"{flag} {out}: {'the folder ' + str(where) if where != out else 'it'} {problem}; "
+            f"choose a {flag} {fix} (nothing was written)"
+        )
 
 
 # ------------------------------------------------------------------------------- the lock
@@ -107,8 +119,10 @@ def _holder(fd: int) -> str:
         return "pid unknown"
     host = info.get("host")
     here = host in (None, socket.gethostname())
-    return (f"pid {info['pid']}{'' if here else ' on ' + str(host)}, `{info.get('command', 'eyas')}`, "
-            f"since {info.get('since', '?')}")
+    return (
+        f"pid {info['pid']}{'' if here else ' on ' + str(host)}, `{info.get('command', 'eyas')}`, "
+        f"since {info.get('since', '?')}"
+    )
 
 
 def _open_locked(path: Path, out: Path, flag: str) -> int:
@@ -119,8 +133,10 @@ def _open_locked(path: Path, out: Path, flag: str) -> int:
         except BlockingIOError:
             who = _holder(fd)
             os.close(fd)
-            raise EyasError(f"{flag} {out} is being written by another eyas process ({who}); wait for it "
-                            f"to finish, or choose another {flag}. Nothing was written") from None
+            raise EyasError(
+                f"{flag} {out} is being written by another eyas process ({who}); wait for it "
+                f"to finish, or choose another {flag}. Nothing was written"
+            ) from None
         # its last holder may have unlinked the file between our open and our flock: retry on the new one
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
@@ -154,9 +170,12 @@ def writer_lock(out: str | os.PathLike, flag: str = "--out", command: str | None
         path = out / LOCK_SUFFIX  # the parent is not ours to write: lock inside instead
         key = str(path)
         fd = _open_locked(path, out, flag)
-    info = {"pid": os.getpid(), "host": socket.gethostname(),
-            "command": command or " ".join(["eyas", *sys.argv[1:2]]),
-            "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    info = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "command": command or " ".join(["eyas", *sys.argv[1:2]]),
+        "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(info).encode(), 0)
     _HELD[key] = [fd, 1]

@@ -74,9 +74,11 @@ def stage_records(cfg: PipelineConfig) -> dict[str, dict[str, Any]]:
 
 def _diff(old: dict[str, Any], new: dict[str, Any], stage: str) -> list[str]:
     keys = sorted(set(old) | set(new))
-    return [f"{stage}.{k}: {old.get(k, '(unset)')!r} there, {new.get(k, '(unset)')!r} now"
-            for k in keys if json.dumps(old.get(k), sort_keys=True, default=str)
-            != json.dumps(new.get(k), sort_keys=True, default=str)]
+    return [
+        f"{stage}.{k}: {old.get(k, '(unset)')!r} there, {new.get(k, '(unset)')!r} now"
+        for k in keys
+        if json.dumps(old.get(k), sort_keys=True, default=str) != json.dumps(new.get(k), sort_keys=True, default=str)
+    ]
 
 
 def _recorded(work: Path) -> dict[str, dict[str, Any]] | None:
@@ -87,13 +89,18 @@ def _recorded(work: Path) -> dict[str, dict[str, Any]] | None:
     try:
         rec = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise EyasError(f"{path}: unreadable ({e}); it records what made the outputs in {work}. "
-                        "Use a new workdir, or delete this one to start over") from e
+        raise EyasError(
+            f"{path}: unreadable ({e}); it records what made the outputs in {work}. "
+            "Use a new workdir, or delete this one to start over"
+        ) from e
     stages = rec.get("stages") if isinstance(rec, dict) else None
-    if not isinstance(stages, dict) or not all(isinstance(s, dict) and RECORD_KEYS <= s.keys()
-                                               for s in stages.values()):
-        raise EyasError(f"{path}: no stage records with their status and time, so a pre-release eyas wrote "
-                        "it. Use a new workdir, or delete this one to start over")
+    if not isinstance(stages, dict) or not all(
+        isinstance(s, dict) and RECORD_KEYS <= s.keys() for s in stages.values()
+    ):
+        raise EyasError(
+            f"{path}: no stage records with their status and time, so a pre-release eyas wrote "
+            "it. Use a new workdir, or delete this one to start over"
+        )
     return stages
 
 
@@ -117,8 +124,10 @@ def check_stale(cfg: PipelineConfig, records: dict[str, dict[str, Any]]) -> list
         was = (old or {}).get(stage)
         if was is None:
             if stage in GUARDED:
-                raise EyasError(f"{out} exists but {work / RECORD} has no record of the settings that made "
-                                f"it; nothing was run. Use a new workdir, or delete {out} to redo the stage")
+                raise EyasError(
+                    f"{out} exists but {work / RECORD} has no record of the settings that made "
+                    f"it; nothing was run. Use a new workdir, or delete {out} to redo the stage"
+                )
             redo.append(stage)
             continue
         if was.get("fingerprint") == rec["fingerprint"]:
@@ -131,20 +140,37 @@ def check_stale(cfg: PipelineConfig, records: dict[str, dict[str, Any]]) -> list
             diffs += [f"{stage} inputs: {was.get('inputs')} there, {rec['inputs']} now"]
         if not diffs:
             diffs = [f"the {rec['upstream']} stage it reads from changed (see above)"]
-        raise EyasError(f"{out} was made with other settings than {cfg.source} now gives: "
-                        + "; ".join(diffs) + f". Nothing was run. Put the settings back to continue, "
-                        f"use another workdir, or delete {out} (and the stages after it) to redo it "
-                        "with these settings")
+        raise EyasError(
+            f"{out} was made with other settings than {cfg.source} now gives: "
+            + "; ".join(diffs)
+            + f". Nothing was run. Put the settings back to continue, "
+            f"use another workdir, or delete {out} (and the stages after it) to redo it "
+            "with these settings"
+        )
     return redo
 
 
 def _write_record(cfg: PipelineConfig, stages: dict[str, dict[str, Any]]) -> None:
     """pipeline-config.json: what made each stage's outputs in the workdir, as they are on disk."""
-    sections = {s: {k: v for k, v in rec["settings"].items() if k not in ("target", "features", "launcher")}
-                for s, rec in stages.items()}
-    atomic_write_text(cfg.workdir / RECORD, json.dumps(
-        {"source": cfg.source, "target": cfg.target, "features": cfg.features, "launcher": cfg.launcher,
-         "sections": sections, "stages": stages}, indent=2, default=str))
+    sections = {
+        s: {k: v for k, v in rec["settings"].items() if k not in ("target", "features", "launcher")}
+        for s, rec in stages.items()
+    }
+    atomic_write_text(
+        cfg.workdir / RECORD,
+        json.dumps(
+            {
+                "source": cfg.source,
+                "target": cfg.target,
+                "features": cfg.features,
+                "launcher": cfg.launcher,
+                "sections": sections,
+                "stages": stages,
+            },
+            indent=2,
+            default=str,
+        ),
+    )
 
 
 class _Records:
@@ -168,8 +194,12 @@ class _Records:
         so a job done in resumed parts still reports its time per stage."""
         t = time.perf_counter()
         kept = self.stages.get(name, {})
-        self.stages[name] = {**self.records[name], "status": "running",
-                             "seconds": kept.get("seconds", 0.0), "runs": kept.get("runs", 0)}
+        self.stages[name] = {
+            **self.records[name],
+            "status": "running",
+            "seconds": kept.get("seconds", 0.0),
+            "runs": kept.get("runs", 0),
+        }
         _write_record(self.cfg, self.stages)
         try:
             yield
@@ -183,9 +213,17 @@ class _Records:
     def write_timings(self) -> dict[str, float]:
         """pipeline-timings.json: seconds per stage, summed over the runs of its current outputs."""
         timings = {name: st["seconds"] for name, st in self.stages.items() if "seconds" in st}
-        atomic_write_text(self.cfg.workdir / TIMINGS, json.dumps(
-            {"seconds": timings, "runs": {n: st["runs"] for n, st in self.stages.items() if "runs" in st},
-             "done": [n for n, st in self.stages.items() if st.get("status") == "done"]}, indent=2))
+        atomic_write_text(
+            self.cfg.workdir / TIMINGS,
+            json.dumps(
+                {
+                    "seconds": timings,
+                    "runs": {n: st["runs"] for n, st in self.stages.items() if "runs" in st},
+                    "done": [n for n, st in self.stages.items() if st.get("status") == "done"],
+                },
+                indent=2,
+            ),
+        )
         return timings
 
     def done(self, name: str) -> bool:
@@ -243,16 +281,19 @@ def _run_pipeline(cfg: PipelineConfig, stages: list[Stage]) -> dict[str, Any]:
     for st in stages:
         console.rule(st.name)
         if st.name == "train" and _draft_complete(st.out / "draft") and rec.done("train"):
-            console.print(f"train: {st.out / 'draft'} exists, made with these settings; skipping (delete "
-                          f"{st.out} to train again)")
+            console.print(
+                f"train: {st.out / 'draft'} exists, made with these settings; skipping (delete {st.out} to train again)"
+            )
             continue
         with rec.stage(st.name):
             st.run(st.config)
             if st.name == "evaluate":  # the export's card gains the serving speed evaluate measured
                 _card(by_name["export"].out, by_name["train"].out / "draft", st.out)
     timings = rec.write_timings()
-    console.print(f"pipeline done in {sum(timings.values()):.0f} s over its runs: "
-                  + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items()))
+    console.print(
+        f"pipeline done in {sum(timings.values()):.0f} s over its runs: "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in timings.items())
+    )
     from eyas.evaluate.run import read_reports
 
     return read_reports(by_name["evaluate"].config)
@@ -278,8 +319,10 @@ def _card(exported: Path, draft: Path, eval_dir: Path) -> None:
 def register(app: typer.Typer) -> None:
     @app.command()
     def pipeline(
-        config: Path = typer.Argument(None, help="YAML config (see configs/); default: the built-in "
-                                      "CPU job on SmolLM2-135M-Instruct and ShareGPT."),
+        config: Path = typer.Argument(
+            None,
+            help="YAML config (see configs/); default: the built-in CPU job on SmolLM2-135M-Instruct and ShareGPT.",
+        ),
         workdir: Path = typer.Option(None, help="Override the config's workdir."),
         print_config: bool = typer.Option(False, "--print-config", help="Print the default config and exit."),
     ) -> None:
@@ -293,4 +336,3 @@ def register(app: typer.Typer) -> None:
         if workdir is not None:
             cfg.workdir = workdir
         run_pipeline(cfg)
-

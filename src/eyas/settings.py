@@ -26,9 +26,17 @@ from typing import Any, Callable
 MISSING = dataclasses.MISSING
 
 
-def setting(default: Any = MISSING, help: str = "", *flags: str, check: Any = None,
-            parse: Callable[[Any], Any] | None = None, cli_type: Any = None, cli: bool = True,
-            factory: Callable[[], Any] | None = None, aliases: dict[str, Any] | None = None) -> Any:
+def setting(
+    default: Any = MISSING,
+    help: str = "",
+    *flags: str,
+    check: Any = None,
+    parse: Callable[[Any], Any] | None = None,
+    cli_type: Any = None,
+    cli: bool = True,
+    factory: Callable[[], Any] | None = None,
+    aliases: dict[str, Any] | None = None,
+) -> Any:
     """A dataclass field with its help, range and CLI spelling.
 
     ``flags``: typer's declarations where the flag is not ``--field-name`` (``"--heldout"``,
@@ -38,11 +46,20 @@ def setting(default: Any = MISSING, help: str = "", *flags: str, check: Any = No
     caller, e.g. the pipeline); ``aliases``: on/off flags that are short for one value of this
     setting (``{"--online": "online"}``: ``--online`` is ``--features online``), declared here and
     nowhere else. A list or dict default is copied per instance."""
-    md = {"help": help, "flags": flags, "check": check, "parse": parse, "cli_type": cli_type, "cli": cli,
-          "aliases": dict(aliases or {})}
+    md = {
+        "help": help,
+        "flags": flags,
+        "check": check,
+        "parse": parse,
+        "cli_type": cli_type,
+        "cli": cli,
+        "aliases": dict(aliases or {}),
+    }
     if factory is None and isinstance(default, (list, dict)):
+
         def copy_of_default(d: Any = default) -> Any:  # bound here: each setting copies its own default
             return copy.deepcopy(d)
+
         factory = copy_of_default
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=md)
@@ -80,8 +97,12 @@ def _option(f: dataclasses.Field, tp: Any, positional: bool, required: bool) -> 
     default = default_of(f)
     if default is MISSING:
         default = ... if required else None
-    elif md.get("parse") is not None and md.get("cli_type") is not None and default is not None \
-            and not isinstance(default, str):
+    elif (
+        md.get("parse") is not None
+        and md.get("cli_type") is not None
+        and default is not None
+        and not isinstance(default, str)
+    ):
         default = None  # the CLI text of a parsed setting; None means "the field's default"
     if default is None and not _optional(annotation):
         annotation = annotation | None
@@ -89,8 +110,11 @@ def _option(f: dataclasses.Field, tp: Any, positional: bool, required: bool) -> 
     # spelled out, not left to typer: a nested field's parameter is named "<outer>__<field>"
     name = "--" + f.name.replace("_", "-")
     decls = md.get("flags") or ((f"{name}/--no-{name[2:]}",) if tp is bool else (name,))
-    info = (typer.Argument(default, help=help_, show_default=default is not None) if positional else
-            typer.Option(default, *decls, help=help_))
+    info = (
+        typer.Argument(default, help=help_, show_default=default is not None)
+        if positional
+        else typer.Option(default, *decls, help=help_)
+    )
     return inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation)
 
 
@@ -105,9 +129,19 @@ def _optional(tp: Any) -> bool:
     return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
 
 
-def command(app: Any, name: str, cls: type, run: Callable[..., Any], *, positional: tuple[str, ...] = (),
-            loose: tuple[str, ...] = (), extra: dict[str, tuple[Any, Any]] | None = None,
-            missing: str = "", intercept: Callable[..., bool] | None = None, doc: str | None = None) -> None:
+def command(
+    app: Any,
+    name: str,
+    cls: type,
+    run: Callable[..., Any],
+    *,
+    positional: tuple[str, ...] = (),
+    loose: tuple[str, ...] = (),
+    extra: dict[str, tuple[Any, Any]] | None = None,
+    missing: str = "",
+    intercept: Callable[..., bool] | None = None,
+    doc: str | None = None,
+) -> None:
     """Add ``eyas <name>``: one option per field of ``cls`` (a field holding a dataclass, such as
     ``PrepareOptions.regenerate``, becomes an on/off flag plus that dataclass's own options), then
     ``run(cls(**values))``.
@@ -126,9 +160,14 @@ def command(app: Any, name: str, cls: type, run: Callable[..., Any], *, position
         if inner is not None:
             import typer
 
-            params.append(inspect.Parameter(
-                f.name, inspect.Parameter.KEYWORD_ONLY, annotation=bool,
-                default=typer.Option(False, *(f.metadata.get("flags") or ()), help=f.metadata.get("help", ""))))
+            params.append(
+                inspect.Parameter(
+                    f.name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    annotation=bool,
+                    default=typer.Option(False, *(f.metadata.get("flags") or ()), help=f.metadata.get("help", "")),
+                )
+            )
             inner_hints = typing.get_type_hints(inner)
             names = []
             for g in dataclasses.fields(inner):
@@ -178,9 +217,15 @@ def _alias_options(cls: type, f: dataclasses.Field) -> list[inspect.Parameter]:
     """One on/off option per alias of field ``f``; its help names the setting it is short for."""
     import typer
 
-    return [inspect.Parameter(_alias_name(f.name, value), inspect.Parameter.KEYWORD_ONLY, annotation=bool,
-                              default=typer.Option(False, alias, help=f"Short for {flag(cls, f.name)} {value}."))
-            for alias, value in f.metadata.get("aliases", {}).items()]
+    return [
+        inspect.Parameter(
+            _alias_name(f.name, value),
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=bool,
+            default=typer.Option(False, alias, help=f"Short for {flag(cls, f.name)} {value}."),
+        )
+        for alias, value in f.metadata.get("aliases", {}).items()
+    ]
 
 
 def _apply_aliases(cls: type, given: dict[str, Any]) -> None:
@@ -193,8 +238,10 @@ def _apply_aliases(cls: type, given: dict[str, Any]) -> None:
             if given.get(f.name) not in (None, value):
                 from eyas.errors import EyasError
 
-                raise EyasError(f"{alias} is short for {flag(cls, f.name)} {value}; it does not go with "
-                                f"{flag(cls, f.name)} {given[f.name]}: pass one of them")
+                raise EyasError(
+                    f"{alias} is short for {flag(cls, f.name)} {value}; it does not go with "
+                    f"{flag(cls, f.name)} {given[f.name]}: pass one of them"
+                )
             given[f.name] = value
 
 
@@ -218,8 +265,15 @@ def from_values(cls: type, values: dict[str, Any]) -> Any:
     for key, value in values.items():
         inner = nested_class(hints.get(key))
         if inner is not None:
-            out[key] = (inner(**value) if isinstance(value, dict) else inner() if value is True
-                        else None if value in (False, None) else value)
+            out[key] = (
+                inner(**value)
+                if isinstance(value, dict)
+                else inner()
+                if value is True
+                else None
+                if value in (False, None)
+                else value
+            )
     return cls(**out)
 
 

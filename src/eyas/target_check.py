@@ -69,8 +69,12 @@ def check_weights(model_dir: Path, files: list[Path], weights_id: str, spec: str
     rec = _read(path)
     if rec is None or rec.get("weights") != weights_id:
         algo = new_hasher()[0]
-        rec = {"weights": weights_id, "algo": algo, "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
-               "files": {f.name: {"digest": file_checksum(f, algo), "stat": _stat(f)} for f in files}}
+        rec = {
+            "weights": weights_id,
+            "algo": algo,
+            "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "files": {f.name: {"digest": file_checksum(f, algo), "stat": _stat(f)} for f in files},
+        }
         _write(path, rec)
         return
     algo, changed, updated = rec["algo"], [], False
@@ -92,6 +96,7 @@ def check_weights(model_dir: Path, files: list[Path], weights_id: str, spec: str
             "in place (a bad copy, disk or edit), not replaced by another model, and anything made from it "
             "now would be wrong under the old target id. Nothing was run. Restore the file (download or "
             "convert the target again; a converted .gguf or built-in target: delete that folder and eyas "
-            f"converts it again); if you changed the weights on purpose, delete {path}")
+            f"converts it again); if you changed the weights on purpose, delete {path}"
+        )
     if updated:
         _write(path, rec)

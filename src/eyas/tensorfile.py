@@ -13,8 +13,25 @@ from typing import Any
 from eyas.errors import EyasError
 
 # bytes per element of every safetensors dtype (F4/F6 packed types are not written by eyas)
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
@@ -61,8 +78,10 @@ def tensor_shapes(path: str | Path, what: str, fix: str) -> dict[str, tuple[int,
         if not 0 <= a <= b <= data:
             raise bad(f"tensor {name!r} spans bytes {a:,}..{b:,} of a {data:,}-byte data section")
         if b - a != math.prod(shape) * DTYPE_BYTES[dtype]:
-            raise bad(f"tensor {name!r} ({dtype} {shape}) needs {math.prod(shape) * DTYPE_BYTES[dtype]:,} bytes, "
-                      f"its offsets give {b - a:,}")
+            raise bad(
+                f"tensor {name!r} ({dtype} {shape}) needs {math.prod(shape) * DTYPE_BYTES[dtype]:,} bytes, "
+                f"its offsets give {b - a:,}"
+            )
         spans.append((a, b, name))
         shapes[name] = tuple(shape)
     spans.sort()

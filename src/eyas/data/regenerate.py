@@ -33,8 +33,10 @@ def _load_cache(out: Path, header: dict[str, Any]) -> dict[str, dict[int, dict[s
         found = json.loads(head.read_text())
         diffs = [f"{k}: {found.get(k)!r} there, {header[k]!r} now" for k in header if found.get(k) != header[k]]
         if diffs:
-            raise EyasError(f"{out / CACHE} holds answers made with other settings ({'; '.join(diffs)}); "
-                            "re-run with the same settings, or choose a new --out")
+            raise EyasError(
+                f"{out / CACHE} holds answers made with other settings ({'; '.join(diffs)}); "
+                "re-run with the same settings, or choose a new --out"
+            )
     else:
         from eyas.manifest import write_manifest
 
@@ -51,8 +53,9 @@ def _load_cache(out: Path, header: dict[str, Any]) -> dict[str, dict[int, dict[s
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise EyasError(f"{path}: corrupt line at byte {good_end} ({e}); delete the file to "
-                            "regenerate from scratch") from e
+            raise EyasError(
+                f"{path}: corrupt line at byte {good_end} ({e}); delete the file to regenerate from scratch"
+            ) from e
         cache.setdefault(rec["id"], {})[int(rec["turn"])] = rec
         good_end += len(line)
     if good_end != len(raw):
@@ -61,16 +64,22 @@ def _load_cache(out: Path, header: dict[str, Any]) -> dict[str, dict[int, dict[s
     return cache
 
 
-def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Path, opts,
-               max_length: int, progress: bool = True) -> tuple[list[tuple[str, str, Any]], dict[str, Any]]:
+def regenerate(
+    target, tok, encoder, items: list[tuple[str, str, Any]], out: Path, opts, max_length: int, progress: bool = True
+) -> tuple[list[tuple[str, str, Any]], dict[str, Any]]:
     """Return ``items`` with assistant turns replaced by the target's answers, plus counts."""
     import time
 
     from tqdm import tqdm
 
     engine = _pick_engine(opts)
-    header = {"target": target.identity, "chat_template_sha256": encoder.template_sha256,
-              "max_length": max_length, **opts.settings(), "engine": engine}
+    header = {
+        "target": target.identity,
+        "chat_template_sha256": encoder.template_sha256,
+        "max_length": max_length,
+        **opts.settings(),
+        "engine": engine,
+    }
     cache = _load_cache(Path(out), header)
     convs = {i: it[2] for i, it in enumerate(items) if not isinstance(it[2], Skip)}
     turns = {i: [j for j, m in enumerate(msgs) if m["role"] == "assistant"] for i, msgs in convs.items()}
@@ -80,9 +89,11 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
     ended: dict[int, str] = {}  # conversation -> why it stops being regenerated
     stops = [int(x) for x in encoder.stop_ids]
     if not stops:
-        raise EyasError(f"target {target.spec}: no eos token in the tokenizer or generation_config."
-                        "json, so eyas cannot tell where an answer ends; add eos_token_id to "
-                        "generation_config.json")
+        raise EyasError(
+            f"target {target.spec}: no eos token in the tokenizer or generation_config."
+            "json, so eyas cannot tell where an answer ends; add eos_token_id to "
+            "generation_config.json"
+        )
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else stops[0]
     device = resolve_device(opts.device) if engine == "hf" else "vllm"
 
@@ -106,8 +117,13 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
         return None
 
     todo = [it for i in convs if (it := next_item(i)) is not None]
-    bar = tqdm(total=sum(max(0, len(t) - len(cache.get(items[i][0], {}))) for i, t in turns.items()),
-               unit="answer", desc="regenerate", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=sum(max(0, len(t) - len(cache.get(items[i][0], {}))) for i, t in turns.items()),
+        unit="answer",
+        desc="regenerate",
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     fh = open(Path(out) / CACHE, "a", encoding="utf-8")
     synced = [time.monotonic()]
 
@@ -138,22 +154,41 @@ def regenerate(target, tok, encoder, items: list[tuple[str, str, Any]], out: Pat
             gen.close()
 
     new_items, counts = _apply_answers(items, convs, turns, answers, opts, Path(out))
-    info = {"settings": opts.settings(), "engine": engine, "device": device, "batch_size": opts.batch_size,
-            "engines": opts.engines if engine == "vllm" else 1,
-            "drop_length_limited": opts.drop_length_limited, "max_turns": opts.max_turns, "cache": CACHE,
-            "seeding": gen.seeding if gen is not None else None,  # None: every answer was cached
-            "conversations_file": CONVERSATIONS, **counts}
+    info = {
+        "settings": opts.settings(),
+        "engine": engine,
+        "device": device,
+        "batch_size": opts.batch_size,
+        "engines": opts.engines if engine == "vllm" else 1,
+        "drop_length_limited": opts.drop_length_limited,
+        "max_turns": opts.max_turns,
+        "cache": CACHE,
+        "seeding": gen.seeding if gen is not None else None,  # None: every answer was cached
+        "conversations_file": CONVERSATIONS,
+        **counts,
+    }
     return new_items, info
 
 
-def _apply_answers(items: list[tuple[str, str, Any]], convs: dict[int, Any], turns: dict[int, list[int]],
-                   answers: dict[int, list[dict[str, Any]]], opts, out: Path
-                   ) -> tuple[list[tuple[str, str, Any]], dict[str, int]]:
+def _apply_answers(
+    items: list[tuple[str, str, Any]],
+    convs: dict[int, Any],
+    turns: dict[int, list[int]],
+    answers: dict[int, list[dict[str, Any]]],
+    opts,
+    out: Path,
+) -> tuple[list[tuple[str, str, Any]], dict[str, int]]:
     """``items`` with each conversation cut after its last regenerated answer (or dropped, counted
     by why), written as chat messages to ``out/CONVERSATIONS``; returns them and the counts."""
     new_items = list(items)
-    counts = {"answers": 0, "length_limited": 0, "empty": 0, "turns_beyond_max_length": 0,
-              "turns_beyond_max_turns": 0, "conversations": len(convs)}
+    counts = {
+        "answers": 0,
+        "length_limited": 0,
+        "empty": 0,
+        "turns_beyond_max_length": 0,
+        "turns_beyond_max_turns": 0,
+        "conversations": len(convs),
+    }
     for i, msgs in convs.items():
         got = answers[i]
         counts["answers"] += len(got)
@@ -174,9 +209,14 @@ def _apply_answers(items: list[tuple[str, str, Any]], convs: dict[int, Any], tur
             new_items[i] = (sid, loc, _with_answers(msgs[: last + 1], turns[i], got))
     from eyas.fsio import atomic_write_text
 
-    atomic_write_text(out / CONVERSATIONS, "".join(
-        json.dumps({"id": sid, "messages": msgs}, ensure_ascii=False) + "\n"
-        for sid, _, msgs in new_items if not isinstance(msgs, Skip)))
+    atomic_write_text(
+        out / CONVERSATIONS,
+        "".join(
+            json.dumps({"id": sid, "messages": msgs}, ensure_ascii=False) + "\n"
+            for sid, _, msgs in new_items
+            if not isinstance(msgs, Skip)
+        ),
+    )
     return new_items, counts
 
 
@@ -212,10 +252,18 @@ class _HfGenerator:
         todo, n = list(items), 0
         while todo:
             todo.sort(key=lambda it: (it[0][1], len(it[1])))
-            batch, todo = todo[: self.opts.batch_size], todo[self.opts.batch_size:]
+            batch, todo = todo[: self.opts.batch_size], todo[self.opts.batch_size :]
             # one generator per batch: the batch's first answer's seed, offset by the batch count
-            texts = _generate(self.model, self.tok, [ids for _, ids, _ in batch], self.opts, self.stops,
-                              self.pad_id, self.device, seed=batch[0][2] + n)
+            texts = _generate(
+                self.model,
+                self.tok,
+                [ids for _, ids, _ in batch],
+                self.opts,
+                self.stops,
+                self.pad_id,
+                self.device,
+                seed=batch[0][2] + n,
+            )
             n += 1
             for (key, ids, _), (text, finish) in zip(batch, texts):
                 todo.extend(on_answer(key, text, finish, len(ids)))
@@ -232,10 +280,18 @@ class _VllmRun:
 
         from eyas.data.regenerate_vllm import VllmGenerator
 
-        self.eng = VllmGenerator(target.path, out / ".vllm-generate", max_model_len=max_length + opts.max_new_tokens,
-                                 seed=opts.seed, vllm_python=opts.vllm_python, dtype=opts.dtype,
-                                 engines=opts.engines, max_num_seqs=opts.max_num_seqs, in_flight=opts.batch_size,
-                                 gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        self.eng = VllmGenerator(
+            target.path,
+            out / ".vllm-generate",
+            max_model_len=max_length + opts.max_new_tokens,
+            seed=opts.seed,
+            vllm_python=opts.vllm_python,
+            dtype=opts.dtype,
+            engines=opts.engines,
+            max_num_seqs=opts.max_num_seqs,
+            in_flight=opts.batch_size,
+            gpus=torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        )
         self.tok, self.opts, self.stops = tok, opts, stops
         self.seeding = "per answer" if self.eng.per_request_seed else "engine seed"
 
@@ -255,8 +311,9 @@ class _VllmRun:
         self.eng.close()
 
 
-def _make_generator(engine: str, target, tok, opts, stops: list[int], pad_id: int, device: str,
-                    out: Path, max_length: int):
+def _make_generator(
+    engine: str, target, tok, opts, stops: list[int], pad_id: int, device: str, out: Path, max_length: int
+):
     """The chosen engine: ``run(items, on_answer)`` answers items (key, prompt ids, seed) and the
     follow-ups ``on_answer(key, text, finish, prompt_tokens)`` returns; ``close()``; ``seeding``."""
     if engine == "vllm":
@@ -282,8 +339,9 @@ def _with_answers(msgs: list[dict], turn_idx: list[int], answers: list[dict]) ->
     return out
 
 
-def _generate(model, tok, prompts: list[list[int]], opts, stops: list[int], pad_id: int, device: str,
-              seed: int) -> list[tuple[str, str]]:
+def _generate(
+    model, tok, prompts: list[list[int]], opts, stops: list[int], pad_id: int, device: str, seed: int
+) -> list[tuple[str, str]]:
     """Left-padded batched generation; returns (text, finish) with finish stop|length|empty."""
     import torch
     from transformers import GenerationConfig
@@ -292,16 +350,20 @@ def _generate(model, tok, prompts: list[list[int]], opts, stops: list[int], pad_
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for k, p in enumerate(prompts):
-        ids[k, width - len(p):] = torch.tensor(p)
-        mask[k, width - len(p):] = 1
+        ids[k, width - len(p) :] = torch.tensor(p)
+        mask[k, width - len(p) :] = 1
     sample = opts.temperature > 0
-    cfg = GenerationConfig(max_new_tokens=opts.max_new_tokens, do_sample=sample,
-                           temperature=opts.temperature if sample else None,
-                           top_p=opts.top_p if sample else None, top_k=None,
-                           eos_token_id=stops, pad_token_id=pad_id)
+    cfg = GenerationConfig(
+        max_new_tokens=opts.max_new_tokens,
+        do_sample=sample,
+        temperature=opts.temperature if sample else None,
+        top_p=opts.top_p if sample else None,
+        top_k=None,
+        eos_token_id=stops,
+        pad_token_id=pad_id,
+    )
     torch.manual_seed(seed)
     with torch.no_grad():
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             generation_config=cfg)
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=cfg)
     stop_set = set(stops)
     return [_decode(tok, row, stop_set) for row in gen[:, width:].cpu().tolist()]

@@ -36,26 +36,45 @@ Item = tuple[Any, list[int], int]
 class VllmGenerator:
     """``run(items, on_answer)``: every item answered by one of ``engines`` vLLM engines."""
 
-    def __init__(self, target_path: str | Path, work: Path, max_model_len: int, seed: int,
-                 vllm_python: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1,
-                 engines: int = 1, max_num_seqs: int | None = None, in_flight: int = 1024,
-                 gpus: int = 0, gpu_memory_utilization: float = 0.85):
+    def __init__(
+        self,
+        target_path: str | Path,
+        work: Path,
+        max_model_len: int,
+        seed: int,
+        vllm_python: str | None = None,
+        dtype: str = "auto",
+        tensor_parallel_size: int = 1,
+        engines: int = 1,
+        max_num_seqs: int | None = None,
+        in_flight: int = 1024,
+        gpus: int = 0,
+        gpu_memory_utilization: float = 0.85,
+    ):
         python, why = find_vllm_python(vllm_python)
         inst = probe_vllm(python)
         if not inst.version:
-            raise EyasError(f"{python} (chosen by {why}) has no vLLM; pass --vllm-python or use "
-                            "--gen-backend hf")
+            raise EyasError(f"{python} (chosen by {why}) has no vLLM; pass --vllm-python or use --gen-backend hf")
         self.python, self.in_flight = python, max(1, int(in_flight))
         self.describe = f"vLLM {inst.version} ({python}, chosen by {why})"
         self.work = Path(work).resolve()  # the engines run in it: a relative path would not reach it
         shutil.rmtree(self.work, ignore_errors=True)
         self.log_path = self.work.parent / "regenerate-vllm.log"  # outlives the work dir
         per_gpu = -(-engines * tensor_parallel_size // gpus) if gpus else engines  # engines on one GPU
-        self.jobs = [{"model": str(target_path), "work_dir": str(self.work / f"engine-{j}"), "start_when_told": j > 0,
-                      "max_model_len": int(max_model_len), "seed": int(seed),
-                      "dtype": VLLM_DTYPES.get(dtype, dtype), "tensor_parallel_size": int(tensor_parallel_size),
-                      "gpu_memory_utilization": gpu_memory_utilization / per_gpu, "max_num_seqs": max_num_seqs}
-                     for j in range(engines)]
+        self.jobs = [
+            {
+                "model": str(target_path),
+                "work_dir": str(self.work / f"engine-{j}"),
+                "start_when_told": j > 0,
+                "max_model_len": int(max_model_len),
+                "seed": int(seed),
+                "dtype": VLLM_DTYPES.get(dtype, dtype),
+                "tensor_parallel_size": int(tensor_parallel_size),
+                "gpu_memory_utilization": gpu_memory_utilization / per_gpu,
+                "max_num_seqs": max_num_seqs,
+            }
+            for j in range(engines)
+        ]
         self.gpus = gpus
         self.procs: list[WorkerProcess] = []
         self.closing = False
@@ -79,9 +98,17 @@ class VllmGenerator:
             visible = visible_gpus()
             env = {"CUDA_VISIBLE_DEVICES": ",".join(visible[(j * tp + t) % self.gpus] for t in range(tp))}
         log = self.log_path if j == 0 else self.log_path.with_name(f"regenerate-vllm-{j}.log")
-        proc = WorkerProcess(self.python, "generate", self.jobs[j], Path(self.jobs[j]["work_dir"]), log,
-                             multiprocessing=True, cwd=Path(self.jobs[j]["work_dir"]), env=env,
-                             describe=f"{self.describe}: generation engine {j}")
+        proc = WorkerProcess(
+            self.python,
+            "generate",
+            self.jobs[j],
+            Path(self.jobs[j]["work_dir"]),
+            log,
+            multiprocessing=True,
+            cwd=Path(self.jobs[j]["work_dir"]),
+            env=env,
+            describe=f"{self.describe}: generation engine {j}",
+        )
         self.procs.append(proc)
         threading.Thread(target=self._read, args=(j, proc), daemon=True).start()
 
@@ -97,13 +124,24 @@ class VllmGenerator:
                 return
             kind = "outputs"
 
-    def run(self, items: list[Item], on_answer: Callable[[Any, list[int]], list[Item]], max_tokens: int,
-            temperature: float, top_p: float, stop_token_ids: list[int]) -> None:
+    def run(
+        self,
+        items: list[Item],
+        on_answer: Callable[[Any, list[int]], list[Item]],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop_token_ids: list[int],
+    ) -> None:
         todo = deque(items)
         live: list[dict[str, Any]] = [{} for _ in self.jobs]  # per engine: its unanswered items by key
-        waiting = [False] * len(self.jobs)                    # a request of it is out
-        params = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-                  "stop_token_ids": stop_token_ids}
+        waiting = [False] * len(self.jobs)  # a request of it is out
+        params = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "stop_token_ids": stop_token_ids,
+        }
         while True:
             for j, proc in enumerate(self.procs):
                 if not self.ready[j] or waiting[j] or not (todo or live[j]):
@@ -112,8 +150,15 @@ class VllmGenerator:
                 live[j].update((str(key), (key, ids)) for key, ids, _ in send)
                 # refill at half: the engine's own queue never runs dry while this one has work
                 low = self.in_flight // 2 if todo else len(live[j]) - 1
-                proc.send({"keys": [str(k) for k, _, _ in send], "prompts": [p for _, p, _ in send],
-                                    "seeds": [s for _, _, s in send], "low_water": low, **params})
+                proc.send(
+                    {
+                        "keys": [str(k) for k, _, _ in send],
+                        "prompts": [p for _, p, _ in send],
+                        "seeds": [s for _, _, s in send],
+                        "low_water": low,
+                        **params,
+                    }
+                )
                 waiting[j] = True
             if not (todo or any(live) or any(waiting)):
                 return

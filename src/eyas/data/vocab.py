@@ -14,8 +14,9 @@ import torch
 from eyas.errors import EyasError
 
 
-def count_trained_tokens(input_ids: Iterable[np.ndarray], loss_masks: Iterable[np.ndarray],
-                         vocab_size: int) -> np.ndarray:
+def count_trained_tokens(
+    input_ids: Iterable[np.ndarray], loss_masks: Iterable[np.ndarray], vocab_size: int
+) -> np.ndarray:
     """Histogram (int64 [vocab_size]) of the tokens whose loss mask is set."""
     counts = np.zeros(vocab_size, dtype=np.int64)
     for ids, mask in zip(input_ids, loss_masks):

@@ -42,9 +42,11 @@ def resolve(attention: str, device: torch.device, backward: bool = False) -> str
     if attention == "auto":
         return "flex" if device.type == "cuda" else "dense"
     if attention == "flex" and backward and device.type != "cuda":
-        raise EyasError(f"--attention flex on {device.type}: torch's flex attention has no backward "
-                        f"there (torch {torch.__version__}: 'FlexAttention does not support backward on "
-                        "CPU'), so it cannot train; use --attention dense (or auto) off CUDA")
+        raise EyasError(
+            f"--attention flex on {device.type}: torch's flex attention has no backward "
+            f"there (torch {torch.__version__}: 'FlexAttention does not support backward on "
+            "CPU'), so it cannot train; use --attention dense (or auto) off CUDA"
+        )
     return attention
 
 
@@ -148,18 +150,24 @@ def _tiled_block_masks(doc_ids: torch.Tensor, steps: int, mask_mods: list) -> li
     for j, mod in enumerate(mask_mods):
         if j:
             partial[:, a, j * nq + a] = True  # tables() copies, so the earlier steps keep theirs
-        masks.append(BlockMask.from_kv_blocks(*tables(partial), *full_tables, BLOCK_SIZE=TILE, mask_mod=mod,
-                                              seq_lengths=(t, steps * t)))
+        masks.append(
+            BlockMask.from_kv_blocks(
+                *tables(partial), *full_tables, BLOCK_SIZE=TILE, mask_mod=mod, seq_lengths=(t, steps * t)
+            )
+        )
     return masks
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                  mask: BlockMask, steps: int, scale: float) -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask: BlockMask, steps: int, scale: float
+) -> torch.Tensor:
     """Attention of step ``len(keys)-1``: q [B, heads, T, d], keys/values per step [B, kv_heads, T, d]
     (GQA handled by the kernel, no expanded copies). Returns [B, heads, T, d]."""
     if q.is_cuda and q.shape[-1] < 16:
-        raise EyasError(f"--attention flex: head_dim {q.shape[-1]} is below 16, which flex attention's "
-                        "Triton kernel does not support; use --attention dense for this draft")
+        raise EyasError(
+            f"--attention flex: head_dim {q.shape[-1]} is below 16, which flex attention's "
+            "Triton kernel does not support; use --attention dense for this draft"
+        )
     pad = [torch.zeros_like(keys[0])] * (steps - len(keys))
     k = torch.cat([*keys, *pad], dim=2)
     v = torch.cat([*values, *pad], dim=2)

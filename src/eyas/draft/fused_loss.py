@@ -25,8 +25,15 @@ import torch
 from eyas.draft.loss import StepStats, TargetHead, reduce_ttt_steps, step_valid
 
 
-def chunk_terms(hc: torch.Tensor, w: torch.Tensor, tz: torch.Tensor, t_lse: torch.Tensor, t_top: torch.Tensor,
-                rows: torch.Tensor, need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def chunk_terms(
+    hc: torch.Tensor,
+    w: torch.Tensor,
+    tz: torch.Tensor,
+    t_lse: torch.Tensor,
+    t_top: torch.Tensor,
+    rows: torch.Tensor,
+    need_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One chunk: (sum of CEs, top-1 agreements, d CE / d logits in ``hc``'s dtype or None).
 
     ``tz``/``t_lse``/``t_top``: the batch's target logits, logsumexp and argmax; ``rows``: this
@@ -61,8 +68,16 @@ class _FusedSoftCE(torch.autograd.Function):
     """sum_rows CE(softmax(h W^T), softmax(tz[rows])) and the number of top-1 agreements."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, target: tuple[torch.Tensor, ...], rows: torch.Tensor,
-                chunk: int, dtype: torch.dtype | None, terms) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        target: tuple[torch.Tensor, ...],
+        rows: torch.Tensor,
+        chunk: int,
+        dtype: torch.dtype | None,
+        terms,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = dtype or h.dtype
         w = weight.to(dtype)  # the matmul dtype autocast gives the unfused lm_head
         need_grad = any(ctx.needs_input_grad[:2])  # not for held-out evaluation under no_grad
@@ -73,13 +88,13 @@ class _FusedSoftCE(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False), torch.no_grad():
             for s in range(0, h.shape[0], chunk):
                 # detached: the same compiled graph for every call (requires_grad is guarded on)
-                hc = h[s:s + chunk].detach().to(dtype)
-                loss_c, correct_c, g = terms(hc, w.detach(), *target, rows[s:s + chunk], need_grad)
+                hc = h[s : s + chunk].detach().to(dtype)
+                loss_c, correct_c, g = terms(hc, w.detach(), *target, rows[s : s + chunk], need_grad)
                 loss += loss_c
                 correct += correct_c
                 if g is None:
                     continue
-                grad_h[s:s + chunk] = (g @ w).to(h.dtype)
+                grad_h[s : s + chunk] = (g @ w).to(h.dtype)
                 grad_w += (g.T @ hc).float()
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
@@ -89,8 +104,15 @@ class _FusedSoftCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, _grad_correct: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
-        return (grad_h * grad_loss.to(grad_h.dtype), (grad_w * grad_loss).to(ctx.weight_dtype),
-                None, None, None, None, None)
+        return (
+            grad_h * grad_loss.to(grad_h.dtype),
+            (grad_w * grad_loss).to(ctx.weight_dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _valid(loss_mask: torch.Tensor, doc_ids: torch.Tensor, j: int) -> torch.Tensor:
@@ -98,7 +120,7 @@ def _valid(loss_mask: torch.Tensor, doc_ids: torch.Tensor, j: int) -> torch.Tens
     out = torch.zeros_like(loss_mask, dtype=torch.bool)
     valid = step_valid(loss_mask, doc_ids, j)
     if valid is not None:
-        out[:, :valid.shape[1]] = valid
+        out[:, : valid.shape[1]] = valid
     return out
 
 
@@ -148,8 +170,9 @@ _compiled_stats = None
 
 
 @torch.no_grad()
-def target_rows(head: TargetHead, final: torch.Tensor, flat: torch.Tensor, chunk: int, compiled: bool = False
-                ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def target_rows(
+    head: TargetHead, final: torch.Tensor, flat: torch.Tensor, chunk: int, compiled: bool = False
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """((logits, logsumexp, argmax) of the target at the flat positions ``flat`` (those whose next
     token is in the loss mask), row index per flat position [B*T] or -1). Logits stay in the head's
     matmul dtype (bf16 on the GPU: half the bytes of fp32, and all the precision the matmul gave).
@@ -163,14 +186,17 @@ def target_rows(head: TargetHead, final: torch.Tensor, flat: torch.Tensor, chunk
     with torch.autocast(final.device.type, enabled=False):
         tz = head.logits(final.reshape(b * t, -1)[flat])
         if not tz.shape[0]:
-            return (tz, tz.new_zeros(0, dtype=torch.float32),
-                    torch.zeros(0, dtype=torch.long, device=tz.device)), row_of
+            return (
+                tz,
+                tz.new_zeros(0, dtype=torch.float32),
+                torch.zeros(0, dtype=torch.long, device=tz.device),
+            ), row_of
         if compiled:
             if _compiled_stats is None:
                 _compiled_stats = torch.compile(target_stats, dynamic=True)
             lse, top = _compiled_stats(tz)
         else:
-            parts = [target_stats(tz[s:s + chunk]) for s in range(0, tz.shape[0], chunk)]
+            parts = [target_stats(tz[s : s + chunk]) for s in range(0, tz.shape[0], chunk)]
             lse, top = torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
     return (tz, lse, top), row_of
 
@@ -181,10 +207,19 @@ def _is_sharded(weight: torch.Tensor) -> bool:
     return isinstance(weight, DTensor)
 
 
-def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, head: TargetHead,
-                   final: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
-                   step_decay: float, chunk: int = 4096, dtype: torch.dtype | None = None,
-                   compiled: bool = False, scored: Scored | None = None) -> tuple[torch.Tensor, list[StepStats]]:
+def fused_ttt_loss(
+    normed: list[torch.Tensor],
+    lm_head_weight: torch.Tensor,
+    head: TargetHead,
+    final: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    step_decay: float,
+    chunk: int = 4096,
+    dtype: torch.dtype | None = None,
+    compiled: bool = False,
+    scored: Scored | None = None,
+) -> tuple[torch.Tensor, list[StepStats]]:
     """:func:`eyas.draft.loss.ttt_loss` from the draft's normed hidden per TTT step
     (``Eagle3Draft.forward(..., return_normed=True)``) and the target's final states [B,T,H].
     ``dtype``: the lm_head matmuls' dtype (bf16 under bf16 autocast; default: the hidden's).
@@ -197,8 +232,9 @@ def fused_ttt_loss(normed: list[torch.Tensor], lm_head_weight: torch.Tensor, hea
     if _is_sharded(lm_head_weight):  # FSDP2's lm_head, rows sharded over the ranks (collective)
         from eyas.draft.sharded_loss import sharded_ttt_loss
 
-        return sharded_ttt_loss(normed, lm_head_weight, head, final, loss_mask, scored, step_decay, chunk,
-                                dtype, compiled)
+        return sharded_ttt_loss(
+            normed, lm_head_weight, head, final, loss_mask, scored, step_decay, chunk, dtype, compiled
+        )
     terms = chunk_fn(compiled)
     target, row_of = target_rows(head, final, scored.flat, chunk, compiled)
     t = loss_mask.shape[1]

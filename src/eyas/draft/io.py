@@ -26,9 +26,11 @@ def check_finite_state(state: dict[str, torch.Tensor], what: str) -> None:
     for name, t in state.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
-            raise NonFiniteError(f"{what}: tensor {name!r} has {bad} non-finite values (NaN or inf) of "
-                                 f"{t.numel()}; refusing to use it. Retrain from the last finite "
-                                 "checkpoint (`eyas train ... --resume`, after lowering --lr)")
+            raise NonFiniteError(
+                f"{what}: tensor {name!r} has {bad} non-finite values (NaN or inf) of "
+                f"{t.numel()}; refusing to use it. Retrain from the last finite "
+                "checkpoint (`eyas train ... --resume`, after lowering --lr)"
+            )
 
 
 def trained_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -42,13 +44,17 @@ def new_draft(cfg, target_dir: str | os.PathLike, d2t: torch.Tensor, t2d: torch.
     from eyas.draft.target_weights import read_target_head
 
     if d2t.numel() != cfg.draft_vocab_size or t2d.numel() != cfg.vocab_size:
-        raise EyasError(f"draft vocab: d2t has {d2t.numel()} entries and t2d {t2d.numel()}, the "
-                        f"config expects {cfg.draft_vocab_size} and {cfg.vocab_size}")
+        raise EyasError(
+            f"draft vocab: d2t has {d2t.numel()} entries and t2d {t2d.numel()}, the "
+            f"config expects {cfg.draft_vocab_size} and {cfg.vocab_size}"
+        )
     head = read_target_head(target_dir)
     if head["embed"].shape[1] != cfg.hidden_size:
-        raise EyasError(f"draft hidden_size {cfg.hidden_size} differs from the target's embedding "
-                        f"width {head['embed'].shape[1]}; EAGLE-3 shares the target's embeddings, "
-                        "so keep hidden_size at the target's")
+        raise EyasError(
+            f"draft hidden_size {cfg.hidden_size} differs from the target's embedding "
+            f"width {head['embed'].shape[1]}; EAGLE-3 shares the target's embeddings, "
+            "so keep hidden_size at the target's"
+        )
     torch.manual_seed(seed)
     model = Eagle3Draft(cfg)
     ids = torch.arange(cfg.draft_vocab_size) + d2t.long()
@@ -60,28 +66,35 @@ def new_draft(cfg, target_dir: str | os.PathLike, d2t: torch.Tensor, t2d: torch.
     return model
 
 
-def load_state(model, state: dict[str, torch.Tensor], what: str,
-               target_dir: str | os.PathLike | None = None) -> None:
+def load_state(model, state: dict[str, torch.Tensor], what: str, target_dir: str | os.PathLike | None = None) -> None:
     """Load a saved state into ``model``; the frozen embedding, which is not saved, comes from
     ``target_dir`` or the target the draft recorded."""
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in FROZEN]
     if missing or unexpected:
-        raise EyasError(f"{what}: missing tensors {missing}, unexpected {unexpected}; it was written by "
-                        "another version or is damaged")
+        raise EyasError(
+            f"{what}: missing tensors {missing}, unexpected {unexpected}; it was written by "
+            "another version or is damaged"
+        )
     from eyas.draft.target_weights import read_target_head
 
     where = target_dir or model.config.target_name_or_path
     if not where:
-        raise EyasError(f"{what}: holds no embedding (eyas reads it from the target) and records no target "
-                        "path; pass the target it was trained for")
+        raise EyasError(
+            f"{what}: holds no embedding (eyas reads it from the target) and records no target "
+            "path; pass the target it was trained for"
+        )
     if not Path(where).is_dir():
-        raise EyasError(f"{what}: its embedding is read from the target it was trained on, {where}, which is "
-                        "not a directory here; pass that target (--target)")
+        raise EyasError(
+            f"{what}: its embedding is read from the target it was trained on, {where}, which is "
+            "not a directory here; pass that target (--target)"
+        )
     embed = read_target_head(where)["embed"]
     if tuple(embed.shape) != tuple(model.embed_tokens.weight.shape):
-        raise EyasError(f"{what}: the target {where} has an embedding of shape {tuple(embed.shape)}, the draft "
-                        f"needs {tuple(model.embed_tokens.weight.shape)}; pass the target it was trained for")
+        raise EyasError(
+            f"{what}: the target {where} has an embedding of shape {tuple(embed.shape)}, the draft "
+            f"needs {tuple(model.embed_tokens.weight.shape)}; pass the target it was trained for"
+        )
     with torch.no_grad():
         model.embed_tokens.weight.copy_(embed.to(model.embed_tokens.weight.dtype))
 
@@ -100,8 +113,12 @@ def save_draft(model, directory: str | os.PathLike, state: dict[str, torch.Tenso
     return directory
 
 
-def load_draft(directory: str | os.PathLike, device: str | torch.device = "cpu",
-               dtype: torch.dtype | None = None, target_dir: str | os.PathLike | None = None):
+def load_draft(
+    directory: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    target_dir: str | os.PathLike | None = None,
+):
     """The draft in ``directory`` (``RUN_DIR/draft``), its embedding from ``target_dir`` or the recorded target."""
     from eyas.draft.checks import FIX
     from eyas.draft.model import Eagle3Draft
@@ -111,8 +128,10 @@ def load_draft(directory: str | os.PathLike, device: str | torch.device = "cpu",
     directory = Path(directory)
     cfg_path, w_path = directory / "config.json", directory / "model.safetensors"
     if not cfg_path.is_file() or not w_path.is_file():
-        raise EyasError(f"draft checkpoint {directory}: needs config.json and model.safetensors "
-                        "(the RUN_DIR/draft directory written by `eyas train`)")
+        raise EyasError(
+            f"draft checkpoint {directory}: needs config.json and model.safetensors "
+            "(the RUN_DIR/draft directory written by `eyas train`)"
+        )
     cfg, _ = check_draft_files(directory, "draft checkpoint", FIX)  # before the model is made
     model = Eagle3Draft(cfg)
     state = load_tensors(w_path, "draft checkpoint", FIX)

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-
 class TargetHead(nn.Module):
     """softmax over the draft vocab of ``lm_head(final_norm(h_N))``: frozen, no gradients."""
 
@@ -58,8 +57,8 @@ class StepStats:
     """Per TTT step sums over one batch (kept as tensors so ranks can all-reduce them)."""
 
     loss_sum: torch.Tensor  # sum of per-token cross entropies
-    correct: torch.Tensor   # top-1 agreements with the target
-    count: torch.Tensor     # positions counted
+    correct: torch.Tensor  # top-1 agreements with the target
+    count: torch.Tensor  # positions counted
 
 
 def soft_cross_entropy(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -80,12 +79,16 @@ def step_valid(loss_mask: torch.Tensor, doc_ids: torch.Tensor, j: int) -> torch.
     n = loss_mask.shape[1] - 2 - j
     if n <= 0:
         return None
-    return loss_mask[:, 2 + j:].bool() & (doc_ids[:, 2 + j:] == doc_ids[:, :n])
+    return loss_mask[:, 2 + j :].bool() & (doc_ids[:, 2 + j :] == doc_ids[:, :n])
 
 
-def reduce_ttt_steps(num_steps: int, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
-                     step_decay: float, score: Callable[[int, int, torch.Tensor], tuple[torch.Tensor, ...]],
-                     ) -> tuple[torch.Tensor, list[StepStats]]:
+def reduce_ttt_steps(
+    num_steps: int,
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    step_decay: float,
+    score: Callable[[int, int, torch.Tensor], tuple[torch.Tensor, ...]],
+) -> tuple[torch.Tensor, list[StepStats]]:
     """The TTT loss's bookkeeping, shared by :func:`ttt_loss` and the fused loss: per step j,
     ``score(j, n, valid)`` gives (loss_sum, correct, count) over the positions it scores
     (:func:`step_valid`, [B, n]); the result is the decay-weighted sum of the per-step mean losses."""
@@ -98,15 +101,19 @@ def reduce_ttt_steps(num_steps: int, loss_mask: torch.Tensor, doc_ids: torch.Ten
             stats.append(StepStats(zero, zero, zero))
             continue
         loss_sum, correct, count = score(j, valid.shape[1], valid)
-        total = total + (step_decay ** j) * loss_sum / count.clamp_min(1.0)
+        total = total + (step_decay**j) * loss_sum / count.clamp_min(1.0)
         stats.append(StepStats(loss_sum.detach(), correct.detach(), count.detach()))
     return total, stats
 
 
-def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, loss_mask: torch.Tensor,
-             doc_ids: torch.Tensor, step_decay: float,
-             ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = soft_cross_entropy,
-             ) -> tuple[torch.Tensor, list[StepStats]]:
+def ttt_loss(
+    step_logits: list[torch.Tensor],
+    target_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    step_decay: float,
+    ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = soft_cross_entropy,
+) -> tuple[torch.Tensor, list[StepStats]]:
     """Weighted sum over steps of the masked mean cross entropy against the target distribution.
 
     step_logits[j][b,i] predicts x[i+2+j]; the target's distribution for that token comes from its
@@ -120,8 +127,8 @@ def ttt_loss(step_logits: list[torch.Tensor], target_logits: torch.Tensor, loss_
 
     def score(j: int, n: int, valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
         logits, w = step_logits[j][:, :n], valid.float()
-        loss_sum = (ce(logits, p_all[:, 1 + j:1 + j + n]) * w).sum()
-        correct = ((logits.argmax(-1) == tgt_top[:, 1 + j:1 + j + n]).float() * w).sum()
+        loss_sum = (ce(logits, p_all[:, 1 + j : 1 + j + n]) * w).sum()
+        correct = ((logits.argmax(-1) == tgt_top[:, 1 + j : 1 + j + n]).float() * w).sum()
         return loss_sum, correct, w.sum()
 
     return reduce_ttt_steps(len(step_logits), loss_mask, doc_ids, step_decay, score)

@@ -79,8 +79,10 @@ class DraftConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.fc_norm and self.norm_before_fc:
-            raise EyasError("draft config: fc_norm (a norm per aux layer) and norm_before_fc (one norm "
-                            "over their concatenation) exclude each other; set one of them")
+            raise EyasError(
+                "draft config: fc_norm (a norm per aux layer) and norm_before_fc (one norm "
+                "over their concatenation) exclude each other; set one of them"
+            )
 
     @property
     def serving_options(self) -> list[str]:
@@ -88,8 +90,14 @@ class DraftConfig:
         return [k for k in ("fc_norm", "norm_before_fc", "norm_output") if getattr(self, k)]
 
     @classmethod
-    def from_target(cls, target_config: dict[str, Any], aux_layer_ids: list[int], draft_vocab_size: int,
-                    identity: dict[str, str] | None = None, **overrides: Any) -> "DraftConfig":
+    def from_target(
+        cls,
+        target_config: dict[str, Any],
+        aux_layer_ids: list[int],
+        draft_vocab_size: int,
+        identity: dict[str, str] | None = None,
+        **overrides: Any,
+    ) -> "DraftConfig":
         """Defaults from the target's HF ``config.json``; any field can be overridden (None = keep)."""
         tc = target_config.get("text_config", target_config)  # multimodal wrappers
         h = tc["hidden_size"]
@@ -100,20 +108,26 @@ class DraftConfig:
         if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
             scaling = None
         cfg = dict(
-            hidden_size=h, num_attention_heads=heads,
+            hidden_size=h,
+            num_attention_heads=heads,
             num_key_value_heads=tc.get("num_key_value_heads") or heads,
             head_dim=tc.get("head_dim") or h // heads,
             intermediate_size=tc.get("intermediate_size") or 4 * h,
-            vocab_size=tc["vocab_size"], draft_vocab_size=draft_vocab_size,
-            aux_layer_ids=list(aux_layer_ids), target_hidden_size=h,
-            rms_norm_eps=tc.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+            vocab_size=tc["vocab_size"],
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=list(aux_layer_ids),
+            target_hidden_size=h,
+            rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
             max_position_embeddings=tc.get("max_position_embeddings", 4096),
             target_num_layers=tc.get("num_hidden_layers", 0),
             target_model_type=tc.get("model_type", "llama"),
             target_architectures=list(target_config.get("architectures") or []),
             target=dict(identity or {}),
-            target_token_ids={k: tc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-                              if tc.get(k) is not None},
+            target_token_ids={
+                k: tc[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if tc.get(k) is not None
+            },
         )
         cfg.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**cfg)
@@ -124,8 +138,10 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DraftConfig":
         if data.get("kind") != CONFIG_KIND:
-            raise EyasError(f"draft config has kind {data.get('kind')!r}, expected {CONFIG_KIND!r}: "
-                            "pass a directory written by `eyas train` (RUN_DIR/draft)")
+            raise EyasError(
+                f"draft config has kind {data.get('kind')!r}, expected {CONFIG_KIND!r}: "
+                "pass a directory written by `eyas train` (RUN_DIR/draft)"
+            )
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -135,8 +151,17 @@ class DraftConfig:
 
 
 # Fields that size a tensor: each a positive integer (an integral float such as 2048.0 is taken).
-_SIZES = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-          "vocab_size", "draft_vocab_size", "target_hidden_size", "max_position_embeddings")
+_SIZES = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "max_position_embeddings",
+)
 
 
 def _value_problem(name: str, v: Any) -> tuple[Any, str | None]:
@@ -152,8 +177,7 @@ def _value_problem(name: str, v: Any) -> tuple[Any, str | None]:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             return v, "must be a finite number > 0"
     elif name == "aux_layer_ids":
-        if not isinstance(v, list) or not v or any(isinstance(i, bool) or not isinstance(i, int) or i < 0
-                                                   for i in v):
+        if not isinstance(v, list) or not v or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in v):
             return v, "must be a non-empty list of layer ids >= 0"
     return v, None
 
@@ -164,12 +188,16 @@ def check_fields(cfg: "DraftConfig") -> None:
     for name in (*_SIZES, "target_num_layers", "rms_norm_eps", "rope_theta", "aux_layer_ids"):
         v, problem = _value_problem(name, getattr(cfg, name))
         if problem:
-            raise EyasError(f"draft config: {name} = {v!r} {problem} (set by --draft-config, or in the "
-                            "config.json of the draft or checkpoint read); change it")
+            raise EyasError(
+                f"draft config: {name} = {v!r} {problem} (set by --draft-config, or in the "
+                "config.json of the draft or checkpoint read); change it"
+            )
         setattr(cfg, name, v)
     if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise EyasError(f"draft config: num_key_value_heads = {cfg.num_key_value_heads} must divide "
-                        f"num_attention_heads ({cfg.num_attention_heads}); change it")
+        raise EyasError(
+            f"draft config: num_key_value_heads = {cfg.num_key_value_heads} must divide "
+            f"num_attention_heads ({cfg.num_attention_heads}); change it"
+        )
 
 
 def check_override_values(overrides: dict[str, Any]) -> None:
@@ -208,9 +236,13 @@ class Rotary(nn.Module):
             params = dict(cfg.rope_scaling)
             rtype = params.get("rope_type", params.get("type"))
             params.update(rope_type=rtype, rope_theta=cfg.rope_theta)
-            lc = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                             head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
-                             rope_parameters=params)
+            lc = LlamaConfig(
+                hidden_size=cfg.hidden_size,
+                num_attention_heads=cfg.num_attention_heads,
+                head_dim=cfg.head_dim,
+                max_position_embeddings=cfg.max_position_embeddings,
+                rope_parameters=params,
+            )
             inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[rtype](lc, None)
         else:
             d = cfg.head_dim
@@ -394,10 +426,14 @@ class Eagle3Draft(nn.Module):
         if features.shape[-1] == cfg.hidden_size and width != cfg.hidden_size:
             return features
         if width == cfg.hidden_size:
-            raise EyasError("ambiguous features: num_aux*target_hidden_size equals the draft's hidden "
-                            "size; call step(..., from_target=True/False)")
-        raise EyasError(f"features have width {features.shape[-1]}, expected {width} (target aux "
-                        f"states) or {cfg.hidden_size} (draft hidden)")
+            raise EyasError(
+                "ambiguous features: num_aux*target_hidden_size equals the draft's hidden "
+                "size; call step(..., from_target=True/False)"
+            )
+        raise EyasError(
+            f"features have width {features.shape[-1]}, expected {width} (target aux "
+            f"states) or {cfg.hidden_size} (draft hidden)"
+        )
 
     def _outputs(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(what lm_head takes, the hidden the next step feeds on) from the layer's output: the
@@ -410,8 +446,9 @@ class Eagle3Draft(nn.Module):
         normed, hidden = self._outputs(out)
         return self.lm_head(normed), hidden
 
-    def layer(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-              attend) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layer once, as vLLM's EAGLE-3 head runs it: embed ``tokens`` and norm them and
         ``hidden``, project to q/k/v at RoPE ``positions``, ``attend(q, k, v)`` -> o (the caller's
         choice of keys), output projection, residual, MLP. Returns (the normed hidden lm_head takes,
@@ -433,8 +470,14 @@ class Eagle3Draft(nn.Module):
         layer = self.midlayer
         return self._outputs(layer.post(layer.self_attn.out(o), residual))
 
-    def step(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-             cache: DraftKVCache, from_target: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: DraftKVCache,
+        from_target: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One incremental draft forward over T new tokens, appending their keys to ``cache``.
 
         Each new token attends to every earlier cache entry and to the new ones up to itself.
@@ -458,9 +501,17 @@ class Eagle3Draft(nn.Module):
 
     # ------------------------------------------------------------------ training (TTT)
 
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                doc_ids: torch.Tensor, ttt_steps: int, attention: str = "auto",
-                return_normed: bool = False, block_masks: list[flex.BlockMask] | None = None) -> list[torch.Tensor]:
+    def forward(
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        doc_ids: torch.Tensor,
+        ttt_steps: int,
+        attention: str = "auto",
+        return_normed: bool = False,
+        block_masks: list[flex.BlockMask] | None = None,
+    ) -> list[torch.Tensor]:
         """Training-time-test unroll over packed sequences.
 
         aux [B,T,num_aux*H_t], input_ids/position_ids/doc_ids [B,T] (doc_ids separate packed
@@ -509,14 +560,17 @@ class Eagle3Draft(nn.Module):
         does not grow with ``--ttt-steps`` (benchmarks/compile_time.md). The steps are slower than the
         whole-unroll graph's, as the glue between the regions runs eagerly (benchmarks/train_bench.md).
         Flex attention is compiled on its own (:mod:`eyas.draft.flex`)."""
-        self._regions = (torch.compile(self._layer_in, backend=backend),
-                         torch.compile(self._layer_out, backend=backend))
+        self._regions = (
+            torch.compile(self._layer_in, backend=backend),
+            torch.compile(self._layer_out, backend=backend),
+        )
 
     # ------------------------------------------------------------------ on disk (eyas.draft.io)
 
     @classmethod
-    def from_target(cls, cfg: DraftConfig, target_dir: str | os.PathLike, d2t: torch.Tensor,
-                    t2d: torch.Tensor, seed: int = 0) -> "Eagle3Draft":
+    def from_target(
+        cls, cfg: DraftConfig, target_dir: str | os.PathLike, d2t: torch.Tensor, t2d: torch.Tensor, seed: int = 0
+    ) -> "Eagle3Draft":
         """:func:`eyas.draft.io.new_draft`: a fresh draft with the target's embedding and lm_head rows."""
         from eyas.draft.io import new_draft
 
@@ -529,17 +583,22 @@ class Eagle3Draft(nn.Module):
         return save_draft(self, directory, state)
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, device: str | torch.device = "cpu",
-                        dtype: torch.dtype | None = None,
-                        target_dir: str | os.PathLike | None = None) -> "Eagle3Draft":
+    def from_pretrained(
+        cls,
+        directory: str | os.PathLike,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        target_dir: str | os.PathLike | None = None,
+    ) -> "Eagle3Draft":
         """:func:`eyas.draft.io.load_draft` (the embedding from ``target_dir`` or the recorded target)."""
         from eyas.draft.io import load_draft
 
         return load_draft(directory, device, dtype, target_dir)
 
 
-def _dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                         mask0: torch.Tensor, scale: float) -> torch.Tensor:
+def _dense_ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], mask0: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Dense TTT attention: q against the step-0 keys (block-causal ``mask0``) and against this
     chain's own later keys (``keys[1:]``, one per position); kv already expanded to q's heads."""
     k0, v0 = keys[0], values[0]
@@ -550,7 +609,7 @@ def _dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list
     t = s0.shape[-1]
     o = torch.matmul(probs[..., :t].to(v0.dtype), v0)
     for n, vv in enumerate(values[1:]):
-        o = o + probs[..., t + n: t + n + 1].to(vv.dtype) * vv
+        o = o + probs[..., t + n : t + n + 1].to(vv.dtype) * vv
     return o
 
 

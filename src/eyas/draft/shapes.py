@@ -14,11 +14,17 @@ from eyas.errors import EyasError
 FROZEN = ("embed_tokens.weight",)  # the target's: not in drafts written by this eyas
 
 # the config fields that size each tensor, named in a mismatch
-_SIZED_BY = (("midlayer.mlp.", "intermediate_size, hidden_size"),
-             ("midlayer.self_attn.", "num_attention_heads, num_key_value_heads, head_dim, hidden_size"),
-             ("lm_head.", "draft_vocab_size, hidden_size"), ("d2t", "draft_vocab_size"), ("t2d", "vocab_size"),
-             ("embed_tokens.", "vocab_size, hidden_size"), ("fc.", "aux_layer_ids, target_hidden_size, hidden_size"),
-             ("fc_norm.", "target_hidden_size"), ("input_norm.", "aux_layer_ids, target_hidden_size"))
+_SIZED_BY = (
+    ("midlayer.mlp.", "intermediate_size, hidden_size"),
+    ("midlayer.self_attn.", "num_attention_heads, num_key_value_heads, head_dim, hidden_size"),
+    ("lm_head.", "draft_vocab_size, hidden_size"),
+    ("d2t", "draft_vocab_size"),
+    ("t2d", "vocab_size"),
+    ("embed_tokens.", "vocab_size, hidden_size"),
+    ("fc.", "aux_layer_ids, target_hidden_size, hidden_size"),
+    ("fc_norm.", "target_hidden_size"),
+    ("input_norm.", "aux_layer_ids, target_hidden_size"),
+)
 
 
 def expected_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
@@ -44,8 +50,10 @@ def shape_problems(cfg: Any, shapes: dict[str, tuple[int, ...]]) -> list[str]:
         elif tuple(got) != shape:
             fields = next((f for prefix, f in _SIZED_BY if name.startswith(prefix)), "")
             values = ", ".join(f"{f}={getattr(cfg, f)!r}" for f in fields.split(", ") if f)
-            problems.append(f"{name} is {list(got)} in the weights, the config makes it {list(shape)}"
-                            + (f" ({values})" if values else ""))
+            problems.append(
+                f"{name} is {list(got)} in the weights, the config makes it {list(shape)}"
+                + (f" ({values})" if values else "")
+            )
     extra = sorted(set(shapes) - set(want))
     if extra:
         problems.append(f"the weights hold tensors the config does not make: {extra[:5]}")
@@ -58,8 +66,10 @@ def pre_release_problem(shapes: dict[str, tuple[int, ...]]) -> str | None:
     optimizer, configs without later fields)."""
     held = [k for k in FROZEN if k in shapes]
     if held:
-        return (f"it holds the target's embedding ({held[0]}), which only a pre-release eyas saved; train the "
-                "draft again with this eyas")
+        return (
+            f"it holds the target's embedding ({held[0]}), which only a pre-release eyas saved; train the "
+            "draft again with this eyas"
+        )
     return None
 
 
@@ -89,6 +99,7 @@ def check_draft_files(directory: str | Path, what: str, fix: str) -> tuple[Any, 
         raise EyasError(f"{what} {w_path}: {old}")
     problems = shape_problems(cfg, shapes)
     if problems:
-        raise EyasError(f"{what} {directory}: config.json does not fit model.safetensors: "
-                        + "; ".join(problems[:6]) + f". {fix}")
+        raise EyasError(
+            f"{what} {directory}: config.json does not fit model.safetensors: " + "; ".join(problems[:6]) + f". {fix}"
+        )
     return cfg, shapes

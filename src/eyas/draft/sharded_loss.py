@@ -47,8 +47,10 @@ def shard_rows(weight) -> tuple[int, int]:
     off = min(rank * per, v)
     n = min(per, v - off)
     if weight.to_local().shape[0] != n:
-        raise RuntimeError(f"lm_head's local shard has {weight.to_local().shape[0]} rows, expected {n} "
-                           f"(rows {off}.. of {v} over {world} ranks)")
+        raise RuntimeError(
+            f"lm_head's local shard has {weight.to_local().shape[0]} rows, expected {n} "
+            f"(rows {off}.. of {v} over {world} ranks)"
+        )
     return off, n
 
 
@@ -66,7 +68,7 @@ class _Comm:
 def _broadcasts(x: torch.Tensor, n_max: int, comm: _Comm):
     """Yield (r, rank r's ``x`` padded with zero rows to ``n_max``) for every rank r in turn."""
     own = x.new_zeros((n_max, *x.shape[1:]))
-    own[:x.shape[0]] = x
+    own[: x.shape[0]] = x
     for r in range(comm.world):
         buf = own if r == comm.rank else torch.empty_like(own)
         dist.broadcast(buf, src=dist.get_global_rank(comm.group, r), group=comm.group)
@@ -133,8 +135,16 @@ class _ShardedSoftCE(torch.autograd.Function):
     vocab; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, w_local: torch.Tensor, target: tuple[torch.Tensor, ...],
-                rows: torch.Tensor, valid: torch.Tensor, n_max: int, comm: _Comm):
+    def forward(
+        ctx,
+        h: torch.Tensor,
+        w_local: torch.Tensor,
+        target: tuple[torch.Tensor, ...],
+        rows: torch.Tensor,
+        valid: torch.Tensor,
+        n_max: int,
+        comm: _Comm,
+    ):
         tz, t_lse, t_top = target
         dtype = comm.dtype or h.dtype
         w = w_local.detach().to(dtype)
@@ -142,9 +152,11 @@ class _ShardedSoftCE(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False), torch.no_grad():
             local = []
             for r, hr in _broadcasts(h.detach().to(dtype), n_max, comm):
-                rr = rows[r * n_max:(r + 1) * n_max]
-                local += [stats(hr[s:s + comm.chunk], w, tz, t_lse, rr[s:s + comm.chunk], comm.off)
-                          for s in range(0, n_max, comm.chunk)]
+                rr = rows[r * n_max : (r + 1) * n_max]
+                local += [
+                    stats(hr[s : s + comm.chunk], w, tz, t_lse, rr[s : s + comm.chunk], comm.off)
+                    for s in range(0, n_max, comm.chunk)
+                ]
             lse, pz, top = _combine(torch.cat(local), comm)
             mine = slice(comm.rank * n_max, comm.rank * n_max + h.shape[0])
             loss = (lse[mine].double() - pz[mine]).sum().float()
@@ -173,39 +185,57 @@ class _ShardedSoftCE(torch.autograd.Function):
                 for s in range(0, n_max, comm.chunk):
                     e = min(s + comm.chunk, n_max)
                     hc = hr[s:e]
-                    g = grad_fn(hc, w, tz, t_lse, rows[base + s:base + e], lse[base + s:base + e],
-                                scale[base + s:base + e])
+                    g = grad_fn(
+                        hc,
+                        w,
+                        tz,
+                        t_lse,
+                        rows[base + s : base + e],
+                        lse[base + s : base + e],
+                        scale[base + s : base + e],
+                    )
                     part[s:e] = (g @ w).float()
                     grad_w += (g.T @ hc).float()
                 dist.reduce(part, dst=dist.get_global_rank(comm.group, r), group=comm.group)
                 if r == comm.rank:
-                    grad_h = part[:h.shape[0]].to(h.dtype)
+                    grad_h = part[: h.shape[0]].to(h.dtype)
         # the data-parallel mean over ranks, as FSDP2's reduce-scatter gives the other parameters
         return grad_h, (grad_w / comm.world).to(w_local.dtype), None, None, None, None, None
 
 
 @torch.no_grad()
-def _target_rows(head: TargetHead, final: torch.Tensor, flat: torch.Tensor, n_max: int, comm: _Comm, n_local: int
-                 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def _target_rows(
+    head: TargetHead, final: torch.Tensor, flat: torch.Tensor, n_max: int, comm: _Comm, n_local: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """((this shard's target logits [world * n_max, n_local], logsumexp [world * n_max],
     argmax [world * n_max]) for every rank's target rows, row index (in that stacking) per flat
     position of this rank [B*T] or -1)."""
     b, t = final.shape[:2]
     row_of = torch.full((b * t,), -1, dtype=torch.long, device=final.device)
     row_of[flat] = torch.arange(flat.numel(), device=final.device) + comm.rank * n_max
-    w = head.weight[comm.off:comm.off + n_local]
+    w = head.weight[comm.off : comm.off + n_local]
     with torch.autocast(final.device.type, enabled=False):
         x = head.normed(final.reshape(b * t, -1)[flat])
         tz = torch.cat([F.linear(xr, w.to(xr.dtype)) for _, xr in _broadcasts(x, n_max, comm)])
-        local = torch.cat([_local_stats(tz[s:s + comm.chunk].float(), comm.off, None)
-                           for s in range(0, tz.shape[0], comm.chunk)])
+        local = torch.cat(
+            [_local_stats(tz[s : s + comm.chunk].float(), comm.off, None) for s in range(0, tz.shape[0], comm.chunk)]
+        )
         lse, _, top = _combine(local, comm)
     return (tz, lse, top), row_of
 
 
-def sharded_ttt_loss(normed: list[torch.Tensor], weight, head: TargetHead, final: torch.Tensor,
-                     loss_mask: torch.Tensor, scored, step_decay: float, chunk: int,
-                     dtype: torch.dtype | None, compiled: bool) -> tuple[torch.Tensor, list[StepStats]]:
+def sharded_ttt_loss(
+    normed: list[torch.Tensor],
+    weight,
+    head: TargetHead,
+    final: torch.Tensor,
+    loss_mask: torch.Tensor,
+    scored,
+    step_decay: float,
+    chunk: int,
+    dtype: torch.dtype | None,
+    compiled: bool,
+) -> tuple[torch.Tensor, list[StepStats]]:
     """:func:`eyas.draft.fused_loss.fused_ttt_loss` with ``weight`` a dim-0 sharded DTensor (the
     FSDP2 lm_head): the same value, stats and gradients as the single-process fused loss over the
     same rows, each rank holding only its shard. Collective: every rank calls it."""
@@ -228,11 +258,11 @@ def sharded_ttt_loss(normed: list[torch.Tensor], weight, head: TargetHead, final
         nm = n_max[1 + j]
         # position i of step j predicts x[i+2+j] (in the loss mask): the target's row at i+1+j
         own = torch.zeros(nm, dtype=torch.long, device=device)
-        own[:bi.numel()] = row_of[bi * t + ii + 1 + j]
+        own[: bi.numel()] = row_of[bi * t + ii + 1 + j]
         rows = _all_gather(own, comm).flatten()  # padding rows read row 0 and count 0
         valid = (torch.arange(nm)[None, :] < counts[:, 1 + j, None]).flatten().float().to(device)
         loss_sum, correct = _ShardedSoftCE.apply(normed[j][bi, ii], w_local, target, rows, valid, nm, comm)
         count = torch.full((), float(bi.numel()), device=device)
-        total = total + (step_decay ** j) * loss_sum / count.clamp_min(1.0)
+        total = total + (step_decay**j) * loss_sum / count.clamp_min(1.0)
         stats.append(StepStats(loss_sum.detach(), correct.detach(), count))
     return total, stats

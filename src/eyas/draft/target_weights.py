@@ -23,8 +23,10 @@ def _weight_map(target_dir: Path) -> dict[str, str]:
         return json.loads(index.read_text())["weight_map"]
     files = sorted(target_dir.glob("*.safetensors"))
     if not files:
-        raise EyasError(f"target {target_dir}: no safetensors weights; the draft reads the target's "
-                        "embeddings and lm_head from safetensors (convert .bin checkpoints first)")
+        raise EyasError(
+            f"target {target_dir}: no safetensors weights; the draft reads the target's "
+            "embeddings and lm_head from safetensors (convert .bin checkpoints first)"
+        )
     from safetensors import safe_open
 
     out: dict[str, str] = {}
@@ -36,8 +38,10 @@ def _weight_map(target_dir: Path) -> dict[str, str]:
 
 def _pick(names: list[str], what: str, target_dir: Path) -> str:
     if not names:
-        raise EyasError(f"target {target_dir}: found no {what} tensor in the weights; "
-                        "eyas supports Llama-style checkpoints (model.embed_tokens, model.norm, lm_head)")
+        raise EyasError(
+            f"target {target_dir}: found no {what} tensor in the weights; "
+            "eyas supports Llama-style checkpoints (model.embed_tokens, model.norm, lm_head)"
+        )
     return min(names, key=len)
 
 
@@ -62,6 +66,8 @@ def read_target_head(target_dir: str | Path) -> dict[str, torch.Tensor]:
         out["lm_head"] = out["embed"]
     cfg = json.loads((target_dir / "config.json").read_text())
     if cfg.get("model_type", "").startswith("gemma"):
-        raise EyasError(f"target {target_dir}: Gemma targets scale embeddings and offset norms; "
-                        "the draft head does not support them yet")
+        raise EyasError(
+            f"target {target_dir}: Gemma targets scale embeddings and offset norms; "
+            "the draft head does not support them yet"
+        )
     return out

@@ -22,59 +22,108 @@ class EvaluateConfig:
     draft: Path = setting(help="Draft checkpoint directory (RUN_DIR/draft from `eyas train`).")
     prompts: Path = setting(DEFAULT_PROMPTS, "MT-bench style question.jsonl.")
     out: Path = setting(Path("runs/evaluate"), "Output directory (reports, plots, resumable records).")
-    engine: Engine = setting("builtin", "builtin (HF target + draft here), vllm (vLLM's own metrics), both "
-                                        "(and compare), or replay (greedy acceptance for -k and every --also-k "
-                                        "from one pass over the target's own answers, no speed).")
-    k: int = setting(3, "Draft tokens per step.", "-k", "--num-speculative-tokens",
-                     check=at_least(1, "draft tokens per step"))
-    also_k: list[int] = setting([], "Also evaluate with these numbers of draft tokens per step, each into "
-                                    "OUT/k<N>/ (the same engines, questions and serving speed, the serving "
-                                    "baseline without the draft timed once, in the -k run; replay takes them "
-                                    "from its one pass), e.g. 3,7.", "--also-k",
-                                parse=int_list("--also-k", "3,7"), cli_type=str)
-    temperature: float = setting(0.0, "0 = greedy; > 0 samples with rejection sampling.",
-                                 check=at_least(0, "sampling temperature", "0 is greedy"))
-    max_prompts: int | None = setting(None, "Use only the first N questions.",
-                                      check=at_least(1, "questions used", "leave it out to use all"))
-    max_per_category: int | None = setting(None, "Use only the first N questions of each category.",
-                                           check=at_least(1, "questions per category", "leave it out to use all"))
-    max_new_tokens: int = setting(256, "Tokens generated per turn at most.",
-                                  check=at_least(1, "tokens generated per turn", "e.g. 256"))
-    dtype: Dtype = setting("auto", "Target/draft dtype for both engines: auto (bfloat16 on CUDA, float32 on "
-                                   "the CPU), float32, bfloat16 or float16.")
-    device: str = setting("auto", "builtin: where the HF target and the draft run: auto (cuda when there is "
-                                  "a GPU, else cpu), cuda, cuda:N or cpu.")
-    vllm: str | None = setting(None, "vLLM env: version (.venvs/vllm-VERSION), venv dir or python path "
-                                     "(default: $EYAS_VLLM_PYTHON, this Python if it has vLLM, else the "
-                                     "newest .venvs/vllm-*).", "--vllm")
+    engine: Engine = setting(
+        "builtin",
+        "builtin (HF target + draft here), vllm (vLLM's own metrics), both "
+        "(and compare), or replay (greedy acceptance for -k and every --also-k "
+        "from one pass over the target's own answers, no speed).",
+    )
+    k: int = setting(
+        3, "Draft tokens per step.", "-k", "--num-speculative-tokens", check=at_least(1, "draft tokens per step")
+    )
+    also_k: list[int] = setting(
+        [],
+        "Also evaluate with these numbers of draft tokens per step, each into "
+        "OUT/k<N>/ (the same engines, questions and serving speed, the serving "
+        "baseline without the draft timed once, in the -k run; replay takes them "
+        "from its one pass), e.g. 3,7.",
+        "--also-k",
+        parse=int_list("--also-k", "3,7"),
+        cli_type=str,
+    )
+    temperature: float = setting(
+        0.0,
+        "0 = greedy; > 0 samples with rejection sampling.",
+        check=at_least(0, "sampling temperature", "0 is greedy"),
+    )
+    max_prompts: int | None = setting(
+        None, "Use only the first N questions.", check=at_least(1, "questions used", "leave it out to use all")
+    )
+    max_per_category: int | None = setting(
+        None,
+        "Use only the first N questions of each category.",
+        check=at_least(1, "questions per category", "leave it out to use all"),
+    )
+    max_new_tokens: int = setting(
+        256, "Tokens generated per turn at most.", check=at_least(1, "tokens generated per turn", "e.g. 256")
+    )
+    dtype: Dtype = setting(
+        "auto",
+        "Target/draft dtype for both engines: auto (bfloat16 on CUDA, float32 on "
+        "the CPU), float32, bfloat16 or float16.",
+    )
+    device: str = setting(
+        "auto",
+        "builtin: where the HF target and the draft run: auto (cuda when there is "
+        "a GPU, else cpu), cuda, cuda:N or cpu.",
+    )
+    vllm: str | None = setting(
+        None,
+        "vLLM env: version (.venvs/vllm-VERSION), venv dir or python path "
+        "(default: $EYAS_VLLM_PYTHON, this Python if it has vLLM, else the "
+        "newest .venvs/vllm-*).",
+        "--vllm",
+    )
     vllm_draft: Path | None = setting(
-        None, "vllm engine: an `eyas export --format vllm` directory of --draft to serve (checked to be an "
-              "export of exactly that draft; the pipeline passes its export stage's). Default: export one "
-              "into OUT/vllm/draft-vllm.")
-    workers: int = setting(1, "builtin: processes sharing the device, each with its own target and draft; "
-                              "questions go to whichever is free (on a GPU one process leaves it mostly idle).",
-                           check=at_least(1, "builtin worker processes"))
-    batch_size: int = setting(32, "replay: turns the target answers together (batched greedy decoding).",
-                              check=at_least(1, "turns decoded together"))
+        None,
+        "vllm engine: an `eyas export --format vllm` directory of --draft to serve (checked to be an "
+        "export of exactly that draft; the pipeline passes its export stage's). Default: export one "
+        "into OUT/vllm/draft-vllm.",
+    )
+    workers: int = setting(
+        1,
+        "builtin: processes sharing the device, each with its own target and draft; "
+        "questions go to whichever is free (on a GPU one process leaves it mostly idle).",
+        check=at_least(1, "builtin worker processes"),
+    )
+    batch_size: int = setting(
+        32,
+        "replay: turns the target answers together (batched greedy decoding).",
+        check=at_least(1, "turns decoded together"),
+    )
     references: Path | None = setting(
-        None, "replay: the file of the target's greedy answers to reuse and extend (default "
-              "OUT/replay/references.jsonl); the drafts of one target can share one, as it does not "
-              "depend on the draft.")
-    in_flight: int = setting(64, "vllm: questions answered at once in the engine's batch, each question's "
-                                 "turns in order (1: one request at a time).",
-                             check=at_least(1, "questions in flight"))
+        None,
+        "replay: the file of the target's greedy answers to reuse and extend (default "
+        "OUT/replay/references.jsonl); the drafts of one target can share one, as it does not "
+        "depend on the draft.",
+    )
+    in_flight: int = setting(
+        64,
+        "vllm: questions answered at once in the engine's batch, each question's "
+        "turns in order (1: one request at a time).",
+        check=at_least(1, "questions in flight"),
+    )
     seed: int = setting(0, "Sampling seed.", check=at_least(0))
-    compare_plain: bool = setting(True, "builtin: also decode without the draft, for the speedup "
-                                        "(--no-plain skips that baseline).", "--plain/--no-plain")
+    compare_plain: bool = setting(
+        True,
+        "builtin: also decode without the draft, for the speedup (--no-plain skips that baseline).",
+        "--plain/--no-plain",
+    )
     speed_concurrency: list[int] = setting(
-        [], "vllm: also time serving with and without the draft at these numbers of concurrent requests, "
-            "e.g. 1,8,32; with --also-k at every k, and OUT/vllm/report.json names the k of the best "
-            "speedup at each (best_k).", "--speed-concurrency", parse=int_list("--speed-concurrency", "1,32"),
-        cli_type=str)
+        [],
+        "vllm: also time serving with and without the draft at these numbers of concurrent requests, "
+        "e.g. 1,8,32; with --also-k at every k, and OUT/vllm/report.json names the k of the best "
+        "speedup at each (best_k).",
+        "--speed-concurrency",
+        parse=int_list("--speed-concurrency", "1,32"),
+        cli_type=str,
+    )
     speed_min_seconds: float = setting(
-        20.0, "vllm --speed-concurrency: time each point (a k or no draft, at a concurrency) over waves of "
-              "requests until at least this many seconds of generation and at least 3 waves.",
-        check=at_least(0, "seconds of generation per serving-speed point", "0 times 3 waves only"))
+        20.0,
+        "vllm --speed-concurrency: time each point (a k or no draft, at a concurrency) over waves of "
+        "requests until at least this many seconds of generation and at least 3 waves.",
+        check=at_least(0, "seconds of generation per serving-speed point", "0 times 3 waves only"),
+    )
     progress: bool = setting(True, "Show the progress bar.", "--progress/--quiet")
 
     def __post_init__(self) -> None:
@@ -84,8 +133,13 @@ class EvaluateConfig:
         check_k(self.k, self.also_k, self.max_new_tokens, "evaluate: ")
 
 
-def check_k(k: int, also_k: list[int], max_new_tokens: int, where: str = "",
-            names: tuple[str, str, str] = ("-k", "--also-k", "--max-new-tokens")) -> None:
+def check_k(
+    k: int,
+    also_k: list[int],
+    max_new_tokens: int,
+    where: str = "",
+    names: tuple[str, str, str] = ("-k", "--also-k", "--max-new-tokens"),
+) -> None:
     """Refuse draft tokens per step beyond the tokens a turn generates: a step never accepts more than
     are left to generate, so such a k only multiplies the draft's work (``-k 1000 --max-new-tokens 8``
     drafted a thousand tokens for every eight kept)."""
@@ -94,6 +148,8 @@ def check_k(k: int, also_k: list[int], max_new_tokens: int, where: str = "",
     k_name, also_name, max_name = names
     for flag, value in [(k_name, k), *((also_name, n) for n in also_k or [])]:
         if isinstance(value, int) and isinstance(max_new_tokens, int) and value > max_new_tokens:
-            raise EyasError(f"{where}{flag} {value} is more than {max_name} {max_new_tokens}: a step never "
-                            f"accepts more draft tokens than a turn generates. Choose {flag} <= "
-                            f"{max_new_tokens} (3 to 7 is usual), or raise {max_name}")
+            raise EyasError(
+                f"{where}{flag} {value} is more than {max_name} {max_new_tokens}: a step never "
+                f"accepts more draft tokens than a turn generates. Choose {flag} <= "
+                f"{max_new_tokens} (3 to 7 is usual), or raise {max_name}"
+            )

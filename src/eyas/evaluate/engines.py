@@ -21,20 +21,20 @@ from eyas.evaluate.config import EngineName, EvaluateConfig
 class EngineContext:
     """What :func:`eyas.evaluate.run.run_evaluation` resolved once for every engine."""
 
-    target: Any                 # eyas.target.Target
+    target: Any  # eyas.target.Target
     tokenizer: Any
-    questions: list[Any]        # eyas.evaluate.prompts.Question
+    questions: list[Any]  # eyas.evaluate.prompts.Question
     stop_ids: set[int]
-    device: str                 # resolved: cpu, cuda, cuda:N
-    dtype: str                  # resolved: float32, bfloat16, float16
-    out: Path                   # this engine's folder, OUT/<engine>
-    settings: dict[str, Any]    # the records' header: records made with other settings are refused
+    device: str  # resolved: cpu, cuda, cuda:N
+    dtype: str  # resolved: float32, bfloat16, float16
+    out: Path  # this engine's folder, OUT/<engine>
+    settings: dict[str, Any]  # the records' header: records made with other settings are refused
     plain_speed: list[dict[str, Any]] | None = None  # vllm: the -k run's serving without the draft
 
 
 class Answers(NamedTuple):
     by_k: dict[int, list[dict[str, Any]]]  # records per number of draft tokens
-    extra: dict[str, Any]                  # what the engine adds to its report
+    extra: dict[str, Any]  # what the engine adds to its report
 
 
 def run_builtin(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
@@ -49,26 +49,59 @@ def run_builtin(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     records_path = ctx.out / "records.jsonl"
     start = time.perf_counter()
     if cfg.workers > 1:
-        pool = BuiltinPool(cfg.workers, ctx.target, cfg.draft, cfg.k, cfg.temperature, cfg.seed, cfg.compare_plain,
-                           ctx.dtype, ctx.device, cfg.max_new_tokens, ctx.stop_ids)
+        pool = BuiltinPool(
+            cfg.workers,
+            ctx.target,
+            cfg.draft,
+            cfg.k,
+            cfg.temperature,
+            cfg.seed,
+            cfg.compare_plain,
+            ctx.dtype,
+            ctx.device,
+            cfg.max_new_tokens,
+            ctx.stop_ids,
+        )
         try:
-            records = run_questions(None, ctx.questions, ctx.tokenizer, cfg.max_new_tokens, ctx.stop_ids,
-                                    records_path, settings, cfg.progress, pool=pool)
+            records = run_questions(
+                None,
+                ctx.questions,
+                ctx.tokenizer,
+                cfg.max_new_tokens,
+                ctx.stop_ids,
+                records_path,
+                settings,
+                cfg.progress,
+                pool=pool,
+            )
         except BaseException:  # stopped (SIGINT) or failed: the questions in flight are redone on resume
             pool.close(now=True)
             raise
         pool.close()
     else:
-        eng = build_engine(ctx.target, cfg.draft, cfg.k, cfg.temperature, cfg.seed, cfg.compare_plain, ctx.dtype,
-                           ctx.device)
+        eng = build_engine(
+            ctx.target, cfg.draft, cfg.k, cfg.temperature, cfg.seed, cfg.compare_plain, ctx.dtype, ctx.device
+        )
         try:
-            records = run_questions(eng, ctx.questions, ctx.tokenizer, cfg.max_new_tokens, ctx.stop_ids,
-                                    records_path, settings, cfg.progress)
+            records = run_questions(
+                eng,
+                ctx.questions,
+                ctx.tokenizer,
+                cfg.max_new_tokens,
+                ctx.stop_ids,
+                records_path,
+                settings,
+                cfg.progress,
+            )
         finally:
             eng.close()
     # with workers the per-record seconds overlap: this run's wall clock is the throughput to quote
-    extra = {"torch_threads": torch.get_num_threads(), "workers": cfg.workers,
-             "wall_seconds_this_run": round(time.perf_counter() - start, 1), **_gpu(ctx.device)}
+    extra = {
+        "torch_threads": torch.get_num_threads(),
+        "workers": cfg.workers,
+        "wall_seconds_this_run": round(time.perf_counter() - start, 1),
+        **_gpu(ctx.device),
+    }
     return Answers({cfg.k: records}, extra)
 
 
@@ -85,17 +118,38 @@ def run_replay(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     torch_dtype = getattr(torch, ctx.dtype)
     start = time.perf_counter()
     model = ctx.target.load_model(dtype=torch_dtype, device=ctx.device)
-    ref_settings = reference_settings(ctx.settings["target_id"], cfg.max_new_tokens, ctx.dtype,
-                                      ctx.settings["prompts"], ctx.device, ks, ctx.settings.get("prompts_sha256"))
-    refs = target_references(model, ctx.tokenizer, ctx.questions, ctx.stop_ids, cfg.max_new_tokens, refs_path,
-                             ref_settings, cfg.batch_size, cfg.progress)
+    ref_settings = reference_settings(
+        ctx.settings["target_id"],
+        cfg.max_new_tokens,
+        ctx.dtype,
+        ctx.settings["prompts"],
+        ctx.device,
+        ks,
+        ctx.settings.get("prompts_sha256"),
+    )
+    refs = target_references(
+        model,
+        ctx.tokenizer,
+        ctx.questions,
+        ctx.stop_ids,
+        cfg.max_new_tokens,
+        refs_path,
+        ref_settings,
+        cfg.batch_size,
+        cfg.progress,
+    )
     answered = time.perf_counter()
-    draft = Eagle3Draft.from_pretrained(Path(cfg.draft), device=ctx.device, dtype=torch_dtype,
-                                        target_dir=ctx.target.path)
+    draft = Eagle3Draft.from_pretrained(
+        Path(cfg.draft), device=ctx.device, dtype=torch_dtype, target_dir=ctx.target.path
+    )
     by_k = replay(model, draft, refs, ks, cfg.max_new_tokens, ctx.stop_ids, cfg.progress)
-    extra = {"references": str(refs_path), "batch_size": cfg.batch_size,
-             "references_seconds_this_run": round(answered - start, 1),
-             "replay_seconds": round(time.perf_counter() - answered, 1), **_gpu(ctx.device)}
+    extra = {
+        "references": str(refs_path),
+        "batch_size": cfg.batch_size,
+        "references_seconds_this_run": round(answered - start, 1),
+        "replay_seconds": round(time.perf_counter() - answered, 1),
+        **_gpu(ctx.device),
+    }
     return Answers(by_k, extra)
 
 
@@ -131,59 +185,111 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     python = find_vllm_python(cfg.vllm)
     # the speed prompts come from the whole prompt file, so --max-prompts limits the acceptance run only
     every = read_questions(Path(settings["prompts"]), None, None) if concurrency else []
-    plan = {"prompts": min(len(every), max(SPEED_PROMPTS, *concurrency)), "max_new_tokens": cfg.max_new_tokens,
-            "min_seconds": cfg.speed_min_seconds, "min_waves": SPEED_MIN_WAVES} if concurrency else {}
-    prompts = [render_turn(ctx.tokenizer, q, 0, []) for q in every[:plan.get("prompts", 0)]]
+    plan = (
+        {
+            "prompts": min(len(every), max(SPEED_PROMPTS, *concurrency)),
+            "max_new_tokens": cfg.max_new_tokens,
+            "min_seconds": cfg.speed_min_seconds,
+            "min_waves": SPEED_MIN_WAVES,
+        }
+        if concurrency
+        else {}
+    )
+    prompts = [render_turn(ctx.tokenizer, q, 0, []) for q in every[: plan.get("prompts", 0)]]
     records_path, state_path = ctx.out / "records.jsonl", ctx.out / RUN_STATE
     saved, speed = _saved_run(state_path, settings, concurrency, plan, plain)
     if saved is not None:
         # every question answered and the serving speed measured by an earlier run: no engine to
         # start (a cold vLLM start is minutes on a GPU)
         if _answered(ctx, records_path, settings):
-            records = run_questions(None, ctx.questions, ctx.tokenizer, cfg.max_new_tokens, ctx.stop_ids,
-                                    records_path, settings, cfg.progress, pool=lambda todo: iter(()))
-            return Answers({k: records}, {**saved["extra"], "serving_speed": _with_plain(speed, plain),
-                                          "wall_seconds_this_run": 0.0})
+            records = run_questions(
+                None,
+                ctx.questions,
+                ctx.tokenizer,
+                cfg.max_new_tokens,
+                ctx.stop_ids,
+                records_path,
+                settings,
+                cfg.progress,
+                pool=lambda todo: iter(()),
+            )
+            return Answers(
+                {k: records},
+                {**saved["extra"], "serving_speed": _with_plain(speed, plain), "wall_seconds_this_run": 0.0},
+            )
     exported = Path(cfg.vllm_draft) if cfg.vllm_draft is not None else _export_for_vllm(cfg, ctx)
-    with VllmEngine(python, ctx.target.path, exported, k=k, dtype=ctx.dtype, seed=cfg.seed,
-                    log_path=ctx.out / "vllm.log") as eng:
-        pool = VllmPool(eng, k, cfg.temperature, cfg.seed, ctx.tokenizer, cfg.max_new_tokens, ctx.stop_ids,
-                        cfg.in_flight)
+    with VllmEngine(
+        python, ctx.target.path, exported, k=k, dtype=ctx.dtype, seed=cfg.seed, log_path=ctx.out / "vllm.log"
+    ) as eng:
+        pool = VllmPool(
+            eng, k, cfg.temperature, cfg.seed, ctx.tokenizer, cfg.max_new_tokens, ctx.stop_ids, cfg.in_flight
+        )
         start = time.perf_counter()
-        records = run_questions(None, ctx.questions, ctx.tokenizer, cfg.max_new_tokens, ctx.stop_ids, records_path,
-                                settings, cfg.progress, pool=pool)
+        records = run_questions(
+            None,
+            ctx.questions,
+            ctx.tokenizer,
+            cfg.max_new_tokens,
+            ctx.stop_ids,
+            records_path,
+            settings,
+            cfg.progress,
+            pool=pool,
+        )
         wall = round(time.perf_counter() - start, 1)
         info = dict(eng.info)
         if pool.disagreed:
-            warnings.warn(f"vLLM {info.get('vllm')}: for {pool.disagreed} of {pool.checked} requests the drafts "
-                          "accepted per round, read from the tokens per engine step, differ from vLLM's own "
-                          "per-request counts; this evaluation's tau is not trustworthy on this version "
-                          "(please report it with vLLM's version)", stacklevel=2)
+            warnings.warn(
+                f"vLLM {info.get('vllm')}: for {pool.disagreed} of {pool.checked} requests the drafts "
+                "accepted per round, read from the tokens per engine step, differ from vLLM's own "
+                "per-request counts; this evaluation's tau is not trustworthy on this version "
+                "(please report it with vLLM's version)",
+                stacklevel=2,
+            )
         if concurrency and not speed:
-            speed = {**plan, "what": "first turns, greedy, wall clock, waves of `concurrency` requests "
-                     "submitted together (the next once one is done), each point at least min_waves waves "
-                     "and min_seconds", "draft": [eng.speed(prompts, cfg.max_new_tokens, ctx.stop_ids, c,
-                                                             cfg.speed_min_seconds, SPEED_MIN_WAVES)
-                                                  for c in concurrency]}
+            speed = {
+                **plan,
+                "what": "first turns, greedy, wall clock, waves of `concurrency` requests "
+                "submitted together (the next once one is done), each point at least min_waves waves "
+                "and min_seconds",
+                "draft": [
+                    eng.speed(prompts, cfg.max_new_tokens, ctx.stop_ids, c, cfg.speed_min_seconds, SPEED_MIN_WAVES)
+                    for c in concurrency
+                ],
+            }
     if speed and plain is None and "plain" not in speed:
         # the same prompts without the draft, once the draft's engine is gone
-        with VllmEngine(python, ctx.target.path, None, k=k, dtype=ctx.dtype, seed=cfg.seed,
-                        log_path=ctx.out / "vllm-plain.log") as eng:
-            speed = _with_plain(speed, [eng.speed(prompts, cfg.max_new_tokens, ctx.stop_ids, c,
-                                                  cfg.speed_min_seconds, SPEED_MIN_WAVES) for c in concurrency],
-                                shared=False)
+        with VllmEngine(
+            python, ctx.target.path, None, k=k, dtype=ctx.dtype, seed=cfg.seed, log_path=ctx.out / "vllm-plain.log"
+        ) as eng:
+            speed = _with_plain(
+                speed,
+                [
+                    eng.speed(prompts, cfg.max_new_tokens, ctx.stop_ids, c, cfg.speed_min_seconds, SPEED_MIN_WAVES)
+                    for c in concurrency
+                ],
+                shared=False,
+            )
     speed = _with_plain(speed, plain)
-    extra = {"vllm_version": info.get("vllm"), "vllm_python": str(python), "exported_draft": str(exported),
-             "in_flight": cfg.in_flight,
-             # requests of this run compared with vLLM's own per-request acceptance (0.31+)
-             "vllm_own_acceptance": {"compared": pool.checked, "differed": pool.disagreed}}
-    atomic_write_text(state_path, json.dumps({"settings": settings, "extra": extra, "serving_speed": speed},
-                                             indent=1))
+    extra = {
+        "vllm_version": info.get("vllm"),
+        "vllm_python": str(python),
+        "exported_draft": str(exported),
+        "in_flight": cfg.in_flight,
+        # requests of this run compared with vLLM's own per-request acceptance (0.31+)
+        "vllm_own_acceptance": {"compared": pool.checked, "differed": pool.disagreed},
+    }
+    atomic_write_text(state_path, json.dumps({"settings": settings, "extra": extra, "serving_speed": speed}, indent=1))
     return Answers({k: records}, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall})
 
 
-def _saved_run(state_path: Path, settings: dict[str, Any], concurrency: list[int], plan: dict[str, Any],
-               plain: list[dict[str, Any]] | None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def _saved_run(
+    state_path: Path,
+    settings: dict[str, Any],
+    concurrency: list[int],
+    plan: dict[str, Any],
+    plain: list[dict[str, Any]] | None,
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """What an earlier run with these settings found (None: none, or its serving speed is not the one
     this run needs), and the serving speed it measured that this run keeps."""
     saved = json.loads(state_path.read_text()) if state_path.is_file() else {}
@@ -192,8 +298,10 @@ def _saved_run(state_path: Path, settings: dict[str, Any], concurrency: list[int
     speed = saved.get("serving_speed")
     if not concurrency:
         speed = None
-    elif speed and ([d["concurrency"] for d in speed["draft"]] != concurrency
-                    or any(speed.get(key) != value for key, value in plan.items())):
+    elif speed and (
+        [d["concurrency"] for d in speed["draft"]] != concurrency
+        or any(speed.get(key) != value for key, value in plan.items())
+    ):
         speed = None  # measured with other prompts, lengths or durations
     elif speed and plain is None and speed.get("plain_from"):  # an -k run's baseline: time this run's own
         speed = {key: v for key, v in speed.items() if key not in ("plain", "plain_from", "speedup")}
@@ -212,20 +320,31 @@ def _export_for_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Path:
     from eyas.export.config import ExportConfig
     from eyas.export.run import run as export
 
-    return export(ExportConfig(ckpt=Path(cfg.draft), format="vllm", out=ctx.out / "draft-vllm",
-                               target=str(ctx.target.path), num_speculative_tokens=cfg.k, overwrite=True))
+    return export(
+        ExportConfig(
+            ckpt=Path(cfg.draft),
+            format="vllm",
+            out=ctx.out / "draft-vllm",
+            target=str(ctx.target.path),
+            num_speculative_tokens=cfg.k,
+            overwrite=True,
+        )
+    )
 
 
-def _with_plain(speed: dict[str, Any] | None, plain: list[dict[str, Any]] | None,
-                shared: bool = True) -> dict[str, Any] | None:
+def _with_plain(
+    speed: dict[str, Any] | None, plain: list[dict[str, Any]] | None, shared: bool = True
+) -> dict[str, Any] | None:
     """``speed`` with ``plain`` as its serving without the draft and the speedup at each concurrency;
     ``shared``: ``plain`` is the -k run's (timed once for every k), not this run's own."""
     if not speed or plain is None:
         return speed
     speed = {**speed, "plain": plain, **({"plain_from": "the -k run"} if shared else {})}
-    speed["speedup"] = {str(d["concurrency"]): d["tokens_per_s"] / p["tokens_per_s"]
-                        for d, p in zip(speed["draft"], speed["plain"])
-                        if d["tokens_per_s"] and p["tokens_per_s"]}
+    speed["speedup"] = {
+        str(d["concurrency"]): d["tokens_per_s"] / p["tokens_per_s"]
+        for d, p in zip(speed["draft"], speed["plain"])
+        if d["tokens_per_s"] and p["tokens_per_s"]
+    }
     return speed
 
 

@@ -25,16 +25,18 @@ class Question:
     turns: tuple[str, ...]
 
 
-def read_questions(path: str | Path, max_prompts: int | None = None,
-                   max_per_category: int | None = None) -> list[Question]:
+def read_questions(
+    path: str | Path, max_prompts: int | None = None, max_per_category: int | None = None
+) -> list[Question]:
     """Read a question.jsonl file; every malformed line is reported with its line number.
 
     ``max_per_category`` keeps the first N questions of each category (MT-bench is sorted by
     category, so a plain ``max_prompts`` would see only the first one or two)."""
     path = Path(path)
     if not path.is_file():
-        raise EyasError(f"prompts {path}: no such file; pass an MT-bench style question.jsonl "
-                        f"(default: {DEFAULT_PROMPTS})")
+        raise EyasError(
+            f"prompts {path}: no such file; pass an MT-bench style question.jsonl (default: {DEFAULT_PROMPTS})"
+        )
     out: list[Question] = []
     seen: set[str] = set()
     with open(path, "rb") as fh:
@@ -44,8 +46,10 @@ def read_questions(path: str | Path, max_prompts: int | None = None,
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
-                raise EyasError(f"{where}: byte 0x{raw[e.start]:02x} at byte {offset + e.start:,} of the "
-                                f"file is not valid UTF-8 ({e.reason}); save the file as UTF-8") from None
+                raise EyasError(
+                    f"{where}: byte 0x{raw[e.start]:02x} at byte {offset + e.start:,} of the "
+                    f"file is not valid UTF-8 ({e.reason}); save the file as UTF-8"
+                ) from None
             offset += len(raw)
             if not line.strip():
                 continue
@@ -58,8 +62,10 @@ def read_questions(path: str | Path, max_prompts: int | None = None,
                 continue
             out.append(q)
             if out[-1].question_id in seen:
-                raise EyasError(f"{where}: question_id {out[-1].question_id!r} appears twice; "
-                                "ids must be unique so per-prompt results can be told apart")
+                raise EyasError(
+                    f"{where}: question_id {out[-1].question_id!r} appears twice; "
+                    "ids must be unique so per-prompt results can be told apart"
+                )
             seen.add(out[-1].question_id)
             if max_prompts is not None and len(out) >= max_prompts:
                 break
@@ -73,11 +79,12 @@ def _parse(obj: Any, where: str) -> Question:
         raise EyasError(f"{where}: expected a JSON object with 'turns', got {type(obj).__name__}")
     turns = obj.get("turns")
     if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-        raise EyasError(f"{where}: 'turns' must be a non-empty list of non-empty strings "
-                        f"(MT-bench format: {{\"question_id\", \"category\", \"turns\": [...]}})")
+        raise EyasError(
+            f"{where}: 'turns' must be a non-empty list of non-empty strings "
+            f'(MT-bench format: {{"question_id", "category", "turns": [...]}})'
+        )
     qid = obj.get("question_id", where.rsplit(":", 1)[-1])
-    return Question(question_id=str(qid), category=str(obj.get("category") or "uncategorized"),
-                    turns=tuple(turns))
+    return Question(question_id=str(qid), category=str(obj.get("category") or "uncategorized"), turns=tuple(turns))
 
 
 def render_turn(tokenizer, question: Question, turn: int, answers: list[str]) -> list[int]:
@@ -89,8 +96,10 @@ def render_turn(tokenizer, question: Question, turn: int, answers: list[str]) ->
     if len(answers) != turn:
         raise ValueError(f"turn {turn} needs {turn} previous answers, got {len(answers)}")
     if getattr(tokenizer, "chat_template", None) is None:
-        raise EyasError("the target's tokenizer has no chat template; evaluation renders prompts "
-                        "with it. Use an instruct/chat target or add a chat_template to its tokenizer")
+        raise EyasError(
+            "the target's tokenizer has no chat template; evaluation renders prompts "
+            "with it. Use an instruct/chat target or add a chat_template to its tokenizer"
+        )
     messages: list[dict[str, str]] = []
     for t in range(turn):
         messages.append({"role": "user", "content": question.turns[t]})

@@ -24,8 +24,12 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> tu
     return host[0], host[1 + host[0]]
 
 
-def verify_sampling(target_probs: torch.Tensor, draft_probs: torch.Tensor, draft_tokens: torch.Tensor,
-                    generator: torch.Generator | None = None) -> tuple[int, int]:
+def verify_sampling(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
     """Rejection sampling. ``target_probs`` [k+1, V], ``draft_probs`` [k, V] (both over the
     target vocab; the draft's mass is zero outside its vocab), ``draft_tokens`` [k] drawn from
     ``draft_probs``. Returns (n accepted, next token)."""

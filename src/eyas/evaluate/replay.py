@@ -53,8 +53,14 @@ def chain_lengths(correct: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def chain_matches(out: list[torch.Tensor], input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor,
-                  draft_to_target: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+def chain_matches(
+    out: list[torch.Tensor],
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    draft_to_target: torch.Tensor,
+    lm_head_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[B, T]: at each position i, how many leading TTT steps j predict the answer's token x[i+2+j]
     (in the loss mask, same document). ``out`` per step: draft logits [B, T, V], or with
     ``lm_head_weight`` the normed hidden it takes (the fused loss's forward). Used by this engine and
@@ -70,7 +76,7 @@ def chain_matches(out: list[torch.Tensor], input_ids: torch.Tensor, loss_mask: t
         n = valid.shape[1]
         for r in range(b):  # a row at a time: one [T, draft_vocab] of logits at most
             z = o[r, :n] if lm_head_weight is None else o[r, :n].to(lm_head_weight.dtype) @ lm_head_weight.T
-            correct[j, r, :n] = (draft_to_target[z.argmax(-1)] == input_ids[r, 2 + j:]) & valid[r]
+            correct[j, r, :n] = (draft_to_target[z.argmax(-1)] == input_ids[r, 2 + j :]) & valid[r]
     return chain_lengths(correct)
 
 
@@ -95,20 +101,21 @@ def greedy_answers(model, prompts: list[list[int]], n_new: int, batch_size: int)
     out: list[list[int]] = [[] for _ in prompts]
     dev = model.device
     for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
+        rows = order[start : start + batch_size]
         width = max(len(prompts[i]) for i in rows)
         ids = torch.zeros((len(rows), width), dtype=torch.long, device=dev)
         mask = torch.zeros_like(ids)
         for r, i in enumerate(rows):
             p = prompts[i]
-            ids[r, width - len(p):] = torch.tensor(p, device=dev)
-            mask[r, width - len(p):] = 1
+            ids[r, width - len(p) :] = torch.tensor(p, device=dev)
+            mask[r, width - len(p) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=model.config)
         tokens = []
         with torch.inference_mode():
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                           use_cache=True).logits[:, -1]
+            logits = model(
+                input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+            ).logits[:, -1]
             for _ in range(n_new):
                 nxt = logits.argmax(-1)
                 tokens.append(nxt)
@@ -116,8 +123,9 @@ def greedy_answers(model, prompts: list[list[int]], n_new: int, batch_size: int)
                     break
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 pos = pos[:, -1:] + 1
-                logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                               past_key_values=cache, use_cache=True).logits[:, -1]
+                logits = model(
+                    input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+                ).logits[:, -1]
         gen = torch.stack(tokens, dim=1).tolist()
         for r, i in enumerate(rows):
             out[i] = gen[r]
@@ -128,7 +136,7 @@ def cut(tokens: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]
     """The answer as the loop ends it: at the first stop token (kept) or ``max_new_tokens``."""
     for i, t in enumerate(tokens[:max_new_tokens]):
         if t in stop_ids:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens[:max_new_tokens]
 
 
@@ -145,7 +153,7 @@ class ReferencePool:
         from eyas.evaluate.runner import turn_record
 
         for start in range(0, len(questions), self.batch_size):
-            chunk = questions[start:start + self.batch_size]
+            chunk = questions[start : start + self.batch_size]
             answers: list[list[str]] = [[] for _ in chunk]
             records: list[list[dict[str, Any]]] = [[] for _ in chunk]
             for turn in range(max(len(q.turns) for q in chunk)):
@@ -153,8 +161,13 @@ class ReferencePool:
                 prompts = [render_turn(self.tokenizer, chunk[i], turn, answers[i]) for i in live]
                 uncut = self._uncut(prompts)
                 for i, prompt, full in zip(live, prompts, uncut):
-                    out = {"tokens": cut(full, self.max_new_tokens, self.stop_ids), "prompt_ids": prompt,
-                           "uncut_ids": full, "rounds": 0, "accepted_per_pos": []}
+                    out = {
+                        "tokens": cut(full, self.max_new_tokens, self.stop_ids),
+                        "prompt_ids": prompt,
+                        "uncut_ids": full,
+                        "rounds": 0,
+                        "accepted_per_pos": [],
+                    }
                     rec, text = turn_record(chunk[i], turn, prompt, out, self.tokenizer, self.stop_ids)
                     records[i].append(rec)
                     answers[i].append(text)
@@ -164,7 +177,7 @@ class ReferencePool:
         """Each prompt's answer and tail: decoded to ``max_new_tokens + tail`` at first, then, for a
         row that stopped early, shortened to its stop token plus the tail."""
         full = greedy_answers(self.model, prompts, self.max_new_tokens + self.tail, self.batch_size)
-        return [f[:len(cut(f, self.max_new_tokens, self.stop_ids)) + self.tail] for f in full]
+        return [f[: len(cut(f, self.max_new_tokens, self.stop_ids)) + self.tail] for f in full]
 
 
 class ReplayScorer:
@@ -191,29 +204,47 @@ class ReplayScorer:
         normed = self.draft(aux, x, pos, doc, steps, attention="dense", return_normed=True)
         answer = torch.arange(t, device=self.device)[None] > first  # the tokens a chain is checked against
         chains = chain_matches(normed, x, answer, doc, self.draft_to_target, self.draft.lm_head.weight)
-        return chains[0, first:t - 1].tolist()
+        return chains[0, first : t - 1].tolist()
 
     def close(self) -> None:
         self.capture.remove()
 
 
-def replay_record(ref: dict[str, Any], lengths: list[int], k: int, max_new_tokens: int,
-                  stop_ids: set[int]) -> dict[str, Any]:
+def replay_record(
+    ref: dict[str, Any], lengths: list[int], k: int, max_new_tokens: int, stop_ids: set[int]
+) -> dict[str, Any]:
     """Turn ``ref``'s record with ``k`` drafts per round, from the chain ``lengths`` of its answer."""
     uncut = ref["uncut_ids"]
     got = steps_record(uncut, walk(lengths, k, len(uncut)), max_new_tokens, stop_ids, k)
     if got["tokens"] != ref["output_ids"]:
-        raise EyasError(f"replay of question {ref['question_id']} turn {ref['turn']}: the walk cut the "
-                        "answer elsewhere than the reference; the references file is damaged: delete it")
+        raise EyasError(
+            f"replay of question {ref['question_id']} turn {ref['turn']}: the walk cut the "
+            "answer elsewhere than the reference; the references file is damaged: delete it"
+        )
     rounds = got["rounds"]
-    return {"question_id": ref["question_id"], "category": ref["category"], "turn": ref["turn"],
-            "prompt_tokens": ref["prompt_tokens"], "new_tokens": len(got["tokens"]), "output_ids": got["tokens"],
-            "rounds": rounds, "draft_tokens": got["draft_tokens"], "accepted_per_pos": got["accepted_per_pos"],
-            "tau": 1 + sum(got["accepted_per_pos"]) / rounds if rounds else None}
+    return {
+        "question_id": ref["question_id"],
+        "category": ref["category"],
+        "turn": ref["turn"],
+        "prompt_tokens": ref["prompt_tokens"],
+        "new_tokens": len(got["tokens"]),
+        "output_ids": got["tokens"],
+        "rounds": rounds,
+        "draft_tokens": got["draft_tokens"],
+        "accepted_per_pos": got["accepted_per_pos"],
+        "tau": 1 + sum(got["accepted_per_pos"]) / rounds if rounds else None,
+    }
 
 
-def replay(model, draft, references: list[dict[str, Any]], ks: list[int], max_new_tokens: int,
-           stop_ids: set[int], progress: bool = True) -> dict[int, list[dict[str, Any]]]:
+def replay(
+    model,
+    draft,
+    references: list[dict[str, Any]],
+    ks: list[int],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    progress: bool = True,
+) -> dict[int, list[dict[str, Any]]]:
     """Per k of ``ks``: the records of every reference turn, from one unroll of ``max(ks)`` steps."""
     from tqdm import tqdm
 
@@ -229,19 +260,40 @@ def replay(model, draft, references: list[dict[str, Any]], ks: list[int], max_ne
     return out
 
 
-def reference_settings(target_id: str, max_new_tokens: int, dtype: str, prompts: str, device: str,
-                       ks: list[int], prompts_sha256: str | None = None) -> dict[str, Any]:
+def reference_settings(
+    target_id: str,
+    max_new_tokens: int,
+    dtype: str,
+    prompts: str,
+    device: str,
+    ks: list[int],
+    prompts_sha256: str | None = None,
+) -> dict[str, Any]:
     """What the target's answers depend on (not the draft, nor k beyond the tail they carry): the
     header of a references file, which is reused only where it matches."""
-    out = {"target_id": target_id, "max_new_tokens": max_new_tokens, "dtype": dtype, "prompts": prompts,
-           "device": device.split(":")[0]}
+    out = {
+        "target_id": target_id,
+        "max_new_tokens": max_new_tokens,
+        "dtype": dtype,
+        "prompts": prompts,
+        "device": device.split(":")[0],
+    }
     if prompts_sha256 is not None:
         out["prompts_sha256"] = prompts_sha256
     return {**out, "engine": "replay references", "tail": tail_for(ks)}
 
 
-def target_references(model, tokenizer, questions: list[Question], stop_ids: set[int], max_new_tokens: int,
-                      path: Path, settings: dict[str, Any], batch_size: int, progress: bool) -> list[dict[str, Any]]:
+def target_references(
+    model,
+    tokenizer,
+    questions: list[Question],
+    stop_ids: set[int],
+    max_new_tokens: int,
+    path: Path,
+    settings: dict[str, Any],
+    batch_size: int,
+    progress: bool,
+) -> list[dict[str, Any]]:
     """The target's greedy answers to every turn of ``questions``: read from ``path`` where it has
     them, the rest decoded and added. Processes that share ``path`` take turns (one writes, the
     others wait and then read)."""
@@ -253,8 +305,7 @@ def target_references(model, tokenizer, questions: list[Question], stop_ids: set
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, path, settings, progress,
-                             pool=pool)
+        return run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, path, settings, progress, pool=pool)
 
 
 def references_path(out: Path) -> Path:

@@ -76,17 +76,26 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
         speed = rep.get("serving_speed") or {}
         for d, p in zip(speed.get("draft", []), speed.get("plain", [])):
             with_, without = d.get("tokens_per_s"), p.get("tokens_per_s")
-            rows.append({"k": k, "concurrency": d["concurrency"], "tokens_per_s_draft": with_,
-                         "tokens_per_s_plain": without,
-                         "speedup": with_ / without if with_ and without else None})
+            rows.append(
+                {
+                    "k": k,
+                    "concurrency": d["concurrency"],
+                    "tokens_per_s_draft": with_,
+                    "tokens_per_s_plain": without,
+                    "speedup": with_ / without if with_ and without else None,
+                }
+            )
     rows.sort(key=lambda r: (r["concurrency"], r["k"]))
     best: dict[str, dict[str, Any]] = {}
     for r in rows:
         b = best.get(str(r["concurrency"]))
         if r["speedup"] is not None and (b is None or r["speedup"] > b["speedup"]):
             best[str(r["concurrency"])] = {"k": r["k"], "speedup": r["speedup"], "pays": r["speedup"] > 1.0}
-    return {"serving_speed_by_k": rows, "best_k": best,
-            "tau_by_k": {str(k): rep["overall"]["tau"] for k, rep in sorted(reports.items())}}
+    return {
+        "serving_speed_by_k": rows,
+        "best_k": best,
+        "tau_by_k": {str(k): rep["overall"]["tau"] for k, rep in sorted(reports.items())},
+    }
 
 
 def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
@@ -101,8 +110,7 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
     return path
 
 
-def plot_report(report: dict[str, Any], out_dir: Path,
-                others: dict[str, dict[str, Any]] | None = None) -> list[Path]:
+def plot_report(report: dict[str, Any], out_dir: Path, others: dict[str, dict[str, Any]] | None = None) -> list[Path]:
     """acceptance_per_position.png and tau_per_category.png; ``others`` adds reports to compare
     (label -> report), e.g. the vLLM engine's next to the built-in one."""
     import matplotlib
@@ -117,8 +125,12 @@ def plot_report(report: dict[str, Any], out_dir: Path,
     for label, rep in series.items():
         rates = rep["overall"]["acceptance_rate_per_pos"]
         xs = list(range(1, len(rates) + 1))
-        ax.plot(xs, [r if r is not None else float("nan") for r in rates], marker="o",
-                label=f"{label} (tau={_fmt(rep['overall']['tau'])})")
+        ax.plot(
+            xs,
+            [r if r is not None else float("nan") for r in rates],
+            marker="o",
+            label=f"{label} (tau={_fmt(rep['overall']['tau'])})",
+        )
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.02)
@@ -181,8 +193,10 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
         line = f"{label}{name}: tau {tau}, acceptance per position [{rates}]"
         if rep.get("training_tau") is not None:
             on = rep.get("training_tau_on") or {}
-            line += (f" (measured while training: {rep['training_tau']:.3f}, on {on.get('turns')} turns of "
-                     f"{on.get('prompts')}, {on.get('max_new_tokens')} tokens)")
+            line += (
+                f" (measured while training: {rep['training_tau']:.3f}, on {on.get('turns')} turns of "
+                f"{on.get('prompts')}, {on.get('max_new_tokens')} tokens)"
+            )
         if o.get("tokens_per_s"):
             line += f", {o['tokens_per_s']:.1f} tok/s"
         if o.get("speedup"):
@@ -190,12 +204,16 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
         lines.append(line)
     c = reports.get("comparison")
     if c and c["tau_relative_difference"] is not None:
-        lines.append(f"{label}tau builtin vs vllm: relative difference {c['tau_relative_difference']:.3f}, "
-                     f"identical outputs {c['identical_outputs']}/{c['prompts']}")
+        lines.append(
+            f"{label}tau builtin vs vllm: relative difference {c['tau_relative_difference']:.3f}, "
+            f"identical outputs {c['identical_outputs']}/{c['prompts']}"
+        )
     speed = reports.get("vllm", {}).get("serving_speed")
     for d, p in zip(speed["draft"], speed.get("plain", [])) if speed else ():
-        lines.append(f"{label}vllm serving, {d['concurrency']} concurrent: {d['tokens_per_s']:.0f} tok/s with "
-                     f"the draft, {p['tokens_per_s']:.0f} without ({d['tokens_per_s'] / p['tokens_per_s']:.2f}x)")
+        lines.append(
+            f"{label}vllm serving, {d['concurrency']} concurrent: {d['tokens_per_s']:.0f} tok/s with "
+            f"the draft, {p['tokens_per_s']:.0f} without ({d['tokens_per_s'] / p['tokens_per_s']:.2f}x)"
+        )
     for key, rep in reports.items():
         if key.startswith("k") and key[1:].isdigit():  # also_k: that k's own reports, in OUT/k<N>/
             lines += summary_lines(rep, Path(out) / key, top=False)
@@ -212,6 +230,8 @@ def best_k_lines(best: dict[str, dict[str, Any]]) -> list[str]:
         if b["pays"]:
             lines.append(f"vllm serving, {c} concurrent: best k={b['k']}, {b['speedup']:.2f}x")
         else:
-            lines.append(f"vllm serving, {c} concurrent: no k speeds it up (the least slow: k={b['k']}, "
-                         f"{b['speedup']:.2f}x); serve without the draft at this load")
+            lines.append(
+                f"vllm serving, {c} concurrent: no k speeds it up (the least slow: k={b['k']}, "
+                f"{b['speedup']:.2f}x); serve without the draft at this load"
+            )
     return lines

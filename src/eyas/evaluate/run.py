@@ -29,8 +29,15 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
     that want the figures (:func:`run` is the stage's entry point)."""
     from eyas.outdir import check_out, writer_lock
 
-    check_out(cfg.out, inputs={"the --draft": cfg.draft, "the --prompts file": cfg.prompts,
-                               "the --target": cfg.target, "the --vllm-draft": cfg.vllm_draft})
+    check_out(
+        cfg.out,
+        inputs={
+            "the --draft": cfg.draft,
+            "the --prompts file": cfg.prompts,
+            "the --target": cfg.target,
+            "the --vllm-draft": cfg.vllm_draft,
+        },
+    )
     with writer_lock(cfg.out, command="eyas evaluate"):
         return run_evaluation(cfg)
 
@@ -105,8 +112,10 @@ def _check_choices(cfg: EvaluateConfig) -> None:
     if cfg.speed_concurrency and cfg.engine in ("builtin", "replay"):
         raise EyasError("--speed-concurrency times vLLM serving: use it with --engine vllm or both")
     if cfg.engine == "replay" and cfg.temperature > 0:
-        raise EyasError(f"--engine replay --temperature {cfg.temperature}: replay measures greedy acceptance "
-                        "only (with sampling the output depends on the draft); use --engine builtin or vllm")
+        raise EyasError(
+            f"--engine replay --temperature {cfg.temperature}: replay measures greedy acceptance "
+            "only (with sampling the output depends on the draft); use --engine builtin or vllm"
+        )
 
 
 def _context(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None) -> tuple[Any, dict[str, Any]]:
@@ -134,18 +143,46 @@ def _context(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None) -> t
     # the draft's content, not only its path: a draft retrained in place never reuses old records
     # (and `eyas export --speed-report` checks that a report is of the draft it exports)
     draft_sha256 = sha256_file(draft / "model.safetensors")
-    meta = {**_training_tau(draft, cfg.k), "target": target.identity, "target_name": cfg.target,
-            "draft": str(cfg.draft), "prompts": str(cfg.prompts), "temperature": cfg.temperature,
-            "max_new_tokens": cfg.max_new_tokens, "dtype": dtype, "device": device, "seed": cfg.seed,
-            "max_prompts": cfg.max_prompts, "max_per_category": cfg.max_per_category, "draft_sha256": draft_sha256}
-    settings = {"target_id": target.id, "draft": str(draft.resolve()), "draft_sha256": draft_sha256, "k": cfg.k,
-                "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "dtype": dtype,
-                "seed": cfg.seed, "prompts": str(prompts.resolve()),
-                # the prompts' content too: a file rewritten in place never reuses old answers
-                "prompts_sha256": sha256_file(prompts), "device": device.split(":")[0]}
-    ctx = EngineContext(target=target, tokenizer=tokenizer, questions=questions,
-                        stop_ids=set(stop_token_ids(tokenizer, target.path)), device=device, dtype=dtype,
-                        out=Path(cfg.out), settings=settings, plain_speed=plain_speed)
+    meta = {
+        **_training_tau(draft, cfg.k),
+        "target": target.identity,
+        "target_name": cfg.target,
+        "draft": str(cfg.draft),
+        "prompts": str(cfg.prompts),
+        "temperature": cfg.temperature,
+        "max_new_tokens": cfg.max_new_tokens,
+        "dtype": dtype,
+        "device": device,
+        "seed": cfg.seed,
+        "max_prompts": cfg.max_prompts,
+        "max_per_category": cfg.max_per_category,
+        "draft_sha256": draft_sha256,
+    }
+    settings = {
+        "target_id": target.id,
+        "draft": str(draft.resolve()),
+        "draft_sha256": draft_sha256,
+        "k": cfg.k,
+        "temperature": cfg.temperature,
+        "max_new_tokens": cfg.max_new_tokens,
+        "dtype": dtype,
+        "seed": cfg.seed,
+        "prompts": str(prompts.resolve()),
+        # the prompts' content too: a file rewritten in place never reuses old answers
+        "prompts_sha256": sha256_file(prompts),
+        "device": device.split(":")[0],
+    }
+    ctx = EngineContext(
+        target=target,
+        tokenizer=tokenizer,
+        questions=questions,
+        stop_ids=set(stop_token_ids(tokenizer, target.path)),
+        device=device,
+        dtype=dtype,
+        out=Path(cfg.out),
+        settings=settings,
+        plain_speed=plain_speed,
+    )
     return ctx, meta
 
 
@@ -160,11 +197,18 @@ def _also_k(cfg: EvaluateConfig, reports: dict[str, Any], summarize: bool = True
     plain = ((vllm or {}).get("serving_speed") or {}).get("plain")
     for other in dict.fromkeys(cfg.also_k):
         if other != cfg.k:
-            reports[f"k{other}"] = run_evaluation(replace(cfg, k=other, also_k=[], out=Path(cfg.out) / f"k{other}"),
-                                                  plain_speed=plain)
+            reports[f"k{other}"] = run_evaluation(
+                replace(cfg, k=other, also_k=[], out=Path(cfg.out) / f"k{other}"), plain_speed=plain
+            )
     if plain and summarize:
-        by_k = {cfg.k: vllm, **{int(key[1:]): rep["vllm"] for key, rep in reports.items()
-                                if key.startswith("k") and key[1:].isdigit() and "vllm" in rep}}
+        by_k = {
+            cfg.k: vllm,
+            **{
+                int(key[1:]): rep["vllm"]
+                for key, rep in reports.items()
+                if key.startswith("k") and key[1:].isdigit() and "vllm" in rep
+            },
+        }
         vllm.update(serving_summary(by_k))
         write_report(Path(cfg.out) / "vllm", vllm)
 
@@ -181,14 +225,19 @@ def _warn_past_context(questions, tokenizer, target_config: dict[str, Any], max_
     ctx = tc.get("max_position_embeddings")
     if not isinstance(ctx, int) or ctx <= 0:
         return
-    over = [(q.question_id, n) for q in questions
-            if (n := len(render_turn(tokenizer, q, 0, []))) + max_new_tokens > ctx]
+    over = [
+        (q.question_id, n) for q in questions if (n := len(render_turn(tokenizer, q, 0, []))) + max_new_tokens > ctx
+    ]
     if over:
         qid, n = max(over, key=lambda x: x[1])
-        print(f"warning: prompts {prompts}: the first turn of {len(over)} of {len(questions)} questions, with "
-              f"--max-new-tokens {max_new_tokens}, exceeds the target's context of {ctx:,} tokens "
-              f"(max_position_embeddings), e.g. question {qid}: {n:,} tokens; their answers are cut off or "
-              "wrong. Shorten those questions or leave them out", file=sys.stderr, flush=True)
+        print(
+            f"warning: prompts {prompts}: the first turn of {len(over)} of {len(questions)} questions, with "
+            f"--max-new-tokens {max_new_tokens}, exceeds the target's context of {ctx:,} tokens "
+            f"(max_position_embeddings), e.g. question {qid}: {n:,} tokens; their answers are cut off or "
+            "wrong. Shorten those questions or leave them out",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _training_tau(draft_dir: Path, k: int) -> dict[str, Any]:
@@ -198,8 +247,10 @@ def _training_tau(draft_dir: Path, k: int) -> dict[str, Any]:
 
     try:
         rec = json.loads((draft_dir / TAU_FILE).read_text())
-        return {"training_tau": rec["tau"].get(str(k)),
-                "training_tau_on": {key: rec[key] for key in ("step", "turns", "prompts", "max_new_tokens")}}
+        return {
+            "training_tau": rec["tau"].get(str(k)),
+            "training_tau_on": {key: rec[key] for key in ("step", "turns", "prompts", "max_new_tokens")},
+        }
     except (OSError, ValueError, KeyError, AttributeError):
         return {"training_tau": None}
 
@@ -212,15 +263,19 @@ def check_export_of(exported: Path, draft_dir: Path) -> None:
     try:
         info = json.loads(cfg_path.read_text()).get("eyas", {})
     except (OSError, json.JSONDecodeError) as e:
-        raise EyasError(f"vLLM draft {exported}: no readable config.json ({e}); pass the directory "
-                        "`eyas export --format vllm` wrote") from e
+        raise EyasError(
+            f"vLLM draft {exported}: no readable config.json ({e}); pass the directory "
+            "`eyas export --format vllm` wrote"
+        ) from e
     if info.get("format") != "vllm":
         raise EyasError(f"vLLM draft {exported}: not an eyas vllm-format export")
     want = sha256_file(draft_dir / "model.safetensors")
     if info.get("source_sha256") != want:
-        raise EyasError(f"vLLM draft {exported}: exported from another draft than {draft_dir} (or by an "
-                        "older eyas that did not record it); export it again, or leave it out and "
-                        "`eyas evaluate` exports one")
+        raise EyasError(
+            f"vLLM draft {exported}: exported from another draft than {draft_dir} (or by an "
+            "older eyas that did not record it); export it again, or leave it out and "
+            "`eyas evaluate` exports one"
+        )
 
 
 def _compare(builtin: dict, vllm: dict, out: Path) -> dict[str, Any]:
@@ -228,14 +283,19 @@ def _compare(builtin: dict, vllm: dict, out: Path) -> dict[str, Any]:
 
     tb, tv = builtin["overall"]["tau"], vllm["overall"]["tau"]
     same = [a["output_ids"] == b["output_ids"] for a, b in zip(builtin["per_prompt"], vllm["per_prompt"])]
-    comp = {"tau_builtin": tb, "tau_vllm": tv,
-            "tau_relative_difference": (abs(tb - tv) / tv) if (tb and tv) else None,
-            "acceptance_rate_per_pos_builtin": builtin["overall"]["acceptance_rate_per_pos"],
-            "acceptance_rate_per_pos_vllm": vllm["overall"]["acceptance_rate_per_pos"],
-            "identical_outputs": sum(same), "prompts": len(same),
-            "per_category_tau": {c: {"builtin": builtin["per_category"][c]["tau"],
-                                     "vllm": vllm["per_category"].get(c, {}).get("tau")}
-                                 for c in builtin["per_category"]}}
+    comp = {
+        "tau_builtin": tb,
+        "tau_vllm": tv,
+        "tau_relative_difference": (abs(tb - tv) / tv) if (tb and tv) else None,
+        "acceptance_rate_per_pos_builtin": builtin["overall"]["acceptance_rate_per_pos"],
+        "acceptance_rate_per_pos_vllm": vllm["overall"]["acceptance_rate_per_pos"],
+        "identical_outputs": sum(same),
+        "prompts": len(same),
+        "per_category_tau": {
+            c: {"builtin": builtin["per_category"][c]["tau"], "vllm": vllm["per_category"].get(c, {}).get("tau")}
+            for c in builtin["per_category"]
+        },
+    }
     path = Path(out) / "comparison.json"
     tmp = path.with_name(f".comparison.json.tmp{os.getpid()}")
     tmp.write_text(json.dumps(comp, indent=2) + "\n")

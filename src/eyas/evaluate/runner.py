@@ -24,47 +24,73 @@ class Engine(Protocol):
         """Returns at least ``tokens``, ``rounds``, ``accepted_per_pos``, ``seconds``."""
 
 
-def turn_record(q: Question, turn: int, prompt: list[int], out: dict[str, Any], tokenizer,
-                stop_ids: set[int]) -> tuple[dict[str, Any], str]:
+def turn_record(
+    q: Question, turn: int, prompt: list[int], out: dict[str, Any], tokenizer, stop_ids: set[int]
+) -> tuple[dict[str, Any], str]:
     """Turn ``turn``'s record from an engine's answer ``out``, and the answer's text (the next
     turn's prompt holds it)."""
     tokens = out["tokens"]
-    rec = {"question_id": q.question_id, "category": q.category, "turn": turn,
-           "prompt_tokens": len(prompt), "new_tokens": len(tokens), "output_ids": tokens,
-           **{k: v for k, v in out.items() if k != "tokens"}}
+    rec = {
+        "question_id": q.question_id,
+        "category": q.category,
+        "turn": turn,
+        "prompt_tokens": len(prompt),
+        "new_tokens": len(tokens),
+        "output_ids": tokens,
+        **{k: v for k, v in out.items() if k != "tokens"},
+    }
     rounds = rec["rounds"]
     rec["tau"] = 1 + sum(rec["accepted_per_pos"]) / rounds if rounds else None
     return rec, tokenizer.decode([t for t in tokens if t not in stop_ids], skip_special_tokens=True)
 
 
-def answer_question(engine: Engine, q: Question, tokenizer, max_new_tokens: int,
-                    stop_ids: set[int]) -> list[dict[str, Any]]:
+def answer_question(
+    engine: Engine, q: Question, tokenizer, max_new_tokens: int, stop_ids: set[int]
+) -> list[dict[str, Any]]:
     """Every turn of ``q``, each prompt holding the engine's own earlier answers: one record per turn."""
     answers: list[str] = []
     q_records = []
     for turn in range(len(q.turns)):
         prompt = render_turn(tokenizer, q, turn, answers)
-        rec, answer = turn_record(q, turn, prompt, engine.generate(prompt, max_new_tokens, stop_ids),
-                                  tokenizer, stop_ids)
+        rec, answer = turn_record(
+            q, turn, prompt, engine.generate(prompt, max_new_tokens, stop_ids), tokenizer, stop_ids
+        )
         answers.append(answer)
         q_records.append(rec)
     return q_records
 
 
-def run_questions(engine: Engine | None, questions: list[Question], tokenizer, max_new_tokens: int,
-                  stop_ids: set[int], records_path: Path, settings: dict[str, Any],
-                  progress: bool = True,
-                  pool: Callable[[list[Question]], Iterable[list[dict]]] | None = None) -> list[dict]:
+def run_questions(
+    engine: Engine | None,
+    questions: list[Question],
+    tokenizer,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    records_path: Path,
+    settings: dict[str, Any],
+    progress: bool = True,
+    pool: Callable[[list[Question]], Iterable[list[dict]]] | None = None,
+) -> list[dict]:
     """Answer the questions not yet in ``records_path``; return all records in question order.
 
     ``pool``: instead of ``engine``, a function that answers a list of questions in any order,
     yielding each question's records as it finishes (worker processes)."""
     records, todo = _resume(questions, records_path, settings)
-    answered = (pool(todo) if pool is not None else
-                (answer_question(engine, q, tokenizer, max_new_tokens, stop_ids) for q in todo))
-    with open(records_path, "a") as fh, tqdm(total=len(questions), initial=len(questions) - len(todo),
-                                             desc=f"evaluate ({settings['engine']})", unit="q",
-                                             disable=not progress) as bar:
+    answered = (
+        pool(todo)
+        if pool is not None
+        else (answer_question(engine, q, tokenizer, max_new_tokens, stop_ids) for q in todo)
+    )
+    with (
+        open(records_path, "a") as fh,
+        tqdm(
+            total=len(questions),
+            initial=len(questions) - len(todo),
+            desc=f"evaluate ({settings['engine']})",
+            unit="q",
+            disable=not progress,
+        ) as bar,
+    ):
         for q_records in answered:
             for rec in q_records:
                 fh.write(json.dumps(rec) + "\n")
@@ -73,8 +99,7 @@ def run_questions(engine: Engine | None, questions: list[Question], tokenizer, m
             records.extend(q_records)
             bar.update(1)
     order = {q.question_id: i for i, q in enumerate(questions)}
-    return sorted([r for r in records if r["question_id"] in order],
-                  key=lambda r: (order[r["question_id"]], r["turn"]))
+    return sorted([r for r in records if r["question_id"] in order], key=lambda r: (order[r["question_id"]], r["turn"]))
 
 
 def unanswered(questions: list[Question], records_path: Path, settings: dict[str, Any]) -> list[Question]:
@@ -82,8 +107,9 @@ def unanswered(questions: list[Question], records_path: Path, settings: dict[str
     return _resume(questions, records_path, settings)[1]
 
 
-def _resume(questions: list[Question], records_path: Path,
-            settings: dict[str, Any]) -> tuple[list[dict], list[Question]]:
+def _resume(
+    questions: list[Question], records_path: Path, settings: dict[str, Any]
+) -> tuple[list[dict], list[Question]]:
     """The whole questions' records in ``records_path``, and the questions still to answer."""
     records, torn = _load_records(records_path, settings)
     # A question counts as done with all its turns; a kill while its turns were being written can
@@ -107,10 +133,15 @@ def _load_records(path: Path, settings: dict[str, Any]) -> tuple[list[dict], boo
     lines = path.read_text().splitlines()
     header = json.loads(lines[0]) if lines else {}
     if header.get("settings") != settings:
-        diff = sorted(k for k in set(settings) | set(header.get("settings", {}))
-                      if settings.get(k) != header.get("settings", {}).get(k))
-        raise EyasError(f"{path}: results of an evaluation with other settings or inputs ({', '.join(diff)} "
-                        "differ); use another --out, or delete the file to start over")
+        diff = sorted(
+            k
+            for k in set(settings) | set(header.get("settings", {}))
+            if settings.get(k) != header.get("settings", {}).get(k)
+        )
+        raise EyasError(
+            f"{path}: results of an evaluation with other settings or inputs ({', '.join(diff)} "
+            "differ); use another --out, or delete the file to start over"
+        )
     out = []
     for line in lines[1:]:
         try:

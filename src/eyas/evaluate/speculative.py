@@ -35,8 +35,8 @@ class GenerationResult:
 
     tokens: list[int]
     seconds: float
-    rounds: int = 0                       # verification forwards that carried drafts
-    draft_tokens: int = 0                 # k per round
+    rounds: int = 0  # verification forwards that carried drafts
+    draft_tokens: int = 0  # k per round
     accepted_per_pos: list[int] = field(default_factory=list)  # accepted count at draft position j
 
     @property
@@ -65,8 +65,9 @@ class TargetRunner:
         self.length = 0
 
     @torch.inference_mode()
-    def forward(self, tokens: list[int] | torch.Tensor,
-                want_aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, tokens: list[int] | torch.Tensor, want_aux: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run ``tokens`` (ids, or a [T] tensor already on the device) after the committed prefix;
         returns (logits [T,V], aux [T,A*H] or None).
 
@@ -77,13 +78,11 @@ class TargetRunner:
         aux = None
         if self.capture is not None and want_aux:
             with self.capture.recording() as recs:
-                out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
-                                 use_cache=True)
+                out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
             a = recs[-1][0][0]  # [T, A, H]
             aux = a.reshape(a.shape[0], -1)
         else:
-            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache,
-                             use_cache=True)
+            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
         self.length += ids.shape[1]
         return out.logits[0], aux
 
@@ -111,9 +110,14 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
 
 
 @torch.inference_mode()
-def plain_generate(target: TargetRunner, prompt: list[int], max_new_tokens: int,
-                   stop_ids: set[int], temperature: float = 0.0,
-                   generator: torch.Generator | None = None) -> GenerationResult:
+def plain_generate(
+    target: TargetRunner,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
     """Ordinary one-token-per-forward decoding with the same KV cache (the speedup baseline)."""
     start = time.perf_counter()
     target.reset()
@@ -148,8 +152,7 @@ class DraftRunner:
         ids = _ids(tokens, dev)
         pos = torch.arange(start, start + ids.shape[1], device=dev)[None]
         features = features.to(device=dev, dtype=self.dtype)
-        logits, hidden = self.draft.step(features[None], ids, pos, self.cache,
-                                        from_target=from_target)
+        logits, hidden = self.draft.step(features[None], ids, pos, self.cache, from_target=from_target)
         return logits[0, -1], hidden[0, -1:]
 
     def to_target_probs(self, draft_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -175,8 +178,9 @@ class DraftRunner:
         return torch.stack(tokens)
 
     @torch.inference_mode()
-    def propose(self, aux: torch.Tensor, next_tokens: list[int], k: int, temperature: float,
-                generator: torch.Generator | None) -> tuple[list[int], torch.Tensor | None]:
+    def propose(
+        self, aux: torch.Tensor, next_tokens: list[int], k: int, temperature: float, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]:
         """Commit the new target positions (``aux`` [n, A*H], ``next_tokens`` = x[i+1] for each),
         then draft k tokens. Returns (draft tokens in target ids, draft probs [k, V] or None)."""
         self.cache.crop(self.committed)
@@ -199,9 +203,16 @@ class DraftRunner:
 
 
 @torch.inference_mode()
-def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: list[int],
-                         max_new_tokens: int, stop_ids: set[int], k: int, temperature: float = 0.0,
-                         generator: torch.Generator | None = None) -> GenerationResult:
+def speculative_generate(
+    target: TargetRunner,
+    draft: DraftRunner,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    k: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
     """Chain speculative decoding of ``prompt``; greedy when ``temperature`` <= 0."""
     if target.capture is None:
         raise ValueError("speculative decoding needs a TargetRunner built with aux_layers")
@@ -225,8 +236,7 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: list[
         else:
             drafts, q = draft.propose(new_aux, new_next, k, temperature, generator)
             logits, aux = target.forward([out[-1]] + drafts)
-            n, nxt = verify_sampling(probs_at(logits, temperature), q,
-                                     torch.tensor(drafts, device=dev), generator)
+            n, nxt = verify_sampling(probs_at(logits, temperature), q, torch.tensor(drafts, device=dev), generator)
         res.rounds += 1
         res.draft_tokens += k
         for j in range(n):
@@ -242,8 +252,9 @@ def speculative_generate(target: TargetRunner, draft: DraftRunner, prompt: list[
     return res
 
 
-def steps_record(token_ids: list[int], steps: list[int], max_new_tokens: int, stop_ids: set[int],
-                 k: int) -> dict[str, Any]:
+def steps_record(
+    token_ids: list[int], steps: list[int], max_new_tokens: int, stop_ids: set[int], k: int
+) -> dict[str, Any]:
     """The record of :func:`speculative_generate` from a run read as tokens gained per round (vLLM's
     engine steps, or the replay engine's walk): ``token_ids`` generated without stopping, ``steps``
     the tokens gained at each step (the prefill's one token, then 1 + the drafts accepted in each
@@ -259,7 +270,7 @@ def steps_record(token_ids: list[int], steps: list[int], max_new_tokens: int, st
             rounds += 1
             for j in range(min(n - 1, k)):
                 per_pos[j] += 1
-        for t in token_ids[pos:pos + n]:
+        for t in token_ids[pos : pos + n]:
             if out and (len(out) >= max_new_tokens or out[-1] in stop_ids):
                 break
             out.append(t)
@@ -271,8 +282,7 @@ class BuiltinEngine:
     """The `builtin` engine: speculative generation plus, for the speedup, plain generation of
     the same prompt with the same target in the same process."""
 
-    def __init__(self, model, draft, k: int, temperature: float = 0.0, seed: int = 0,
-                 compare_plain: bool = True):
+    def __init__(self, model, draft, k: int, temperature: float = 0.0, seed: int = 0, compare_plain: bool = True):
         self.target = TargetRunner(model, list(draft.config.aux_layer_ids))
         self.draft = DraftRunner(draft)
         self.k, self.temperature, self.compare_plain = k, temperature, compare_plain
@@ -282,15 +292,23 @@ class BuiltinEngine:
         plain_generate(self.target, [0, 1, 2, 3], 4, set(), temperature, self.generator)
 
     def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int]) -> dict:
-        spec = speculative_generate(self.target, self.draft, prompt, max_new_tokens, stop_ids,
-                                    self.k, self.temperature, self.generator)
-        out = {"tokens": spec.tokens, "rounds": spec.rounds, "draft_tokens": spec.draft_tokens,
-               "accepted_per_pos": spec.accepted_per_pos, "seconds": spec.seconds}
+        spec = speculative_generate(
+            self.target, self.draft, prompt, max_new_tokens, stop_ids, self.k, self.temperature, self.generator
+        )
+        out = {
+            "tokens": spec.tokens,
+            "rounds": spec.rounds,
+            "draft_tokens": spec.draft_tokens,
+            "accepted_per_pos": spec.accepted_per_pos,
+            "seconds": spec.seconds,
+        }
         if self.compare_plain:
-            plain = plain_generate(self.target, prompt, max_new_tokens, stop_ids, self.temperature,
-                                   self.generator)
-            out.update(plain_tokens=len(plain.tokens), plain_seconds=plain.seconds,
-                       matches_plain=(plain.tokens == spec.tokens) if self.temperature <= 0 else None)
+            plain = plain_generate(self.target, prompt, max_new_tokens, stop_ids, self.temperature, self.generator)
+            out.update(
+                plain_tokens=len(plain.tokens),
+                plain_seconds=plain.seconds,
+                matches_plain=(plain.tokens == spec.tokens) if self.temperature <= 0 else None,
+            )
         return out
 
     def close(self) -> None:

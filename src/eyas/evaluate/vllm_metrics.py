@@ -37,45 +37,99 @@ def find_vllm_python(spec: str | None = None) -> Path:
 class VllmEngine:
     """A vLLM ``LLM`` (optionally with an EAGLE-3 draft) in a child process."""
 
-    def __init__(self, python: Path, target_dir: Path, draft_dir: Path | None, k: int = 3,
-                 dtype: str = "float32", max_model_len: int | None = None, seed: int = 0,
-                 log_path: Path | None = None, kv_cache_gib: int = 2):
-        self.opts = {"target": str(Path(target_dir).resolve()),
-                     "draft": str(Path(draft_dir).resolve()) if draft_dir else None,
-                     "k": k, "dtype": dtype, "max_model_len": max_model_len, "seed": seed}
+    def __init__(
+        self,
+        python: Path,
+        target_dir: Path,
+        draft_dir: Path | None,
+        k: int = 3,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        log_path: Path | None = None,
+        kv_cache_gib: int = 2,
+    ):
+        self.opts = {
+            "target": str(Path(target_dir).resolve()),
+            "draft": str(Path(draft_dir).resolve()) if draft_dir else None,
+            "k": k,
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "seed": seed,
+        }
         self._work = Path(tempfile.mkdtemp(prefix="eyas-vllm-serve-"))  # the job and its worker package
         self.log_path = Path(log_path) if log_path else self._work / "vllm.log"
-        self.proc = WorkerProcess(python, "serve", self.opts, self._work, self.log_path,
-                                  env={} if "VLLM_CPU_KVCACHE_SPACE" in os.environ
-                                  else {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)},
-                                  describe=f"vLLM worker ({self.opts['target']}, draft {self.opts['draft']})")
+        self.proc = WorkerProcess(
+            python,
+            "serve",
+            self.opts,
+            self._work,
+            self.log_path,
+            env={} if "VLLM_CPU_KVCACHE_SPACE" in os.environ else {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)},
+            describe=f"vLLM worker ({self.opts['target']}, draft {self.opts['draft']})",
+        )
         try:
             self.info = self.proc.read()
         except EyasError:
             self.close()
             raise
 
-    def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: set[int],
-                 temperature: float = 0.0, seed: int | None = None) -> dict[str, Any]:
-        return self.proc.request({"prompt_token_ids": prompt, "max_tokens": max_new_tokens,
-                                  "temperature": temperature, "stop_token_ids": sorted(stop_ids), "seed": seed})
+    def generate(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        stop_ids: set[int],
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> dict[str, Any]:
+        return self.proc.request(
+            {
+                "prompt_token_ids": prompt,
+                "max_tokens": max_new_tokens,
+                "temperature": temperature,
+                "stop_token_ids": sorted(stop_ids),
+                "seed": seed,
+            }
+        )
 
-    def stream(self, items: list[tuple[str, list[int], int]], max_tokens: int, temperature: float,
-               low_water: int) -> list[dict[str, Any]]:
+    def stream(
+        self, items: list[tuple[str, list[int], int]], max_tokens: int, temperature: float, low_water: int
+    ) -> list[dict[str, Any]]:
         """Add ``items`` (key, prompt ids, sampling seed) to the engine's batch; return the requests
         that finished once at most ``low_water`` are left (at least one): ids, tokens gained per
         step, seconds."""
-        return self.proc.request({"op": "stream", "max_tokens": max_tokens, "temperature": temperature,
-                                  "items": [{"key": key, "prompt_token_ids": ids, "seed": seed}
-                                            for key, ids, seed in items], "low_water": low_water})["outputs"]
+        return self.proc.request(
+            {
+                "op": "stream",
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                "items": [{"key": key, "prompt_token_ids": ids, "seed": seed} for key, ids, seed in items],
+                "low_water": low_water,
+            }
+        )["outputs"]
 
-    def speed(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int],
-              concurrency: int, min_seconds: float = 0.0, min_waves: int = 1) -> dict[str, Any]:
+    def speed(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        stop_ids: set[int],
+        concurrency: int,
+        min_seconds: float = 0.0,
+        min_waves: int = 1,
+    ) -> dict[str, Any]:
         """Greedy wall-clock tokens/s with ``concurrency`` requests in flight, in waves over
         ``prompts`` (round and round) until at least ``min_waves`` waves and ``min_seconds``."""
-        return self.proc.request({"op": "speed", "prompts": prompts, "max_tokens": max_new_tokens,
-                                  "stop_token_ids": sorted(stop_ids), "concurrency": concurrency,
-                                  "min_seconds": min_seconds, "min_waves": min_waves})
+        return self.proc.request(
+            {
+                "op": "speed",
+                "prompts": prompts,
+                "max_tokens": max_new_tokens,
+                "stop_token_ids": sorted(stop_ids),
+                "concurrency": concurrency,
+                "min_seconds": min_seconds,
+                "min_waves": min_waves,
+            }
+        )
 
     def close(self) -> None:
         self.proc.close()
@@ -98,13 +152,17 @@ def spec_record(reply: dict[str, Any], k: int) -> dict[str, Any]:
     drafts = spec.get("vllm:spec_decode_num_drafts")
     per_pos = spec.get("vllm:spec_decode_num_accepted_tokens_per_pos")
     if drafts is None or per_pos is None:
-        raise EyasError("vLLM reported no spec-decode metrics (vllm:spec_decode_num_drafts / "
-                        "..._num_accepted_tokens_per_pos); is speculative decoding active and this "
-                        "vLLM version >= 0.10?")
+        raise EyasError(
+            "vLLM reported no spec-decode metrics (vllm:spec_decode_num_drafts / "
+            "..._num_accepted_tokens_per_pos); is speculative decoding active and this "
+            "vLLM version >= 0.10?"
+        )
     per_pos = [int(x) for x in per_pos] + [0] * max(0, k - len(per_pos))
-    return {"rounds": int(drafts), "draft_tokens": int(spec.get("vllm:spec_decode_num_draft_tokens") or 0),
-            "accepted_per_pos": per_pos[:k]}
-
+    return {
+        "rounds": int(drafts),
+        "draft_tokens": int(spec.get("vllm:spec_decode_num_draft_tokens") or 0),
+        "accepted_per_pos": per_pos[:k],
+    }
 
 
 def agrees_with_vllm(steps: list[int], vllm_accepted: list[int]) -> bool:
@@ -126,8 +184,17 @@ class VllmPool:
     counts the requests compared with vLLM's own per-request acceptance, ``disagreed`` those that
     differed (a version whose steps eyas reads wrongly)."""
 
-    def __init__(self, engine: VllmEngine, k: int, temperature: float, seed: int, tokenizer,
-                 max_new_tokens: int, stop_ids: set[int], in_flight: int):
+    def __init__(
+        self,
+        engine: VllmEngine,
+        k: int,
+        temperature: float,
+        seed: int,
+        tokenizer,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        in_flight: int,
+    ):
         self.engine, self.k, self.temperature, self.seed = engine, k, temperature, seed
         self.tokenizer, self.max_new_tokens, self.stop_ids = tokenizer, max_new_tokens, stop_ids
         self.in_flight = max(1, in_flight)
@@ -147,12 +214,13 @@ class VllmPool:
                 live[key] = (q, turn, answers, recs, prompt)
                 # a seed per turn from the run's seed, so a sampled answer does not depend on its batch
                 send.append((key, prompt, (self.seed * 1_000_003 + zlib.crc32(key.encode())) % 2**31))
-            outs = self.engine.stream(send, self.max_new_tokens + self.k + 1, self.temperature,
-                                      low_water=len(live) - 1)
+            outs = self.engine.stream(send, self.max_new_tokens + self.k + 1, self.temperature, low_water=len(live) - 1)
             for out in outs:
                 q, turn, answers, recs, prompt = live.pop(out["key"])
-                got = {**steps_record(out["token_ids"], out["steps"], self.max_new_tokens, self.stop_ids, self.k),
-                       "seconds": out["seconds"]}
+                got = {
+                    **steps_record(out["token_ids"], out["steps"], self.max_new_tokens, self.stop_ids, self.k),
+                    "seconds": out["seconds"],
+                }
                 if "vllm_per_step_accepted" in out:
                     self.checked += 1
                     self.disagreed += not agrees_with_vllm(out["steps"], out["vllm_per_step_accepted"])

@@ -20,8 +20,9 @@ from eyas.evaluate.prompts import Question
 _STATE: dict[str, Any] = {}  # the worker's engine and tokenizer, made once per process
 
 
-def build_engine(target, draft_dir: Path, k: int, temperature: float, seed: int, compare_plain: bool,
-                 dtype: str, device: str):
+def build_engine(
+    target, draft_dir: Path, k: int, temperature: float, seed: int, compare_plain: bool, dtype: str, device: str
+):
     """The builtin engine: ``target``'s HF model and the draft at ``dtype`` on ``device``."""
     import torch
 
@@ -34,8 +35,17 @@ def build_engine(target, draft_dir: Path, k: int, temperature: float, seed: int,
     return BuiltinEngine(model, draft, k, temperature, seed, compare_plain)
 
 
-def _init(target, draft_dir: str, k: int, temperature: float, seed: int, compare_plain: bool, dtype: str,
-          device: str, threads: int) -> None:
+def _init(
+    target,
+    draft_dir: str,
+    k: int,
+    temperature: float,
+    seed: int,
+    compare_plain: bool,
+    dtype: str,
+    device: str,
+    threads: int,
+) -> None:
     import torch
 
     torch.set_num_threads(threads)
@@ -52,13 +62,28 @@ def _answer(q: Question, max_new_tokens: int, stop_ids: set[int]) -> list[dict]:
 class BuiltinPool:
     """``pool(questions)`` yields each question's records as a worker finishes it."""
 
-    def __init__(self, workers: int, target, draft_dir: Path, k: int, temperature: float, seed: int,
-                 compare_plain: bool, dtype: str, device: str, max_new_tokens: int, stop_ids: set[int]):
+    def __init__(
+        self,
+        workers: int,
+        target,
+        draft_dir: Path,
+        k: int,
+        temperature: float,
+        seed: int,
+        compare_plain: bool,
+        dtype: str,
+        device: str,
+        max_new_tokens: int,
+        stop_ids: set[int],
+    ):
         threads = max(1, (os.cpu_count() or 1) // workers)
         # spawn: CUDA cannot be used in a forked child
-        self.exe = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init,
-                                       initargs=(target, str(draft_dir), k, temperature, seed, compare_plain,
-                                                 dtype, device, threads))
+        self.exe = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init,
+            initargs=(target, str(draft_dir), k, temperature, seed, compare_plain, dtype, device, threads),
+        )
         self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
 
     def __call__(self, questions: list[Question]) -> Iterator[list[dict]]:

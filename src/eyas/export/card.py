@@ -30,27 +30,36 @@ def read_speed_report(path: Path, draft_dir: Path) -> dict[str, Any]:
     try:
         rep = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise EyasError(f"--speed-report {path}: not a readable report ({e}); pass the report.json that "
-                        "`eyas evaluate --engine vllm --speed-concurrency 1,8,32` wrote in OUT/vllm/") from e
+        raise EyasError(
+            f"--speed-report {path}: not a readable report ({e}); pass the report.json that "
+            "`eyas evaluate --engine vllm --speed-concurrency 1,8,32` wrote in OUT/vllm/"
+        ) from e
     if not isinstance(rep, dict) or rep.get("kind") != "eyas-evaluation" or rep.get("engine") != "vllm":
-        raise EyasError(f"--speed-report {path}: not the vllm engine's report of `eyas evaluate`; pass "
-                        "OUT/vllm/report.json of `eyas evaluate --engine vllm` (or both)")
+        raise EyasError(
+            f"--speed-report {path}: not the vllm engine's report of `eyas evaluate`; pass "
+            "OUT/vllm/report.json of `eyas evaluate --engine vllm` (or both)"
+        )
     try:
         draft_sha256 = sha256_file(Path(draft_dir) / "model.safetensors")
     except OSError as e:
         raise EyasError(f"draft {draft_dir}: no readable model.safetensors ({e})") from e
     if rep.get("draft_sha256") != draft_sha256:
-        raise EyasError(f"--speed-report {path}: an evaluation of another draft than {draft_dir} (or by an "
-                        "older eyas that did not record which); evaluate this draft (a re-run of the same "
-                        "evaluation resumes from its records)")
+        raise EyasError(
+            f"--speed-report {path}: an evaluation of another draft than {draft_dir} (or by an "
+            "older eyas that did not record which); evaluate this draft (a re-run of the same "
+            "evaluation resumes from its records)"
+        )
     if not (rep.get("serving_speed") or {}).get("plain"):
-        raise EyasError(f"--speed-report {path}: no serving speed in it; evaluate with --speed-concurrency "
-                        "(e.g. 1,8,32) to time vLLM serving with and without the draft")
+        raise EyasError(
+            f"--speed-report {path}: no serving speed in it; evaluate with --speed-concurrency "
+            "(e.g. 1,8,32) to time vLLM serving with and without the draft"
+        )
     return rep
 
 
-def write_card(export_dir: Path, draft_dir: Path, speed_report: Path | None = None,
-               report: dict[str, Any] | None = None) -> Path:
+def write_card(
+    export_dir: Path, draft_dir: Path, speed_report: Path | None = None, report: dict[str, Any] | None = None
+) -> Path:
     """Write ``export_dir``/README.md for the export of ``draft_dir``; ``report``: ``speed_report``
     already read by :func:`read_speed_report` (else it is read and checked here)."""
     from eyas.fsio import atomic_write_text
@@ -62,8 +71,9 @@ def write_card(export_dir: Path, draft_dir: Path, speed_report: Path | None = No
     return path
 
 
-def card_text(export_dir: Path, draft_dir: Path, report: dict[str, Any] | None = None,
-              report_path: Path | None = None) -> str:
+def card_text(
+    export_dir: Path, draft_dir: Path, report: dict[str, Any] | None = None, report_path: Path | None = None
+) -> str:
     from eyas.evaluate.report import serving_summary
 
     if report and "serving_speed_by_k" not in report:  # a report of one k (no --also-k): its own summary
@@ -72,30 +82,49 @@ def card_text(export_dir: Path, draft_dir: Path, report: dict[str, Any] | None =
     draft = _json(draft_dir / "config.json") or {}
     fmt = (export.get("eyas") or {}).get("format", "vllm")
     target = draft.get("target_spec") or draft.get("target_name_or_path") or "(not recorded)"
-    verifier = (((export.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-                or draft.get("target_name_or_path") or target)
-    lines = [f"# EAGLE-3 draft for {target}", "",
-             f"An EAGLE-3 draft model trained by eyas, exported in the {fmt} format "
-             f"({'vLLM speculators' if fmt == 'vllm' else 'SGLang LlamaForCausalLMEagle3, also loaded by vLLM'}).",
-             "", "## Target", "",
-             f"- name: `{target}`",
-             f"- loaded from: `{verifier}`",
-             f"- eyas target id: `{(draft.get('target') or {}).get('id', '(not recorded)')}` (weights and "
-             "tokenizer fingerprint; `eyas export --target` checks a target against it)",
-             f"- draft: one decoder layer over the target's hidden states at layers "
-             f"{', '.join(map(str, draft.get('aux_layer_ids') or []))}, draft vocabulary "
-             f"{_n(draft.get('draft_vocab_size'))} of {_n(draft.get('vocab_size'))} tokens"]
+    verifier = (
+        ((export.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        or draft.get("target_name_or_path")
+        or target
+    )
+    lines = [
+        f"# EAGLE-3 draft for {target}",
+        "",
+        f"An EAGLE-3 draft model trained by eyas, exported in the {fmt} format "
+        f"({'vLLM speculators' if fmt == 'vllm' else 'SGLang LlamaForCausalLMEagle3, also loaded by vLLM'}).",
+        "",
+        "## Target",
+        "",
+        f"- name: `{target}`",
+        f"- loaded from: `{verifier}`",
+        f"- eyas target id: `{(draft.get('target') or {}).get('id', '(not recorded)')}` (weights and "
+        "tokenizer fingerprint; `eyas export --target` checks a target against it)",
+        f"- draft: one decoder layer over the target's hidden states at layers "
+        f"{', '.join(map(str, draft.get('aux_layer_ids') or []))}, draft vocabulary "
+        f"{_n(draft.get('draft_vocab_size'))} of {_n(draft.get('vocab_size'))} tokens",
+    ]
     options = [o for o in ("fc_norm", "norm_before_fc", "norm_output") if export.get(o)]
     if options:
-        lines.append(f"- head options {', '.join(options)}: vLLM 0.32 or later serves them (older vLLM "
-                     "ignores them and would serve a different draft)")
+        lines.append(
+            f"- head options {', '.join(options)}: vLLM 0.32 or later serves them (older vLLM "
+            "ignores them and would serve a different draft)"
+        )
     lines += ["", "## Training data", "", *_data_lines(draft_dir)]
     lines += ["", "## Acceptance length (tau) per k", "", *_tau_lines(draft_dir, report)]
     lines += ["", "## Serving speed (vLLM, output tokens/s)", "", *_speed_lines(report, report_path)]
     k, why = _serving_k(export, report)
     config = json.dumps({"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k})
-    lines += ["", "## Serve it", "", "```", f"vllm serve {shlex.quote(str(verifier))} --speculative-config "
-              f"{shlex.quote(config)}", "```", "", f"k = {k}: {why}.", ""]
+    lines += [
+        "",
+        "## Serve it",
+        "",
+        "```",
+        f"vllm serve {shlex.quote(str(verifier))} --speculative-config {shlex.quote(config)}",
+        "```",
+        "",
+        f"k = {k}: {why}.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -120,39 +149,56 @@ def _data_lines(draft_dir: Path) -> list[str]:
     lines = []
     summary = _json(run / "summary.json") or {}
     if summary.get("steps"):
-        lines.append(f"- trained {_n(summary['steps'])} steps, {_n(summary.get('tokens_seen'))} tokens seen "
-                     f"({summary.get('epochs')} epochs); the target's hidden states {_features(cfg)}")
+        lines.append(
+            f"- trained {_n(summary['steps'])} steps, {_n(summary.get('tokens_seen'))} tokens seen "
+            f"({summary.get('epochs')} epochs); the target's hidden states {_features(cfg)}"
+        )
     data = Path(cfg["data"])
     # a relative path is the training's working folder's: try it here, then beside the run (the
     # pipeline's workdir holds prepared/ and train/)
-    found = [m for d in ([data] if data.is_absolute() else [data, run.parent / data.name])
-             if isinstance(m := _json(d / "manifest.json"), dict)]
+    found = [
+        m
+        for d in ([data] if data.is_absolute() else [data, run.parent / data.name])
+        if isinstance(m := _json(d / "manifest.json"), dict)
+    ]
     manifest = found[0] if found else None
     if manifest is None:
         return lines + [f"- prepared dataset `{data}` (its manifest.json is no longer there)"]
     trained_on = _dataset_id(run)
-    note = "" if trained_on in (None, manifest.get("id")) else (
-        f"; **changed since**: the draft was trained on dataset id `{trained_on}`")
+    note = (
+        ""
+        if trained_on in (None, manifest.get("id"))
+        else (f"; **changed since**: the draft was trained on dataset id `{trained_on}`")
+    )
     c = manifest.get("counts") or {}
-    lines.append(f"- prepared dataset `{data}` (id `{manifest.get('id')}`{note}): {_n(c.get('samples'))} "
-                 f"conversations, {_n(c.get('trained_tokens'))} trained-on tokens, at most "
-                 f"{_n(manifest.get('max_length'))} tokens each")
+    lines.append(
+        f"- prepared dataset `{data}` (id `{manifest.get('id')}`{note}): {_n(c.get('samples'))} "
+        f"conversations, {_n(c.get('trained_tokens'))} trained-on tokens, at most "
+        f"{_n(manifest.get('max_length'))} tokens each"
+    )
     for s in manifest.get("sources") or []:
-        said = [f"`{s['spec']}`" if s.get("spec") else "", f"{_n(s['records'])} records" if s.get("records") else "",
-                f"sha256 `{s['sha256'][:16]}`" if s.get("sha256") else ""]
+        said = [
+            f"`{s['spec']}`" if s.get("spec") else "",
+            f"{_n(s['records'])} records" if s.get("records") else "",
+            f"sha256 `{s['sha256'][:16]}`" if s.get("sha256") else "",
+        ]
         lines.append(f"- source `{s.get('name')}`" + "".join(f", {x}" for x in said if x))
     regen = manifest.get("regenerate")
     if regen:
-        lines.append(f"- answers regenerated by the target: {_n(regen.get('answers'))} answers "
-                     f"({regen.get('engine', 'hf')}, {regen.get('settings')})")
+        lines.append(
+            f"- answers regenerated by the target: {_n(regen.get('answers'))} answers "
+            f"({regen.get('engine', 'hf')}, {regen.get('settings')})"
+        )
     return lines
 
 
 def _features(cfg: dict[str, Any]) -> str:
     how = cfg.get("features") or ("online" if cfg.get("online") else "offline")
-    return {"online": "computed while training (online)",
-            "vllm": "made by a vLLM engine while training (--features vllm)",
-            "offline": "read from a store of `eyas extract` (offline)"}.get(how, str(how))
+    return {
+        "online": "computed while training (online)",
+        "vllm": "made by a vLLM engine while training (--features vllm)",
+        "offline": "read from a store of `eyas extract` (offline)",
+    }.get(how, str(how))
 
 
 def _dataset_id(run: Path) -> str | None:
@@ -173,42 +219,58 @@ def _tau_lines(draft_dir: Path, report: dict[str, Any] | None) -> list[str]:
     evaluated = (report or {}).get("tau_by_k") or {}
     ks = sorted({*training, *evaluated}, key=int)
     if not ks:
-        return [f"Not measured: no {TAU_FILE} beside the draft (`eyas train --tau` writes it) and no "
-                "evaluation given."]
+        return [f"Not measured: no {TAU_FILE} beside the draft (`eyas train --tau` writes it) and no evaluation given."]
     lines = ["| k | tau while training | tau in evaluate (vLLM) |", "|---|---|---|"]
     lines += [f"| {k} | {_f(training.get(k))} | {_f(evaluated.get(k))} |" for k in ks]
     lines.append("")
     if measured:
-        lines.append(f"While training: greedy, at step {measured.get('step')}, on {measured.get('turns')} turns "
-                     f"of {measured.get('prompts')}, {measured.get('max_new_tokens')} new tokens each.")
+        lines.append(
+            f"While training: greedy, at step {measured.get('step')}, on {measured.get('turns')} turns "
+            f"of {measured.get('prompts')}, {measured.get('max_new_tokens')} new tokens each."
+        )
     else:
-        lines.append(f"While training: not measured (no {TAU_FILE} beside the draft; `eyas train --tau` "
-                     "writes it).")
+        lines.append(f"While training: not measured (no {TAU_FILE} beside the draft; `eyas train --tau` writes it).")
     if report:
-        lines.append(f"In evaluate: vLLM {report.get('vllm_version')}, on {report.get('prompts')}, "
-                     f"temperature {report.get('temperature')}, {report.get('max_new_tokens')} new tokens.")
+        lines.append(
+            f"In evaluate: vLLM {report.get('vllm_version')}, on {report.get('prompts')}, "
+            f"temperature {report.get('temperature')}, {report.get('max_new_tokens')} new tokens."
+        )
     return lines
 
 
 def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> list[str]:
     if not report:
-        return ["Not measured: `eyas evaluate --engine vllm --speed-concurrency 1,8,32 -k 1 --also-k 2,3,4,5` "
-                "times it; `eyas export --speed-report EVAL/vllm/report.json` puts it here."]
+        return [
+            "Not measured: `eyas evaluate --engine vllm --speed-concurrency 1,8,32 -k 1 --also-k 2,3,4,5` "
+            "times it; `eyas export --speed-report EVAL/vllm/report.json` puts it here."
+        ]
     rows = report["serving_speed_by_k"]
     speed = report.get("serving_speed") or {}
     lines = ["| concurrent requests | k | with the draft | without | speedup |", "|---|---|---|---|---|"]
-    lines += [f"| {r['concurrency']} | {r['k']} | {_f(r['tokens_per_s_draft'], 0)} | "
-              f"{_f(r['tokens_per_s_plain'], 0)} | {_f(r['speedup'])}x |" for r in rows]
+    lines += [
+        f"| {r['concurrency']} | {r['k']} | {_f(r['tokens_per_s_draft'], 0)} | "
+        f"{_f(r['tokens_per_s_plain'], 0)} | {_f(r['speedup'])}x |"
+        for r in rows
+    ]
     lines.append("")
     for c, b in sorted((report.get("best_k") or {}).items(), key=lambda kv: int(kv[0])):
-        lines.append(f"- {c} concurrent: " + (f"best k = {b['k']}, {b['speedup']:.2f}x" if b["pays"] else
-                     f"no k speeds serving up (the least slow: k = {b['k']}, {b['speedup']:.2f}x); serve "
-                     "without the draft at this load"))
-    lines += ["", f"Measured by `eyas evaluate` with vLLM {report.get('vllm_version')} on {report.get('machine')}, "
-              f"{report.get('dtype')}: {speed.get('prompts')} first turns of {report.get('prompts')}, greedy, up "
-              f"to {speed.get('max_new_tokens')} new tokens, sent in waves of `concurrent requests` at once (the "
-              f"next wave once one is done), each point at least {speed.get('min_waves')} waves and "
-              f"{speed.get('min_seconds')} s of generation" + (f"; report {report_path}." if report_path else ".")]
+        lines.append(
+            f"- {c} concurrent: "
+            + (
+                f"best k = {b['k']}, {b['speedup']:.2f}x"
+                if b["pays"]
+                else f"no k speeds serving up (the least slow: k = {b['k']}, {b['speedup']:.2f}x); serve "
+                "without the draft at this load"
+            )
+        )
+    lines += [
+        "",
+        f"Measured by `eyas evaluate` with vLLM {report.get('vllm_version')} on {report.get('machine')}, "
+        f"{report.get('dtype')}: {speed.get('prompts')} first turns of {report.get('prompts')}, greedy, up "
+        f"to {speed.get('max_new_tokens')} new tokens, sent in waves of `concurrent requests` at once (the "
+        f"next wave once one is done), each point at least {speed.get('min_waves')} waves and "
+        f"{speed.get('min_seconds')} s of generation" + (f"; report {report_path}." if report_path else "."),
+    ]
     return lines
 
 
@@ -216,8 +278,11 @@ def _serving_k(export: dict[str, Any], report: dict[str, Any] | None) -> tuple[i
     """The k of the serve line, and why: the best measured at 1 concurrent request, else the export's."""
     best = ((report or {}).get("best_k") or {}).get("1")
     if best:
-        return int(best["k"]), (f"the best measured at 1 concurrent request ({best['speedup']:.2f}x"
-                                + ("" if best["pays"] else ", slower than without the draft") + ")")
+        return int(best["k"]), (
+            f"the best measured at 1 concurrent request ({best['speedup']:.2f}x"
+            + ("" if best["pays"] else ", slower than without the draft")
+            + ")"
+        )
     methods = (export.get("speculators_config") or {}).get("proposal_methods") or [{}]
     k = methods[0].get("speculative_tokens")
     if k is None:  # the sglang format records none

@@ -12,21 +12,29 @@ from eyas.errors import EyasError
 from eyas.fsio import atomic_dir
 
 
-def write_model_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                    extra_files: dict[str, str] | None = None, overwrite: bool = False,
-                    inputs: dict[str, Any] | None = None) -> Path:
+def write_model_dir(
+    out: Path,
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    extra_files: dict[str, str] | None = None,
+    overwrite: bool = False,
+    inputs: dict[str, Any] | None = None,
+) -> Path:
     """``config.json`` + ``model.safetensors`` (+ small text files) into ``out`` in one rename."""
     from safetensors.torch import save_file
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
-            raise EyasError(f"--out {out}: exists and is not empty; pass --overwrite to replace it or "
-                            "choose a new directory")
+            raise EyasError(
+                f"--out {out}: exists and is not empty; pass --overwrite to replace it or choose a new directory"
+            )
         if not is_export(out):
-            raise EyasError(f"--out {out} exists and is not an eyas export (no config.json that `eyas export` "
-                            "wrote); --overwrite replaces only an earlier export, never another folder. "
-                            "Choose another --out, or move that folder away yourself (nothing was written)")
+            raise EyasError(
+                f"--out {out} exists and is not an eyas export (no config.json that `eyas export` "
+                "wrote); --overwrite replaces only an earlier export, never another folder. "
+                "Choose another --out, or move that folder away yourself (nothing was written)"
+            )
     with atomic_dir(out, inputs) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -25,12 +25,19 @@ def run(cfg: ExportConfig) -> Path:
     torch_dtype = None if dtype == "auto" else getattr(torch, dtype)  # ExportConfig's dtype names are torch's
     # --out never is, holds or lies inside an input, with or without --overwrite; it is a folder this
     # process can write (and replace: not the current folder), held by this process alone
-    check_out(out, inputs={"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier,
-                           "the --speed-report": cfg.speed_report}, replaces=True)
+    check_out(
+        out,
+        inputs={
+            "the draft CKPT": ckpt_dir,
+            "the --target": target_spec,
+            "the --verifier": verifier,
+            "the --speed-report": cfg.speed_report,
+        },
+        replaces=True,
+    )
     with writer_lock(out, command="eyas export"):
         path = _export(cfg, torch_dtype)
-    print(f"wrote {cfg.format} draft to {path}, with its model card {path / 'README.md'}", file=sys.stderr,
-          flush=True)
+    print(f"wrote {cfg.format} draft to {path}, with its model card {path / 'README.md'}", file=sys.stderr, flush=True)
     return path
 
 
@@ -53,8 +60,12 @@ def _write_export(cfg: ExportConfig, torch_dtype) -> Path:
 
     ckpt_dir, fmt, out, target_spec, verifier = cfg.ckpt, cfg.format, cfg.out, cfg.target, cfg.verifier
     ckpt = load_checkpoint(ckpt_dir)
-    inputs = {"the draft CKPT": ckpt_dir, "the --target": target_spec, "the --verifier": verifier,
-              "the --speed-report": cfg.speed_report}
+    inputs = {
+        "the draft CKPT": ckpt_dir,
+        "the --target": target_spec,
+        "the --verifier": verifier,
+        "the --speed-report": cfg.speed_report,
+    }
     refuse_overlap(out, inputs)
     dcfg = ckpt.config
     if target_spec is not None:
@@ -62,27 +73,40 @@ def _write_export(cfg: ExportConfig, torch_dtype) -> Path:
         inputs["the target's files"] = target.path
         refuse_overlap(out, inputs)
         target_config = target.config()
-        check_against_target(ckpt, target_config, target.identity, f"target {target_spec!r}",
-                             check_identity=cfg.check_identity)
+        check_against_target(
+            ckpt, target_config, target.identity, f"target {target_spec!r}", check_identity=cfg.check_identity
+        )
         verifier = verifier or str(target.path)
     else:
         target_config = None
         verifier = verifier or dcfg.target_name_or_path
         if fmt == "vllm" and not verifier:
-            raise EyasError(f"checkpoint {ckpt_dir}: the draft does not record where its target is; pass "
-                            "--target (checked against the draft) or --verifier NAME_OR_PATH (the model vLLM "
-                            "should load as the verifier)")
+            raise EyasError(
+                f"checkpoint {ckpt_dir}: the draft does not record where its target is; pass "
+                "--target (checked against the draft) or --verifier NAME_OR_PATH (the model vLLM "
+                "should load as the verifier)"
+            )
     if dcfg.draft_vocab_size == dcfg.vocab_size:
         # vLLM has no d2t parameter when the vocabularies are equal: only the identity map is valid.
         if bool((ckpt.tensors["d2t"] != 0).any()):
-            raise EyasError(f"checkpoint {ckpt_dir}: draft_vocab_size equals the target vocab but d2t "
-                            "is not the identity; vLLM cannot load such a mapping")
+            raise EyasError(
+                f"checkpoint {ckpt_dir}: draft_vocab_size equals the target vocab but d2t "
+                "is not the identity; vLLM cannot load such a mapping"
+            )
         ckpt.tensors.pop("d2t")
         ckpt.tensors.pop("t2d", None)
     if fmt == "sglang":
         return export_sglang(ckpt, target_config, out, torch_dtype, overwrite=cfg.overwrite, inputs=inputs)
     from eyas.fsio import sha256_file
 
-    return export_vllm(ckpt, target_config, out, verifier, torch_dtype,
-                       cfg.num_speculative_tokens, overwrite=cfg.overwrite, inputs=inputs,
-                       source_sha256=sha256_file(Path(ckpt_dir) / "model.safetensors"))
+    return export_vllm(
+        ckpt,
+        target_config,
+        out,
+        verifier,
+        torch_dtype,
+        cfg.num_speculative_tokens,
+        overwrite=cfg.overwrite,
+        inputs=inputs,
+        source_sha256=sha256_file(Path(ckpt_dir) / "model.safetensors"),
+    )

@@ -23,10 +23,17 @@ from eyas.export.sglang import llama_layer_config
 SPECULATORS_VERSION = "0.3.0"
 
 
-def export_vllm(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, out: Path, verifier: str,
-                dtype: torch.dtype | None = None, num_speculative_tokens: int = 3,
-                overwrite: bool = False, inputs: dict | None = None,
-                source_sha256: str | None = None) -> Path:
+def export_vllm(
+    ckpt: DraftCheckpoint,
+    target_config: dict[str, Any] | None,
+    out: Path,
+    verifier: str,
+    dtype: torch.dtype | None = None,
+    num_speculative_tokens: int = 3,
+    overwrite: bool = False,
+    inputs: dict | None = None,
+    source_sha256: str | None = None,
+) -> Path:
     tensors = {k.replace("midlayer.", "layers.0.", 1): v for k, v in ckpt.tensors.items()}
     tensors = cast(tensors, dtype)
     tensors["d2t"] = tensors["d2t"].to(torch.int64)
@@ -46,11 +53,12 @@ def export_vllm(ckpt: DraftCheckpoint, target_config: dict[str, Any] | None, out
         "torch_dtype": dtype_name(tensors),
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy",
-                                  "speculative_tokens": num_speculative_tokens}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_speculative_tokens}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier,
-                         "architectures": list(cfg.target_architectures) or ["LlamaForCausalLM"]},
+            "verifier": {
+                "name_or_path": verifier,
+                "architectures": list(cfg.target_architectures) or ["LlamaForCausalLM"],
+            },
         },
         "eyas": {"format": "vllm", "layer_id_convention": "vllm-input-of-layer", "target": cfg.target},
     }

@@ -31,8 +31,10 @@ FREE_BYTES_ENV = "EYAS_FREE_BYTES"
 # The conservative figure of each: the H200's first run in its process (run 2, 1st), the CPU box's
 # run 5. REFERENCE_PARAMS is SmolLM2's parameters used per token counted as count_active_params()
 # counts them (decoder layers and final norm; no embedding, no lm_head: extraction runs neither).
-REFERENCE_RATES = {"cuda": (458_347.0, "SmolLM2-135M HF extraction on one H200"),
-                   "cpu": (129.0, "SmolLM2-135M HF extraction on the project's 2-core CPU box")}
+REFERENCE_RATES = {
+    "cuda": (458_347.0, "SmolLM2-135M HF extraction on one H200"),
+    "cpu": (129.0, "SmolLM2-135M HF extraction on the project's 2-core CPU box"),
+}
 REFERENCE_PARAMS = 106_203_456
 REFERENCE_SOURCE = "benchmarks/extract_results.md"
 
@@ -57,8 +59,8 @@ class ExtractPlan:
     tokens: int
     tokens_todo: int
     shards_todo: int
-    shard_bytes_todo: int             # exact: the shard files this run writes
-    meta_bytes: int                   # estimate: records + manifest
+    shard_bytes_todo: int  # exact: the shard files this run writes
+    meta_bytes: int  # estimate: records + manifest
     free_bytes: int | None = None
     free_where: str = ""
     tokens_per_s: float | None = None  # estimate
@@ -74,31 +76,50 @@ class ExtractPlan:
         return self.tokens_todo / self.tokens_per_s if self.tokens_per_s else None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"out": str(self.out), "dtype": self.layout.dtype, "bytes_per_token": self.layout.bytes_per_token,
-                "samples": self.samples, "samples_todo": self.samples_todo, "tokens": self.tokens,
-                "tokens_todo": self.tokens_todo, "shards_todo": self.shards_todo,
-                "shard_bytes_todo": self.shard_bytes_todo, "meta_bytes": self.meta_bytes,
-                "bytes_todo": self.bytes_todo, "free_bytes": self.free_bytes,
-                "tokens_per_s_estimate": self.tokens_per_s, "seconds_estimate": self.seconds}
+        return {
+            "out": str(self.out),
+            "dtype": self.layout.dtype,
+            "bytes_per_token": self.layout.bytes_per_token,
+            "samples": self.samples,
+            "samples_todo": self.samples_todo,
+            "tokens": self.tokens,
+            "tokens_todo": self.tokens_todo,
+            "shards_todo": self.shards_todo,
+            "shard_bytes_todo": self.shard_bytes_todo,
+            "meta_bytes": self.meta_bytes,
+            "bytes_todo": self.bytes_todo,
+            "free_bytes": self.free_bytes,
+            "tokens_per_s_estimate": self.tokens_per_s,
+            "seconds_estimate": self.seconds,
+        }
 
     def lines(self) -> list[str]:
         lay = self.layout
-        per = (f"{lay.num_slots} states x H={lay.hidden} x {lay.state_bytes} B ({lay.dtype})"
-               + (f" + {lay.num_slots * lay.scale_groups} fp32 scale(s)" if lay.quantized else "")
-               + " + 8 B id + 1 B mask")
+        per = (
+            f"{lay.num_slots} states x H={lay.hidden} x {lay.state_bytes} B ({lay.dtype})"
+            + (f" + {lay.num_slots * lay.scale_groups} fp32 scale(s)" if lay.quantized else "")
+            + " + 8 B id + 1 B mask"
+        )
         done = self.samples - self.samples_todo
-        out = [f"plan for {self.out}: {self.samples:,} samples, {self.tokens:,} tokens"
-               + (f"; {done:,} samples already stored, {self.samples_todo:,} samples / "
-                  f"{self.tokens_todo:,} tokens to extract" if done else ""),
-               f"  per token: {lay.bytes_per_token:,} B = {per}; per 10M tokens: "
-               f"{gb(lay.bytes_per_token * 10_000_000)}",
-               f"  to write: {gb(self.bytes_todo)} ({self.shards_todo:,} shards: {gb(self.shard_bytes_todo)}; "
-               f"records and manifest: about {gb(self.meta_bytes)})"]
+        out = [
+            f"plan for {self.out}: {self.samples:,} samples, {self.tokens:,} tokens"
+            + (
+                f"; {done:,} samples already stored, {self.samples_todo:,} samples / "
+                f"{self.tokens_todo:,} tokens to extract"
+                if done
+                else ""
+            ),
+            f"  per token: {lay.bytes_per_token:,} B = {per}; per 10M tokens: {gb(lay.bytes_per_token * 10_000_000)}",
+            f"  to write: {gb(self.bytes_todo)} ({self.shards_todo:,} shards: {gb(self.shard_bytes_todo)}; "
+            f"records and manifest: about {gb(self.meta_bytes)})",
+        ]
         if self.free_bytes is not None:
             out.append(f"  free at {self.free_where}: {gb(self.free_bytes)}")
         if self.tokens_per_s:
-            out.append(f"  time (estimate): {duration(self.seconds or 0.0)} at about "
-                       f"{self.tokens_per_s:,.0f} tokens/s; {self.rate_note}")
+            out.append(
+                f"  time (estimate): {duration(self.seconds or 0.0)} at about "
+                f"{self.tokens_per_s:,.0f} tokens/s; {self.rate_note}"
+            )
         else:
             out.append(f"  time: no estimate ({self.rate_note})")
         out += [f"  note: {n}" for n in self.notes]
@@ -111,14 +132,18 @@ class ExtractPlan:
         fp8 = ""
         if self.layout.dtype != FP8:
             half = Layout(FP8, self.layout.num_slots, self.layout.hidden, 1)
-            fp8 = (f", or --dtype fp8 ({half.bytes_per_token:,} B/token: about "
-                   f"{gb(self.meta_bytes + self.tokens_todo * half.bytes_per_token)})")
-        raise EyasError(f"--out {self.out}: this extraction writes {gb(self.bytes_todo)} "
-                        f"({self.tokens_todo:,} tokens x {self.layout.bytes_per_token:,} B + metadata), "
-                        f"but only {gb(self.free_bytes)} are free at {self.free_where}. Nothing was "
-                        "written. Free space there, pass an --out on a larger filesystem, extract "
-                        f"fewer samples (eyas prepare --max-samples){fp8}. `eyas extract --plan` "
-                        "prints this plan without running")
+            fp8 = (
+                f", or --dtype fp8 ({half.bytes_per_token:,} B/token: about "
+                f"{gb(self.meta_bytes + self.tokens_todo * half.bytes_per_token)})"
+            )
+        raise EyasError(
+            f"--out {self.out}: this extraction writes {gb(self.bytes_todo)} "
+            f"({self.tokens_todo:,} tokens x {self.layout.bytes_per_token:,} B + metadata), "
+            f"but only {gb(self.free_bytes)} are free at {self.free_where}. Nothing was "
+            "written. Free space there, pass an --out on a larger filesystem, extract "
+            f"fewer samples (eyas prepare --max-samples){fp8}. `eyas extract --plan` "
+            "prints this plan without running"
+        )
 
 
 def plan_meta_bytes(shards: int, samples: int) -> int:
@@ -171,8 +196,7 @@ def count_active_params(model_dir: Path, config: dict[str, Any]) -> tuple[int | 
     if not files:
         return None, f"no *.safetensors in {model_dir} to count parameters from"
     text = config.get("text_config", config)
-    experts = next((text[k] for k in ("n_routed_experts", "num_experts", "num_local_experts")
-                    if text.get(k)), None)
+    experts = next((text[k] for k in ("n_routed_experts", "num_experts", "num_local_experts") if text.get(k)), None)
     top_k = text.get("num_experts_per_tok") or text.get("moe_topk")
     share = (float(top_k) / float(experts)) if experts and top_k else 1.0
     bits = _packed_bits(config)
@@ -204,8 +228,9 @@ def _packed_bits(config: dict[str, Any]) -> int:
     return 4
 
 
-def rate_estimate(target_dir: Path, config: dict[str, Any], device: str, backend: str,
-                  gpus: int) -> tuple[float | None, str]:
+def rate_estimate(
+    target_dir: Path, config: dict[str, Any], device: str, backend: str, gpus: int
+) -> tuple[float | None, str]:
     """Tokens/s to expect, scaled from the reference measurement by parameters per token and GPUs."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     ref, what = REFERENCE_RATES[kind]
@@ -214,9 +239,12 @@ def rate_estimate(target_dir: Path, config: dict[str, Any], device: str, backend
         return None, note
     n = gpus if kind == "cuda" and backend != "hf" else 1
     rate = ref * REFERENCE_PARAMS / params * n
-    how = (f"scaled from {what} ({ref:,.0f} tokens/s, {REFERENCE_SOURCE}) by parameters per token "
-           f"({_millions(REFERENCE_PARAMS)} there, {_millions(params)} here"
-           + (f"; {note}" if note else "") + ")"
-           + (f" x {n} GPUs, assuming linear scaling" if n > 1 else "")
-           + "; the disk, vLLM's own speed and attention over long samples are not modelled")
+    how = (
+        f"scaled from {what} ({ref:,.0f} tokens/s, {REFERENCE_SOURCE}) by parameters per token "
+        f"({_millions(REFERENCE_PARAMS)} there, {_millions(params)} here"
+        + (f"; {note}" if note else "")
+        + ")"
+        + (f" x {n} GPUs, assuming linear scaling" if n > 1 else "")
+        + "; the disk, vLLM's own speed and attention over long samples are not modelled"
+    )
     return rate, how

@@ -37,9 +37,11 @@ from eyas.features.writer import ShardItem, StoreWriter, check_finite
 
 # name -> "module:function"; the vLLM backends add their entries here (and their names to --backend's
 # values, eyas.extract.config.Backend).
-BACKENDS: dict[str, str] = {"hf": "eyas.extract.run:fill_hf",
-                            "vllm": "eyas.extract.vllm_backend:fill_vllm",
-                            "vllm-hooks": "eyas.extract.vllm_backend:fill_vllm_hooks"}
+BACKENDS: dict[str, str] = {
+    "hf": "eyas.extract.run:fill_hf",
+    "vllm": "eyas.extract.vllm_backend:fill_vllm",
+    "vllm-hooks": "eyas.extract.vllm_backend:fill_vllm_hooks",
+}
 
 
 def resolve_auto_backend(backend: str, vllm_python: str | None) -> tuple[str, str, str | None]:
@@ -62,13 +64,13 @@ def resolve_auto_backend(backend: str, vllm_python: str | None) -> tuple[str, st
 class ExtractJob:
     """Everything a backend needs to fill a store."""
 
-    target: Any                      # eyas.target.Target
-    dataset: Any                     # eyas.data.dataset.PreparedDataset
-    todo: list[int]                  # sample indices not yet in the store, ascending
+    target: Any  # eyas.target.Target
+    dataset: Any  # eyas.data.dataset.PreparedDataset
+    todo: list[int]  # sample indices not yet in the store, ascending
     writer: StoreWriter
     aux_layers: list[int]
     final_layer: int
-    dtype: str                       # store dtype name: bf16 / fp16 / fp32 / fp8 (writer.layout says how)
+    dtype: str  # store dtype name: bf16 / fp16 / fp32 / fp8 (writer.layout says how)
     device: str
     batch_tokens: int
     progress: Callable[[int], None] = lambda n: None
@@ -102,14 +104,17 @@ class _HostBuffers:
     """A pool of reusable host buffers (pinned on CUDA): states of ``numel`` elements, token ids,
     a finiteness flag, and (fp8) ``scale_numel`` fp32 scales."""
 
-    def __init__(self, count: int, numel: int, ids_numel: int, dtype: torch.dtype, pin: bool,
-                 scale_numel: int = 0):
+    def __init__(self, count: int, numel: int, ids_numel: int, dtype: torch.dtype, pin: bool, scale_numel: int = 0):
         self.free: queue.Queue = queue.Queue()
         for _ in range(count):
-            self.free.put((torch.empty(numel, dtype=dtype, pin_memory=pin),
-                           torch.empty(ids_numel, dtype=torch.int64, pin_memory=pin),
-                           torch.empty((), dtype=torch.bool, pin_memory=pin),
-                           torch.empty(scale_numel, dtype=torch.float32, pin_memory=pin)))
+            self.free.put(
+                (
+                    torch.empty(numel, dtype=dtype, pin_memory=pin),
+                    torch.empty(ids_numel, dtype=torch.int64, pin_memory=pin),
+                    torch.empty((), dtype=torch.bool, pin_memory=pin),
+                    torch.empty(scale_numel, dtype=torch.float32, pin_memory=pin),
+                )
+            )
 
     def get(self):
         return self.free.get()
@@ -141,8 +146,9 @@ def fill_hf(job: ExtractJob) -> None:
         return
     cap_tokens = max(job.batch_tokens, int(lengths.max()))
     nbuf = int(job.options.get("host_buffers") or (job.options.get("writers", 4) + 3))
-    pool = _HostBuffers(nbuf, cap_tokens * slots * hidden, cap_tokens, store_dtype, pin=on_cuda,
-                        scale_numel=cap_tokens * slots * groups)
+    pool = _HostBuffers(
+        nbuf, cap_tokens * slots * hidden, cap_tokens, store_dtype, pin=on_cuda, scale_numel=cap_tokens * slots * groups
+    )
     copy_stream = torch.cuda.Stream(device=device) if on_cuda else None
     writer = job.writer
     job.stats["t_first_batch"] = time.perf_counter()  # throughput counts from here to the last shard
@@ -158,8 +164,10 @@ def fill_hf(job: ExtractJob) -> None:
         sv = scale_host[: B * T * slots * groups].view(B, T, slots, groups) if layout.quantized else None
         if on_cuda:
             ids = ids_host[: B * T].view(B, T).to(device, non_blocking=True)
-            states = cap.capture_into(ids, out=None if layout.quantized else torch.empty(
-                (B, T, slots, hidden), dtype=store_dtype, device=device))
+            states = cap.capture_into(
+                ids,
+                out=None if layout.quantized else torch.empty((B, T, slots, hidden), dtype=store_dtype, device=device),
+            )
             if layout.quantized:  # on the device: half the bytes cross to the host
                 states, scale = quantize(states, groups)
                 # a NaN/Inf state makes its scale non-finite: checking the scales is enough
@@ -188,9 +196,16 @@ def fill_hf(job: ExtractJob) -> None:
         else:
             cap.capture_into(torch.from_numpy(ids_np.copy()), out=hv)  # hooks write into the host buffer
             event, finite_host = None, None
-        items = [ShardItem(r.index, r.input_ids, r.loss_mask, hv[b, : len(r.input_ids)],
-                           None if sv is None else sv[b, : len(r.input_ids)])
-                 for b, r in enumerate(rows)]
+        items = [
+            ShardItem(
+                r.index,
+                r.input_ids,
+                r.loss_mask,
+                hv[b, : len(r.input_ids)],
+                None if sv is None else sv[b, : len(r.input_ids)],
+            )
+            for b, r in enumerate(rows)
+        ]
 
         def before(event=event, finite_host=finite_host, items=items) -> None:
             if event is not None:
@@ -217,8 +232,10 @@ def _load_backend(name: str) -> Callable[[ExtractJob], None]:
 
 def _check_dtypes(dtype: str, fp8_group_size: int | None) -> None:
     if fp8_group_size is not None and dtype != FP8:
-        raise EyasError(f"--fp8-group-size {fp8_group_size}: only for --dtype fp8 (this run stores "
-                        f"{dtype}); drop it or pass --dtype fp8")
+        raise EyasError(
+            f"--fp8-group-size {fp8_group_size}: only for --dtype fp8 (this run stores "
+            f"{dtype}); drop it or pass --dtype fp8"
+        )
 
 
 def _scale_groups(dtype: str, hidden: int, fp8_group_size: int | None) -> int | None:
@@ -228,8 +245,10 @@ def _scale_groups(dtype: str, hidden: int, fp8_group_size: int | None) -> int | 
     if fp8_group_size is None:
         return 1
     if hidden % fp8_group_size:
-        raise EyasError(f"--fp8-group-size {fp8_group_size}: must divide the target's hidden size "
-                        f"{hidden}; leave it out for one scale per token and state")
+        raise EyasError(
+            f"--fp8-group-size {fp8_group_size}: must divide the target's hidden size "
+            f"{hidden}; leave it out for one scale per token and state"
+        )
     return hidden // fp8_group_size
 
 
@@ -242,8 +261,9 @@ def _stored_samples(out: Path) -> set[int]:
     return {i for r in committed_records(Path(out)).values() for i in r["samples"]["index"]}
 
 
-def make_plan(tgt, ds, out: Path, fields: dict[str, Any], batch_tokens: int, device: str, backend: str,
-              gpus: int, done: set[int]) -> ExtractPlan:
+def make_plan(
+    tgt, ds, out: Path, fields: dict[str, Any], batch_tokens: int, device: str, backend: str, gpus: int, done: set[int]
+) -> ExtractPlan:
     """The disk and time plan of filling ``out`` (see :mod:`eyas.extract.plan`)."""
     from eyas.features.writer import store_fields
 
@@ -253,12 +273,21 @@ def make_plan(tgt, ds, out: Path, fields: dict[str, Any], batch_tokens: int, dev
     per_shard = shard_tokens(lengths, plan_batches(lengths, batch_tokens), todo)
     free, where = free_space(out)
     rate, note = rate_estimate(tgt.path, tgt.config(), device, backend, gpus)
-    return ExtractPlan(out=Path(out), layout=layout, samples=len(ds), samples_todo=len(todo),
-                       tokens=int(lengths.sum()), tokens_todo=int(sum(per_shard)),
-                       shards_todo=len(per_shard),
-                       shard_bytes_todo=int(sum(layout.shard_bytes(n) for n in per_shard)),
-                       meta_bytes=plan_meta_bytes(len(per_shard), len(todo)),
-                       free_bytes=free, free_where=where, tokens_per_s=rate, rate_note=note)
+    return ExtractPlan(
+        out=Path(out),
+        layout=layout,
+        samples=len(ds),
+        samples_todo=len(todo),
+        tokens=int(lengths.sum()),
+        tokens_todo=int(sum(per_shard)),
+        shards_todo=len(per_shard),
+        shard_bytes_todo=int(sum(layout.shard_bytes(n) for n in per_shard)),
+        meta_bytes=plan_meta_bytes(len(per_shard), len(todo)),
+        free_bytes=free,
+        free_where=where,
+        tokens_per_s=rate,
+        rate_note=note,
+    )
 
 
 def run(cfg: ExtractConfig) -> Path:
@@ -269,9 +298,13 @@ def run(cfg: ExtractConfig) -> Path:
         print("\n".join(s["lines"]), flush=True)  # stdout: the answer to --plan, for scripts too
         return Path(cfg.out)
     s = extract(cfg)
-    print(f"stored {s['samples']} samples ({s['resumed_from']} were already there): {s['tokens']:,} tokens "
-          f"this run, {s['bytes'] / 1e9:.3f} GB, {s['bytes_per_token']:.0f} B/token, {s['seconds']:.1f} s, "
-          f"{s['tokens_per_s']:,.0f} tokens/s -> {cfg.out}", file=sys.stderr, flush=True)
+    print(
+        f"stored {s['samples']} samples ({s['resumed_from']} were already there): {s['tokens']:,} tokens "
+        f"this run, {s['bytes'] / 1e9:.3f} GB, {s['bytes_per_token']:.0f} B/token, {s['seconds']:.1f} s, "
+        f"{s['tokens_per_s']:,.0f} tokens/s -> {cfg.out}",
+        file=sys.stderr,
+        flush=True,
+    )
     return Path(cfg.out)
 
 
@@ -316,45 +349,83 @@ def _extract(cfg: ExtractConfig) -> dict[str, Any]:
     writers = int(cfg.writers or (min(16, os.cpu_count() or 16) if on_cuda else 2))
     hidden = int(text_cfg["hidden_size"])
     fields = {
-        "target": tgt.identity, "aux_layers": aux, "final_layer": final_id,
-        "convention": CONVENTION, "dtype": cfg.dtype, "hidden_size": hidden,
+        "target": tgt.identity,
+        "aux_layers": aux,
+        "final_layer": final_id,
+        "convention": CONVENTION,
+        "dtype": cfg.dtype,
+        "hidden_size": hidden,
         "scale_groups": _scale_groups(cfg.dtype, hidden, cfg.fp8_group_size),
-        "prepared_id": ds.manifest.get("id"), "prepared_path": str(Path(cfg.data).resolve()),
-        "num_samples": len(ds), "backend": backend, "plan": {"batch_tokens": batch_tokens},
+        "prepared_id": ds.manifest.get("id"),
+        "prepared_path": str(Path(cfg.data).resolve()),
+        "num_samples": len(ds),
+        "backend": backend,
+        "plan": {"batch_tokens": batch_tokens},
     }
     check_resumable(out, fields)  # other settings are refused before the plan, as by the writer
-    plan = make_plan(tgt, ds, out, fields, batch_tokens, device, backend,
-                     cfg.tensor_parallel_size * cfg.data_parallel_size, _stored_samples(out))
+    plan = make_plan(
+        tgt,
+        ds,
+        out,
+        fields,
+        batch_tokens,
+        device,
+        backend,
+        cfg.tensor_parallel_size * cfg.data_parallel_size,
+        _stored_samples(out),
+    )
     if cfg.plan_only:
         return {"plan": plan.as_dict(), "lines": plan.lines()}
     if cfg.progress:
         print("eyas extract " + "\n".join(plan.lines()), file=sys.stderr, flush=True)
     plan.check_space()
-    writer = StoreWriter(out, fields, shard_tokens=batch_tokens, num_writers=writers,
-                         max_pending=writers + 1)
+    writer = StoreWriter(out, fields, shard_tokens=batch_tokens, num_writers=writers, max_pending=writers + 1)
     for bad in writer.rewritten:
-        print(f"eyas extract: {out}: stored shard {bad} failed its checksum and is extracted again",
-              file=sys.stderr, flush=True)
+        print(
+            f"eyas extract: {out}: stored shard {bad} failed its checksum and is extracted again",
+            file=sys.stderr,
+            flush=True,
+        )
     todo = [i for i in range(len(ds)) if i not in writer.done]
-    job = ExtractJob(target=tgt, dataset=ds, todo=todo, writer=writer, aux_layers=aux,
-                     final_layer=final_id, dtype=cfg.dtype, device=device, batch_tokens=batch_tokens,
-                     options={"writers": writers, "model_dtype": cfg.model_dtype,
-                              "vllm_python": cfg.vllm_python, "vllm_requested": cfg.backend,
-                              "tensor_parallel_size": cfg.tensor_parallel_size,
-                              "data_parallel_size": cfg.data_parallel_size})
+    job = ExtractJob(
+        target=tgt,
+        dataset=ds,
+        todo=todo,
+        writer=writer,
+        aux_layers=aux,
+        final_layer=final_id,
+        dtype=cfg.dtype,
+        device=device,
+        batch_tokens=batch_tokens,
+        options={
+            "writers": writers,
+            "model_dtype": cfg.model_dtype,
+            "vllm_python": cfg.vllm_python,
+            "vllm_requested": cfg.backend,
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "data_parallel_size": cfg.data_parallel_size,
+        },
+    )
     checked_first = _self_check_first(cfg, job, backend, vllm_version)
     elapsed, manifest = _fill(fill, job, backend, out, cfg.progress)
     tokens = writer.tokens_written
-    return {"tokens": tokens, "bytes": writer.bytes_written,
-            "bytes_per_token": writer.bytes_written / tokens if tokens else 0.0,
-            "seconds": elapsed, "tokens_per_s": tokens / elapsed if tokens and elapsed else 0.0,
-            "store_tokens": manifest["tokens"], "samples": len(ds), "resumed_from": len(ds) - len(todo),
-            "planned_shard_bytes": plan.shard_bytes_todo,
-            "self_check": checked_first}
+    return {
+        "tokens": tokens,
+        "bytes": writer.bytes_written,
+        "bytes_per_token": writer.bytes_written / tokens if tokens else 0.0,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed if tokens and elapsed else 0.0,
+        "store_tokens": manifest["tokens"],
+        "samples": len(ds),
+        "resumed_from": len(ds) - len(todo),
+        "planned_shard_bytes": plan.shard_bytes_todo,
+        "self_check": checked_first,
+    }
 
 
-def _self_check_first(cfg: ExtractConfig, job: ExtractJob, backend: str,
-                      vllm_version: str | None) -> dict[str, Any] | None:
+def _self_check_first(
+    cfg: ExtractConfig, job: ExtractJob, backend: str, vllm_version: str | None
+) -> dict[str, Any] | None:
     """The self-check of a vLLM backend on a version eyas has not tested (:mod:`eyas.extract.selfcheck`);
     None where it does not run. A failed check leaves the store as it was."""
     if not (cfg.self_check and job.todo and vllm_version is not None):
@@ -366,24 +437,43 @@ def _self_check_first(cfg: ExtractConfig, job: ExtractJob, backend: str,
     if status.tested:
         return None
     try:
-        return self_check(cfg.target, job.target, job.dataset, job.todo, cfg.self_check, backend, Path(cfg.out),
-                          job.aux_layers, job.device, cfg.model_dtype, cfg.vllm_python, cfg.tensor_parallel_size,
-                          status.note)
+        return self_check(
+            cfg.target,
+            job.target,
+            job.dataset,
+            job.todo,
+            cfg.self_check,
+            backend,
+            Path(cfg.out),
+            job.aux_layers,
+            job.device,
+            cfg.model_dtype,
+            cfg.vllm_python,
+            cfg.tensor_parallel_size,
+            status.note,
+        )
     except BaseException:
         job.writer.abort()
         raise
 
 
-def _fill(fill: Callable[[ExtractJob], None], job: ExtractJob, backend: str, out: Path,
-          progress: bool) -> tuple[float, dict[str, Any]]:
+def _fill(
+    fill: Callable[[ExtractJob], None], job: ExtractJob, backend: str, out: Path, progress: bool
+) -> tuple[float, dict[str, Any]]:
     """Run the backend over ``job.todo`` and close the store; returns the seconds from its first batch
     and the store's manifest."""
     from tqdm import tqdm
 
     ds, writer = job.dataset, job.writer
     total = int(ds.lengths[job.todo].sum()) if job.todo else 0
-    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"extract ({backend}, {job.device})",
-               disable=not progress, smoothing=0.1)
+    bar = tqdm(
+        total=total,
+        unit="tok",
+        unit_scale=True,
+        desc=f"extract ({backend}, {job.device})",
+        disable=not progress,
+        smoothing=0.1,
+    )
     start = time.perf_counter()
     writer.on_commit = lambda rec: bar.update(rec["tokens"])
     try:
@@ -396,6 +486,8 @@ def _fill(fill: Callable[[ExtractJob], None], job: ExtractJob, backend: str, out
         bar.close()
     if not manifest["complete"]:
         missing = sorted(set(range(len(ds))) - writer.done)
-        raise EyasError(f"store {out}: backend {backend!r} left {len(missing)} samples unstored "
-                        f"(first {missing[:5]}); re-run to finish")
+        raise EyasError(
+            f"store {out}: backend {backend!r} left {len(missing)} samples unstored "
+            f"(first {missing[:5]}); re-run to finish"
+        )
     return time.perf_counter() - job.stats.get("t_first_batch", start), manifest

@@ -52,10 +52,12 @@ def verdict(report: dict[str, Any]) -> list[str]:
     for sl in report["slots"]:
         share = sl["tokens_below"] / tokens
         if sl["mean_cosine"] < MEAN_COSINE or share > TAIL_FRACTION:
-            bad.append(f"{sl['slot']}: mean cosine {sl['mean_cosine']:.5f} (needs >= {MEAN_COSINE}), "
-                       f"{sl['tokens_below']} of {tokens} tokens ({share:.2%}) below {TAIL_COSINE} "
-                       f"(allowed {TAIL_FRACTION:.1%}), worst {sl['min_cosine']:.4f} at sample "
-                       f"{sl['worst_sample']} token {sl['worst_token']}")
+            bad.append(
+                f"{sl['slot']}: mean cosine {sl['mean_cosine']:.5f} (needs >= {MEAN_COSINE}), "
+                f"{sl['tokens_below']} of {tokens} tokens ({share:.2%}) below {TAIL_COSINE} "
+                f"(allowed {TAIL_FRACTION:.1%}), worst {sl['min_cosine']:.4f} at sample "
+                f"{sl['worst_sample']} token {sl['worst_token']}"
+            )
     return bad
 
 
@@ -97,10 +99,13 @@ def hf_dtype(model_dir: Path, device: str, run_dtype: str | None) -> tuple[str |
     for name in ("fp32", fallback):
         need = int(numel * BYTES[name] * 1.2)  # 20% for activations of a few samples and the allocator
         if need <= free:
-            return name, (f"{numel / 1e6:,.1f}M parameters in {name} need ~{need / 2**30:.1f} GiB "
-                          f"of {free / 2**30:.1f} GiB free")
-    return None, (f"the target ({numel / 1e6:,.0f}M parameters) needs ~{numel * BYTES[fallback] * 1.2 / 2**30:.1f} "
-                  f"GiB in {fallback}, {device} has {free / 2**30:.1f} GiB free")
+            return name, (
+                f"{numel / 1e6:,.1f}M parameters in {name} need ~{need / 2**30:.1f} GiB of {free / 2**30:.1f} GiB free"
+            )
+    return None, (
+        f"the target ({numel / 1e6:,.0f}M parameters) needs ~{numel * BYTES[fallback] * 1.2 / 2**30:.1f} "
+        f"GiB in {fallback}, {device} has {free / 2**30:.1f} GiB free"
+    )
 
 
 def subset(ds, indices: list[int], target, out: Path) -> Path:
@@ -109,15 +114,38 @@ def subset(ds, indices: list[int], target, out: Path) -> Path:
 
     rows = [ds[i] for i in indices]
     d2t, t2d = ds.draft_vocab()
-    extra = {"chat_template_sha256": ds.manifest.get("chat_template_sha256"), "self_check_of": str(ds.path),
-             "self_check_indices": list(indices)}
-    return write_prepared(out, [r.input_ids.tolist() for r in rows], [r.loss_mask.astype(int).tolist() for r in rows],
-                          [r.source_id for r in rows], target, d2t, t2d, extra_manifest=extra)
+    extra = {
+        "chat_template_sha256": ds.manifest.get("chat_template_sha256"),
+        "self_check_of": str(ds.path),
+        "self_check_indices": list(indices),
+    }
+    return write_prepared(
+        out,
+        [r.input_ids.tolist() for r in rows],
+        [r.loss_mask.astype(int).tolist() for r in rows],
+        [r.source_id for r in rows],
+        target,
+        d2t,
+        t2d,
+        extra_manifest=extra,
+    )
 
 
-def self_check(target_spec: str, target, ds, todo: list[int], n: int, backend: str, out: Path,
-               aux_layers: list[int], device: str, model_dtype: str | None, vllm_python: str | None,
-               tensor_parallel_size: int, why: str) -> dict[str, Any] | None:
+def self_check(
+    target_spec: str,
+    target,
+    ds,
+    todo: list[int],
+    n: int,
+    backend: str,
+    out: Path,
+    aux_layers: list[int],
+    device: str,
+    model_dtype: str | None,
+    vllm_python: str | None,
+    tensor_parallel_size: int,
+    why: str,
+) -> dict[str, Any] | None:
     """Run the check (see the module doc); returns its summary, None when skipped; raises
     EyasError with the figures when the vLLM backend's states differ from hf's."""
     from eyas.features.compare import compare_stores
@@ -130,24 +158,44 @@ def self_check(target_spec: str, target, ds, todo: list[int], n: int, backend: s
         return None
     dtype, sized = hf_dtype(target.path, device, model_dtype)
     if dtype is None:
-        say(f"skipped: {sized}, so hf cannot be run beside it here. Check by hand on a larger "
+        say(
+            f"skipped: {sized}, so hf cannot be run beside it here. Check by hand on a larger "
             f"device: extract a few samples with --backend hf and with --backend {backend}, then "
-            "`eyas extract --verify STORE --against HF_STORE`; --self-check 0 silences this")
+            "`eyas extract --verify STORE --against HF_STORE`; --self-check 0 silences this"
+        )
         return {"ran": False, "reason": sized}
     work = out.parent / f".{out.name}.self-check"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    say(f"{why}; extracting samples {indices[:5]}{'...' if len(indices) > 5 else ''} ({len(indices)}) "
-        f"with {backend} and with hf ({dtype}; {sized}) into {work}")
+    say(
+        f"{why}; extracting samples {indices[:5]}{'...' if len(indices) > 5 else ''} ({len(indices)}) "
+        f"with {backend} and with hf ({dtype}; {sized}) into {work}"
+    )
     data = subset(ds, indices, target, work / "data")
-    common = dict(target=target_spec, data=data, layers=list(aux_layers), dtype="fp32", device=device,
-                  progress=False, self_check=0)
+    common = dict(
+        target=target_spec,
+        data=data,
+        layers=list(aux_layers),
+        dtype="fp32",
+        device=device,
+        progress=False,
+        self_check=0,
+    )
     try:
-        extract(ExtractConfig(out=work / backend, backend=backend, model_dtype=model_dtype, vllm_python=vllm_python,
-                              tensor_parallel_size=tensor_parallel_size, **common))
+        extract(
+            ExtractConfig(
+                out=work / backend,
+                backend=backend,
+                model_dtype=model_dtype,
+                vllm_python=vllm_python,
+                tensor_parallel_size=tensor_parallel_size,
+                **common,
+            )
+        )
     except EyasError as e:
-        raise EyasError(f"self-check: {backend} failed on the first {len(indices)} samples, before any "
-                        f"comparison ({why}): {e}") from e
+        raise EyasError(
+            f"self-check: {backend} failed on the first {len(indices)} samples, before any comparison ({why}): {e}"
+        ) from e
     extract(ExtractConfig(out=work / "hf", backend="hf", model_dtype=dtype, **common))
     gc.collect()  # the hf model goes before the real run's vLLM engine asks for device memory
     if device.startswith("cuda"):
@@ -157,17 +205,26 @@ def self_check(target_spec: str, target, ds, todo: list[int], n: int, backend: s
     rep = compare_stores(work / backend, work / "hf", TAIL_COSINE, device=device, progress=False)
     bad = verdict(rep)
     worst = min(sl["mean_cosine"] for sl in rep["slots"])
-    summary = {"ran": True, "ok": not bad, "samples": rep["samples"], "tokens": rep["tokens"],
-               "lowest_mean_cosine": worst, "min_cosine": min(sl["min_cosine"] for sl in rep["slots"]),
-               "slots": rep["slots"], "hf_dtype": dtype}
+    summary = {
+        "ran": True,
+        "ok": not bad,
+        "samples": rep["samples"],
+        "tokens": rep["tokens"],
+        "lowest_mean_cosine": worst,
+        "min_cosine": min(sl["min_cosine"] for sl in rep["slots"]),
+        "slots": rep["slots"],
+        "hf_dtype": dtype,
+    }
     if bad:
         raise EyasError(
             f"self-check failed: {backend}'s states for the first {rep['samples']} samples differ from "
             "--backend hf's:\n  " + "\n  ".join(bad) + f"\n({why}.) Nothing was extracted into {out}. Both "
             f"stores are kept: `eyas extract --verify {work / backend} --against {work / 'hf'}` lists every "
-            "sample. Use --backend hf, a tested vLLM version, or --self-check 0 to extract anyway")
-    say(f"passed: {rep['samples']} samples, {rep['tokens']} tokens, lowest mean cosine {worst:.6f}, "
-        f"min {summary['min_cosine']:.5f}")
+            "sample. Use --backend hf, a tested vLLM version, or --self-check 0 to extract anyway"
+        )
+    say(
+        f"passed: {rep['samples']} samples, {rep['tokens']} tokens, lowest mean cosine {worst:.6f}, "
+        f"min {summary['min_cosine']:.5f}"
+    )
     shutil.rmtree(work, ignore_errors=True)
     return summary
-

@@ -70,10 +70,11 @@ def _device_env(rank: int, tp: int, dp: int) -> dict[str, str]:
     env: dict[str, str] = {}
     if torch.cuda.is_available():
         devs = visible_gpus()
-        mine = devs[rank * tp:(rank + 1) * tp]
+        mine = devs[rank * tp : (rank + 1) * tp]
         if len(mine) < tp:
-            raise EyasError(f"--data-parallel-size {dp} x --tensor-parallel-size {tp} needs "
-                            f"{dp * tp} GPUs; {len(devs)} visible")
+            raise EyasError(
+                f"--data-parallel-size {dp} x --tensor-parallel-size {tp} needs {dp * tp} GPUs; {len(devs)} visible"
+            )
         env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
     elif dp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_share(rank, dp)
@@ -99,18 +100,21 @@ def _collect(job, chunk_dir: Path, final_id: int) -> int:
     for path in list_chunks(chunk_dir):
         meta, samples = read_chunk(path)
         if meta.get("aux") is not None and [*meta["aux"], meta["final"]] != want:
-            raise EyasError(f"{path}: states of layers {meta['aux']}+{meta['final']}, this store wants "
-                            f"{want}; delete {chunk_dir} (left by a run with other --layers)")
+            raise EyasError(
+                f"{path}: states of layers {meta['aux']}+{meta['final']}, this store wants "
+                f"{want}; delete {chunk_dir} (left by a run with other --layers)"
+            )
         for index, ids, states in samples:
             if index in writer.done:
                 continue  # already stored (a chunk committed just before a kill, not yet deleted)
             sample = ds[index]
             if not np.array_equal(ids.numpy(), np.asarray(sample.input_ids, dtype=np.int64)):
-                raise EyasError(f"{path}: states for sample {index} were computed from other tokens "
-                                "than the prepared dataset holds; refusing to store them")
+                raise EyasError(
+                    f"{path}: states for sample {index} were computed from other tokens "
+                    "than the prepared dataset holds; refusing to store them"
+                )
             if states.shape[1] != len(want):
-                raise EyasError(f"{path}: sample {index} has {states.shape[1]} states per token, "
-                                f"expected {len(want)}")
+                raise EyasError(f"{path}: sample {index} has {states.shape[1]} states per token, expected {len(want)}")
             writer.add(index, sample.input_ids, sample.loss_mask, states[:, :-1], states[:, -1])
             added += 1
         writer.flush()
@@ -149,29 +153,46 @@ def fill_vllm_any(job, backend: str) -> None:
             edir.mkdir(parents=True)
             _write_prompts(edir / "prompts.npz", job.dataset, shard)
             spec = {
-                "backend": backend, "model": str(job.target.path),
+                "backend": backend,
+                "model": str(job.target.path),
                 "dtype": VLLM_DTYPES.get(model_dtype, "auto") if model_dtype else "auto",
-                "aux": _engine_aux(job), "final": final_id,
-                "prompts": str(edir / "prompts.npz"), "out_dir": str(chunk_dir),
-                "work_dir": str(edir), "tag": f"{rank}-{int(time.time())}",
-                "max_model_len": max_len, "tensor_parallel_size": tp,
+                "aux": _engine_aux(job),
+                "final": final_id,
+                "prompts": str(edir / "prompts.npz"),
+                "out_dir": str(chunk_dir),
+                "work_dir": str(edir),
+                "tag": f"{rank}-{int(time.time())}",
+                "max_model_len": max_len,
+                "tensor_parallel_size": tp,
                 "batch_tokens": int(job.batch_tokens),
                 "max_num_batched_tokens": max(max_len, 8192),
                 "engine_kwargs": opts.get("engine_kwargs") or {},
             }
             # the hooks backend needs no engine-core process of its own (faster start); the
             # connector does, because its files are written in engine steps after the requests returned
-            engines.append(WorkerProcess(inst.python, "engine", spec, edir, edir / "engine.log", interactive=False,
-                                         multiprocessing=backend != "vllm-hooks", cwd=edir,
-                                         env=_device_env(rank, tp, len(shards))))
+            engines.append(
+                WorkerProcess(
+                    inst.python,
+                    "engine",
+                    spec,
+                    edir,
+                    edir / "engine.log",
+                    interactive=False,
+                    multiprocessing=backend != "vllm-hooks",
+                    cwd=edir,
+                    env=_device_env(rank, tp, len(shards)),
+                )
+            )
         while True:
             codes = [e.poll() for e in engines]
             _collect(job, chunk_dir, final_id)
             bad = [(r, e, c) for r, (e, c) in enumerate(zip(engines, codes)) if c not in (None, 0)]
             if bad:
                 r, e, c = bad[0]
-                raise EyasError(f"vLLM engine {r} ({inst.dist} {inst.version}, {backend}) exited "
-                                f"with code {c}; its log is {e.log_path}:\n{e.failure()}")
+                raise EyasError(
+                    f"vLLM engine {r} ({inst.dist} {inst.version}, {backend}) exited "
+                    f"with code {c}; its log is {e.log_path}:\n{e.failure()}"
+                )
             if all(c == 0 for c in codes):
                 break
             time.sleep(0.5)
@@ -181,8 +202,10 @@ def fill_vllm_any(job, backend: str) -> None:
             e.stop()
     missing = [i for i in todo if i not in job.writer.done]
     if missing:
-        raise EyasError(f"vLLM ({backend}) finished but {len(missing)} samples were not stored (first "
-                        f"{missing[:5]}); see the logs in {work}; re-run to retry them")
+        raise EyasError(
+            f"vLLM ({backend}) finished but {len(missing)} samples were not stored (first "
+            f"{missing[:5]}); see the logs in {work}; re-run to retry them"
+        )
     # keep the engine logs (timings, vLLM's own messages) beside the store; drop the rest
     logs = Path(job.writer.path) / ".vllm-logs"
     logs.mkdir(exist_ok=True)

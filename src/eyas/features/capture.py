@@ -39,9 +39,11 @@ def find_decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
         layers = getattr(cand, "layers", None)
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:
             return cand, layers
-    raise EyasError(f"model {type(model).__name__}: found no decoder with a `layers` ModuleList "
-                    "(looked at the model, get_decoder(), .model and .language_model); eyas's HF "
-                    "backend supports decoders whose blocks live in such a list")
+    raise EyasError(
+        f"model {type(model).__name__}: found no decoder with a `layers` ModuleList "
+        "(looked at the model, get_decoder(), .model and .language_model); eyas's HF "
+        "backend supports decoders whose blocks live in such a list"
+    )
 
 
 class HiddenStateCapture:
@@ -59,17 +61,17 @@ class HiddenStateCapture:
         n = len(self.layers)
         self.aux_layers, self.final_layer = resolve_layers(n, aux_layers)
         self.num_slots = len(self.aux_layers) + 1
-        self._out: torch.Tensor | None = None     # buffer being filled by capture_into()
-        self._alloc = False                        # allocate _out lazily from the first state
+        self._out: torch.Tensor | None = None  # buffer being filled by capture_into()
+        self._alloc = False  # allocate _out lazily from the first state
         self._pending: dict[int, torch.Tensor] = {}
         self._seen: set[int] = set()
         self._records: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._handles = []
         for slot, k in enumerate(self.aux_layers):
-            self._handles.append(self.layers[k].register_forward_pre_hook(
-                self._pre_hook(slot), with_kwargs=True))
-        self._handles.append(self.layers[n - 1].register_forward_hook(
-            self._post_hook(self.num_slots - 1), with_kwargs=True))
+            self._handles.append(self.layers[k].register_forward_pre_hook(self._pre_hook(slot), with_kwargs=True))
+        self._handles.append(
+            self.layers[n - 1].register_forward_hook(self._post_hook(self.num_slots - 1), with_kwargs=True)
+        )
 
     # ------------------------------------------------------------------------------ hooks
 
@@ -77,6 +79,7 @@ class HiddenStateCapture:
         def hook(module, args, kwargs):
             hs = args[0] if args else kwargs.get("hidden_states")
             self._put(slot, hs)
+
         return hook
 
     def _post_hook(self, slot: int):
@@ -85,12 +88,15 @@ class HiddenStateCapture:
             self._put(slot, hs)
             if self._out is None and self._records is not None:
                 self._finish_record()
+
         return hook
 
     def _put(self, slot: int, hs: torch.Tensor) -> None:
         if not isinstance(hs, torch.Tensor):
-            raise EyasError(f"hook on layer slot {slot}: expected a hidden-state tensor, got "
-                            f"{type(hs).__name__}; this decoder's layer signature is unsupported")
+            raise EyasError(
+                f"hook on layer slot {slot}: expected a hidden-state tensor, got "
+                f"{type(hs).__name__}; this decoder's layer signature is unsupported"
+            )
         if self._alloc and self._out is None:
             b, t, h = hs.shape
             self._out = torch.empty((b, t, self.num_slots, h), dtype=hs.dtype, device=hs.device)
@@ -116,9 +122,13 @@ class HiddenStateCapture:
         return int(cfg.hidden_size)
 
     @torch.inference_mode()
-    def capture_into(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                     position_ids: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+    def capture_into(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run the base model; return the states as one ``[B,T,A+1,H]`` tensor (``out`` if given).
 
         With a left-padded ``attention_mask`` and no ``position_ids``, positions restart at 0 on
@@ -128,20 +138,25 @@ class HiddenStateCapture:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         self._out, self._alloc, self._seen = out, out is None, set()
         try:
-            self.decoder(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, use_cache=False)
+            self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
             result = self._out
         finally:
             self._out, self._alloc = None, False
         if result is None or len(self._seen) != self.num_slots:
             missing = [i for i in range(self.num_slots) if i not in self._seen]
-            raise EyasError(f"model {type(self.model).__name__}: hooks for slots {missing} did not "
-                            "fire during the forward pass; the decoder does not call its layers "
-                            "as expected, so the HF backend cannot capture it")
+            raise EyasError(
+                f"model {type(self.model).__name__}: hooks for slots {missing} did not "
+                "fire during the forward pass; the decoder does not call its layers "
+                "as expected, so the HF backend cannot capture it"
+            )
         return result
 
-    def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def capture(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(aux [B,T,num_aux,H], final [B,T,H])`` for ``input_ids`` (views of one buffer)."""
         states = self.capture_into(input_ids, attention_mask, position_ids)
         return states[:, :, :-1], states[:, :, -1]

@@ -19,20 +19,30 @@ from eyas.errors import EyasError
 from eyas.features.reader import open_store
 
 
-def compare_stores(store: Path, reference: Path, min_cosine: float = 0.99, device: str = "cpu",
-                   progress: bool = True, max_listed: int = 20) -> dict[str, Any]:
+def compare_stores(
+    store: Path,
+    reference: Path,
+    min_cosine: float = 0.99,
+    device: str = "cpu",
+    progress: bool = True,
+    max_listed: int = 20,
+) -> dict[str, Any]:
     """Per-token cosine of ``store``'s states against ``reference``'s; raises when they do not hold
     the same samples. ``ok`` is False when any token of any slot falls below ``min_cosine``."""
     a, b = open_store(store), open_store(reference)
     for key in ("aux_layers", "final_layer", "hidden_size"):
         if a.manifest.get(key) != b.manifest.get(key):
-            raise EyasError(f"store {store} has {key} {a.manifest.get(key)!r}, reference {reference} "
-                            f"{b.manifest.get(key)!r}: extract both with the same --target and --layers")
+            raise EyasError(
+                f"store {store} has {key} {a.manifest.get(key)!r}, reference {reference} "
+                f"{b.manifest.get(key)!r}: extract both with the same --target and --layers"
+            )
     if set(a.indices.tolist()) != set(b.indices.tolist()):
-        raise EyasError(f"store {store} holds {len(a)} samples and reference {reference} {len(b)}, not the "
-                        "same ones: extract both from the same --data")
+        raise EyasError(
+            f"store {store} holds {len(a)} samples and reference {reference} {len(b)}, not the "
+            "same ones: extract both from the same --data"
+        )
     slots = [f"aux layer {i}" for i in a.aux_layers] + [f"final (layer {a.final_layer})"]
-    worst = [(2.0, -1, -1)] * len(slots)   # (cosine, sample, token) per slot
+    worst = [(2.0, -1, -1)] * len(slots)  # (cosine, sample, token) per slot
     below = [0] * len(slots)
     sums = [0.0] * len(slots)
     bad_rows: list[dict[str, Any]] = []
@@ -40,8 +50,10 @@ def compare_stores(store: Path, reference: Path, min_cosine: float = 0.99, devic
     for s in tqdm(a.iter_shard_order(), total=len(a), desc="compare", unit="sample", disable=not progress):
         r = b[s.index]
         if not torch.equal(s.input_ids, r.input_ids) or not torch.equal(s.loss_mask, r.loss_mask):
-            raise EyasError(f"sample {s.index}: tokens or loss mask differ between {store} and {reference}; "
-                            "they were prepared from different data or with another tokenizer")
+            raise EyasError(
+                f"sample {s.index}: tokens or loss mask differ between {store} and {reference}; "
+                "they were prepared from different data or with another tokenizer"
+            )
         x = torch.cat([s.aux, s.final[:, None]], dim=1).to(device=device, dtype=torch.float32)
         y = torch.cat([r.aux, r.final[:, None]], dim=1).to(device=device, dtype=torch.float32)
         cos = torch.nn.functional.cosine_similarity(x, y, dim=-1, eps=1e-12)  # [T, slots]
@@ -58,14 +70,33 @@ def compare_stores(store: Path, reference: Path, min_cosine: float = 0.99, devic
             sums[j] += float(total[j])
             row_bad |= bool(low[j])
         if row_bad:
-            bad_rows.append({"sample": s.index, "tokens": int(cos.shape[0]),
-                             "min_cosine": float(mins.min()), "tokens_below": int((cos < min_cosine).any(1).sum())})
+            bad_rows.append(
+                {
+                    "sample": s.index,
+                    "tokens": int(cos.shape[0]),
+                    "min_cosine": float(mins.min()),
+                    "tokens_below": int((cos < min_cosine).any(1).sum()),
+                }
+            )
     bad_rows.sort(key=lambda r: r["min_cosine"])
     return {
-        "store": str(store), "reference": str(reference), "samples": len(a), "tokens": tokens,
-        "min_cosine_required": min_cosine, "ok": not bad_rows,
-        "slots": [{"slot": name, "min_cosine": w[0], "worst_sample": w[1], "worst_token": w[2],
-                   "mean_cosine": sums[j] / max(tokens, 1), "tokens_below": below[j]}
-                  for j, (name, w) in enumerate(zip(slots, worst))],
-        "rows_below": len(bad_rows), "worst_rows": bad_rows[:max_listed],
+        "store": str(store),
+        "reference": str(reference),
+        "samples": len(a),
+        "tokens": tokens,
+        "min_cosine_required": min_cosine,
+        "ok": not bad_rows,
+        "slots": [
+            {
+                "slot": name,
+                "min_cosine": w[0],
+                "worst_sample": w[1],
+                "worst_token": w[2],
+                "mean_cosine": sums[j] / max(tokens, 1),
+                "tokens_below": below[j],
+            }
+            for j, (name, w) in enumerate(zip(slots, worst))
+        ],
+        "rows_below": len(bad_rows),
+        "worst_rows": bad_rows[:max_listed],
     }

@@ -46,8 +46,19 @@ FP8_FORMAT_VERSION = 2
 SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
 
 # Fields that must agree between a store being resumed and the run resuming it.
-CHECKED_FIELDS = ("target", "aux_layers", "final_layer", "convention", "dtype", "scale",
-                  "hidden_size", "prepared_id", "num_samples", "backend", "plan")
+CHECKED_FIELDS = (
+    "target",
+    "aux_layers",
+    "final_layer",
+    "convention",
+    "dtype",
+    "scale",
+    "hidden_size",
+    "prepared_id",
+    "num_samples",
+    "backend",
+    "plan",
+)
 
 FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # = ModelDtype's values
 FP8 = "fp8"
@@ -56,10 +67,22 @@ FP8_TORCH = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_TORCH).max)  # 448
 SCALE_TORCH = torch.float32
 
-ST_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64",
-            torch.bool: "BOOL", FP8_TORCH: "F8_E4M3"}
-RAW_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
-            torch.int64: torch.int64, torch.bool: torch.uint8, FP8_TORCH: torch.uint8}
+ST_DTYPE = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int64: "I64",
+    torch.bool: "BOOL",
+    FP8_TORCH: "F8_E4M3",
+}
+RAW_VIEW = {
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+    torch.int64: torch.int64,
+    torch.bool: torch.uint8,
+    FP8_TORCH: torch.uint8,
+}
 
 
 def shard_file(shard_id: int) -> str:
@@ -89,9 +112,11 @@ class Layout:
         if self.dtype == FP8:
             g = self.scale_groups
             if g < 1 or self.hidden % g:
-                raise EyasError(f"fp8 scale groups {g}: must divide the hidden size {self.hidden} "
-                                f"(1 = one scale per token and state; e.g. {self.hidden // 128 or 1} "
-                                "for groups of about 128 channels)")
+                raise EyasError(
+                    f"fp8 scale groups {g}: must divide the hidden size {self.hidden} "
+                    f"(1 = one scale per token and state; e.g. {self.hidden // 128 or 1} "
+                    "for groups of about 128 channels)"
+                )
         elif self.scale_groups:
             raise EyasError(f"store dtype {self.dtype}: scale groups are for fp8 stores only")
 
@@ -142,35 +167,54 @@ class Layout:
         """What the manifest records about the layout (``scale`` is None for float stores)."""
         scale = None
         if self.quantized:
-            scale = {"format": "float8_e4m3fn", "dtype": "float32", "tensor": "hidden_scale",
-                     "groups": self.scale_groups, "per": "token and state" if self.scale_groups == 1
-                     else f"token, state and group of {self.hidden // self.scale_groups} channels",
-                     "rule": f"amax / {FP8_MAX:g}"}
-        return {"dtype": self.dtype, "scale": scale,
-                "format_version": FP8_FORMAT_VERSION if self.quantized else FORMAT_VERSION}
+            scale = {
+                "format": "float8_e4m3fn",
+                "dtype": "float32",
+                "tensor": "hidden_scale",
+                "groups": self.scale_groups,
+                "per": "token and state"
+                if self.scale_groups == 1
+                else f"token, state and group of {self.hidden // self.scale_groups} channels",
+                "rule": f"amax / {FP8_MAX:g}",
+            }
+        return {
+            "dtype": self.dtype,
+            "scale": scale,
+            "format_version": FP8_FORMAT_VERSION if self.quantized else FORMAT_VERSION,
+        }
 
 
 def check_format(manifest: dict[str, Any], where: str = "store") -> None:
     """Refuse a store whose manifest has no ``scale`` record (None for a float store): a pre-release
     eyas wrote it, without per-tensor checksums."""
     if "scale" not in manifest:
-        raise EyasError(f"{where}: its manifest has no scale record, so a pre-release eyas wrote it; extract "
-                        "it again with this eyas (a new --out)")
+        raise EyasError(
+            f"{where}: its manifest has no scale record, so a pre-release eyas wrote it; extract "
+            "it again with this eyas (a new --out)"
+        )
 
 
 def layout_of(manifest: dict[str, Any], where: str = "store") -> Layout:
     """The layout a store's manifest describes."""
     dtype = manifest.get("dtype")
     if dtype not in STORE_DTYPES:
-        raise EyasError(f"{where}: dtype {dtype!r} in its manifest is not one eyas knows "
-                        f"({', '.join(STORE_DTYPES)}); was it written by a newer eyas?")
+        raise EyasError(
+            f"{where}: dtype {dtype!r} in its manifest is not one eyas knows "
+            f"({', '.join(STORE_DTYPES)}); was it written by a newer eyas?"
+        )
     scale = manifest.get("scale")
     groups = 0
     if dtype == FP8:
-        if not isinstance(scale, dict) or scale.get("format") != "float8_e4m3fn" \
-                or scale.get("dtype") != "float32" or not isinstance(scale.get("groups"), int):
-            raise EyasError(f"{where}: an fp8 store whose manifest has no usable scale layout "
-                            f"(scale = {scale!r}); re-extract it with `eyas extract --dtype fp8`")
+        if (
+            not isinstance(scale, dict)
+            or scale.get("format") != "float8_e4m3fn"
+            or scale.get("dtype") != "float32"
+            or not isinstance(scale.get("groups"), int)
+        ):
+            raise EyasError(
+                f"{where}: an fp8 store whose manifest has no usable scale layout "
+                f"(scale = {scale!r}); re-extract it with `eyas extract --dtype fp8`"
+            )
         groups = scale["groups"]
     return Layout(dtype, len(manifest["aux_layers"]) + 1, int(manifest["hidden_size"]), groups)
 
@@ -222,8 +266,9 @@ def hasher_for(name: str) -> Any:
         try:
             import xxhash
         except ImportError as e:
-            raise EyasError("this store's checksums are xxh3_64: install the 'xxhash' package "
-                            "to verify it (pip install xxhash)") from e
+            raise EyasError(
+                "this store's checksums are xxh3_64: install the 'xxhash' package to verify it (pip install xxhash)"
+            ) from e
         return xxhash.xxh3_64()
     raise EyasError(f"unknown checksum algorithm {name!r} in the store; was it written by a newer eyas?")
 

@@ -30,11 +30,15 @@ def resolve_layers(num_layers: int, aux: list[int] | None = None) -> tuple[list[
         raise EyasError(f"the target has {num_layers} layers; a draft needs at least one to read")
     bad = [k for k in aux if not 0 <= k < num_layers]
     if bad:
-        raise EyasError(f"layer ids {bad} out of range: the target has {num_layers} layers, "
-                        f"so aux ids must lie in 0..{num_layers - 1} (id {num_layers} is the final state)")
+        raise EyasError(
+            f"layer ids {bad} out of range: the target has {num_layers} layers, "
+            f"so aux ids must lie in 0..{num_layers - 1} (id {num_layers} is the final state)"
+        )
     if len(set(aux)) != len(aux):
-        raise EyasError(f"layer ids {aux} contain duplicates (vLLM dedups them and then fails "
-                        "with a shape error); pass distinct ids with --layers")
+        raise EyasError(
+            f"layer ids {aux} contain duplicates (vLLM dedups them and then fails "
+            "with a shape error); pass distinct ids with --layers"
+        )
     return sorted(aux), num_layers
 
 

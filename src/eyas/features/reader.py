@@ -31,8 +31,8 @@ class StoredSample:
     index: int
     input_ids: torch.Tensor  # int64 [T]
     loss_mask: torch.Tensor  # bool [T]
-    aux: torch.Tensor        # [T, num_aux, H]: the store's dtype, fp32 for an fp8 store
-    final: torch.Tensor      # [T, H]
+    aux: torch.Tensor  # [T, num_aux, H]: the store's dtype, fp32 for an fp8 store
+    final: torch.Tensor  # [T, H]
 
 
 @dataclass
@@ -67,9 +67,11 @@ class StoreReader:
         self._records = {int(r["shard"]): r for r in manifest.get("shards", [])}
         for sid, r in self._records.items():  # every name up front: nothing outside the store is opened
             if inside(self.path, r.get("file"), "store").name != shard_file(sid):
-                raise EyasError(f"store {self.path}: its manifest names {r['file']!r} for shard {sid}, whose "
-                                f"file is {shard_file(sid)}; the manifest was edited or damaged: re-run "
-                                "`eyas extract` into a new --out")
+                raise EyasError(
+                    f"store {self.path}: its manifest names {r['file']!r} for shard {sid}, whose "
+                    f"file is {shard_file(sid)}; the manifest was edited or damaged: re-run "
+                    "`eyas extract` into a new --out"
+                )
 
     def __len__(self) -> int:
         return int(self.indices.shape[0])
@@ -81,23 +83,30 @@ class StoreReader:
 
             f = self.path / shard_file(sid)
             if not f.is_file():
-                raise EyasError(f"store {self.path}: {f.name} is missing; run `eyas extract` again "
-                                "with the same arguments to redo it, or --verify to list problems")
+                raise EyasError(
+                    f"store {self.path}: {f.name} is missing; run `eyas extract` again "
+                    "with the same arguments to redo it, or --verify to list problems"
+                )
             rec = self._records.get(sid)
             problem = shard_problem(self.path, rec) if rec is not None else None
             if not problem and self.layout.quantized:
                 # scales are 1/H of the data: checking them costs nothing and stops a shard whose
                 # scales are wrong however consistent its checksums are
                 start, header = read_header(f)
-                problem = scale_problem(f, header, start) if "hidden_scale" in header else \
-                    "no hidden_scale tensor in an fp8 store"
+                problem = (
+                    scale_problem(f, header, start)
+                    if "hidden_scale" in header
+                    else "no hidden_scale tensor in an fp8 store"
+                )
             if problem:
                 prepared = self.manifest.get("prepared_path") or "PREPARED_DIR"
-                raise EyasError(f"store {self.path}: {f.name} is corrupt ({problem}); nothing was "
-                                f"trained on it. Re-run `eyas extract --data {prepared} --out {self.path}` "
-                                "with the --target and --layers the store was made with: it re-checks "
-                                "every stored shard and extracts the bad ones again; then resume training "
-                                f"with --resume (`eyas extract --verify {self.path}` lists every problem)")
+                raise EyasError(
+                    f"store {self.path}: {f.name} is corrupt ({problem}); nothing was "
+                    f"trained on it. Re-run `eyas extract --data {prepared} --out {self.path}` "
+                    "with the --target and --layers the store was made with: it re-checks "
+                    "every stored shard and extracts the bad ones again; then resume training "
+                    f"with --resume (`eyas extract --verify {self.path}` lists every problem)"
+                )
             h = safe_open(str(f), framework="pt")
             with self._mu:
                 self._handles[sid] = h
@@ -108,15 +117,20 @@ class StoreReader:
         b = a + int(self.lengths[pos])
         h = self._open(sid)
         scale = h.get_slice("hidden_scale")[a:b] if self.layout.quantized else None
-        return RawSample(index=int(self.indices[pos]), input_ids=h.get_slice("input_ids")[a:b],
-                         loss_mask=h.get_slice("loss_mask")[a:b], hidden=h.get_slice("hidden")[a:b],
-                         scale=scale)
+        return RawSample(
+            index=int(self.indices[pos]),
+            input_ids=h.get_slice("input_ids")[a:b],
+            loss_mask=h.get_slice("loss_mask")[a:b],
+            hidden=h.get_slice("hidden")[a:b],
+            scale=scale,
+        )
 
     def _read(self, pos: int) -> StoredSample:
         r = self._raw(pos)
         hidden = r.hidden if r.scale is None else dequantize(r.hidden, r.scale)
-        return StoredSample(index=r.index, input_ids=r.input_ids, loss_mask=r.loss_mask,
-                            aux=hidden[:, :-1], final=hidden[:, -1])
+        return StoredSample(
+            index=r.index, input_ids=r.input_ids, loss_mask=r.loss_mask, aux=hidden[:, :-1], final=hidden[:, -1]
+        )
 
     def _position(self, index: int) -> int:
         pos = self._pos.get(int(index))
@@ -157,7 +171,9 @@ def open_store(path: str | os.PathLike, allow_incomplete: bool = False) -> Store
     check_format(manifest, f"store {path}")
     if "samples" not in manifest or not (manifest.get("complete") or allow_incomplete):
         if not allow_incomplete:
-            raise EyasError(f"store {path} is incomplete (the extract run was interrupted); re-run "
-                            "`eyas extract` with the same arguments to finish it")
+            raise EyasError(
+                f"store {path} is incomplete (the extract run was interrupted); re-run "
+                "`eyas extract` with the same arguments to finish it"
+            )
         manifest = {**manifest, **tables(committed_records(path))}
     return StoreReader(path, manifest)

@@ -66,8 +66,10 @@ def scale_problem(f: Path, header: dict[str, Any], data_start: int) -> str | Non
         return None
     n, s, g = spec["shape"]
     tok, slot, _ = np.unravel_index(int(np.argmax(bad)), (n, s, g))
-    return (f"tensor hidden_scale: {int(bad.sum())} scale(s) non-finite or negative (first at token "
-            f"{tok}, slot {slot}: {float(scale[int(np.argmax(bad))])}); every value of such a group decodes wrong")
+    return (
+        f"tensor hidden_scale: {int(bad.sum())} scale(s) non-finite or negative (first at token "
+        f"{tok}, slot {slot}: {float(scale[int(np.argmax(bad))])}); every value of such a group decodes wrong"
+    )
 
 
 def verify_store(path: str | os.PathLike, progress: bool = False) -> list[str]:
@@ -82,8 +84,10 @@ def verify_store(path: str | os.PathLike, progress: bool = False) -> list[str]:
     if manifest.get("kind") != KIND:
         return [f"{path}/{MANIFEST}: kind {manifest.get('kind')!r}, expected {KIND!r}"]
     if not manifest.get("complete"):
-        problems.append(f"{path}: the manifest is not marked complete (interrupted run); re-run "
-                        "`eyas extract` with the same arguments")
+        problems.append(
+            f"{path}: the manifest is not marked complete (interrupted run); re-run "
+            "`eyas extract` with the same arguments"
+        )
     if "samples" not in manifest:
         return problems
     try:
@@ -99,8 +103,7 @@ def verify_store(path: str | os.PathLike, progress: bool = False) -> list[str]:
         missing = [i for i in range(n) if i not in seen][:10]
         problems.append(f"sample table: {dup} duplicated, missing {missing} (of {n})")
     by_shard: dict[int, list[tuple[int, int]]] = {}
-    for sid, off, ln in zip(manifest["samples"]["shard"], manifest["samples"]["offset"],
-                            manifest["samples"]["length"]):
+    for sid, off, ln in zip(manifest["samples"]["shard"], manifest["samples"]["offset"], manifest["samples"]["length"]):
         by_shard.setdefault(int(sid), []).append((int(off), int(ln)))
     shards = manifest.get("shards", [])
     it = shards
@@ -129,8 +132,7 @@ def verify_store(path: str | os.PathLike, progress: bool = False) -> list[str]:
         if digest != s["checksum"]["digest"]:
             which = changed_tensors(f, s, header, data_start) if header is not None else []
             where = f" in tensor {', '.join(which)}" if which else ""
-            problems.append(f"{s['file']}: checksum {digest} != {s['checksum']['digest']} "
-                            f"(corrupted{where})")
+            problems.append(f"{s['file']}: checksum {digest} != {s['checksum']['digest']} (corrupted{where})")
             continue
         if header is None:
             problems.append(f"{s['file']}: {header_error}")
@@ -139,13 +141,18 @@ def verify_store(path: str | os.PathLike, progress: bool = False) -> list[str]:
         for name, dt, shape, _ in layout.tensors(ntok):
             got = header.get(name)
             if got is None or got["dtype"] != dt or got["shape"] != shape:
-                problems.append(f"{s['file']}: tensor {name} is "
-                                f"{(got or {}).get('dtype')} {(got or {}).get('shape')}, expected {dt} {shape}")
+                problems.append(
+                    f"{s['file']}: tensor {name} is "
+                    f"{(got or {}).get('dtype')} {(got or {}).get('shape')}, expected {dt} {shape}"
+                )
         extra = sorted(set(header) - {"__metadata__"} - {t[0] for t in layout.tensors(ntok)})
         if extra:
             problems.append(f"{s['file']}: tensors {extra} that a {layout.dtype} store does not hold")
-        if layout.quantized and "hidden_scale" in header and not any(
-                p.startswith(f"{s['file']}: tensor hidden_scale") for p in problems):
+        if (
+            layout.quantized
+            and "hidden_scale" in header
+            and not any(p.startswith(f"{s['file']}: tensor hidden_scale") for p in problems)
+        ):
             bad = scale_problem(f, header, data_start)
             if bad:
                 problems.append(f"{s['file']}: {bad}")

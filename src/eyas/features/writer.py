@@ -23,8 +23,19 @@ import numpy as np
 import torch
 
 from eyas.errors import EyasError
-from eyas.features.format import (CHECKED_FIELDS, FP8, KIND, SHARD_RE, Layout, check_format, new_hasher,
-                                  quantize, raw_bytes, record_file, shard_file)
+from eyas.features.format import (
+    CHECKED_FIELDS,
+    FP8,
+    KIND,
+    SHARD_RE,
+    Layout,
+    check_format,
+    new_hasher,
+    quantize,
+    raw_bytes,
+    record_file,
+    shard_file,
+)
 from eyas.features.verify import shard_problem
 from eyas.manifest import MANIFEST, read_manifest, write_manifest
 
@@ -43,18 +54,31 @@ class ShardItem:
 
 def _check_item(it: ShardItem, layout: Layout) -> None:
     s, want = it.states, (layout.num_slots, layout.hidden)
-    if s.dtype != layout.state_dtype or s.dim() != 3 or tuple(s.shape[1:]) != want \
-            or not s.is_contiguous() or s.device.type != "cpu":
-        raise EyasError(f"sample {it.index}: states {tuple(s.shape)} {s.dtype} on {s.device}; the "
-                        f"store expects contiguous CPU [T,{want[0]},{want[1]}] {layout.state_dtype}")
+    if (
+        s.dtype != layout.state_dtype
+        or s.dim() != 3
+        or tuple(s.shape[1:]) != want
+        or not s.is_contiguous()
+        or s.device.type != "cpu"
+    ):
+        raise EyasError(
+            f"sample {it.index}: states {tuple(s.shape)} {s.dtype} on {s.device}; the "
+            f"store expects contiguous CPU [T,{want[0]},{want[1]}] {layout.state_dtype}"
+        )
     if layout.quantized:
         c = it.scale
         shape = (s.shape[0], layout.num_slots, layout.scale_groups)
-        if c is None or c.dtype != torch.float32 or tuple(c.shape) != shape or not c.is_contiguous() \
-                or c.device.type != "cpu":
+        if (
+            c is None
+            or c.dtype != torch.float32
+            or tuple(c.shape) != shape
+            or not c.is_contiguous()
+            or c.device.type != "cpu"
+        ):
             got = "none" if c is None else f"{tuple(c.shape)} {c.dtype} on {c.device}"
-            raise EyasError(f"sample {it.index}: fp8 scales {got}; the store expects contiguous CPU "
-                            f"{list(shape)} float32")
+            raise EyasError(
+                f"sample {it.index}: fp8 scales {got}; the store expects contiguous CPU {list(shape)} float32"
+            )
 
 
 def write_shard_file(path: Path, items: Sequence[ShardItem], layout: Layout) -> tuple[str, str, int, dict[str, str]]:
@@ -72,23 +96,26 @@ def write_shard_file(path: Path, items: Sequence[ShardItem], layout: Layout) -> 
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
     try:
         with open(tmp, "wb", buffering=0) as fh:
+
             def put(bufs) -> None:
                 for buf in bufs:
                     h.update(buf)
                     th.update(buf)
                     view = memoryview(buf)
                     while view:
-                        view = view[fh.write(view):]
+                        view = view[fh.write(view) :]
 
             th = new_hasher()[1]  # the header belongs to the file checksum only
             put([len(hbytes).to_bytes(8, "little") + hbytes])
             parts = {
-                "input_ids": lambda: [np.concatenate([np.asarray(it.input_ids, dtype=np.int64)
-                                                      for it in items]).tobytes()],
+                "input_ids": lambda: [
+                    np.concatenate([np.asarray(it.input_ids, dtype=np.int64) for it in items]).tobytes()
+                ],
                 "hidden_scale": lambda: [raw_bytes(it.scale) for it in items],
                 "hidden": lambda: [raw_bytes(it.states) for it in items],
-                "loss_mask": lambda: [np.concatenate([np.asarray(it.loss_mask, dtype=np.bool_)
-                                                      for it in items]).tobytes()],
+                "loss_mask": lambda: [
+                    np.concatenate([np.asarray(it.loss_mask, dtype=np.bool_) for it in items]).tobytes()
+                ],
             }
             for name, *_ in layout.tensors(n):
                 th = new_hasher()[1]
@@ -103,8 +130,11 @@ def write_shard_file(path: Path, items: Sequence[ShardItem], layout: Layout) -> 
 
 def manifest_diffs(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The fields in which a store on disk differs from the settings of a run that would resume it."""
-    return [f"{k}: {old.get(k)!r} in the store, {new.get(k)!r} now"
-            for k in (*CHECKED_FIELDS, "kind", "format_version") if old.get(k) != new.get(k)]
+    return [
+        f"{k}: {old.get(k)!r} in the store, {new.get(k)!r} now"
+        for k in (*CHECKED_FIELDS, "kind", "format_version")
+        if old.get(k) != new.get(k)
+    ]
 
 
 def check_resumable(path: str | os.PathLike, manifest_fields: dict[str, Any]) -> None:
@@ -118,8 +148,11 @@ def check_resumable(path: str | os.PathLike, manifest_fields: dict[str, Any]) ->
     check_format(old, f"store {path}")
     diffs = manifest_diffs(old, fields)
     if diffs:
-        raise EyasError(f"store {path} was made with other settings (" + "; ".join(diffs)
-                        + "). Re-run with the same settings to resume, or pass a new --out.")
+        raise EyasError(
+            f"store {path} was made with other settings ("
+            + "; ".join(diffs)
+            + "). Re-run with the same settings to resume, or pass a new --out."
+        )
 
 
 def store_fields(manifest_fields: dict[str, Any], where: str) -> tuple[dict[str, Any], Layout]:
@@ -129,8 +162,11 @@ def store_fields(manifest_fields: dict[str, Any], where: str) -> tuple[dict[str,
     it is replaced by the ``scale`` record.
     """
     fields = dict(manifest_fields)
-    missing = [k for k in ("target", "aux_layers", "final_layer", "convention", "dtype",
-                           "hidden_size", "num_samples") if k not in fields]
+    missing = [
+        k
+        for k in ("target", "aux_layers", "final_layer", "convention", "dtype", "hidden_size", "num_samples")
+        if k not in fields
+    ]
     if missing:
         raise EyasError(f"StoreWriter {where}: manifest_fields lacks {missing}")
     fields["aux_layers"] = [int(k) for k in fields["aux_layers"]]
@@ -152,8 +188,14 @@ class StoreWriter:
     for resume.
     """
 
-    def __init__(self, path: str | os.PathLike, manifest_fields: dict[str, Any],
-                 shard_tokens: int = 1 << 16, num_writers: int = 4, max_pending: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        manifest_fields: dict[str, Any],
+        shard_tokens: int = 1 << 16,
+        num_writers: int = 4,
+        max_pending: int | None = None,
+    ):
         self.path = Path(path)
         fields, self.layout = store_fields(manifest_fields, str(self.path))
         self.path.mkdir(parents=True, exist_ok=True)
@@ -162,8 +204,9 @@ class StoreWriter:
             fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as e:
             self._lock_fh.close()
-            raise EyasError(f"store {self.path} is being written by another process; wait for it "
-                            "or pass another --out") from e
+            raise EyasError(
+                f"store {self.path} is being written by another process; wait for it or pass another --out"
+            ) from e
         self.num_slots = self.layout.num_slots
         self.hidden_size = self.layout.hidden
         try:
@@ -243,8 +286,10 @@ class StoreWriter:
         ids = torch.as_tensor(input_ids).cpu().numpy().astype(np.int64)
         mask = torch.as_tensor(loss_mask).cpu().numpy().astype(np.bool_)
         if not len(ids) == len(mask) == states.shape[0]:
-            raise EyasError(f"sample {index}: {len(ids)} input_ids, {len(mask)} loss_mask entries and "
-                            f"{states.shape[0]} state rows; they must be equal")
+            raise EyasError(
+                f"sample {index}: {len(ids)} input_ids, {len(mask)} loss_mask entries and "
+                f"{states.shape[0]} state rows; they must be equal"
+            )
         return ShardItem(index, ids, mask, states, scale)
 
     def add(self, index: int, input_ids, loss_mask, aux: torch.Tensor, final: torch.Tensor) -> None:
@@ -254,10 +299,16 @@ class StoreWriter:
             raise EyasError(f"sample {index} is already in store {self.path}; skip indices in `.done`")
         self._queued.add(index)
         aux, final = aux.detach(), final.detach()
-        if aux.dim() != 3 or final.dim() != 2 or aux.shape[0] != final.shape[0] \
-                or aux.shape[1:] != (self.num_slots - 1, self.hidden_size):
-            raise EyasError(f"sample {index}: aux {tuple(aux.shape)} / final {tuple(final.shape)}, "
-                            f"expected [T,{self.num_slots - 1},{self.hidden_size}] / [T,{self.hidden_size}]")
+        if (
+            aux.dim() != 3
+            or final.dim() != 2
+            or aux.shape[0] != final.shape[0]
+            or aux.shape[1:] != (self.num_slots - 1, self.hidden_size)
+        ):
+            raise EyasError(
+                f"sample {index}: aux {tuple(aux.shape)} / final {tuple(final.shape)}, "
+                f"expected [T,{self.num_slots - 1},{self.hidden_size}] / [T,{self.hidden_size}]"
+            )
         item = self.to_item(index, input_ids, loss_mask, torch.cat([aux, final[:, None]], dim=1))
         self._buf.append(item)
         self._buf_tokens += item.states.shape[0]
@@ -269,9 +320,13 @@ class StoreWriter:
             items, self._buf, self._buf_tokens = self._buf, [], 0
             self.submit_shard(items)
 
-    def submit_shard(self, items: Sequence[ShardItem], shard_id: int | None = None,
-                     before: Callable[[], None] | None = None,
-                     after: Callable[[], None] | None = None) -> Future:
+    def submit_shard(
+        self,
+        items: Sequence[ShardItem],
+        shard_id: int | None = None,
+        before: Callable[[], None] | None = None,
+        after: Callable[[], None] | None = None,
+    ) -> Future:
         """Write ``items`` as one shard on a writer thread.
 
         ``before`` runs on the writer thread first (e.g. wait for a CUDA event, check NaNs);
@@ -303,11 +358,15 @@ class StoreWriter:
             algo, digest, nbytes, tensors = write_shard_file(path, items, self.layout)
             lengths = [int(it.states.shape[0]) for it in items]
             offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(int).tolist()
-            record = {"shard": shard_id, "file": path.name, "tokens": int(sum(lengths)),
-                      "bytes": nbytes, "checksum": {"algo": algo, "digest": digest},
-                      "tensor_checksums": tensors,
-                      "samples": {"index": [int(it.index) for it in items], "offset": offsets,
-                                  "length": lengths}}
+            record = {
+                "shard": shard_id,
+                "file": path.name,
+                "tokens": int(sum(lengths)),
+                "bytes": nbytes,
+                "checksum": {"algo": algo, "digest": digest},
+                "tensor_checksums": tensors,
+                "samples": {"index": [int(it.index) for it in items], "offset": offsets, "length": lengths},
+            }
             write_manifest(self.path, record, name=record_file(shard_id))  # the commit point
             with self._mu:
                 self.records[shard_id] = record
@@ -346,8 +405,9 @@ class StoreWriter:
         finally:
             self._pool.shutdown(wait=True)
         manifest = dict(self.fields)
-        manifest["complete"] = len(self.done) == int(self.fields["num_samples"]) and \
-            self.done == set(range(int(self.fields["num_samples"])))
+        manifest["complete"] = len(self.done) == int(self.fields["num_samples"]) and self.done == set(
+            range(int(self.fields["num_samples"]))
+        )
         manifest.update(tables(self.records))
         write_manifest(self.path, manifest)
         self._lock_fh.close()
@@ -379,20 +439,31 @@ def check_finite(states: torch.Tensor, index: int) -> None:
         bad = ~np.isfinite(states.numpy())
     if bad.any():
         tok, slot = np.argwhere(bad.reshape(bad.shape[0], bad.shape[1], -1).any(axis=2))[0].tolist()
-        raise EyasError(f"sample {index}: the target produced NaN/Inf hidden states (first at token "
-                        f"{tok}, slot {slot}); the run stopped. Check the target's dtype "
-                        "(try --model-dtype fp32 or a bf16-safe model) and this sample's tokens")
+        raise EyasError(
+            f"sample {index}: the target produced NaN/Inf hidden states (first at token "
+            f"{tok}, slot {slot}); the run stopped. Check the target's dtype "
+            "(try --model-dtype fp32 or a bf16-safe model) and this sample's tokens"
+        )
 
 
 def tables(records: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The manifest's sample and shard tables from the committed shard records."""
-    rows = sorted((i, sid, o, n) for sid, r in records.items()
-                  for i, o, n in zip(r["samples"]["index"], r["samples"]["offset"], r["samples"]["length"]))
+    rows = sorted(
+        (i, sid, o, n)
+        for sid, r in records.items()
+        for i, o, n in zip(r["samples"]["index"], r["samples"]["offset"], r["samples"]["length"])
+    )
     return {
-        "samples": {"index": [r[0] for r in rows], "shard": [r[1] for r in rows],
-                    "offset": [r[2] for r in rows], "length": [r[3] for r in rows]},
-        "shards": [{k: r[k] for k in ("shard", "file", "tokens", "bytes", "checksum", "tensor_checksums")}
-                   for _, r in sorted(records.items())],
+        "samples": {
+            "index": [r[0] for r in rows],
+            "shard": [r[1] for r in rows],
+            "offset": [r[2] for r in rows],
+            "length": [r[3] for r in rows],
+        },
+        "shards": [
+            {k: r[k] for k in ("shard", "file", "tokens", "bytes", "checksum", "tensor_checksums")}
+            for _, r in sorted(records.items())
+        ],
         "tokens": int(sum(r["tokens"] for r in records.values())),
         "bytes": int(sum(r["bytes"] for r in records.values())),
     }

@@ -88,7 +88,7 @@ class BudgetPlanner:
         return min(MEASURE_MAX_S, max(MEASURE_MIN_S, MEASURE_FRACTION * self.budget_s))
 
     def due(self, clock: TrainClock, schedule) -> str | None:
-        """"plan", "replan" or None: what the run's state and clock call for now."""
+        """ "plan", "replan" or None: what the run's state and clock call for now."""
         if not clock.started or schedule.replanned_at is not None:
             return None
         if schedule.planned_at is None:

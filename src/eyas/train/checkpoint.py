@@ -66,9 +66,11 @@ def rng_to_json(state: dict[str, Any]) -> dict[str, Any]:
     """The RNG states as plain JSON (no pickle): byte tensors and the MT19937 key as int lists."""
     name, key, pos, has_gauss, cached = state["numpy"]
     version, internal, gauss = state["python"]
-    out = {"torch": state["torch"].tolist(),
-           "numpy": [name, np.asarray(key).tolist(), int(pos), int(has_gauss), float(cached)],
-           "python": [version, list(internal), gauss]}
+    out = {
+        "torch": state["torch"].tolist(),
+        "numpy": [name, np.asarray(key).tolist(), int(pos), int(has_gauss), float(cached)],
+        "python": [version, list(internal), gauss],
+    }
     if "cuda" in state:
         out["cuda"] = [t.tolist() for t in state["cuda"]]
     return out
@@ -77,16 +79,27 @@ def rng_to_json(state: dict[str, Any]) -> dict[str, Any]:
 def rng_from_json(data: dict[str, Any]) -> dict[str, Any]:
     name, key, pos, has_gauss, cached = data["numpy"]
     version, internal, gauss = data["python"]
-    state = {"torch": torch.tensor(data["torch"], dtype=torch.uint8),
-             "numpy": (name, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached),
-             "python": (version, tuple(internal), gauss)}
+    state = {
+        "torch": torch.tensor(data["torch"], dtype=torch.uint8),
+        "numpy": (name, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached),
+        "python": (version, tuple(internal), gauss),
+    }
     if "cuda" in data:
         state["cuda"] = [torch.tensor(t, dtype=torch.uint8) for t in data["cuda"]]
     return state
 
 
-def finish(run_dir: Path, tmp: Path, step: int, model_state: dict[str, torch.Tensor], optim_state: dict,
-           sched_state: dict, trainer_state: dict[str, Any], config: dict[str, Any], keep: int) -> Path:
+def finish(
+    run_dir: Path,
+    tmp: Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optim_state: dict,
+    sched_state: dict,
+    trainer_state: dict[str, Any],
+    config: dict[str, Any],
+    keep: int,
+) -> Path:
     """Write the rank-0 files, then rename into place and drop checkpoints beyond ``keep``."""
     from safetensors.torch import save_file
 
@@ -141,10 +154,19 @@ def load(ckpt: Path, rank: int) -> dict[str, Any]:
         raise Unreadable(f"{ckpt / 'optimizer.pt'}: not an eyas optimizer file")
     last = opt["scheduler"].get("last_epoch") if isinstance(opt["scheduler"], dict) else None
     if isinstance(last, int) and last != state["step"]:
-        raise Unreadable(f"{ckpt / 'optimizer.pt'}: its schedule is at step {last}, {STATE} says "
-                         f"{state['step']}; the files are not of one checkpoint")
-    return {"trainer": state, "config": config, "model": model, "optimizer": opt["optimizer"],
-            "scheduler": opt["scheduler"], "rng": rng, "path": ckpt}
+        raise Unreadable(
+            f"{ckpt / 'optimizer.pt'}: its schedule is at step {last}, {STATE} says "
+            f"{state['step']}; the files are not of one checkpoint"
+        )
+    return {
+        "trainer": state,
+        "config": config,
+        "model": model,
+        "optimizer": opt["optimizer"],
+        "scheduler": opt["scheduler"],
+        "rng": rng,
+        "path": ckpt,
+    }
 
 
 def step_of(ckpt: Path) -> int | None:
@@ -164,8 +186,10 @@ def check_own_record(ckpt: Path, state: dict[str, Any]) -> None:
         raise Unreadable(f"{ckpt / STATE}: step {step!r} is not a step number")
     named = step_of(ckpt)
     if named is not None and step != named:
-        raise Unreadable(f"{ckpt / STATE}: says step {step}, but it is the checkpoint of step {named} "
-                         f"({ckpt.name}); the file was edited or comes from another checkpoint")
+        raise Unreadable(
+            f"{ckpt / STATE}: says step {step}, but it is the checkpoint of step {named} "
+            f"({ckpt.name}); the file was edited or comes from another checkpoint"
+        )
     for key in ("tokens_seen", "world_size"):
         v = state.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -196,16 +220,20 @@ def check_resume_step(resumed: dict[str, Any], total: int, flag: str = "--max-st
     step = int(resumed["trainer"]["step"])
     if step > total:
         path = Path(resumed["path"])
-        raise EyasError(f"cannot resume {path}: it is at step {step}, past the {total} steps this run plans "
-                        f"({flag} or the epochs); a run cannot be shortened after the fact. Resume with "
-                        f"{flag} >= {step}, use the draft this run already wrote ({path.parents[1] / 'draft'}), "
-                        "or start a new --out")
+        raise EyasError(
+            f"cannot resume {path}: it is at step {step}, past the {total} steps this run plans "
+            f"({flag} or the epochs); a run cannot be shortened after the fact. Resume with "
+            f"{flag} >= {step}, use the draft this run already wrote ({path.parents[1] / 'draft'}), "
+            "or start a new --out"
+        )
 
 
 def no_checkpoint_note(run_dir: Path) -> str:
     """What ``--resume`` says when ``run_dir`` holds no checkpoint to resume: training starts at step 0."""
-    return (f"warning: --resume: {run_dir} holds no checkpoint (checkpoints/step-*), so training starts at "
-            "step 0; check --out if you meant to continue a run")
+    return (
+        f"warning: --resume: {run_dir} holds no checkpoint (checkpoints/step-*), so training starts at "
+        "step 0; check --out if you meant to continue a run"
+    )
 
 
 def load_latest(run_dir: Path, rank: int, log=None) -> dict[str, Any]:
@@ -227,12 +255,14 @@ def load_latest(run_dir: Path, rank: int, log=None) -> dict[str, Any]:
                     os.replace(path, aside)
                 except OSError:
                     aside = path
-            log(f"warning: checkpoint {path.name} is unreadable ({e}); moved aside to {aside}, "
-                "trying the previous one")
+            log(f"warning: checkpoint {path.name} is unreadable ({e}); moved aside to {aside}, trying the previous one")
             continue
         if failed:
             log(f"resuming from {path} (the newest complete checkpoint)")
         return got
-    raise EyasError(f"no checkpoint in {Path(run_dir) / 'checkpoints'} can be read: " + "; ".join(failed)
-                    + ". Start again with a new --out (or without --resume after deleting the run's "
-                    "checkpoints)")
+    raise EyasError(
+        f"no checkpoint in {Path(run_dir) / 'checkpoints'} can be read: "
+        + "; ".join(failed)
+        + ". Start again with a new --out (or without --resume after deleting the run's "
+        "checkpoints)"
+    )

@@ -20,14 +20,14 @@ from eyas.train.packing import PackLayout, layout
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor     # [B,T]
-    loss_mask: torch.Tensor     # [B,T] bool
+    input_ids: torch.Tensor  # [B,T]
+    loss_mask: torch.Tensor  # [B,T] bool
     position_ids: torch.Tensor  # [B,T]
-    doc_ids: torch.Tensor       # [B,T], -1 in padding
-    aux: torch.Tensor           # [B,T,num_aux*H]
-    final: torch.Tensor         # [B,T,H] pre-norm last-layer state
-    num_tokens: int             # real (non-padding) tokens
-    layout: PackLayout          # the same [B,T] tensors on the host (the loss's positions come from them)
+    doc_ids: torch.Tensor  # [B,T], -1 in padding
+    aux: torch.Tensor  # [B,T,num_aux*H]
+    final: torch.Tensor  # [B,T,H] pre-norm last-layer state
+    num_tokens: int  # real (non-padding) tokens
+    layout: PackLayout  # the same [B,T] tensors on the host (the loss's positions come from them)
 
 
 class FeatureSource(Protocol):
@@ -54,13 +54,17 @@ def pinned(lay: PackLayout, device: torch.device) -> PackLayout:
     while the device runs this one."""
     if device.type != "cuda":
         return lay
-    return replace(lay, input_ids=lay.input_ids.pin_memory(), loss_mask=lay.loss_mask.pin_memory(),
-                   position_ids=lay.position_ids.pin_memory(), doc_ids=lay.doc_ids.pin_memory())
+    return replace(
+        lay,
+        input_ids=lay.input_ids.pin_memory(),
+        loss_mask=lay.loss_mask.pin_memory(),
+        position_ids=lay.position_ids.pin_memory(),
+        doc_ids=lay.doc_ids.pin_memory(),
+    )
 
 
 def _to(lay: PackLayout, device: torch.device) -> tuple[torch.Tensor, ...]:
-    return tuple(t.to(device, non_blocking=True) for t in
-                 (lay.input_ids, lay.loss_mask, lay.position_ids, lay.doc_ids))
+    return tuple(t.to(device, non_blocking=True) for t in (lay.input_ids, lay.loss_mask, lay.position_ids, lay.doc_ids))
 
 
 class OnlineFeatures:
@@ -70,8 +74,9 @@ class OnlineFeatures:
     restarting position_ids into a block-causal mask (checked by the tests).
     """
 
-    def __init__(self, target, dataset, aux_layers: list[int] | None, device: torch.device,
-                 dtype: torch.dtype, budget: int):
+    def __init__(
+        self, target, dataset, aux_layers: list[int] | None, device: torch.device, dtype: torch.dtype, budget: int
+    ):
         from eyas.features.capture import HiddenStateCapture
 
         self.dataset, self.device, self.budget = dataset, device, budget
@@ -98,8 +103,16 @@ class OnlineFeatures:
 class OfflineFeatures:
     """Features read from an extraction store (interface B), checked against target and dataset."""
 
-    def __init__(self, store_path, target, dataset, aux_layers: list[int] | None,
-                 device: torch.device, dtype: torch.dtype, budget: int):
+    def __init__(
+        self,
+        store_path,
+        target,
+        dataset,
+        aux_layers: list[int] | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        budget: int,
+    ):
         from eyas.features.reader import open_store
 
         self.reader = open_store(store_path)
@@ -111,9 +124,11 @@ class OfflineFeatures:
         stored = set(int(i) for i in self.reader.indices)
         missing = [i for i in range(len(dataset)) if i not in stored]
         if missing:
-            raise EyasError(f"store {store_path}: {len(missing)} of {len(dataset)} samples of the "
-                            f"dataset are not stored (first: {missing[:5]}); finish `eyas extract` "
-                            "(re-run it to resume) before training")
+            raise EyasError(
+                f"store {store_path}: {len(missing)} of {len(dataset)} samples of the "
+                f"dataset are not stored (first: {missing[:5]}); finish `eyas extract` "
+                "(re-run it to resume) before training"
+            )
 
         # one background thread reads the next batch from the store while the device trains, and on
         # CUDA copies it to the device on a stream of its own: on the training stream the copy (150 MB
@@ -154,12 +169,15 @@ class OfflineFeatures:
             for i, start, length, kept in row:
                 s = self.reader.raw(i)
                 if s.input_ids.shape[0] != length or not torch.equal(
-                        s.input_ids[:kept].long(), lay.input_ids[r, start:start + kept]):
-                    raise EyasError(f"store sample {i}: its tokens differ from the prepared dataset's; "
-                                    "the store was extracted from another dataset: re-run `eyas extract`")
-                hidden[r, start:start + kept] = s.hidden[:kept]
+                    s.input_ids[:kept].long(), lay.input_ids[r, start : start + kept]
+                ):
+                    raise EyasError(
+                        f"store sample {i}: its tokens differ from the prepared dataset's; "
+                        "the store was extracted from another dataset: re-run `eyas extract`"
+                    )
+                hidden[r, start : start + kept] = s.hidden[:kept]
                 if scale is not None:
-                    scale[r, start:start + kept] = s.scale[:kept]
+                    scale[r, start : start + kept] = s.scale[:kept]
         if self._copy_stream is None:
             aux, final = self._split(hidden, scale)
             return lay, aux, final, None
@@ -167,8 +185,10 @@ class OfflineFeatures:
         hidden = hidden.pin_memory()
         scale = scale.pin_memory() if scale is not None else None
         with torch.cuda.stream(self._copy_stream):
-            aux, final = self._split(hidden.to(self.device, non_blocking=True),
-                                     None if scale is None else scale.to(self.device, non_blocking=True))
+            aux, final = self._split(
+                hidden.to(self.device, non_blocking=True),
+                None if scale is None else scale.to(self.device, non_blocking=True),
+            )
             tensors = [*_to(lay, self.device), aux, final]
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)
@@ -188,26 +208,39 @@ def _key(packs: list[list[int]]) -> tuple:
 def check_store_manifest(m: dict, store_path, target, dataset, aux_layers: list[int] | None) -> None:
     """Refuse a store from another target, tokenizer, dataset or layer set, naming which."""
     found = m.get("target") or {}
-    for key, what in (("tokenizer", "tokenizer"), ("config", "target config"),
-                      ("weights", "target weights"), ("id", "target")):
+    for key, what in (
+        ("tokenizer", "tokenizer"),
+        ("config", "target config"),
+        ("weights", "target weights"),
+        ("id", "target"),
+    ):
         if found.get(key) != target.identity.get(key):
             from eyas.target import identity_scheme_note
 
-            raise EyasError(f"store {store_path} was extracted with another {what} "
-                            f"({key} {found.get(key)!r} there, {target.identity.get(key)!r} for "
-                            f"{target.spec})." + identity_scheme_note(found, target.identity)
-                            + " Re-run `eyas extract` with this target")
+            raise EyasError(
+                f"store {store_path} was extracted with another {what} "
+                f"({key} {found.get(key)!r} there, {target.identity.get(key)!r} for "
+                f"{target.spec})."
+                + identity_scheme_note(found, target.identity)
+                + " Re-run `eyas extract` with this target"
+            )
     want_ds = dataset.manifest.get("id")
     got_ds = m.get("prepared_id")
     if want_ds and got_ds and got_ds != want_ds:
-        raise EyasError(f"store {store_path} was extracted from another prepared dataset (id {got_ds!r} "
-                        f"there, {want_ds!r} for {dataset.path}); pass the matching --data or re-extract")
+        raise EyasError(
+            f"store {store_path} was extracted from another prepared dataset (id {got_ds!r} "
+            f"there, {want_ds!r} for {dataset.path}); pass the matching --data or re-extract"
+        )
     if aux_layers and sorted(aux_layers) != sorted(m.get("aux_layers", [])):
-        raise EyasError(f"store {store_path} holds layers {m.get('aux_layers')}, but layers "
-                        f"{sorted(aux_layers)} were asked for; drop --layers or re-extract with them")
+        raise EyasError(
+            f"store {store_path} holds layers {m.get('aux_layers')}, but layers "
+            f"{sorted(aux_layers)} were asked for; drop --layers or re-extract with them"
+        )
     conv = m.get("convention")
     from eyas.features.layers import CONVENTION
 
     if conv and conv != CONVENTION:
-        raise EyasError(f"store {store_path} uses layer convention {conv!r}, eyas trains on "
-                        f"{CONVENTION!r}; re-extract with this eyas")
+        raise EyasError(
+            f"store {store_path} uses layer convention {conv!r}, eyas trains on "
+            f"{CONVENTION!r}; re-extract with this eyas"
+        )

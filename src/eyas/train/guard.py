@@ -31,8 +31,9 @@ class NonFiniteGuard:
 
     def __init__(self, optim: Any, limit: int):
         if limit < 1:
-            raise EyasError(f"--max-nonfinite-steps {limit}: must be at least 1 (skipped steps in a row "
-                            "before the run stops)")
+            raise EyasError(
+                f"--max-nonfinite-steps {limit}: must be at least 1 (skipped steps in a row before the run stops)"
+            )
         self.optim, self.limit = optim, limit
         self.optims = _optimizers(optim)
         self.on_device = all(isinstance(o, torch.optim.AdamW) and o.defaults.get("fused") for o in self.optims)
@@ -62,8 +63,11 @@ class NonFiniteGuard:
         self.in_a_row.append({"step": step, **describe})
         import warnings
 
-        warnings.warn(f"step {step}: non-finite {_what(describe)}; the optimizer step was skipped "
-                      f"({len(self.in_a_row)} in a row, the run stops at {self.limit})", stacklevel=2)
+        warnings.warn(
+            f"step {step}: non-finite {_what(describe)}; the optimizer step was skipped "
+            f"({len(self.in_a_row)} in a row, the run stops at {self.limit})",
+            stacklevel=2,
+        )
 
     def stop_if_repeated(self) -> None:
         """Raise :class:`NonFiniteError` once ``limit`` steps in a row were skipped."""
@@ -75,7 +79,8 @@ class NonFiniteGuard:
                 f"{_what(first)}. The first, step {first['step']}: {_detail(first)}. Nothing from these "
                 "steps was applied or saved: the latest checkpoint holds the last finite state and "
                 "`--resume` starts there. Lower --lr, raise --warmup or --clip, or check the samples "
-                "named (`eyas extract --verify` for their stored states)")
+                "named (`eyas extract --verify` for their stored states)"
+            )
 
 
 def _what(d: dict[str, Any]) -> str:
@@ -90,5 +95,4 @@ def _detail(d: dict[str, Any]) -> str:
     losses = ", ".join(f"{x:.4g}" for x in d.get("step_loss") or [])
     samples = d.get("samples") or []
     shown = ", ".join(str(s) for s in samples[:32]) + (f", ... ({len(samples)} in all)" if len(samples) > 32 else "")
-    return (f"per-TTT-step losses [{losses}], gradient norm {d.get('grad_norm')}, dataset samples "
-            f"[{shown}]")
+    return f"per-TTT-step losses [{losses}], gradient norm {d.get('grad_norm')}, dataset samples [{shown}]"

@@ -22,8 +22,13 @@ def torchrun(cfg: TrainConfig, launcher: dict[str, Any]) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     spec = run_dir / SPEC
     spec.write_text(to_json(cfg))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={int(launcher.get('nproc_per_node', 1))}",
-           f"--nnodes={launcher.get('nnodes', 1)}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={int(launcher.get('nproc_per_node', 1))}",
+        f"--nnodes={launcher.get('nnodes', 1)}",
+    ]
     if "rdzv_endpoint" in launcher:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launcher['rdzv_endpoint']}"]
     if "node_rank" in launcher:
@@ -32,8 +37,10 @@ def torchrun(cfg: TrainConfig, launcher: dict[str, Any]) -> Path:
     print("train: " + " ".join(cmd), file=sys.stderr, flush=True)
     res = subprocess.run(cmd)
     if res.returncode != 0:
-        raise EyasError(f"torchrun training exited with {res.returncode}; fix the error above and "
-                        "re-run `eyas pipeline` (training resumes from its last checkpoint)")
+        raise EyasError(
+            f"torchrun training exited with {res.returncode}; fix the error above and "
+            "re-run `eyas pipeline` (training resumes from its last checkpoint)"
+        )
     return run_dir / "draft"
 
 

@@ -47,8 +47,19 @@ class StepLog:
     :meth:`push` takes a step's device tensors and writes the previous step's record: tokens seen,
     loss, per-TTT-step accuracies, the true rate, and the guard's verdict (which may stop the run)."""
 
-    def __init__(self, logger: "Logger", guard: Any, clock: StepClock, total: int | None, log_every: int,
-                 global_micro: int, tokens_seen: int, start: int, t_start: float, progress: bool):
+    def __init__(
+        self,
+        logger: "Logger",
+        guard: Any,
+        clock: StepClock,
+        total: int | None,
+        log_every: int,
+        global_micro: int,
+        tokens_seen: int,
+        start: int,
+        t_start: float,
+        progress: bool,
+    ):
         self.logger, self.guard, self.clock = logger, guard, clock
         self.total, self.log_every, self.global_micro = total, log_every, global_micro
         self.tokens_seen, self.t_start = tokens_seen, t_start
@@ -89,18 +100,31 @@ class StepLog:
         cnt = per_step[2].clamp_min(1)
         step_loss = (per_step[0] / cnt).tolist()
         grad_norm = total_norm(p["grad_norm"])
-        self.guard.record(finite, done, {"step_loss": step_loss, "grad_norm": grad_norm,
-                                         "samples": sorted(i for pack in p["packs"] for i in pack)})
+        self.guard.record(
+            finite,
+            done,
+            {"step_loss": step_loss, "grad_norm": grad_norm, "samples": sorted(i for pack in p["packs"] for i in pack)},
+        )
         if done % self.log_every == 0 or done == self.total or not finite:
             secs = self.clock.seconds(self.t_last, p["end"])  # the device's time between the two steps' ends
             tps = self.tok_last / max(secs, 1e-9)
             self.t_last, self.tok_last = p["end"], 0
-            rec = {"split": "train", "step": done, "loss": totals[0] / self.global_micro, "lr": p["lr"],
-                   "grad_norm": grad_norm, "tokens": self.tokens_seen, "tokens_per_s": tps, "epoch": p["epoch"],
-                   "finite": finite, "skipped_steps": self.guard.skipped,
-                   # since this process started training (setup included): x of a tau-against-time curve
-                   "elapsed_s": round(time.perf_counter() - self.t_start, 2),
-                   "acc": (per_step[1] / cnt).tolist(), "step_loss": step_loss}
+            rec = {
+                "split": "train",
+                "step": done,
+                "loss": totals[0] / self.global_micro,
+                "lr": p["lr"],
+                "grad_norm": grad_norm,
+                "tokens": self.tokens_seen,
+                "tokens_per_s": tps,
+                "epoch": p["epoch"],
+                "finite": finite,
+                "skipped_steps": self.guard.skipped,
+                # since this process started training (setup included): x of a tau-against-time curve
+                "elapsed_s": round(time.perf_counter() - self.t_start, 2),
+                "acc": (per_step[1] / cnt).tolist(),
+                "step_loss": step_loss,
+            }
             self.logger.log(rec)
             self.guard.stop_if_repeated()
             if self.bar is not None:
@@ -124,8 +148,11 @@ class Logger:
         if not enabled:
             return
         if self.path.exists():  # drop lines past the checkpoint we resume from (they are redone)
-            keep = [ln for ln in self.path.read_text().split("\n")
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+            keep = [
+                ln
+                for ln in self.path.read_text().split("\n")
+                if ln.strip() and json.loads(ln).get("step", 0) <= resume_step
+            ]
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(k + "\n" for k in keep))
             os.replace(tmp, self.path)
@@ -202,8 +229,11 @@ def plot_tau(run_dir: Path) -> Path | None:
     for k in tau[-1]["tau"]:
         pts = [(r["train_s"] / 60, r["tau"][k]) for r in tau if r["tau"].get(k) is not None]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"k={k}")
-    ax.set(xlabel="training time (min, steps only)", ylabel="tau (replay, greedy)",
-           title=f"tau while training: {tau[-1]['turns']} turns of {Path(tau[-1]['prompts']).parent.name}")
+    ax.set(
+        xlabel="training time (min, steps only)",
+        ylabel="tau (replay, greedy)",
+        title=f"tau while training: {tau[-1]['turns']} turns of {Path(tau[-1]['prompts']).parent.name}",
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -32,14 +32,21 @@ class Schedule:
     :meth:`plan` (``--budget``) is resumed with the scheduler's state. Until then ``decay_from`` may
     be past every step (the schedule holds at the peak after warmup)."""
 
-    def __init__(self, kind: str, warmup: int, total: int, min_ratio: float, decay_fraction: float = 0.2,
-                 decay_from: int | None = None):
+    def __init__(
+        self,
+        kind: str,
+        warmup: int,
+        total: int,
+        min_ratio: float,
+        decay_fraction: float = 0.2,
+        decay_from: int | None = None,
+    ):
         self.kind, self.warmup, self.total, self.min_ratio = kind, warmup, total, min_ratio
         self.decay_fraction = decay_fraction
         self.decay_from = warmup if decay_from is None else decay_from
-        self.top = 1.0         # the multiplier the decay starts from
+        self.top = 1.0  # the multiplier the decay starts from
         self.anchored = False  # a re-plan restarted the decay from the step it was made at
-        self.planned_at: int | None = None    # the steps --budget planned the run at, if it did
+        self.planned_at: int | None = None  # the steps --budget planned the run at, if it did
         self.replanned_at: int | None = None
 
     def decay_start(self) -> int:
@@ -90,8 +97,10 @@ class Optimizers:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("optimizers")
         if saved is None or len(saved) != len(self.optims):
-            raise EyasError(f"the checkpoint holds {'one optimizer' if saved is None else f'{len(saved)} optimizers'}, "
-                            f"this run builds {len(self.optims)}: resume with the same --optimizer")
+            raise EyasError(
+                f"the checkpoint holds {'one optimizer' if saved is None else f'{len(saved)} optimizers'}, "
+                f"this run builds {len(self.optims)}: resume with the same --optimizer"
+            )
         for o, s in zip(self.optims, saved):
             o.load_state_dict(s)
 
@@ -135,8 +144,9 @@ def schedule(optim: "torch.optim.Optimizer | Optimizers", fn: Callable[[int], fl
     return torch.optim.lr_scheduler.LambdaLR(optim, fn)
 
 
-def build(model: nn.Module, kind: str, lr: float, betas: tuple[float, float], weight_decay: float,
-          fused: bool, sharded: bool) -> "torch.optim.Optimizer | Optimizers":
+def build(
+    model: nn.Module, kind: str, lr: float, betas: tuple[float, float], weight_decay: float, fused: bool, sharded: bool
+) -> "torch.optim.Optimizer | Optimizers":
     """The run's optimizers over ``model``'s trainable parameters (after any FSDP2/DDP wrap)."""
     if kind == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
@@ -144,11 +154,14 @@ def build(model: nn.Module, kind: str, lr: float, betas: tuple[float, float], we
     if not hasattr(torch.optim, "Muon"):
         raise EyasError(f"--optimizer muon needs torch >= 2.9 (torch.optim.Muon); this is torch {torch.__version__}")
     if sharded:
-        raise EyasError("--optimizer muon is not supported with --parallel fsdp2 yet (Muon orthogonalises "
-                        "whole matrices, FSDP2 shards them); use --parallel ddp or --optimizer adamw")
+        raise EyasError(
+            "--optimizer muon is not supported with --parallel fsdp2 yet (Muon orthogonalises "
+            "whole matrices, FSDP2 shards them); use --parallel ddp or --optimizer adamw"
+        )
     muon, adamw = muon_split(model)
-    optims: list[torch.optim.Optimizer] = [torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay,
-                                                             adjust_lr_fn="match_rms_adamw")]
+    optims: list[torch.optim.Optimizer] = [
+        torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+    ]
     if adamw:
         optims.append(torch.optim.AdamW(adamw, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused))
     return Optimizers(optims)

@@ -38,7 +38,7 @@ def pack_indices(indices: np.ndarray, lengths: np.ndarray, budget: int, seed: in
         order = np.random.default_rng(seed).permutation(order)
     packs: list[list[int]] = []
     for start in range(0, len(order), _WINDOW):
-        window = order[start:start + _WINDOW]
+        window = order[start : start + _WINDOW]
         lens = np.minimum(lengths[window], budget)
         bins: list[list[int]] = []
         free: list[int] = []
@@ -62,10 +62,10 @@ def pack_indices(indices: np.ndarray, lengths: np.ndarray, budget: int, seed: in
 class PackLayout:
     """Token-level layout of a batch of packs, [B, T] each (T = budget)."""
 
-    input_ids: torch.Tensor   # int64, 0 in padding
-    loss_mask: torch.Tensor   # bool
+    input_ids: torch.Tensor  # int64, 0 in padding
+    loss_mask: torch.Tensor  # bool
     position_ids: torch.Tensor  # restart at 0 per document; padding counts 0.. as its own run
-    doc_ids: torch.Tensor     # document number within the pack; -1 in padding
+    doc_ids: torch.Tensor  # document number within the pack; -1 in padding
     spans: list[list[tuple[int, int, int, int]]]  # per pack: (sample index, start, length, kept)
 
     @property
@@ -86,23 +86,25 @@ def layout(packs: list[list[int]], samples: dict[int, tuple[np.ndarray, np.ndarr
         for d, i in enumerate(pack):
             x, m = samples[i]
             n = min(len(x), budget - at)  # samples longer than the budget are truncated
-            ids[r, at:at + n] = x[:n]
-            mask[r, at:at + n] = m[:n]
-            pos[r, at:at + n] = np.arange(n)
-            doc[r, at:at + n] = d
+            ids[r, at : at + n] = x[:n]
+            mask[r, at : at + n] = m[:n]
+            pos[r, at : at + n] = np.arange(n)
+            doc[r, at : at + n] = d
             row.append((i, at, len(x), n))
             at += n
         pos[r, at:] = np.arange(budget - at)
         spans.append(row)
-    return PackLayout(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(pos),
-                      torch.from_numpy(doc), spans)
+    return PackLayout(
+        torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(pos), torch.from_numpy(doc), spans
+    )
 
 
 class EpochPlan:
     """Packs per epoch, and the mapping optimizer step -> (epoch, step within epoch)."""
 
-    def __init__(self, train_idx: np.ndarray, lengths: np.ndarray, budget: int, batch: int,
-                 global_micro: int, seed: int):
+    def __init__(
+        self, train_idx: np.ndarray, lengths: np.ndarray, budget: int, batch: int, global_micro: int, seed: int
+    ):
         self.train_idx, self.lengths, self.budget = train_idx, lengths, budget
         self.batch, self.global_micro, self.seed = batch, global_micro, seed
         self._packs: dict[int, list[list[int]]] = {}  # at most two epochs' packs
@@ -112,15 +114,17 @@ class EpochPlan:
         if epoch not in self._packs:
             if len(self._packs) >= 2:  # keep this and the neighbouring epoch (read-ahead crosses it)
                 self._packs.pop(max(self._packs, key=lambda e: abs(e - epoch)))
-            self._packs[epoch] = pack_indices(self.train_idx, self.lengths, self.budget,
-                                              seed=self.seed * 100003 + epoch)
+            self._packs[epoch] = pack_indices(
+                self.train_idx, self.lengths, self.budget, seed=self.seed * 100003 + epoch
+            )
             self._counts[epoch] = len(self._packs[epoch])
         return self._packs[epoch]
 
     def steps_in(self, epoch: int) -> int:
         if epoch not in self._counts:
-            self._counts[epoch] = len(pack_indices(self.train_idx, self.lengths, self.budget,
-                                                   seed=self.seed * 100003 + epoch))
+            self._counts[epoch] = len(
+                pack_indices(self.train_idx, self.lengths, self.budget, seed=self.seed * 100003 + epoch)
+            )
         return self._counts[epoch] // (self.batch * self.global_micro)
 
     def epochs_at(self, steps: int) -> float:
@@ -132,9 +136,11 @@ class EpochPlan:
         epoch = 0
         while step >= self.steps_in(epoch):
             if self.steps_in(epoch) == 0:
-                raise EyasError("the training split is smaller than one global batch "
-                                f"({self.batch * self.global_micro} packs of {self.budget} tokens); "
-                                "lower --tokens-per-batch/--grad-accum or add data")
+                raise EyasError(
+                    "the training split is smaller than one global batch "
+                    f"({self.batch * self.global_micro} packs of {self.budget} tokens); "
+                    "lower --tokens-per-batch/--grad-accum or add data"
+                )
             step -= self.steps_in(epoch)
             epoch += 1
         return epoch, step

@@ -44,7 +44,6 @@ from eyas.errors import EyasError
 class Dist:
     """This process's place among torchrun's (one process: rank 0 of 1)."""
 
-
     rank: int = 0
     world: int = 1
     local_rank: int = 0
@@ -90,8 +89,9 @@ def wrap(model: nn.Module, parallel: str, world: int, device: torch.device, fuse
     if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                   broadcast_buffers=False)  # d2t/t2d never change
+        return DDP(
+            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False
+        )  # d2t/t2d never change
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -168,8 +168,10 @@ def load_optim_state(model: nn.Module, optim: torch.optim.Optimizer, state: dict
     names = _trainable_names(model)
     n_saved = sum(len(g["params"]) for g in state["param_groups"])
     if n_saved != len(names):
-        raise EyasError(f"the checkpoint's optimizer holds {n_saved} parameters, this draft trains "
-                        f"{len(names)}; resume with the same --draft-config, or start a new --out")
+        raise EyasError(
+            f"the checkpoint's optimizer holds {n_saved} parameters, this draft trains "
+            f"{len(names)}; resume with the same --draft-config, or start a new --out"
+        )
     groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
     fqn_state = {"state": {names[int(i)]: s for i, s in state["state"].items()}, "param_groups": groups}
     set_optimizer_state_dict(model, optim, fqn_state, options=StateDictOptions(full_state_dict=True))

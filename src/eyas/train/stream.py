@@ -101,8 +101,18 @@ class FeatureCache:
 class StreamFeatures:
     """Features from a vLLM engine fed the trainer's plan (see the module doc)."""
 
-    def __init__(self, cfg, target, dataset, device: torch.device, dtype: torch.dtype, budget: int,
-                 rank: int = 0, world: int = 1, local_rank: int = 0):
+    def __init__(
+        self,
+        cfg,
+        target,
+        dataset,
+        device: torch.device,
+        dtype: torch.dtype,
+        budget: int,
+        rank: int = 0,
+        world: int = 1,
+        local_rank: int = 0,
+    ):
         tcfg = target.config()
         text = tcfg.get("text_config", tcfg)
         self.aux_layers, self.final_layer = resolve_layers(int(text["num_hidden_layers"]), cfg.layers)
@@ -112,28 +122,52 @@ class StreamFeatures:
         self.slots = len(self.aux_layers) + 1
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.limit = int(cfg.feature_buffer_gb * GB / world)
-        biggest = unit_bytes(cfg.batch_size * budget, cfg.batch_size * budget, self.slots, self.hidden_size,
-                             self.itemsize)
+        biggest = unit_bytes(
+            cfg.batch_size * budget, cfg.batch_size * budget, self.slots, self.hidden_size, self.itemsize
+        )
         if biggest > self.limit:
             raise EyasError(
                 f"--feature-buffer-gb {cfg.feature_buffer_gb:g}: {self.limit:,} bytes per rank ({world} rank(s)) "
                 f"cannot hold one micro-batch's features ({cfg.batch_size} packs x {budget} tokens x "
                 f"{self.slots} states x {self.hidden_size} x {self.itemsize} B: up to {biggest:,} bytes); raise "
-                f"it to at least {biggest * world / GB:.3g} (or lower --batch-size / --tokens-per-batch)")
-        root = (Path(cfg.feature_buffer_dir) if cfg.feature_buffer_dir
-                else default_buffer_dir(cfg.out, self.limit * world))
+                f"it to at least {biggest * world / GB:.3g} (or lower --batch-size / --tokens-per-batch)"
+            )
+        root = (
+            Path(cfg.feature_buffer_dir) if cfg.feature_buffer_dir else default_buffer_dir(cfg.out, self.limit * world)
+        )
         self.buffer = root / f"rank-{rank}"
         self.work = Path(cfg.out).resolve() / ".vllm-stream" / f"rank-{rank}"
-        self.key = {"target": target.id, "dataset": dataset.manifest.get("id"), "aux": self.aux_layers,
-                    "final": self.final_layer, "dtype": str(dtype)}
+        self.key = {
+            "target": target.id,
+            "dataset": dataset.manifest.get("id"),
+            "aux": self.aux_layers,
+            "final": self.final_layer,
+            "dtype": str(dtype),
+        }
         # what fixes the calls' names and packs: a chunk left by a run with other values serves other packs
-        self.plan_key = {**self.key, **{k: getattr(cfg, k) for k in (
-            "seed", "tokens_per_batch", "batch_size", "grad_accum", "heldout", "eval_every", "eval_batches")},
-            "world": world}
+        self.plan_key = {
+            **self.key,
+            **{
+                k: getattr(cfg, k)
+                for k in (
+                    "seed",
+                    "tokens_per_batch",
+                    "batch_size",
+                    "grad_accum",
+                    "heldout",
+                    "eval_every",
+                    "eval_batches",
+                )
+            },
+            "world": world,
+        }
         self.own_root = not cfg.feature_buffer_dir
         cache_gb = float(cfg.feature_cache_gb or 0)
-        self.cache = (FeatureCache(Path(cfg.out) / "feature-cache" / f"rank-{rank}", int(cache_gb * GB / world),
-                                   self.key) if cache_gb > 0 else None)
+        self.cache = (
+            FeatureCache(Path(cfg.out) / "feature-cache" / f"rank-{rank}", int(cache_gb * GB / world), self.key)
+            if cache_gb > 0
+            else None
+        )
         self.feeder: Feeder | None = None
         self.wait_s, self.first_wait_s, self.calls, self.tokens_used = 0.0, None, 0, 0
         self.backend = self.message = None
@@ -148,13 +182,24 @@ class StreamFeatures:
         leftovers = self._open_buffer()
         engines, self.backend, self.message = start_engines(self, self.buffer, self.work)
         if self.rank == 0:
-            print(f"eyas train: features from vLLM: {self.message}; buffer {self.buffer.parent} "
-                  f"(at most {self.limit * self.world / GB:g} GB), later epochs "
-                  f"{'cached up to %g GB' % self.cfg.feature_cache_gb if self.cache else 're-extracted'}",
-                  file=sys.stderr, flush=True)
-        self.feeder = Feeder(engines, self._units(calls), self.buffer, self.limit, self._prompts, self._estimate,
-                             self.cache.has if self.cache else (lambda i: False), float(self.cfg.feature_timeout),
-                             leftovers)
+            print(
+                f"eyas train: features from vLLM: {self.message}; buffer {self.buffer.parent} "
+                f"(at most {self.limit * self.world / GB:g} GB), later epochs "
+                f"{'cached up to %g GB' % self.cfg.feature_cache_gb if self.cache else 're-extracted'}",
+                file=sys.stderr,
+                flush=True,
+            )
+        self.feeder = Feeder(
+            engines,
+            self._units(calls),
+            self.buffer,
+            self.limit,
+            self._prompts,
+            self._estimate,
+            self.cache.has if self.cache else (lambda i: False),
+            float(self.cfg.feature_timeout),
+            leftovers,
+        )
 
     def _open_buffer(self) -> dict[str, Path]:
         """This rank's buffer directory, with the chunks a killed run left there for this resume (same
@@ -166,7 +211,7 @@ class StreamFeatures:
             shutil.rmtree(raw, ignore_errors=True)  # a killed engine's per-request files
         for tmp in self.buffer.glob(f".{PREFIX}*"):
             tmp.unlink()
-        found = {p.name[len(PREFIX):-len(".safetensors")]: p for p in list_chunks(self.buffer)}
+        found = {p.name[len(PREFIX) : -len(".safetensors")]: p for p in list_chunks(self.buffer)}
         if not same:
             for p in found.values():
                 p.unlink()
@@ -207,8 +252,10 @@ class StreamFeatures:
         if unit.path is not None:
             meta, samples = read_chunk(unit.path)
             if meta.get("aux") is not None and [*meta["aux"], meta["final"]] != [*self.aux_layers, self.final_layer]:
-                raise EyasError(f"{unit.path}: states of layers {meta['aux']}+{meta['final']}, this run trains on "
-                                f"{self.aux_layers}+{self.final_layer}; delete {self.buffer}")
+                raise EyasError(
+                    f"{unit.path}: states of layers {meta['aux']}+{meta['final']}, this run trains on "
+                    f"{self.aux_layers}+{self.final_layer}; delete {self.buffer}"
+                )
             got = {i: (ids, st) for i, ids, st in samples}
         b, t_ = lay.input_ids.shape
         hidden = torch.zeros((b, t_, self.slots, self.hidden_size), dtype=self.dtype)
@@ -220,13 +267,17 @@ class StreamFeatures:
                     ids, st = self.cache.get(i)
                     self.cache.hits_tokens += kept
                 else:
-                    raise EyasError(f"{unit.name}: the vLLM engine's chunk {unit.path} has no states for sample "
-                                    f"{i}; delete {self.buffer} and resume")
-                if ids.shape[0] < kept or not torch.equal(ids[:kept].long(), lay.input_ids[r, start:start + kept]):
-                    raise EyasError(f"{unit.path}: the states of sample {i} were computed from other tokens than "
-                                    "the prepared dataset holds; delete the buffer directory "
-                                    f"{self.buffer} (left by another run?) and resume")
-                hidden[r, start:start + kept] = st[:kept]
+                    raise EyasError(
+                        f"{unit.name}: the vLLM engine's chunk {unit.path} has no states for sample "
+                        f"{i}; delete {self.buffer} and resume"
+                    )
+                if ids.shape[0] < kept or not torch.equal(ids[:kept].long(), lay.input_ids[r, start : start + kept]):
+                    raise EyasError(
+                        f"{unit.path}: the states of sample {i} were computed from other tokens than "
+                        "the prepared dataset holds; delete the buffer directory "
+                        f"{self.buffer} (left by another run?) and resume"
+                    )
+                hidden[r, start : start + kept] = st[:kept]
         if self.cache is not None:
             for i, (ids, st) in got.items():
                 self.cache.put(i, ids, st)
@@ -261,21 +312,42 @@ class StreamFeatures:
         """What the run's features cost, for summary.json and features.json."""
         s = self.feeder.stats if self.feeder else None
         rep: dict[str, Any] = {
-            "source": "vllm", "backend": self.backend, "engine": self.message,
+            "source": "vllm",
+            "backend": self.backend,
+            "engine": self.message,
             "later_epochs": "cached" if self.cache else "re-extracted",
             "feature_cache_gb": float(self.cfg.feature_cache_gb or 0),
-            "buffer_dir": str(self.buffer), "buffer_limit_bytes": self.limit,
-            "calls": self.calls, "tokens_trained": self.tokens_used,
-            "trainer_wait_s": round(self.wait_s, 3), "first_call_wait_s": round(self.first_wait_s or 0.0, 3),
+            "buffer_dir": str(self.buffer),
+            "buffer_limit_bytes": self.limit,
+            "calls": self.calls,
+            "tokens_trained": self.tokens_used,
+            "trainer_wait_s": round(self.wait_s, 3),
+            "first_call_wait_s": round(self.first_wait_s or 0.0, 3),
         }
         if s is not None:
-            rep.update({"vllm": s.vllm_version, "engine_start_s": s.engine_ready_s, "requests": s.requests,
-                        "tokens_extracted": s.tokens_extracted, "samples_extracted": s.samples_extracted,
-                        "engine_busy_s": round(s.engine_s, 3), "engine_held_back_s": round(s.held_back_s, 3),
-                        "engine_held_back_times": s.held_back_times, "peak_buffer_bytes": s.peak_bytes,
-                        "resumed_chunks_used": s.adopted, "resumed_tokens_used": s.adopted_tokens,
-                        "chunks_dropped": s.dropped})
+            rep.update(
+                {
+                    "vllm": s.vllm_version,
+                    "engine_start_s": s.engine_ready_s,
+                    "requests": s.requests,
+                    "tokens_extracted": s.tokens_extracted,
+                    "samples_extracted": s.samples_extracted,
+                    "engine_busy_s": round(s.engine_s, 3),
+                    "engine_held_back_s": round(s.held_back_s, 3),
+                    "engine_held_back_times": s.held_back_times,
+                    "peak_buffer_bytes": s.peak_bytes,
+                    "resumed_chunks_used": s.adopted,
+                    "resumed_tokens_used": s.adopted_tokens,
+                    "chunks_dropped": s.dropped,
+                }
+            )
         if self.cache is not None:
-            rep.update({"cache_dir": str(self.cache.path), "cache_bytes": self.cache.bytes,
-                        "cache_samples": len(self.cache.files), "tokens_from_cache": self.cache.hits_tokens})
+            rep.update(
+                {
+                    "cache_dir": str(self.cache.path),
+                    "cache_bytes": self.cache.bytes,
+                    "cache_samples": len(self.cache.files),
+                    "tokens_from_cache": self.cache.hits_tokens,
+                }
+            )
         return rep

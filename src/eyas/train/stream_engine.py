@@ -23,8 +23,11 @@ from eyas.vllm.process import WorkerProcess
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: VLLM_DTYPES["fp32"], torch.bfloat16: VLLM_DTYPES["bf16"],
-            torch.float16: VLLM_DTYPES["fp16"]}[dtype]
+    return {
+        torch.float32: VLLM_DTYPES["fp32"],
+        torch.bfloat16: VLLM_DTYPES["bf16"],
+        torch.float16: VLLM_DTYPES["fp16"],
+    }[dtype]
 
 
 def engine_env(local_rank: int, world: int, k: int, tp: int, dp: int) -> dict[str, str]:
@@ -36,11 +39,13 @@ def engine_env(local_rank: int, world: int, k: int, tp: int, dp: int) -> dict[st
             mine = [devs[local_rank % len(devs)]]  # beside this rank's trainer
         else:
             first = world + (local_rank * dp + k) * tp  # after the trainer ranks' GPUs
-            mine = devs[first:first + tp]
+            mine = devs[first : first + tp]
             if len(mine) < tp:
-                raise EyasError(f"--data-parallel-size {dp} x --tensor-parallel-size {tp} engines per rank for "
-                                f"{world} trainer rank(s) need {world + world * dp * tp} GPUs; {len(devs)} "
-                                "visible. Use 1 x 1 (the engine shares its rank's GPU) or fewer")
+                raise EyasError(
+                    f"--data-parallel-size {dp} x --tensor-parallel-size {tp} engines per rank for "
+                    f"{world} trainer rank(s) need {world + world * dp * tp} GPUs; {len(devs)} "
+                    "visible. Use 1 x 1 (the engine shares its rank's GPU) or fewer"
+                )
         env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
     elif dp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_share(k, dp)
@@ -66,18 +71,35 @@ def start_engines(src, buffer: Path, work: Path) -> tuple[list[WorkerProcess], s
             shutil.rmtree(edir, ignore_errors=True)
             edir.mkdir(parents=True)
             spec = {
-                "backend": backend, "model": str(src.target.path), "dtype": _dtype_name(src.dtype),
-                "aux": src.aux_layers, "final": src.final_layer,
-                "out_dir": str(buffer), "raw_dir": str(buffer / f"raw-{k}"), "work_dir": str(edir),
-                "tag": f"r{src.rank}e{k}", "max_model_len": max_len, "tensor_parallel_size": tp,
-                "max_num_batched_tokens": max(max_len, 8192), "seed": int(cfg.seed),
+                "backend": backend,
+                "model": str(src.target.path),
+                "dtype": _dtype_name(src.dtype),
+                "aux": src.aux_layers,
+                "final": src.final_layer,
+                "out_dir": str(buffer),
+                "raw_dir": str(buffer / f"raw-{k}"),
+                "work_dir": str(edir),
+                "tag": f"r{src.rank}e{k}",
+                "max_model_len": max_len,
+                "tensor_parallel_size": tp,
+                "max_num_batched_tokens": max(max_len, 8192),
+                "seed": int(cfg.seed),
                 "engine_kwargs": {"gpu_memory_utilization": float(cfg.gpu_memory_utilization)},
             }
-            engines.append(WorkerProcess(
-                inst.python, "stream", spec, edir, edir / "engine.log", interactive=True,
-                multiprocessing=backend != "vllm-hooks", cwd=edir,
-                env=engine_env(src.local_rank, src.world, k, tp, dp),
-                describe=f"vLLM engine {k} of rank {src.rank} ({inst.dist} {inst.version}, {backend})"))
+            engines.append(
+                WorkerProcess(
+                    inst.python,
+                    "stream",
+                    spec,
+                    edir,
+                    edir / "engine.log",
+                    interactive=True,
+                    multiprocessing=backend != "vllm-hooks",
+                    cwd=edir,
+                    env=engine_env(src.local_rank, src.world, k, tp, dp),
+                    describe=f"vLLM engine {k} of rank {src.rank} ({inst.dist} {inst.version}, {backend})",
+                )
+            )
     except BaseException:
         for e in engines:
             e.stop()

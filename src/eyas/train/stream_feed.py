@@ -53,15 +53,15 @@ def engine_words(e: WorkerProcess) -> str:
 class Unit:
     """One call of the trainer for features: its packs and the samples they hold."""
 
-    name: str                                   # sorts in plan order (see eyas.train.stream.unit_name)
+    name: str  # sorts in plan order (see eyas.train.stream.unit_name)
     packs: list[list[int]]
-    want: list[tuple[int, int]]                 # (sample index, tokens used) in pack order
+    want: list[tuple[int, int]]  # (sample index, tokens used) in pack order
     ask: list[tuple[int, int]] = field(default_factory=list)  # sent to the engine (not cached at send time)
-    state: str = "planned"                      # planned -> sent -> ready
-    est: int = 0                                # bytes reserved while it is made
-    bytes: int = 0                              # its chunk's bytes once made
+    state: str = "planned"  # planned -> sent -> ready
+    est: int = 0  # bytes reserved while it is made
+    bytes: int = 0  # its chunk's bytes once made
     path: Path | None = None
-    seconds: float = 0.0                        # the engine's time for it
+    seconds: float = 0.0  # the engine's time for it
 
 
 @dataclass
@@ -72,26 +72,35 @@ class FeedStats:
     tokens_extracted: int = 0
     samples_extracted: int = 0
     engine_s: float = 0.0
-    held_back_s: float = 0.0     # engine idle because the buffer was full (summed over engines)
+    held_back_s: float = 0.0  # engine idle because the buffer was full (summed over engines)
     held_back_times: int = 0
-    peak_bytes: int = 0          # the accounting's peak: chunks waiting + reserved for chunks being made
-    adopted: int = 0             # chunks left by a killed run and used by this one
+    peak_bytes: int = 0  # the accounting's peak: chunks waiting + reserved for chunks being made
+    adopted: int = 0  # chunks left by a killed run and used by this one
     adopted_tokens: int = 0
-    dropped: int = 0             # chunks made ahead and not used (a changed plan, an early stop)
+    dropped: int = 0  # chunks made ahead and not used (a changed plan, an early stop)
 
 
 class Feeder:
     """Feeds ``engines`` the units of ``plan`` in order, within ``limit`` bytes in ``buffer``."""
 
-    def __init__(self, engines: list[WorkerProcess], plan: Iterator[Unit], buffer: Path, limit: int,
-                 prompts: Callable[[list[tuple[int, int]]], list], estimate: Callable[[list[tuple[int, int]]], int],
-                 cached: Callable[[int], bool], timeout: float, leftovers: dict[str, Path] | None = None):
+    def __init__(
+        self,
+        engines: list[WorkerProcess],
+        plan: Iterator[Unit],
+        buffer: Path,
+        limit: int,
+        prompts: Callable[[list[tuple[int, int]]], list],
+        estimate: Callable[[list[tuple[int, int]]], int],
+        cached: Callable[[int], bool],
+        timeout: float,
+        leftovers: dict[str, Path] | None = None,
+    ):
         self.engines, self.plan, self.buffer, self.limit = engines, plan, buffer, limit
         self.prompts, self.estimate, self.cached, self.timeout = prompts, estimate, cached, timeout
         self.cond = threading.Condition()
         self.queue: deque[Unit] = deque()
-        self.used = 0        # bytes of chunk files in the buffer (made, not yet consumed)
-        self.reserved = 0    # upper bound of the bytes of chunks being made
+        self.used = 0  # bytes of chunk files in the buffer (made, not yet consumed)
+        self.reserved = 0  # upper bound of the bytes of chunks being made
         self.leftovers = dict(sorted((leftovers or {}).items()))
         self.used += sum(p.stat().st_size for p in self.leftovers.values())
         self.stats = FeedStats(peak_bytes=self.used)
@@ -100,8 +109,10 @@ class Feeder:
         self.last_progress = time.monotonic()
         self._extra = 0
         self.phase = ["starting"] * len(engines)  # per engine: starting, idle or request
-        self.threads = [threading.Thread(target=self._serve, args=(k, e), name=f"eyas-feed-{k}", daemon=True)
-                        for k, e in enumerate(engines)]
+        self.threads = [
+            threading.Thread(target=self._serve, args=(k, e), name=f"eyas-feed-{k}", daemon=True)
+            for k, e in enumerate(engines)
+        ]
         for t in self.threads:
             t.start()
 
@@ -251,8 +262,10 @@ class Feeder:
         while not done():
             self.check()
             if time.monotonic() - self.last_progress > self.timeout:
-                raise EyasError(f"waited {self.timeout:.0f} s for {what}: no vLLM engine made anything in "
-                                f"that time (--feature-timeout). {engine_words(self.engines[0])}")
+                raise EyasError(
+                    f"waited {self.timeout:.0f} s for {what}: no vLLM engine made anything in "
+                    f"that time (--feature-timeout). {engine_words(self.engines[0])}"
+                )
             self.cond.wait(0.5)
 
     def check(self) -> None:
@@ -260,8 +273,10 @@ class Feeder:
         for e in self.engines:
             code = e.poll()
             if code is not None:
-                raise EyasError(f"{e.describe} exited with code {code} while making training features; "
-                                f"training stops (resume with --resume). {engine_words(e)}")
+                raise EyasError(
+                    f"{e.describe} exited with code {code} while making training features; "
+                    f"training stops (resume with --resume). {engine_words(e)}"
+                )
         if self.error is not None:
             if isinstance(self.error, EyasError):
                 raise EyasError(f"vLLM engine failed while making training features: {self.error}")

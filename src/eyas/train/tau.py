@@ -48,14 +48,23 @@ class TauProbe:
         tokenizer = target.load_tokenizer()
         self.stop_ids = set(stop_token_ids(tokenizer, target.path))
         # by content, not path: a cached file is reused wherever the same prompts live
-        settings = reference_settings(target.id, self.max_new_tokens, dtype, f"sha256:{sha256_file(self.prompts)}",
-                                      str(device), self.ks)
+        settings = reference_settings(
+            target.id, self.max_new_tokens, dtype, f"sha256:{sha256_file(self.prompts)}", str(device), self.ks
+        )
         key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
         self.references_path = cache_dir() / "replay" / f"{key}.jsonl"
         t = time.perf_counter()
-        self.references = target_references(self.model, tokenizer, self.questions, self.stop_ids,
-                                            self.max_new_tokens, self.references_path, settings, REFERENCE_BATCH,
-                                            progress)
+        self.references = target_references(
+            self.model,
+            tokenizer,
+            self.questions,
+            self.stop_ids,
+            self.max_new_tokens,
+            self.references_path,
+            settings,
+            REFERENCE_BATCH,
+            progress,
+        )
         self.references_s = time.perf_counter() - t
 
     def measure(self, draft) -> dict[str, Any]:
@@ -65,9 +74,13 @@ class TauProbe:
 
         t = time.perf_counter()
         served = copy.deepcopy(draft).to(self.dtype)  # as evaluate and vLLM load it
-        by_k = replay(self.model, served, self.references, self.ks, self.max_new_tokens, self.stop_ids,
-                      progress=False)
+        by_k = replay(self.model, served, self.references, self.ks, self.max_new_tokens, self.stop_ids, progress=False)
         del served
-        return {"tau": {str(k): aggregate(recs, k)["tau"] for k, recs in by_k.items()},
-                "turns": len(self.references), "questions": len(self.questions), "prompts": str(self.prompts),
-                "max_new_tokens": self.max_new_tokens, "seconds": round(time.perf_counter() - t, 2)}
+        return {
+            "tau": {str(k): aggregate(recs, k)["tau"] for k, recs in by_k.items()},
+            "turns": len(self.references),
+            "questions": len(self.questions),
+            "prompts": str(self.prompts),
+            "max_new_tokens": self.max_new_tokens,
+            "seconds": round(time.perf_counter() - t, 2),
+        }

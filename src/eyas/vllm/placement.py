@@ -17,4 +17,4 @@ def cpu_share(k: int, n: int) -> str:
     """Engine k of n's cores, for VLLM_CPU_OMP_THREADS_BIND: n CPU engines must not share threads."""
     cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // n)
-    return ",".join(map(str, cores[k * per:(k + 1) * per] or cores[-per:]))
+    return ",".join(map(str, cores[k * per : (k + 1) * per] or cores[-per:]))

@@ -33,7 +33,7 @@ from eyas.errors import EyasError
 
 WORKER_SRC = Path(__file__).with_name("worker")
 PKG = "eyas_vllm_worker"  # the package's name inside the vLLM interpreter
-PREFIX = "EYAS-JSON "      # marks a reply line on the worker's stdout
+PREFIX = "EYAS-JSON "  # marks a reply line on the worker's stdout
 
 
 def die_with_parent() -> None:
@@ -78,8 +78,12 @@ def install_worker(root: Path) -> Path:
     return root
 
 
-def engine_env(pkg_root: Path, extra: dict[str, str] | None = None,
-               multiprocessing: bool | None = None, python: str | Path | None = None) -> dict[str, str]:
+def engine_env(
+    pkg_root: Path,
+    extra: dict[str, str] | None = None,
+    multiprocessing: bool | None = None,
+    python: str | Path | None = None,
+) -> dict[str, str]:
     """The child's environment: eyas's own, with only the worker package on PYTHONPATH.
 
     ``multiprocessing``: vLLM's V1 engine-core process (``VLLM_ENABLE_V1_MULTIPROCESSING``); None
@@ -108,9 +112,20 @@ def engine_env(pkg_root: Path, extra: dict[str, str] | None = None,
 class WorkerProcess:
     """One worker-package module running in the vLLM interpreter ``python`` (see the module doc)."""
 
-    def __init__(self, python: str | Path, module: str, job: dict[str, Any], work: Path, log_path: Path, *,
-                 interactive: bool = True, multiprocessing: bool | None = None,
-                 env: dict[str, str] | None = None, cwd: Path | None = None, describe: str = "vLLM worker"):
+    def __init__(
+        self,
+        python: str | Path,
+        module: str,
+        job: dict[str, Any],
+        work: Path,
+        log_path: Path,
+        *,
+        interactive: bool = True,
+        multiprocessing: bool | None = None,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        describe: str = "vLLM worker",
+    ):
         self.work, self.log_path, self.describe = Path(work), Path(log_path), describe
         self.work.mkdir(parents=True, exist_ok=True)
         pkg_root = install_worker(self.work / "pkg")
@@ -120,9 +135,15 @@ class WorkerProcess:
         pipe = subprocess.PIPE if interactive else None
         self.proc = subprocess.Popen(
             [str(python), "-m", f"{PKG}.{module}", str(job_path)],
-            stdin=pipe if interactive else subprocess.DEVNULL, stdout=pipe if interactive else self._log,
-            stderr=self._log, text=True, bufsize=1, cwd=cwd,
-            env=engine_env(pkg_root, env, multiprocessing, python), preexec_fn=die_with_parent)
+            stdin=pipe if interactive else subprocess.DEVNULL,
+            stdout=pipe if interactive else self._log,
+            stderr=self._log,
+            text=True,
+            bufsize=1,
+            cwd=cwd,
+            env=engine_env(pkg_root, env, multiprocessing, python),
+            preexec_fn=die_with_parent,
+        )
 
     # ------------------------------------------------------------------ interactive jobs
 
@@ -132,7 +153,7 @@ class WorkerProcess:
         assert self.proc.stdout is not None, "read() of a non-interactive worker"
         for line in self.proc.stdout:
             if line.startswith(PREFIX):
-                reply = json.loads(line[len(PREFIX):])
+                reply = json.loads(line[len(PREFIX) :])
                 if "error" in reply:
                     raise EyasError(reply["error"])
                 return reply

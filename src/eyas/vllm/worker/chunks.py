@@ -18,8 +18,12 @@ from safetensors.torch import save_file
 PREFIX = "chunk-"
 
 
-def write_chunk(out_dir: str | os.PathLike, name: str, samples: list[tuple[int, torch.Tensor, torch.Tensor]],
-                meta: dict | None = None) -> Path:
+def write_chunk(
+    out_dir: str | os.PathLike,
+    name: str,
+    samples: list[tuple[int, torch.Tensor, torch.Tensor]],
+    meta: dict | None = None,
+) -> Path:
     """Write ``[(index, input_ids [T], states [T,L,H]), ...]`` as one chunk (temp name + rename)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -72,23 +72,29 @@ class EyasHiddenStatesConnector(ExampleHiddenStatesConnector):
         future.add_done_callback(partial(self._on_write_done, pending.req_id))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        if (STOCK_HAS_SUBMIT_ASYNC_WRITE or not hasattr(self, "_pending_copies")
-                or kv_layer.device.type == "cuda" or layer_name not in self.cache_layers):
+        if (
+            STOCK_HAS_SUBMIT_ASYNC_WRITE
+            or not hasattr(self, "_pending_copies")
+            or kv_layer.device.type == "cuda"
+            or layer_name not in self.cache_layers
+        ):
             return super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
         # The stock queue-in-save_kv_layer flavour (0.22) records torch.cuda.Events here; on the
         # host the copy is made now and the stock wait_for_save hands it to the writer threads.
         # The stock method reads the same slot mapping from vLLM's forward context (an internal).
         slot_mapping = getattr(attn_metadata, "slot_mapping", None)
         if slot_mapping is None:
-            raise RuntimeError(f"eyas connector: the hidden-states layer's metadata "
-                               f"({type(attn_metadata).__name__}) has no slot_mapping in this vLLM; "
-                               "use --backend vllm-hooks or another vLLM version")
+            raise RuntimeError(
+                f"eyas connector: the hidden-states layer's metadata "
+                f"({type(attn_metadata).__name__}) has no slot_mapping in this vLLM; "
+                "use --backend vllm-hooks or another vLLM version"
+            )
         os.makedirs(self._storage_path, exist_ok=True)
         offset = 0
         for request in self._get_connector_metadata().requests:
             n = request.token_ids.shape[0]
             # clone: the slot rows are reused once the request's blocks are freed
-            states = extract_from_kv_cache(kv_layer, slot_mapping[offset:offset + n], n).clone()
+            states = extract_from_kv_cache(kv_layer, slot_mapping[offset : offset + n], n).clone()
             offset += n
             tensors = {"hidden_states": states, "token_ids": request.token_ids.clone()}
             self._pending_copies.append((tensors, _Done(), request.filename, request.req_id))

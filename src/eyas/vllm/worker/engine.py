@@ -32,7 +32,7 @@ def log(event: str, **fields) -> None:
 def load_prompts(path: str) -> list[tuple[int, list[int]]]:
     z = np.load(path)
     idx, off, flat = z["indices"], z["offsets"], z["flat"]
-    return [(int(idx[j]), flat[off[j]:off[j + 1]].astype(np.int64).tolist()) for j in range(len(idx))]
+    return [(int(idx[j]), flat[off[j] : off[j + 1]].astype(np.int64).tolist()) for j in range(len(idx))]
 
 
 def compat_model_dir(model: str, work: Path) -> str:
@@ -81,7 +81,7 @@ def build_llm(job: dict, model_dir: str):
         model=model_dir,
         skip_tokenizer_init=True,  # prompts arrive as token ids; no tokenizer compatibility issues
         dtype=job.get("dtype", "auto"),
-        enforce_eager=True,        # hooks need eager modules; also fastest start-up for prefill-only
+        enforce_eager=True,  # hooks need eager modules; also fastest start-up for prefill-only
         enable_prefix_caching=False,  # every prompt token must be computed, none reused
         max_model_len=job["max_model_len"],
         max_num_batched_tokens=max(job["max_model_len"], job.get("max_num_batched_tokens", 8192)),
@@ -102,8 +102,9 @@ def build_llm(job: dict, model_dir: str):
             "kv_connector_module_path": f"{PKG}.connector",
             "kv_role": "kv_producer",
             # the per-request files; the streaming engine puts them in the trainer's bounded buffer
-            "kv_connector_extra_config": {"shared_storage_path": job.get("raw_dir")
-                                          or str(Path(job["work_dir"]) / "raw")},
+            "kv_connector_extra_config": {
+                "shared_storage_path": job.get("raw_dir") or str(Path(job["work_dir"]) / "raw")
+            },
         }
     kwargs.update(job.get("engine_kwargs") or {})
     return LLM(**kwargs), layer_ids
@@ -131,12 +132,14 @@ def run_hooks(llm, job: dict, batch: list, sp, name: str | None = None) -> list[
             f"eyas vllm-hooks: no states captured for {len(report['missing'])} prompt(s) "
             f"(e.g. index {report['missing'][:5]}); {report['stray_runs']} token runs matched no "
             "prompt. vLLM split or reused prompts (chunked prefill / prefix caching) or compiled "
-            "the model; nothing of this batch is missing from the chunk files silently.")
+            "the model; nothing of this batch is missing from the chunk files silently."
+        )
     return report["written"]
 
 
-def run_connector(llm, job: dict, batch: list, sp, layer_ids: list[int], seq: int,
-                  name: str | None = None) -> list[int]:
+def run_connector(
+    llm, job: dict, batch: list, sp, layer_ids: list[int], seq: int, name: str | None = None
+) -> list[int]:
     """One batch through the connector, repacked as one chunk (``name``, default the job's tag and
     ``seq``). Each request's own file is read and deleted before the chunk is written, so the
     batch's states are on disk once at a time, never twice."""
@@ -163,8 +166,12 @@ def run_connector(llm, job: dict, batch: list, sp, layer_ids: list[int], seq: in
         states = data["hidden_states"][:, order]  # [T, L, H]
         samples.append((index, tok, states))
         cleanup_hidden_states(path)
-    write_chunk(job["out_dir"], name or f"{job['tag']}-{seq:06d}", samples,
-                meta={"aux": job["aux"], "final": job["final"], "backend": "vllm"})
+    write_chunk(
+        job["out_dir"],
+        name or f"{job['tag']}-{seq:06d}",
+        samples,
+        meta={"aux": job["aux"], "final": job["final"], "backend": "vllm"},
+    )
     return [i for i, _, _ in samples]
 
 

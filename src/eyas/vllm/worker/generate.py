@@ -31,13 +31,18 @@ def main(job_path: str) -> None:
     if job.get("start_when_told") and not channel.wait_for("start"):
         return
     extra = {"max_num_seqs": job["max_num_seqs"]} if job.get("max_num_seqs") else {}
-    llm = LLM(model=compat_model_dir(job["model"], Path(job["work_dir"])), dtype=job["dtype"],
-              max_model_len=job["max_model_len"], seed=job["seed"],
-              tensor_parallel_size=job.get("tensor_parallel_size", 1),
-              gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85),
-              enable_prefix_caching=True,  # later turns share their conversation's prefix
-              # ids in, ids out: eyas decodes, so vLLM's (older) transformers never reads the tokenizer
-              skip_tokenizer_init=True, **extra)
+    llm = LLM(
+        model=compat_model_dir(job["model"], Path(job["work_dir"])),
+        dtype=job["dtype"],
+        max_model_len=job["max_model_len"],
+        seed=job["seed"],
+        tensor_parallel_size=job.get("tensor_parallel_size", 1),
+        gpu_memory_utilization=job.get("gpu_memory_utilization", 0.85),
+        enable_prefix_caching=True,  # later turns share their conversation's prefix
+        # ids in, ids out: eyas decodes, so vLLM's (older) transformers never reads the tokenizer
+        skip_tokenizer_init=True,
+        **extra,
+    )
     import torch
 
     engine = llm.llm_engine
@@ -50,22 +55,41 @@ def main(job_path: str) -> None:
     # vLLM's CPU runner breaks on per-request seeds (its CPU generators have no offset to
     # rewind): there, sampling follows the engine seed alone
     per_request_seed = torch.cuda.is_available()
-    channel.reply({"ready": True, "per_request_seed": per_request_seed,
-                   "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs})
+    channel.reply(
+        {
+            "ready": True,
+            "per_request_seed": per_request_seed,
+            "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
+        }
+    )
     for req in channel.requests():
         greedy = req["temperature"] <= 0
         for key, prompt, seed in zip(req["keys"], req["prompts"], req["seeds"]):
             # a seed per answer (eyas derives it from conversation and turn), not per batch
-            params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0 if greedy else req["temperature"],
-                                    top_p=1.0 if greedy else req["top_p"],
-                                    seed=seed if per_request_seed and not greedy else None,
-                                    stop_token_ids=req["stop_token_ids"], detokenize=False)
+            params = SamplingParams(
+                max_tokens=req["max_tokens"],
+                temperature=0.0 if greedy else req["temperature"],
+                top_p=1.0 if greedy else req["top_p"],
+                seed=seed if per_request_seed and not greedy else None,
+                stop_token_ids=req["stop_token_ids"],
+                detokenize=False,
+            )
             if final_only is not None:
                 params.output_kind = final_only
             engine.add_request(str(key), {"prompt_token_ids": prompt}, params)
-        done = step_until(engine, req.get("low_water", 0), lambda o: {
-            "key": o.request_id, "token_ids": list(o.outputs[0].token_ids),
-            "finish_reason": o.outputs[0].finish_reason} if o.finished else None)
+        done = step_until(
+            engine,
+            req.get("low_water", 0),
+            lambda o: (
+                {
+                    "key": o.request_id,
+                    "token_ids": list(o.outputs[0].token_ids),
+                    "finish_reason": o.outputs[0].finish_reason,
+                }
+                if o.finished
+                else None
+            ),
+        )
         channel.reply({"outputs": done})
 
 

@@ -63,8 +63,7 @@ class _Recorder:
         if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point:
             self._step = None  # embeddings given directly: cannot attribute, so record nothing
             return
-        self._step = {"ids": ids.detach().reshape(-1).to("cpu", torch.int64),
-                      "states": [None] * self.num_slots}
+        self._step = {"ids": ids.detach().reshape(-1).to("cpu", torch.int64), "states": [None] * self.num_slots}
 
     def _on_layer(self, slot: int):
         def hook(module, args, kwargs):
@@ -73,6 +72,7 @@ class _Recorder:
             hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")
             residual = args[2] if len(args) > 2 else kwargs.get("residual")
             self._step["states"][slot] = _stream(hidden, residual).detach()
+
         return hook
 
     def _on_last(self, module, args, kwargs, output):
@@ -141,8 +141,11 @@ class EyasHookExtension:
             old.remove()
         self._eyas_rec = _Recorder(base, layers, list(aux), final) if self._eyas_is_writer() else None
         self._eyas_out, self._eyas_tag, self._eyas_seq = out_dir, tag, 0
-        return {"num_layers": len(layers), "writer": self._eyas_rec is not None,
-                "model_class": type(self._eyas_model()).__name__}
+        return {
+            "num_layers": len(layers),
+            "writer": self._eyas_rec is not None,
+            "model_class": type(self._eyas_model()).__name__,
+        }
 
     def eyas_expect(self, prompts: list) -> int:
         """Register ``[[index, token_ids], ...]`` as the prompts the next ``generate`` will run."""
@@ -162,8 +165,9 @@ class EyasHookExtension:
         written = [i for i, _, _ in rec.captured]
         if rec.captured:
             name = name or f"{self._eyas_tag}-{self._eyas_seq:06d}"
-            write_chunk(self._eyas_out, name, rec.captured,
-                        meta={"aux": rec.aux, "final": rec.final, "backend": "vllm-hooks"})
+            write_chunk(
+                self._eyas_out, name, rec.captured, meta={"aux": rec.aux, "final": rec.final, "backend": "vllm-hooks"}
+            )
             self._eyas_seq += 1
         missing = sorted(i for lst in rec.expected.values() for i in lst)
         report = {"written": written, "missing": missing, "stray_runs": rec.stray}

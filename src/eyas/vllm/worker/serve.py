@@ -25,8 +25,12 @@ import time
 from .batch import step_until
 from .protocol import Channel, read_job
 
-SPEC = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+SPEC = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+)
 
 
 def spec_counters(llm):
@@ -80,8 +84,12 @@ def speed(llm, SamplingParams, req):
     ``concurrency`` prompts (taken in turn from ``prompts``, round and round) is submitted together
     and the next once it is done, until at least ``min_waves`` waves and ``min_seconds`` of
     generation; after one untimed warm-up wave."""
-    params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0,
-                            stop_token_ids=req.get("stop_token_ids") or None, detokenize=False)
+    params = SamplingParams(
+        max_tokens=req["max_tokens"],
+        temperature=0.0,
+        stop_token_ids=req.get("stop_token_ids") or None,
+        detokenize=False,
+    )
     prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
     c = int(req["concurrency"])
     min_waves, min_seconds = int(req.get("min_waves", 1)), float(req.get("min_seconds", 0.0))
@@ -98,8 +106,14 @@ def speed(llm, SamplingParams, req):
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         waves += 1
         secs = time.perf_counter() - t
-    return {"concurrency": c, "waves": waves, "requests": waves * c, "tokens": tokens, "seconds": secs,
-            "tokens_per_s": tokens / secs if secs > 0 else None}
+    return {
+        "concurrency": c,
+        "waves": waves,
+        "requests": waves * c,
+        "tokens": tokens,
+        "seconds": secs,
+        "tokens_per_s": tokens / secs if secs > 0 else None,
+    }
 
 
 class Stream:
@@ -117,9 +131,13 @@ class Stream:
         greedy = req.get("temperature", 0.0) <= 0
         for item in req["items"]:
             seed = item.get("seed") if self.per_request_seed and not greedy else None
-            params = self.SamplingParams(max_tokens=req["max_tokens"],
-                                         temperature=0.0 if greedy else req["temperature"],
-                                         seed=seed, ignore_eos=True, detokenize=False)
+            params = self.SamplingParams(
+                max_tokens=req["max_tokens"],
+                temperature=0.0 if greedy else req["temperature"],
+                seed=seed,
+                ignore_eos=True,
+                detokenize=False,
+            )
             key = str(item["key"])
             self.engine.add_request(key, {"prompt_token_ids": item["prompt_token_ids"]}, params)
             self.live[key] = [time.perf_counter(), 0, []]
@@ -135,8 +153,12 @@ class Stream:
         if not o.finished:
             return None
         del self.live[o.request_id]
-        rec = {"key": o.request_id, "token_ids": list(out.token_ids), "steps": state[2],
-               "seconds": time.perf_counter() - state[0]}
+        rec = {
+            "key": o.request_id,
+            "token_ids": list(out.token_ids),
+            "steps": state[2],
+            "seconds": time.perf_counter() - state[0],
+        }
         own = getattr(out, "spec_decode_metrics", None)
         if own is not None and getattr(own, "per_step_accepted", None):
             rec["vllm_per_step_accepted"] = list(own.per_step_accepted)
@@ -160,9 +182,13 @@ def main(job_path: str) -> None:
     if opts.get("draft"):
         ignored = ignored_head_options(opts["draft"])
         if ignored:
-            channel.reply({"error": f"draft {opts['draft']} uses {', '.join(ignored)}, which vLLM {vllm.__version__}'s "
-                            "EAGLE-3 head does not read (it would serve a different draft); use a newer "
-                            "vLLM (0.32.0 reads them) or train the draft without them"})
+            channel.reply(
+                {
+                    "error": f"draft {opts['draft']} uses {', '.join(ignored)}, which vLLM {vllm.__version__}'s "
+                    "EAGLE-3 head does not read (it would serve a different draft); use a newer "
+                    "vLLM (0.32.0 reads them) or train the draft without them"
+                }
+            )
             return
 
     # Prompts arrive as token ids and outputs leave as ids: no tokenizer needed, so a tokenizer
@@ -171,15 +197,19 @@ def main(job_path: str) -> None:
 
     # CUDA graphs on the GPU (what serving uses, so the speed figures mean something); eager on
     # the CPU build, which is only ever a correctness check
-    kwargs = dict(model=opts["target"], dtype=opts.get("dtype", "auto"), skip_tokenizer_init=True,
-                  enforce_eager=not torch.cuda.is_available(),
-                  disable_log_stats=False, seed=opts.get("seed", 0),
-                  enable_prefix_caching=False)
+    kwargs = dict(
+        model=opts["target"],
+        dtype=opts.get("dtype", "auto"),
+        skip_tokenizer_init=True,
+        enforce_eager=not torch.cuda.is_available(),
+        disable_log_stats=False,
+        seed=opts.get("seed", 0),
+        enable_prefix_caching=False,
+    )
     if opts.get("max_model_len"):
         kwargs["max_model_len"] = opts["max_model_len"]
     if opts.get("draft"):
-        kwargs["speculative_config"] = {"method": "eagle3", "model": opts["draft"],
-                                        "num_speculative_tokens": opts["k"]}
+        kwargs["speculative_config"] = {"method": "eagle3", "model": opts["draft"], "num_speculative_tokens": opts["k"]}
         kwargs.update(per_request_metrics_option(EngineArgs))
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
@@ -192,15 +222,24 @@ def main(job_path: str) -> None:
         if req.get("op") == "stream":
             channel.reply(stream(req))
             continue
-        params = SamplingParams(max_tokens=req["max_tokens"], temperature=req.get("temperature", 0.0),
-                                seed=req.get("seed"), stop_token_ids=req.get("stop_token_ids") or None,
-                                detokenize=False)
+        params = SamplingParams(
+            max_tokens=req["max_tokens"],
+            temperature=req.get("temperature", 0.0),
+            seed=req.get("seed"),
+            stop_token_ids=req.get("stop_token_ids") or None,
+            detokenize=False,
+        )
         before = spec_counters(llm)
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": req["prompt_token_ids"]}], params, use_tqdm=False)
         secs = time.perf_counter() - t
-        channel.reply({"token_ids": list(outs[0].outputs[0].token_ids), "seconds": secs,
-               "spec": delta(spec_counters(llm), before)})
+        channel.reply(
+            {
+                "token_ids": list(outs[0].outputs[0].token_ids),
+                "seconds": secs,
+                "spec": delta(spec_counters(llm), before),
+            }
+        )
 
 
 if __name__ == "__main__":

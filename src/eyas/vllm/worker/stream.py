@@ -70,9 +70,12 @@ def watch_engine_core(stopping: threading.Event, grace_s: float = 5.0) -> None:
         while not stopping.wait(0.5):
             dead = [p for p in pids if not _alive(p)]
             if dead and not stopping.wait(grace_s):
-                print(f"eyas stream engine: vLLM's process {dead[0]} ({pids[dead[0]]}) died and vLLM did not "
-                      f"raise within {grace_s:g} s; this engine stops (exit code {WATCHDOG_EXIT})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"eyas stream engine: vLLM's process {dead[0]} ({pids[dead[0]]}) died and vLLM did not "
+                    f"raise within {grace_s:g} s; this engine stops (exit code {WATCHDOG_EXIT})",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 os._exit(WATCHDOG_EXIT)
 
     threading.Thread(target=run, name="eyas-watchdog", daemon=True).start()
@@ -94,8 +97,15 @@ def main(job_path: str) -> None:
         llm.collective_rpc("eyas_install", args=(job["aux"], job["final"], job["out_dir"], job["tag"]))
     stopping = threading.Event()
     watch_engine_core(stopping)
-    channel.reply({"ready": True, "vllm": vllm.__version__, "pid": os.getpid(), "engine_core": engine_core_pids(),
-                   "seconds": round(time.time() - t0, 2)})
+    channel.reply(
+        {
+            "ready": True,
+            "vllm": vllm.__version__,
+            "pid": os.getpid(),
+            "engine_core": engine_core_pids(),
+            "seconds": round(time.time() - t0, 2),
+        }
+    )
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     for seq, req in enumerate(channel.requests()):
         t = time.time()
@@ -105,8 +115,15 @@ def main(job_path: str) -> None:
         else:
             written = run_connector(llm, job, batch, sp, layer_ids, seq, name=req["name"])
         path = Path(job["out_dir"]) / f"{PREFIX}{req['name']}.safetensors"
-        channel.reply({"name": req["name"], "samples": len(written), "tokens": sum(len(x) for _, x in batch),
-                       "bytes": path.stat().st_size, "seconds": round(time.time() - t, 4)})
+        channel.reply(
+            {
+                "name": req["name"],
+                "samples": len(written),
+                "tokens": sum(len(x) for _, x in batch),
+                "bytes": path.stat().st_size,
+                "seconds": round(time.time() - t, 4),
+            }
+        )
     stopping.set()  # quit: vLLM now shuts its engine core down itself
 
 
