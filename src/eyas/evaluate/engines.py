@@ -37,16 +37,41 @@ class Answers(NamedTuple):
     extra: dict[str, Any]  # what the engine adds to its report
 
 
+RECORDS = "records.jsonl"  # each engine's records in its folder, resumed by run_questions
+
+
+def _answer(
+    cfg: EvaluateConfig,
+    ctx: EngineContext,
+    settings: dict[str, Any],
+    engine: Any = None,
+    pool: Callable[[list[Any]], Any] | None = None,
+) -> list[dict[str, Any]]:
+    """``ctx.questions`` answered by ``engine`` (one process) or ``pool`` into OUT/<engine>/records.jsonl,
+    resumed past the records there made with ``settings``."""
+    from eyas.evaluate.runner import run_questions
+
+    return run_questions(
+        engine,
+        ctx.questions,
+        ctx.tokenizer,
+        cfg.max_new_tokens,
+        ctx.stop_ids,
+        ctx.out / RECORDS,
+        settings,
+        cfg.progress,
+        pool=pool,
+    )
+
+
 def run_builtin(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     """The built-in speculative loop: the HF target and the draft here, in ``cfg.workers`` processes."""
     import torch
 
-    from eyas.evaluate.runner import run_questions
     from eyas.evaluate.workers import BuiltinPool, build_engine
 
     # records without the baseline are not mixed with those that have it
     settings = {**ctx.settings, "plain_baseline": cfg.compare_plain}
-    records_path = ctx.out / "records.jsonl"
     start = time.perf_counter()
     if cfg.workers > 1:
         pool = BuiltinPool(
@@ -63,17 +88,7 @@ def run_builtin(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
             ctx.stop_ids,
         )
         try:
-            records = run_questions(
-                None,
-                ctx.questions,
-                ctx.tokenizer,
-                cfg.max_new_tokens,
-                ctx.stop_ids,
-                records_path,
-                settings,
-                cfg.progress,
-                pool=pool,
-            )
+            records = _answer(cfg, ctx, settings, pool=pool)
         except BaseException:  # stopped (SIGINT) or failed: the questions in flight are redone on resume
             pool.close(now=True)
             raise
@@ -83,16 +98,7 @@ def run_builtin(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
             ctx.target, cfg.draft, cfg.k, cfg.temperature, cfg.seed, cfg.compare_plain, ctx.dtype, ctx.device
         )
         try:
-            records = run_questions(
-                eng,
-                ctx.questions,
-                ctx.tokenizer,
-                cfg.max_new_tokens,
-                ctx.stop_ids,
-                records_path,
-                settings,
-                cfg.progress,
-            )
+            records = _answer(cfg, ctx, settings, engine=eng)
         finally:
             eng.close()
     # with workers the per-record seconds overlap: this run's wall clock is the throughput to quote
@@ -174,7 +180,6 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     import warnings
 
     from eyas.evaluate.prompts import read_questions, render_turn
-    from eyas.evaluate.runner import run_questions
     from eyas.evaluate.vllm_metrics import VllmEngine, VllmPool, find_vllm_python
     from eyas.fsio import atomic_write_text
 
@@ -196,23 +201,13 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
         else {}
     )
     prompts = [render_turn(ctx.tokenizer, q, 0, []) for q in every[: plan.get("prompts", 0)]]
-    records_path, state_path = ctx.out / "records.jsonl", ctx.out / RUN_STATE
+    state_path = ctx.out / RUN_STATE
     saved, speed = _saved_run(state_path, settings, concurrency, plan, plain)
     if saved is not None:
         # every question answered and the serving speed measured by an earlier run: no engine to
         # start (a cold vLLM start is minutes on a GPU)
-        if _answered(ctx, records_path, settings):
-            records = run_questions(
-                None,
-                ctx.questions,
-                ctx.tokenizer,
-                cfg.max_new_tokens,
-                ctx.stop_ids,
-                records_path,
-                settings,
-                cfg.progress,
-                pool=lambda todo: iter(()),
-            )
+        if _answered(ctx, settings):
+            records = _answer(cfg, ctx, settings, pool=lambda todo: iter(()))
             return Answers(
                 {k: records},
                 {**saved["extra"], "serving_speed": _with_plain(speed, plain), "wall_seconds_this_run": 0.0},
@@ -225,17 +220,7 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
             eng, k, cfg.temperature, cfg.seed, ctx.tokenizer, cfg.max_new_tokens, ctx.stop_ids, cfg.in_flight
         )
         start = time.perf_counter()
-        records = run_questions(
-            None,
-            ctx.questions,
-            ctx.tokenizer,
-            cfg.max_new_tokens,
-            ctx.stop_ids,
-            records_path,
-            settings,
-            cfg.progress,
-            pool=pool,
-        )
+        records = _answer(cfg, ctx, settings, pool=pool)
         wall = round(time.perf_counter() - start, 1)
         info = dict(eng.info)
         if pool.disagreed:
@@ -309,10 +294,10 @@ def _saved_run(
     return (saved if saved and timed else None), speed
 
 
-def _answered(ctx: EngineContext, records_path: Path, settings: dict[str, Any]) -> bool:
+def _answered(ctx: EngineContext, settings: dict[str, Any]) -> bool:
     from eyas.evaluate.runner import unanswered
 
-    return not unanswered(ctx.questions, records_path, settings)
+    return not unanswered(ctx.questions, ctx.out / RECORDS, settings)
 
 
 def _export_for_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Path:
