@@ -65,6 +65,11 @@ step() {  # step NAME CMD...: run, time, record
   return $rc
 }
 
+# PIPE_CONFIG: the pipeline config of the pipeline, replay and fp32 steps (default
+# configs/smollm2-h200.yaml); its workdir and target name say where the runs and kept answers lie
+PIPE_CONFIG=${PIPE_CONFIG:-configs/smollm2-h200.yaml}
+read -r PIPE_W TNAME < <(python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); print(c['workdir'], c['target'])" "$PIPE_CONFIG")
+
 # the builtin and both steps share one --out and these settings, so both resumes builtin's records
 EVAL=(eyas evaluate --device cuda --draft "$J/run/draft" -k $K --max-new-tokens $TOKENS --no-plain --out "$J/eval")
 
@@ -99,10 +104,7 @@ case $STEP in
     ;;
   pipeline)
     # the whole job, as a user runs it; resumable, so it goes on over calls of at most BUDGET_S
-    # PIPE_CONFIG: the pipeline config (default configs/smollm2-h200.yaml); its workdir and target
-    # name where the runs and the kept answers lie
-    PIPE_CONFIG=${PIPE_CONFIG:-configs/smollm2-h200.yaml}
-    read -r W TNAME < <(python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); print(c['workdir'], c['target'])" "$PIPE_CONFIG")
+    W=$PIPE_W
     # the answers of an earlier session, kept in git (a new checkout has no .carry/): the regeneration
     # resumes after them, so a session that has them starts no regeneration engine
     SEED=${REGEN_SEED:-data/regenerated/$TNAME-sharegpt}
@@ -166,7 +168,7 @@ case $STEP in
     step parity32 bash -c "eyas extract --verify '$SHM/vllm32' --against '$SHM/hf32' > '$J/parity32.json'"
     ;;
   fp32)
-    W=runs/smollm2-h200
+    W=$PIPE_W
     step fp32 timeout -s INT "${BUDGET_S:-540}" eyas evaluate --engine both --dtype float32 --device cuda \
       --draft "$W/train/draft" --vllm-draft "$W/export-vllm" -k $K --max-new-tokens $TOKENS \
       --max-prompts "${FP32_PROMPTS:-10}" --workers 4 --no-plain --out "$J/eval-fp32"
@@ -174,7 +176,7 @@ case $STEP in
   replay)
     # the pipeline's evaluate settings, so its builtin report is comparable; a pipeline without a
     # builtin evaluation (configs/qwen0.5b-h200.yaml) gets the replay alone, k = 1..7 from one pass
-    W=$(python3 -c "import sys, yaml; print(yaml.safe_load(open(sys.argv[1]))['workdir'])" "${PIPE_CONFIG:-configs/smollm2-h200.yaml}")
+    W=$PIPE_W
     if [ ! -d "$W/eval/builtin" ]; then
       step replay eyas evaluate --engine replay --draft "$W/train/draft" --out "$J/eval-replay" -k $K \
         --also-k 1,2,3,4,6,7 --device cuda --dtype bfloat16 --max-new-tokens $TOKENS --prompts data/mt_bench/question.jsonl
