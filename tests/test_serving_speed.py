@@ -293,6 +293,8 @@ def test_the_card_with_tau_and_the_measured_speedups(drafted, evaluated, tmp_pat
     assert f"; report {report}." in card
     assert json.loads(_serve_line(card)[4])["num_speculative_tokens"] == 2  # the best at 1 request
     assert "k = 2: the best measured at 1 concurrent request (1.90x)." in card
+    # k=2 at 1 request: a 1000 * 3.00 / 190 = 15.79 ms step against plain's 10 ms needs tau 1.58
+    assert "Where a step's time goes" in card and "k=2 1.58 (has 3.00)" in card
 
 
 def test_a_speed_report_of_another_draft_or_without_speed_is_refused(drafted, evaluated, tmp_path):
@@ -337,3 +339,41 @@ def test_the_benchmark_table_takes_the_rows_of_each_targets_run(evaluated, tmp_p
     assert got["rows"] == [{"target": target, **r} for r in rep["serving_speed_by_k"]]  # once, not twice
     assert got["best_k"] == {target: rep["best_k"]}
     assert got["runs"][target]["min_waves"] == 3 and got["runs"][target]["min_seconds"] == 0.5
+
+
+def test_step_cost_splits_a_step_into_its_fixed_part_and_the_drafts():
+    """Serving speeds made from a known cost model (a plain step of 10 ms; a speculative one of
+    12 ms + 1.5 ms per draft token) give that model back, and the tau each k needs to pay."""
+    from eyas.evaluate.report import build_report, serving_summary
+    from eyas.evaluate.step_cost import step_cost_lines
+
+    plain_ms, fixed_ms, per_tok_ms, c = 10.0, 12.0, 1.5, 4
+    taus = {1: 1.6, 2: 2.0, 4: 2.4}
+
+    def report(k):
+        step_ms = fixed_ms + per_tok_ms * k
+        speed = {
+            "draft": [{"concurrency": c, "tokens_per_s": 1000.0 * c * taus[k] / step_ms}],
+            "plain": [{"concurrency": c, "tokens_per_s": 1000.0 * c / plain_ms}],
+        }
+        # rounds and accepted chosen so that the pooled tau is taus[k]
+        rec = {"category": "writing", "rounds": 10, "accepted_per_pos": [round((taus[k] - 1) * 10)] + [0] * (k - 1)}
+        return build_report([{**rec, "new_tokens": 1}], k, {"engine": "vllm", "serving_speed": speed})
+
+    cost = serving_summary({k: report(k) for k in taus})["step_cost"][str(c)]
+    assert cost["plain_step_ms"] == pytest.approx(plain_ms)
+    assert cost["fixed_ms"] == pytest.approx(fixed_ms)
+    assert cost["per_draft_token_ms"] == pytest.approx(per_tok_ms)
+    need = {s["k"]: s["breakeven_tau"] for s in cost["by_k"]}
+    assert need == {k: pytest.approx((fixed_ms + per_tok_ms * k) / plain_ms) for k in taus}
+    (line,) = step_cost_lines({str(c): cost})
+    assert "12.00 ms + 1.50 ms per draft token" in line and "k=1 1.35 (has 1.60)" in line
+
+
+def test_step_cost_without_two_k_has_no_line_fit():
+    from eyas.evaluate.step_cost import step_costs
+
+    rows = [{"k": 3, "concurrency": 1, "tokens_per_s_draft": 300.0, "tokens_per_s_plain": 200.0}]
+    got = step_costs(rows, {"3": 2.0})["1"]
+    assert "fixed_ms" not in got and got["by_k"][0]["breakeven_tau"] == pytest.approx((1000 * 2 / 300) / 5)
+    assert step_costs(rows, {}) == {}  # no tau for that k: nothing to say

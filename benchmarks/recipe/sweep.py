@@ -53,7 +53,7 @@ def run(cmd: list[str], log_path: Path, timeout_s: float | None = None) -> int |
             return None
 
 
-def train(name: str, args: list[str], a, out: Path, timeout_s: float | None) -> bool:
+def train(name: str, args: list[str], data: str, a, out: Path, timeout_s: float | None) -> bool:
     if (out / "summary.json").is_file() and (out / "draft" / "model.safetensors").is_file():
         return True
     resume = bool(a.save_every) and bool(list(out.glob("checkpoints/step-*")))
@@ -64,7 +64,7 @@ def train(name: str, args: list[str], a, out: Path, timeout_s: float | None) -> 
         "eyas",
         "train",
         "--data",
-        a.data,
+        data,
         "--online",
         "--out",
         str(out),
@@ -133,13 +133,14 @@ def evaluate_set(name: str, out: Path, a, pset: str) -> dict | None:
     return got
 
 
-def result(name: str, args: list[str], out: Path, taus: dict, a) -> dict:
+def result(name: str, args: list[str], data: str, out: Path, taus: dict, a) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     recs = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
     last = [r for r in recs if r["split"] == "train"][-1]
     return {
         "name": name,
         "args": " ".join(args),
+        "data": data,
         "common": a.common,
         "budget_s": a.budget,
         "steps": summary["steps"],
@@ -166,7 +167,12 @@ def main() -> int:
     ap.add_argument("--data", required=True, help="prepared dataset (eyas prepare)")
     ap.add_argument("--runs", required=True, help="directory of the runs (and the shared reference answers)")
     ap.add_argument("--results", required=True, help="JSONL: one line per finished configuration")
-    ap.add_argument("--configs", required=True, help="JSON: [[name, 'eyas train args'], ...], run in order")
+    ap.add_argument(
+        "--configs",
+        required=True,
+        help="JSON: [[name, 'eyas train args'], ...] run in order; a third item {\"data\": DIR} trains on "
+        "another prepared dataset than --data (a data variant)",
+    )
     ap.add_argument("--budget", type=float, default=120, help="seconds of steps per training (--budget)")
     ap.add_argument("--tau-every", default="30s", help="eyas train --tau-every")
     ap.add_argument("--common", default="", help="train args every configuration shares")
@@ -195,12 +201,15 @@ def main() -> int:
         if results.is_file()
         else set()
     )
-    configs = [(n, shlex.split(x)) for n, x in json.loads(Path(a.configs).read_text())]
+    configs = [
+        (c[0], shlex.split(c[1]), (c[2] if len(c) > 2 else {}).get("data", a.data))
+        for c in json.loads(Path(a.configs).read_text())
+    ]
     if a.only:
         keep = set(a.only.split(","))
         configs = [c for c in configs if c[0] in keep]
     n = 0
-    for name, args in configs:
+    for name, args, data in configs:
         if name in done:
             continue
         left = (a.deadline_s - (time.perf_counter() - t0)) if a.deadline_s else float("inf")
@@ -209,14 +218,14 @@ def main() -> int:
         if left < need:
             log(f"{name}: {left:.0f} s left before the deadline, not started")
             break
-        if not train(name, args, a, runs / name, left - a.eval_s):
+        if not train(name, args, data, a, runs / name, left - a.eval_s):
             if a.save_every:
                 break  # stopped at the deadline (or failed): nothing else fits in this call
             continue
         got = evaluate(name, runs / name, a)
         if len(got) != len(PROMPT_SETS):
             continue
-        line = json.dumps(result(name, args, runs / name, got, a)) + "\n"
+        line = json.dumps(result(name, args, data, runs / name, got, a)) + "\n"
         for path in [results] + ([Path(a.mirror)] if a.mirror else []):
             with open(path, "a") as fh:
                 fh.write(line)

@@ -14,6 +14,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from eyas.evaluate.step_cost import step_cost_lines, step_costs
+
 REPORT_NAME = "report.json"
 ENGINE_NAMES = ("builtin", "vllm", "replay")  # the engines that write a report of their own
 
@@ -70,7 +72,9 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     - ``best_k``: per concurrency, the k of the highest measured speedup with that speedup, and
       ``pays``: whether it is above 1 (where no k speeds serving up, the least slow is named, unpaid);
       on a tie the smaller k (fewer draft tokens to propose);
-    - ``tau_by_k``: each k's tau in its evaluation."""
+    - ``tau_by_k``: each k's tau in its evaluation;
+    - ``step_cost``: per concurrency, each step's time and the tau each k needs to pay
+      (:mod:`eyas.evaluate.step_cost`)."""
     rows = []
     for k, rep in sorted(reports.items()):
         speed = rep.get("serving_speed") or {}
@@ -91,10 +95,12 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
         b = best.get(str(r["concurrency"]))
         if r["speedup"] is not None and (b is None or r["speedup"] > b["speedup"]):
             best[str(r["concurrency"])] = {"k": r["k"], "speedup": r["speedup"], "pays": r["speedup"] > 1.0}
+    tau_by_k = {str(k): rep["overall"]["tau"] for k, rep in sorted(reports.items())}
     return {
         "serving_speed_by_k": rows,
         "best_k": best,
-        "tau_by_k": {str(k): rep["overall"]["tau"] for k, rep in sorted(reports.items())},
+        "tau_by_k": tau_by_k,
+        "step_cost": step_costs(rows, tau_by_k),
     }
 
 
@@ -218,6 +224,7 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
         if key.startswith("k") and key[1:].isdigit():  # also_k: that k's own reports, in OUT/k<N>/
             lines += summary_lines(rep, Path(out) / key, top=False)
     lines += best_k_lines(reports.get("vllm", {}).get("best_k") or {})
+    lines += step_cost_lines(reports.get("vllm", {}).get("step_cost") or {})
     if top:
         lines.append(f"reports (report.json, acceptance_per_position.png, tau_per_category.png) in {out}")
     return lines

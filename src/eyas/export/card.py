@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.evaluate.step_cost import step_cost_lines
 
 CARD = "README.md"
 
@@ -263,6 +264,13 @@ def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> lis
                 "without the draft at this load"
             )
         )
+    costs = report.get("step_cost") or {}
+    if costs:
+        lines += [
+            "",
+            "Where a step's time goes (`eyas.evaluate.step_cost`: each step's time from the tokens/s and tau):",
+        ]
+        lines += [f"- {ln.removeprefix('vllm serving, ')}" for ln in step_cost_lines(costs)]
     lines += [
         "",
         f"Measured by `eyas evaluate` with vLLM {report.get('vllm_version')} on {report.get('machine')}, "
