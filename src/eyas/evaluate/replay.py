@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import torch
 
 from eyas.errors import EyasError
+from eyas.evaluate.kv_cache import cache_kwargs
 from eyas.evaluate.prompts import Question, render_turn
 from eyas.evaluate.speculative import steps_record
 
@@ -114,7 +115,7 @@ def greedy_answers(model, prompts: list[list[int]], n_new: int, batch_size: int)
         tokens = []
         with torch.inference_mode():
             logits = model(
-                input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+                input_ids=ids, attention_mask=mask, position_ids=pos, **cache_kwargs(model, cache), use_cache=True
             ).logits[:, -1]
             for _ in range(n_new):
                 nxt = logits.argmax(-1)
@@ -124,7 +125,11 @@ def greedy_answers(model, prompts: list[list[int]], n_new: int, batch_size: int)
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 pos = pos[:, -1:] + 1
                 logits = model(
-                    input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True
+                    input_ids=nxt[:, None],
+                    attention_mask=mask,
+                    position_ids=pos,
+                    **cache_kwargs(model, cache),
+                    use_cache=True,
                 ).logits[:, -1]
         gen = torch.stack(tokens, dim=1).tolist()
         for r, i in enumerate(rows):

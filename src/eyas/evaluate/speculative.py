@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from eyas.evaluate.kv_cache import cache_kwargs
 from eyas.evaluate.rejection import probs_at, verify_greedy, verify_sampling
 from eyas.features.capture import HiddenStateCapture
 
@@ -78,11 +79,13 @@ class TargetRunner:
         aux = None
         if self.capture is not None and want_aux:
             with self.capture.recording() as recs:
-                out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
+                out = self.model(
+                    input_ids=ids, position_ids=pos, **cache_kwargs(self.model, self.cache), use_cache=True
+                )
             a = recs[-1][0][0]  # [T, A, H]
             aux = a.reshape(a.shape[0], -1)
         else:
-            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
+            out = self.model(input_ids=ids, position_ids=pos, **cache_kwargs(self.model, self.cache), use_cache=True)
         self.length += ids.shape[1]
         return out.logits[0], aux
 
