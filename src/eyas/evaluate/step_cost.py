@@ -11,18 +11,8 @@ break-even tau, which the fit extends to every k.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
-
-
-def _line(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
-    """Least-squares intercept and slope, or None with fewer than two distinct xs."""
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if n < 2 or sxx == 0:
-        return None
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    return my - slope * mx, slope
 
 
 def step_costs(rows: list[dict[str, Any]], tau_by_k: dict[str, float]) -> dict[str, dict[str, Any]]:
@@ -48,9 +38,9 @@ def step_costs(rows: list[dict[str, Any]], tau_by_k: dict[str, float]) -> dict[s
             ms = 1000.0 * c * tau / r["tokens_per_s_draft"]
             steps.append({"k": r["k"], "step_ms": ms, "tau": tau, "breakeven_tau": ms / plain_ms})
         entry: dict[str, Any] = {"plain_step_ms": plain_ms, "by_k": steps}
-        fit = _line([float(s["k"]) for s in steps], [s["step_ms"] for s in steps])
-        if fit is not None:
-            entry["fixed_ms"], entry["per_draft_token_ms"] = fit
+        if len(steps) >= 2:  # distinct k: one row per k and concurrency
+            fit = statistics.linear_regression([s["k"] for s in steps], [s["step_ms"] for s in steps])
+            entry["fixed_ms"], entry["per_draft_token_ms"] = fit.intercept, fit.slope
         out[str(c)] = entry
     return out
 

