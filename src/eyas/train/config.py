@@ -168,9 +168,9 @@ class TrainConfig:
         cli_type=str,
     )
     schedule: ScheduleKind = setting(
-        "cosine",
-        "LR decay after warmup: cosine, linear, or wsd (held at the peak, then linear over the last "
-        "--decay-fraction of the steps); each ends at --min-lr-ratio on the last step.",
+        "wsd",
+        "LR decay after warmup: wsd (held at the peak, then linear over the last --decay-fraction of "
+        "the steps), cosine or linear; each ends at --min-lr-ratio on the last step.",
     )
     decay_fraction: float = setting(
         0.2,
