@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -478,6 +479,8 @@ def test_worker_processes_give_the_records_of_one_process(setup, tmp_path):
     keys = ("question_id", "turn", "output_ids", "rounds", "accepted_per_pos")
     assert [{k: r[k] for k in keys} for r in two["per_prompt"]] == [{k: r[k] for k in keys} for r in one["per_prompt"]]
     assert len(two["per_prompt"]) == 6 and two["workers"] == 2 and two["overall"]["tau"] == one["overall"]["tau"]
+    # the threads each worker ran with, not the parent's
+    assert two["torch_threads"] == max(1, (os.cpu_count() or 1) // 2)
     # a run with one process over the two-worker records has nothing left to do
     again = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "two", **kw))["builtin"]
     assert again["per_prompt"] == two["per_prompt"]

@@ -93,6 +93,7 @@ def run_builtin(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
             pool.close(now=True)
             raise
         pool.close()
+        threads = pool.threads
     else:
         eng = build_engine(
             ctx.target, cfg.draft, cfg.k, cfg.temperature, cfg.seed, cfg.compare_plain, ctx.dtype, ctx.device
@@ -101,9 +102,10 @@ def run_builtin(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
             records = _answer(cfg, ctx, settings, engine=eng)
         finally:
             eng.close()
+        threads = torch.get_num_threads()
     # with workers the per-record seconds overlap: this run's wall clock is the throughput to quote
     extra = {
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": threads,  # per worker
         "workers": cfg.workers,
         "wall_seconds_this_run": round(time.perf_counter() - start, 1),
         **_gpu(ctx.device),

@@ -76,7 +76,7 @@ class BuiltinPool:
         max_new_tokens: int,
         stop_ids: set[int],
     ):
-        threads = max(1, (os.cpu_count() or 1) // workers)
+        self.threads = threads = max(1, (os.cpu_count() or 1) // workers)
         # spawn: CUDA cannot be used in a forked child
         self.exe = ProcessPoolExecutor(
             workers,
