@@ -33,6 +33,64 @@ def bootstrap(recs: list[dict], n: int = 2000, seed: int = 0) -> tuple[float, fl
     return taus[int(0.025 * n)], taus[int(0.975 * n) - 1]
 
 
+def entry(
+    recs: list[dict],
+    name: str,
+    target: str,
+    trainer: str,
+    prompt_set: str,
+    budget_s: float,
+    steps: int,
+    data_conversations: int,
+    engine: str | None = None,
+    training_tau: dict | None = None,
+    source: str = "",
+    note: str = "",
+) -> dict:
+    """One row of summary.json from a draft's per-turn records (tau and its bootstrap CI)."""
+    k = len(recs[0]["accepted_per_pos"])
+    lo, hi = bootstrap(recs)
+    row = {
+        "name": name,
+        "target": target,
+        "trainer": trainer,
+        "budget_s": budget_s,
+        "steps": steps,
+        "data_conversations": data_conversations,
+        "k": k,
+        "prompt_set": prompt_set,
+        "turns": len(recs),
+        "questions": len({r["question_id"] for r in recs}),
+        "tau": tau(recs),
+        "tau_ci_low": lo,
+        "tau_ci_high": hi,
+        "source": source,
+        "note": note,
+    }
+    if (training_tau or {}).get(str(k)) is not None:  # what eyas train measured on its own prompts
+        row["training_tau"] = training_tau[str(k)]
+    if engine:
+        row["engine"] = engine
+    return row
+
+
+def upsert(rows_in: list[dict]) -> None:
+    """Add rows to summary.json, replacing those of the same name, k and prompt set."""
+    key = lambda r: (r["name"], r["k"], r["prompt_set"])  # noqa: E731
+    new = {key(r) for r in rows_in}
+    rows = json.loads(SUMMARY.read_text()) if SUMMARY.is_file() else []
+    SUMMARY.write_text(json.dumps([r for r in rows if key(r) not in new] + rows_in, indent=1) + "\n")
+
+
+def read_records(path: Path) -> tuple[list[dict], str | None]:
+    """A records.jsonl's records, or a report.json's per-prompt ones (the replay engine keeps no
+    records file) and its engine."""
+    if path.suffix == ".json":
+        report = json.loads(path.read_text())
+        return report["per_prompt"], report.get("engine")
+    return [json.loads(x) for x in path.read_text().splitlines()[1:]], None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     for flag in ("--records", "--name", "--target", "--trainer", "--prompt-set"):
@@ -44,40 +102,24 @@ def main() -> None:
     ap.add_argument("--source", default="")
     ap.add_argument("--note", default="")
     a = ap.parse_args()
-    path = Path(a.records)
-    if path.suffix == ".json":  # a report.json (the replay engine keeps no records file): its per-prompt records
-        report = json.loads(path.read_text())
-        recs, engine = report["per_prompt"], report.get("engine")
-    else:
-        recs, engine = [json.loads(x) for x in path.read_text().splitlines()[1:]], None
-    k = len(recs[0]["accepted_per_pos"])
-    lo, hi = bootstrap(recs)
+    recs, engine = read_records(Path(a.records))
     trained = json.loads(Path(a.train_tau).read_text()) if a.train_tau else {}
-    entry = {
-        "name": a.name,
-        "target": a.target,
-        "trainer": a.trainer,
-        "budget_s": a.budget_s,
-        "steps": a.steps,
-        "data_conversations": a.data_conversations,
-        "k": k,
-        "prompt_set": a.prompt_set,
-        "turns": len(recs),
-        "questions": len({r["question_id"] for r in recs}),
-        "tau": tau(recs),
-        "tau_ci_low": lo,
-        "tau_ci_high": hi,
-        "source": a.source,
-        "note": a.note,
-    }
-    if trained.get("tau", {}).get(str(k)) is not None:  # what eyas train measured on its own prompts
-        entry["training_tau"] = trained["tau"][str(k)]
-    if engine:
-        entry["engine"] = engine
-    rows = json.loads(SUMMARY.read_text()) if SUMMARY.is_file() else []
-    rows = [r for r in rows if not (r["name"] == a.name and r["k"] == k and r["prompt_set"] == a.prompt_set)]
-    SUMMARY.write_text(json.dumps(rows + [entry], indent=1) + "\n")
-    print(json.dumps(entry, indent=1))
+    row = entry(
+        recs,
+        a.name,
+        a.target,
+        a.trainer,
+        a.prompt_set,
+        a.budget_s,
+        a.steps,
+        a.data_conversations,
+        engine,
+        trained.get("tau"),
+        a.source,
+        a.note,
+    )
+    upsert([row])
+    print(json.dumps(row, indent=1))
 
 
 if __name__ == "__main__":
