@@ -171,8 +171,10 @@ def test_offline_store_equals_online_and_refuses_mismatches(tiny_target, data, t
     l_off = [r["loss"] for r in _records(tmp_path / "off")]
     assert l_on == pytest.approx(l_off, rel=1e-4, abs=1e-5)
     w_on, w_off = load_file(str(on / "model.safetensors")), load_file(str(off / "model.safetensors"))
+    # the store's and the online features' fp32 rounding differ: after 4 steps a few weights differ
+    # by up to about 1.5e-4 with wsd's held peak (under 1e-4 with cosine)
     for k in w_on:
-        torch.testing.assert_close(w_on[k], w_off[k], atol=1e-4, rtol=1e-3)
+        torch.testing.assert_close(w_on[k], w_off[k], atol=3e-4, rtol=1e-3)
     # another layer set
     with pytest.raises(EyasError, match=r"layers \[1, 4, 6\].*\[2, 4, 6\]"):
         train(_cfg(tiny_target, data, tmp_path / "x1", features="offline", store=str(store), layers=[2, 4, 6]))
@@ -589,11 +591,27 @@ def test_each_schedule_warms_up_then_ends_at_the_floor_on_the_last_step(kind):
     assert all(a >= b for a, b in zip(vals[warmup:], vals[warmup + 1 :]))
     if kind == "wsd":
         assert vals[total - 20] == 1.0 and vals[total - 15] < 1.0
+    # a run too short for decay_fraction to round to a step still ends at the floor
+    short = Schedule(kind, 2, 4, floor, decay_fraction=0.2)
+    assert short(1) == 1.0 and short(3) == pytest.approx(floor)
     # a plan made later (--budget) decays from the plan's step to the new end
     g = Schedule(kind, warmup, 1 << 62, floor, decay_from=1 << 62)
     assert g(50) == 1.0
     g.plan(80, at_step=40)
     assert g(39) == 1.0 and g(79) == pytest.approx(floor) and g(78) < 1.0
+
+
+def test_a_run_resumed_with_more_steps_decays_to_its_new_end(tiny_target, data, tmp_path):
+    """--resume with a larger --max-steps: the checkpoint's scheduler state holds the shorter run's
+    length, and the LR follows the longer run's schedule from there, as if it had been planned so."""
+    full = train(_cfg(tiny_target, data, tmp_path / "full", max_steps=6, warmup=2, save_every=0, eval_every=0))
+    train(_cfg(tiny_target, data, tmp_path / "run", max_steps=3, warmup=2, save_every=3, eval_every=0))
+    run = train(
+        _cfg(tiny_target, data, tmp_path / "run", max_steps=6, warmup=2, save_every=3, eval_every=0, resume=True)
+    )
+    lr_full = [r["lr"] for r in _records(full.parent)]
+    assert [r["lr"] for r in _records(run.parent)] == pytest.approx(lr_full)
+    assert lr_full[-1] == pytest.approx(1e-3 * 0.1)  # _cfg's lr at the default min_lr_ratio, on the last step
 
 
 def test_a_budget_run_killed_and_resumed_keeps_its_plan(tiny_target, data, tmp_path):

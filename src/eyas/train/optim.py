@@ -52,7 +52,9 @@ class Schedule:
     def decay_start(self) -> int:
         if self.kind == "wsd" and not self.anchored:
             last = self.total - 1
-            return max(self.decay_from, last - round(self.decay_fraction * max(0, last - self.warmup)))
+            # at least one step of decay, so that the last step is at the floor even in a short run
+            decay = max(1, round(self.decay_fraction * max(0, last - self.warmup)))
+            return max(self.decay_from, last - decay)
         return self.decay_from
 
     def plan(self, total: int, at_step: int) -> None:
@@ -142,6 +144,16 @@ def schedule(optim: "torch.optim.Optimizer | Optimizers", fn: Callable[[int], fl
     if isinstance(optim, Optimizers):
         return Schedules(optim, fn)
     return torch.optim.lr_scheduler.LambdaLR(optim, fn)
+
+
+def reapply(sched, fn: Callable[[int], float]) -> None:
+    """Set each parameter group's LR to ``fn`` at ``sched``'s current step (a LambdaLR or
+    :class:`Schedules`). Resuming restores the rates the checkpoint's run set, which after a change of
+    the schedule (a resumed run of another length) are the old schedule's until the next step."""
+    for s in getattr(sched, "scheds", [sched]):
+        for g, base in zip(s.optimizer.param_groups, s.base_lrs):
+            g["lr"] = base * fn(s.last_epoch)
+        s._last_lr = [g["lr"] for g in s.optimizer.param_groups]  # what get_last_lr() reports
 
 
 def build(

@@ -298,6 +298,9 @@ class Trainer:
             self.sched.load_state_dict(resumed["scheduler"])  # with a --budget run's plan
             if self.lr_schedule.planned_at is not None:
                 self.total = self.lr_schedule.total
+            else:  # the checkpoint's state holds its run's length: decay to this run's end instead
+                self.lr_schedule.total = self.total
+                optim_mod.reapply(self.sched, self.lr_schedule)
             ckpt.check_resume_step(resumed, self.total)
             self.start = int(resumed["trainer"]["step"])
             if resumed["rng"] is not None:
