@@ -68,6 +68,28 @@ step() {  # step NAME CMD...: run, time, record
 # PIPE_CONFIG: the pipeline config of the pipeline, replay and fp32 steps (default
 # configs/smollm2-h200.yaml); its workdir and target name say where the runs and kept answers lie
 PIPE_CONFIG=${PIPE_CONFIG:-configs/smollm2-h200.yaml}
+# PIPE_SET="train.budget=5m train.tau=false": a variant of PIPE_CONFIG that fits a session's device
+# time, written beside the job (each call of one run must name the same; the pipeline resumes a run
+# only under the config it started with)
+if [ -n "${PIPE_SET:-}" ]; then
+  python3 - "$PIPE_CONFIG" "$J/pipe-config.yaml" $PIPE_SET <<'PY' || exit 2
+import sys, yaml
+src, dst, *sets = sys.argv[1:]
+cfg = yaml.safe_load(open(src))
+for item in sets:
+    key, eq, value = item.partition("=")
+    *path, last = key.split(".")
+    node = cfg
+    for part in path:
+        node = node.setdefault(part, {})
+    if not eq or not isinstance(node, dict):
+        raise SystemExit(f"PIPE_SET: {item!r} is not SECTION.KEY=VALUE of {src}")
+    node[last] = yaml.safe_load(value)
+yaml.safe_dump(cfg, open(dst, "w"), sort_keys=False)
+print(f"pipeline config: {src} with {' '.join(sets)}")
+PY
+  PIPE_CONFIG=$J/pipe-config.yaml
+fi
 read -r PIPE_W TNAME < <(python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); print(c['workdir'], c['target'])" "$PIPE_CONFIG")
 
 # the builtin and both steps share one --out and these settings, so both resumes builtin's records
@@ -128,7 +150,7 @@ case $STEP in
     ( cd "$W" && tar -czf "$OUT/pipeline.tgz" --exclude='*.safetensors' --exclude='*.pt' \
         --exclude='checkpoints' --exclude='draft-vllm' pipeline-config.json pipeline-timings.json \
         prepared/manifest.json prepared/regenerate.json prepared/regenerate-vllm*.log train/summary.json \
-        train/metrics.jsonl train/*.png train/draft/*.json export-vllm/*.json eval 2>/dev/null )
+        train/metrics.jsonl train/*.png train/draft/*.json export-vllm/*.json export-vllm/README.md eval 2>/dev/null )
     # vLLM's compile cache, for the next session's first engine (a cold start compiles for minutes):
     # carry it back in .carry/vllm-cache/ with c2; vllm_setup.sh restores it
     if [ -d /root/.cache/vllm/torch_compile_cache ]; then

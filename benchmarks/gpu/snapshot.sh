@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Freeze the committed code for a series of device calls: .carry/snap = `git archive HEAD` of
-# src/ and benchmarks/. Carry it once, then `source benchmarks/gpu/use_snapshot.sh` in every call:
+# src/, benchmarks/ and configs/. Carry it once, then `source benchmarks/gpu/use_snapshot.sh` in every call:
 # all calls of one benchmark then run the same commit, whatever is being edited here meanwhile.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rm -rf .carry/snap && mkdir -p .carry/snap
 # code only: the recorded results (benchmarks/quality/h200*) would only eat the call's 64 MiB
-git archive HEAD src benchmarks ':(exclude)benchmarks/quality/h200*' | tar -x -C .carry/snap
+git archive HEAD src benchmarks configs ':(exclude)benchmarks/quality/h200*' | tar -x -C .carry/snap
 git rev-parse HEAD > .carry/snap/COMMIT
 echo "snapshot of $(cat .carry/snap/COMMIT) in .carry/snap ($(du -sh .carry/snap | cut -f1))"
