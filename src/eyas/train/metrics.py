@@ -212,7 +212,9 @@ def plot_losses(run_dir: Path) -> Path | None:
 
 
 def plot_tau(run_dir: Path) -> Path | None:
-    """tau.png: tau measured by replay while training (--tau) against training time, one line per k."""
+    """tau.png: tau measured by replay while training (--tau) against training time, one line per k,
+    and the learning rate beside it: a draft measured before the decay is not yet annealed, so its
+    tau is below what a run planned to end there gives."""
     try:
         import matplotlib
 
@@ -234,8 +236,21 @@ def plot_tau(run_dir: Path) -> Path | None:
         ylabel="tau (replay, greedy)",
         title=f"tau while training: {tau[-1]['turns']} turns of {Path(tau[-1]['prompts']).parent.name}",
     )
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
+    train = [r for r in recs if r["split"] == "train" and r.get("lr") is not None]
+    if train:
+        import numpy as np
+
+        # steps to training time through the tau records' (step, train_s) pairs
+        at_step = [0] + [r["step"] for r in tau]
+        at_s = [0.0] + [r["train_s"] / 60 for r in tau]
+        lr_ax = ax.twinx()
+        lr_ax.plot(
+            np.interp([r["step"] for r in train], at_step, at_s), [r["lr"] for r in train], color="0.6", lw=1, ls="--"
+        )
+        lr_ax.set_ylabel("learning rate (dashed)", color="0.4")
+        lr_ax.set_ylim(bottom=0)
     fig.tight_layout()
     out = run_dir / "tau.png"
     tmp = run_dir / ".tau.tmp.png"
