@@ -15,6 +15,7 @@ TOKEN = 100  # an ordinary token of tests/tiny.py's tokenizer (no stop token)
 
 TOKENS_PER_S: dict[tuple[int | None, int], float] = {}
 STARTED: list[int | None] = []  # the k of each engine started (None: without the draft)
+OPTIONS: list[dict[str, Any]] = []  # the speculative options each engine started with
 TIMED: list[dict[str, Any]] = []  # each speed point: k, concurrency, min_seconds, min_waves
 
 
@@ -30,9 +31,11 @@ class FakeVllmEngine:
         seed: int = 0,
         log_path=None,
         kv_cache_gib: int = 2,
+        speculative_options=None,
     ):
         self.k = k if draft_dir is not None else None
         STARTED.append(self.k)
+        OPTIONS.append(dict(speculative_options or {}))
         self.info = {"vllm": "fake-0.0", "load_seconds": 0.0}
 
     def stream(self, items, max_tokens: int, temperature: float, low_water: int) -> list[dict[str, Any]]:
@@ -87,6 +90,7 @@ def use(monkeypatch, tokens_per_s: dict[tuple[int | None, int], float]) -> None:
     TOKENS_PER_S.clear()
     TOKENS_PER_S.update(tokens_per_s)
     STARTED.clear()
+    OPTIONS.clear()
     TIMED.clear()
     monkeypatch.setattr(vm, "VllmEngine", FakeVllmEngine)
     monkeypatch.setattr(vm, "find_vllm_python", lambda spec=None: Path("/fake/vllm/python"))

@@ -183,6 +183,70 @@ def test_a_rerun_starts_no_engine_and_a_longer_minimum_times_again(drafted, eval
     assert longer["vllm"]["best_k"]["1"] == {"k": 3, "speedup": pytest.approx(2.5), "pays": True}
 
 
+def test_speculative_options_reach_the_engine_the_report_and_the_card(drafted, evaluated, tmp_path, monkeypatch):
+    """--speculative-options: every draft engine gets them (the one without the draft does not), the
+    records of the default run are not mixed with them, the report records them and the export's
+    serve line carries them next to the best k."""
+    from eyas.export.cli import register
+
+    target, work = drafted
+    _, first, qfile = evaluated
+    out, draft = tmp_path / "eval", work / "run" / "draft"
+    fake_vllm.use(monkeypatch, SPEEDS)
+    options = {"enforce_eager": True, "disable_padded_drafter_batch": True}
+    shutil.copytree(first, tmp_path / "default")
+    with pytest.raises(EyasError, match="speculative_options differ"):
+        _evaluate(target, draft, qfile, tmp_path / "default", speculative_options=options)
+    fake_vllm.use(monkeypatch, SPEEDS)
+    reports = _evaluate(target, draft, qfile, out, speculative_options=options)
+    assert fake_vllm.STARTED == [2, None, 1, 3]
+    assert fake_vllm.OPTIONS == [options, {}, options, options]
+    saved = json.loads((out / "vllm" / "report.json").read_text())
+    assert saved["speculative_options"] == options and reports["vllm"]["best_k"]["1"]["k"] == 2
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    res = CliRunner().invoke(
+        app,
+        [
+            "export",
+            str(_card_draft(drafted, tmp_path)),
+            "--out",
+            str(tmp_path / "exp"),
+            "--speed-report",
+            str(out / "vllm" / "report.json"),
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    config = json.loads(_serve_line((tmp_path / "exp" / "README.md").read_text())[4])
+    assert config == {
+        "method": "eagle3",
+        "model": str((tmp_path / "exp").resolve()),
+        "num_speculative_tokens": 2,
+        **options,
+    }
+
+
+def test_speculative_options_eyas_sets_itself_are_refused(tmp_path):
+    from eyas.cli import app
+
+    res = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            "--draft",
+            str(tmp_path),
+            "--engine",
+            "vllm",
+            "--speculative-options",
+            "enforce_eager=true,model=x",
+        ],
+    )
+    assert res.exit_code != 0 and "--speculative-options model: eyas sets these itself" in str(res.exception)
+    res = CliRunner().invoke(app, ["evaluate", "--draft", str(tmp_path), "--speculative-options", "enforce_eager"])
+    assert res.exit_code != 0 and "expected key=value pairs" in res.output + str(res.exception)
+
+
 def test_best_k_from_the_reports_of_each_k():
     """:func:`serving_summary` on the reports `build_report` makes: the highest ratio per
     concurrency, the smaller k on a tie, unpaid where none is above 1."""

@@ -116,6 +116,28 @@ def test_vllm_0_16_refuses_head_options_it_would_ignore(setup, tmp_path):
         VllmEngine(vllm_python("0.16.0"), target.path, export, k=K, dtype="float32")
 
 
+def test_vllm_0_32_takes_speculative_options_and_refuses_unknown_ones(setup, tmp_path):
+    """--speculative-options reach vLLM's speculative config: a key this vLLM does not have is refused
+    before anything loads, naming it and the version; a value vLLM itself rejects (a draft tensor
+    parallel size the target's does not allow) comes back with vLLM's own reason."""
+    from eyas.errors import EyasError
+
+    target, _, exports, _ = setup
+    py = vllm_python("0.32.0")
+    with pytest.raises(EyasError, match=r"no_such_option: vLLM 0\.32\.0's speculative config has no such key"):
+        VllmEngine(py, target.path, exports["vllm"], k=K, dtype="float32", speculative_options={"no_such_option": 1})
+    with pytest.raises(EyasError, match=r"draft_tensor_parallel_size=2 cannot be other value than 1"):
+        VllmEngine(
+            py,
+            target.path,
+            exports["vllm"],
+            k=K,
+            dtype="float32",
+            log_path=tmp_path / "tp.log",
+            speculative_options={"draft_tensor_parallel_size": 2},
+        )
+
+
 def _served_equals_builtin(py, target, draft_dir, export, prompts, tmp_path):
     plain = _run_vllm(py, target.path, None, prompts, tmp_path / "plain.log")
     spec, streamed = _run_vllm(py, target.path, export, prompts, tmp_path / "spec.log", streamed=True)

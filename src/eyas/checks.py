@@ -92,6 +92,37 @@ def int_list(flag: str, example: str) -> Callable[[Any], list[int]]:
     return parse
 
 
+def key_values(flag: str, example: str) -> Callable[[Any], dict[str, Any]]:
+    """The parser of ``flag``'s ``key=value`` pairs separated by commas, each value read as a bool,
+    int or float where it is one, else kept as text (a YAML mapping passes as it is)."""
+
+    def parse(text: str | dict[str, Any] | None) -> dict[str, Any]:
+        if text is None or isinstance(text, dict):
+            return dict(text or {})
+        out: dict[str, Any] = {}
+        for part in text.split(","):
+            if not part.strip():
+                continue
+            if "=" not in part:
+                raise EyasError(f"{flag} {text!r}: expected key=value pairs separated by commas, e.g. {example}")
+            k, v = (x.strip() for x in part.split("=", 1))
+            out[k] = _scalar(v)
+        return out
+
+    return parse
+
+
+def _scalar(v: str) -> Any:
+    if v.lower() in ("true", "false"):
+        return v.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(v)
+        except ValueError:
+            pass
+    return v
+
+
 class _Mismatch(Exception):
     pass
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from eyas.checks import at_least, int_list
+from eyas.checks import at_least, int_list, key_values
 from eyas.evaluate.prompts import DEFAULT_PROMPTS
 from eyas.settings import setting
 
@@ -14,6 +14,8 @@ from eyas.settings import setting
 Engine = Literal["builtin", "vllm", "both", "replay"]  # both: builtin, then vllm, compared
 EngineName = Literal["builtin", "vllm", "replay"]  # the keys of eyas.evaluate.engines.ENGINES
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# the keys of vLLM's speculative config that eyas fills in, and from what
+EYAS_SPECULATIVE_KEYS = {"method": "eagle3", "model": "the export", "num_speculative_tokens": "-k / --also-k"}
 
 
 @dataclass(kw_only=True)
@@ -124,13 +126,30 @@ class EvaluateConfig:
         "requests until at least this many seconds of generation and at least 3 waves.",
         check=at_least(0, "seconds of generation per serving-speed point", "0 times 3 waves only"),
     )
+    speculative_options: dict[str, Any] = setting(
+        {},
+        "vllm: more keys of vLLM's --speculative-config for the draft's engine, e.g. "
+        "'enforce_eager=true' or 'disable_padded_drafter_batch=true' (what vLLM's SpeculativeConfig "
+        "of the installed version takes); recorded in the report, and in the serve line of the "
+        "export's model card.",
+        "--speculative-options",
+        parse=key_values("--speculative-options", "enforce_eager=true"),
+        cli_type=str,
+    )
     progress: bool = setting(True, "Show the progress bar.", "--progress/--quiet")
 
     def __post_init__(self) -> None:
         from eyas.checks import check_dataclass
+        from eyas.errors import EyasError
 
         check_dataclass(self, "evaluate")
         check_k(self.k, self.also_k, self.max_new_tokens, "evaluate: ")
+        own = sorted(set(self.speculative_options) & set(EYAS_SPECULATIVE_KEYS))
+        if own:
+            raise EyasError(
+                f"evaluate: --speculative-options {', '.join(own)}: eyas sets these itself "
+                f"({EYAS_SPECULATIVE_KEYS[own[0]]}); leave them out"
+            )
 
 
 def check_k(

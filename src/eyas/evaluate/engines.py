@@ -188,6 +188,8 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     # per-request acceptance read from the tokens per engine step, each stop round whole; records
     # of the older one-request-at-a-time reading are not mixed with these
     settings = {**ctx.settings, "acceptance_from": "engine steps"}
+    if cfg.speculative_options:  # another engine: its answers and speeds are not the default one's
+        settings["speculative_options"] = cfg.speculative_options
     k, plain, concurrency = cfg.k, ctx.plain_speed, list(cfg.speed_concurrency)
     python = find_vllm_python(cfg.vllm)
     # the speed prompts come from the whole prompt file, so --max-prompts limits the acceptance run only
@@ -216,7 +218,14 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
             )
     exported = Path(cfg.vllm_draft) if cfg.vllm_draft is not None else _export_for_vllm(cfg, ctx)
     with VllmEngine(
-        python, ctx.target.path, exported, k=k, dtype=ctx.dtype, seed=cfg.seed, log_path=ctx.out / "vllm.log"
+        python,
+        ctx.target.path,
+        exported,
+        k=k,
+        dtype=ctx.dtype,
+        seed=cfg.seed,
+        log_path=ctx.out / "vllm.log",
+        speculative_options=cfg.speculative_options,
     ) as eng:
         pool = VllmPool(
             eng, k, cfg.temperature, cfg.seed, ctx.tokenizer, cfg.max_new_tokens, ctx.stop_ids, cfg.in_flight
@@ -262,6 +271,7 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
         "vllm_version": info.get("vllm"),
         "vllm_python": str(python),
         "exported_draft": str(exported),
+        "speculative_options": cfg.speculative_options,
         "in_flight": cfg.in_flight,
         # requests of this run compared with vLLM's own per-request acceptance (0.31+)
         "vllm_own_acceptance": {"compared": pool.checked, "differed": pool.disagreed},

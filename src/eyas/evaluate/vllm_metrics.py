@@ -48,11 +48,13 @@ class VllmEngine:
         seed: int = 0,
         log_path: Path | None = None,
         kv_cache_gib: int = 2,
+        speculative_options: dict[str, Any] | None = None,
     ):
         self.opts = {
             "target": str(Path(target_dir).resolve()),
             "draft": str(Path(draft_dir).resolve()) if draft_dir else None,
             "k": k,
+            "speculative_options": dict(speculative_options or {}),
             "dtype": dtype,
             "max_model_len": max_model_len,
             "seed": seed,

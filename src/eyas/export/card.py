@@ -114,7 +114,11 @@ def card_text(
     lines += ["", "## Acceptance length (tau) per k", "", *_tau_lines(draft_dir, report)]
     lines += ["", "## Serving speed (vLLM, output tokens/s)", "", *_speed_lines(report, report_path)]
     k, why = _serving_k(export, report)
-    config = json.dumps({"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k})
+    # the vLLM settings the speeds were measured with are part of what was measured
+    options = (report or {}).get("speculative_options") or {}
+    config = json.dumps(
+        {"method": "eagle3", "model": str(Path(export_dir).resolve()), "num_speculative_tokens": k, **options}
+    )
     lines += [
         "",
         "## Serve it",
@@ -123,7 +127,8 @@ def card_text(
         f"vllm serve {shlex.quote(str(verifier))} --speculative-config {shlex.quote(config)}",
         "```",
         "",
-        f"k = {k}: {why}.",
+        f"k = {k}: {why}."
+        + (f" The other keys are those the serving speed was measured with ({', '.join(options)})." if options else ""),
         "",
     ]
     return "\n".join(lines)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from eyas.checks import Range, at_least, fraction, int_list, positive, seconds
+from eyas.checks import Range, at_least, fraction, int_list, key_values, positive, seconds
 from eyas.errors import EyasError
 from eyas.evaluate.prompts import DEFAULT_PROMPTS
 from eyas.settings import setting
@@ -33,26 +33,8 @@ EXPERIMENTAL = {
 EXPERIMENTAL_HEAD = {"fc_norm", "norm_before_fc", "norm_output"}  # --draft-config keys (same measurement)
 
 
-def parse_draft_config(text: str | None) -> dict[str, Any]:
-    """--draft-config 'intermediate_size=2048,fc_norm=true' -> dict of ints/floats/bools."""
-    out: dict[str, Any] = {}
-    for part in (text or "").split(","):
-        if not part.strip():
-            continue
-        if "=" not in part:
-            raise EyasError(f"--draft-config {text!r}: expected key=value pairs separated by commas")
-        k, v = (x.strip() for x in part.split("=", 1))
-        if v.lower() in ("true", "false"):
-            out[k] = v.lower() == "true"
-            continue
-        try:
-            out[k] = int(v)
-        except ValueError:
-            try:
-                out[k] = float(v)
-            except ValueError:
-                out[k] = v
-    return out
+# --draft-config 'intermediate_size=2048,fc_norm=true' -> dict of ints/floats/bools
+parse_draft_config = key_values("--draft-config", "intermediate_size=2048,rope_theta=1e6")
 
 
 def _layers(text: str | None) -> list[int] | None:

@@ -220,9 +220,14 @@ class WorkerProcess:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def failure(self) -> str:
-        """The telling lines of the log: its last error lines, else its tail."""
+        """The telling lines of the log: its last error lines and the few after the last of them
+        (where an exception's message goes on, as pydantic's validation errors of vLLM's config
+        do), else its tail."""
         if not self._log.closed:
             self._log.flush()
         lines = self.log_path.read_text(errors="replace").splitlines()
-        errs = [ln for ln in lines if "Error" in ln or "error:" in ln][-6:]
-        return "\n".join(errs or lines[-15:])
+        errs = [i for i, ln in enumerate(lines) if "Error" in ln or "error:" in ln]
+        if not errs:
+            return "\n".join(lines[-15:])
+        after = [ln for ln in lines[errs[-1] + 1 : errs[-1] + 4] if ln.strip()]
+        return "\n".join([lines[i] for i in errs[-6:]] + after)

@@ -173,6 +173,21 @@ def per_request_metrics_option(EngineArgs):
     return {"per_request_spec_decode_metrics": "detailed"} if "per_request_spec_decode_metrics" in names else {}
 
 
+def speculative_fields() -> set[str]:
+    """The keys vLLM's ``SpeculativeConfig`` takes (empty where this vLLM does not say)."""
+    import dataclasses
+
+    try:
+        from vllm.config import SpeculativeConfig
+    except ImportError:
+        return set()
+    return (
+        {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        if dataclasses.is_dataclass(SpeculativeConfig)
+        else set()
+    )
+
+
 def main(job_path: str) -> None:
     channel = Channel()
     opts = read_job(job_path)
@@ -209,7 +224,22 @@ def main(job_path: str) -> None:
     if opts.get("max_model_len"):
         kwargs["max_model_len"] = opts["max_model_len"]
     if opts.get("draft"):
-        kwargs["speculative_config"] = {"method": "eagle3", "model": opts["draft"], "num_speculative_tokens": opts["k"]}
+        extra = opts.get("speculative_options") or {}
+        unknown = sorted(set(extra) - speculative_fields())
+        if unknown and speculative_fields():
+            channel.reply(
+                {
+                    "error": f"--speculative-options {', '.join(unknown)}: vLLM {vllm.__version__}'s "
+                    f"speculative config has no such key; it takes {', '.join(sorted(speculative_fields()))}"
+                }
+            )
+            return
+        kwargs["speculative_config"] = {
+            "method": "eagle3",
+            "model": opts["draft"],
+            "num_speculative_tokens": opts["k"],
+            **extra,
+        }
         kwargs.update(per_request_metrics_option(EngineArgs))
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
