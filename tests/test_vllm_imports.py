@@ -24,6 +24,9 @@ WORKER = SRC / "vllm" / "worker"
 ALLOWED_VLLM: dict[str, set[str | None]] = {
     # EngineArgs: only its dataclass fields are read, to detect options a version has
     "vllm": {None, "LLM", "SamplingParams", "EngineArgs", "__version__"},
+    # the dataclass behind --speculative-config (vLLM's config reference documents it): only its
+    # fields are read, to name the keys a version takes when --speculative-options has another
+    "vllm.config": {"SpeculativeConfig"},
     # the type of SamplingParams' documented output_kind field (regeneration asks for FINAL_ONLY)
     "vllm.sampling_params": {"RequestOutputKind"},
     # the stock hidden-states connector we subclass for CPU, and its public file helpers
