@@ -85,6 +85,10 @@ class Optimizers:
     def __init__(self, optims: list[torch.optim.Optimizer]):
         self.optims = optims
 
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.optims for g in o.param_groups]
+
     def step(self) -> None:
         for o in self.optims:
             o.step()
@@ -116,9 +120,6 @@ class Schedules:
     def step(self) -> None:
         for s in self.scheds:
             s.step()
-
-    def get_last_lr(self) -> list[float]:
-        return self.scheds[0].get_last_lr()
 
     def state_dict(self) -> dict[str, Any]:
         return {"schedulers": [s.state_dict() for s in self.scheds]}
@@ -153,7 +154,6 @@ def reapply(sched, fn: Callable[[int], float]) -> None:
     for s in getattr(sched, "scheds", [sched]):
         for g, base in zip(s.optimizer.param_groups, s.base_lrs):
             g["lr"] = base * fn(s.last_epoch)
-        s._last_lr = [g["lr"] for g in s.optimizer.param_groups]  # what get_last_lr() reports
 
 
 def build(

@@ -472,7 +472,7 @@ class Trainer:
         per_step = _reduce_stats(step_stats, self.dist, device).view(3, -1, cfg.ttt_steps).sum(1)  # [3, K]
         # torch.full, not torch.tensor: a fill kernel, where a copy of a host scalar would wait
         totals = self.dist.all_sum(torch.stack([loss_acc, torch.full((), float(step_tokens), device=device)]))
-        lr = self.sched.get_last_lr()[0]  # the rate this step applies
+        lr = self.optim.param_groups[0]["lr"]  # the rate this step applies
         finite = self.guard.step(totals[0], parallel.local_norm(grad_norm))  # optim.step() unless non-finite
         self.sched.step()
         self.optim.zero_grad(set_to_none=True)

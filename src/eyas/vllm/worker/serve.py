@@ -225,12 +225,13 @@ def main(job_path: str) -> None:
         kwargs["max_model_len"] = opts["max_model_len"]
     if opts.get("draft"):
         extra = opts.get("speculative_options") or {}
-        unknown = sorted(set(extra) - speculative_fields())
-        if unknown and speculative_fields():
+        known = speculative_fields()
+        unknown = sorted(set(extra) - known)
+        if unknown and known:
             channel.reply(
                 {
                     "error": f"--speculative-options {', '.join(unknown)}: vLLM {vllm.__version__}'s "
-                    f"speculative config has no such key; it takes {', '.join(sorted(speculative_fields()))}"
+                    f"speculative config has no such key; it takes {', '.join(sorted(known))}"
                 }
             )
             return
