@@ -50,3 +50,18 @@ def test_a_stopped_worker_leaves_no_process_of_its_own_behind(tmp_path, how):
         time.sleep(0.05)
     assert proc.poll() is not None
     assert not [c for c in children if _alive(c)], "the worker's children outlived it"
+
+
+def test_a_resumed_worker_keeps_the_last_runs_log_beside_its_own(tmp_path):
+    """A worker started again with the same log (a run resumed after a time limit) moves the earlier
+    log to NAME.prev, so what the stopped engine did is not overwritten; the new log starts empty."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho second run >&2\n")
+    fake.chmod(0o755)
+    log = tmp_path / "worker.log"
+    log.write_text("first run, stopped at its time limit\n")
+    proc = WorkerProcess(fake, "serve", {}, tmp_path / "work", log, interactive=False)
+    proc.proc.wait(10)
+    proc.stop()
+    assert (tmp_path / "worker.log.prev").read_text() == "first run, stopped at its time limit\n"
+    assert log.read_text() == "second run\n"

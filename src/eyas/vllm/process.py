@@ -109,6 +109,15 @@ def engine_env(
     return env
 
 
+def keep_previous(log_path: Path) -> Path:
+    """``log_path``, its last run's log (a run stopped by a time limit, resumed now) moved aside to
+    ``NAME.prev`` first: what the earlier engine did (its start, where it stopped) outlives the
+    resume. One generation is kept."""
+    if log_path.is_file() and log_path.stat().st_size:
+        log_path.replace(log_path.with_name(log_path.name + ".prev"))
+    return log_path
+
+
 class WorkerProcess:
     """One worker-package module running in the vLLM interpreter ``python`` (see the module doc)."""
 
@@ -131,7 +140,7 @@ class WorkerProcess:
         pkg_root = install_worker(self.work / "pkg")
         job_path = self.work / "job.json"
         job_path.write_text(json.dumps(job, indent=1))
-        self._log = open(self.log_path, "w")
+        self._log = open(keep_previous(self.log_path), "w")
         pipe = subprocess.PIPE if interactive else None
         self.proc = subprocess.Popen(
             [str(python), "-m", f"{PKG}.{module}", str(job_path)],
