@@ -4,7 +4,10 @@ without the draft, and their ratio), the best k per target and concurrency, and 
 run was (draft, vLLM, machine, prompts, the minimum waves and seconds per point).
 
 The rows are copied from each evaluation's OUT/vllm/report.json (its ``serving_speed_by_k`` and
-``best_k``); nothing is measured here. A target already in the file is replaced by the new run.
+``best_k``); nothing is measured here. A run cut short before its summary (a time limit between two
+k) still counts for the k it finished: their reports (OUT/vllm/ and OUT/k<N>/vllm/) are put side by
+side the way `eyas evaluate` would have, and the run is marked ``partial`` with the k it has. A
+target already in the file is replaced by the new run.
 
     python scripts/serving_speed.py EVAL_DIR [EVAL_DIR ...]          # into benchmarks/serving_speed.json
     python scripts/serving_speed.py --out FILE EVAL_DIR [EVAL_DIR ...]
@@ -30,8 +33,11 @@ def run_of(eval_dir: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any], d
     """(target, rows, best k, what the run was) of one evaluation."""
     path = Path(eval_dir) / "vllm" / "report.json"
     rep = json.loads(path.read_text())
+    partial = None
     if not rep.get("serving_speed_by_k"):
-        sys.exit(f"{path}: no serving_speed_by_k; evaluate with --engine vllm --speed-concurrency 1,8,32")
+        rep, partial = finished_ks(Path(eval_dir), rep)
+        if not rep.get("serving_speed_by_k"):
+            sys.exit(f"{path}: no serving speed; evaluate with --engine vllm --speed-concurrency 1,8,32")
     target = rep.get("target_name") or rep["target"]["id"]
     speed = rep["serving_speed"]
     run = {
@@ -49,9 +55,24 @@ def run_of(eval_dir: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any], d
         "min_waves": speed.get("min_waves"),
         "min_seconds": speed.get("min_seconds"),
         "tau_by_k": rep.get("tau_by_k"),
+        **({"partial": {"k_measured": partial}} if partial else {}),
     }
     rows = [{"target": target, **r} for r in rep["serving_speed_by_k"]]
     return target, rows, rep.get("best_k") or {}, run
+
+
+def finished_ks(eval_dir: Path, rep: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    """The summary `eyas evaluate` writes once every k is done, made from the k that were: the -k
+    run's report and each OUT/k<N>/vllm/report.json with serving speed (the -k run's plain baseline
+    is theirs too). Returns the report with that summary and the k measured."""
+    from eyas.evaluate.report import serving_summary
+
+    by_k = {rep["num_speculative_tokens"]: rep} if (rep.get("serving_speed") or {}).get("plain") else {}
+    for sub in sorted(eval_dir.glob("k*/vllm/report.json")):
+        other = json.loads(sub.read_text())
+        if (other.get("serving_speed") or {}).get("draft"):
+            by_k[other["num_speculative_tokens"]] = other
+    return {**rep, **serving_summary(by_k)}, sorted(by_k)
 
 
 def merge(table: dict[str, Any], eval_dirs: list[Path]) -> dict[str, Any]:

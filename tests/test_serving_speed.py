@@ -405,6 +405,33 @@ def test_the_benchmark_table_takes_the_rows_of_each_targets_run(evaluated, tmp_p
     assert got["runs"][target]["min_waves"] == 3 and got["runs"][target]["min_seconds"] == 0.5
 
 
+def test_the_benchmark_table_keeps_the_ks_of_a_run_cut_short(evaluated, tmp_path):
+    """A run stopped after some k (no summary in OUT/vllm/report.json yet) gives the rows of the k it
+    finished, the same as the full run's for those k, and says which k it has."""
+    import subprocess
+    import sys
+
+    _, out_eval, _ = evaluated
+    cut = tmp_path / "eval"
+    shutil.copytree(out_eval, cut)
+    shutil.rmtree(cut / "k3")  # the run stopped during k=3
+    rep_path = cut / "vllm" / "report.json"
+    full = json.loads(rep_path.read_text())
+    for key in ("serving_speed_by_k", "best_k", "tau_by_k", "step_cost"):
+        full.pop(key)
+    rep_path.write_text(json.dumps(full))
+    table = tmp_path / "serving_speed.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "serving_speed.py"
+    res = subprocess.run([sys.executable, str(script), "--out", str(table), str(cut)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(table.read_text())
+    whole = json.loads((out_eval / "vllm" / "report.json").read_text())
+    target = whole["target_name"]
+    assert got["rows"] == [{"target": target, **r} for r in whole["serving_speed_by_k"] if r["k"] != 3]
+    assert got["runs"][target]["partial"] == {"k_measured": [1, 2]}
+    assert got["best_k"][target]["1"]["k"] == 2  # k=3 not measured; k=2 was the best anyway
+
+
 def test_step_cost_splits_a_step_into_its_fixed_part_and_the_drafts():
     """Serving speeds made from a known cost model (a plain step of 10 ms; a speculative one of
     12 ms + 1.5 ms per draft token) give that model back, and the tau each k needs to pay."""
