@@ -35,7 +35,7 @@
 #   replay   after pipeline: eyas evaluate --engine replay on the pipeline's draft, the full MT-bench at k=5
 #            and every k from 1 to 7 from the same pass, compared turn by turn with the pipeline's builtin
 #            k=5 records (benchmarks/replay_vs_builtin.py --builtin-from): the replay engine on CUDA in bf16
-# What comes back in $OUT: log.txt (this call), steps.tsv (every step so far: name, rc, seconds),
+# What comes back in $OUT: log.txt (this call, progress bars included), steps.tsv (every step so far: name, rc, seconds),
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
 STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay}
@@ -43,7 +43,9 @@ cd "$(dirname "$0")/../.."
 REPO=$PWD
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log.txt") 2>&1
+# all of it into log.txt; the console (the call's reply) without progress bars, which would fill it
+# and take long to read while the machine waits for the next call
+exec > >(tee -a "$OUT/log.txt" | tr '\r' '\n' | grep --line-buffered -v -E '%\||\[[0-9]{2}:[0-9]{2}[<,]') 2>&1
 source benchmarks/gpu/setup.sh
 cd "$REPO"
 source benchmarks/gpu/vllm_setup.sh
@@ -151,12 +153,16 @@ case $STEP in
         --exclude='checkpoints' --exclude='draft-vllm' pipeline-config.json pipeline-timings.json \
         prepared/manifest.json prepared/regenerate.json prepared/regenerate-vllm*.log train/summary.json \
         train/metrics.jsonl train/*.png train/draft/*.json export-vllm/*.json export-vllm/README.md eval 2>/dev/null )
-    # vLLM's compile cache, for the next session's first engine (a cold start compiles for minutes):
-    # carry it back in .carry/vllm-cache/ with c2; vllm_setup.sh restores it
+    # vLLM's compile cache and Triton's kernels (with the launcher it builds with gcc), for the next
+    # session's first engine (a cold start compiles for minutes): carry it back in .carry/vllm-cache/
+    # with c2; vllm_setup.sh restores it. Triton's part is left out where both exceed 30 MB.
     if [ -d /root/.cache/vllm/torch_compile_cache ]; then
-      tar -czf "$OUT/vllm-compile-cache.tgz" -C /root/.cache vllm/torch_compile_cache
-      [ "$(stat -c %s "$OUT/vllm-compile-cache.tgz")" -gt 30000000 ] && rm -f "$OUT/vllm-compile-cache.tgz" &&
-        echo "vllm compile cache over 30 MB: not brought back"
+      for parts in ".cache/vllm/torch_compile_cache .triton/cache" ".cache/vllm/torch_compile_cache"; do
+        # shellcheck disable=SC2086  # two paths when the Triton cache exists
+        tar -czf "$OUT/vllm-compile-cache.tgz" -C /root $(cd /root && ls -d $parts 2>/dev/null)
+        [ "$(stat -c %s "$OUT/vllm-compile-cache.tgz")" -le 30000000 ] && break
+        rm -f "$OUT/vllm-compile-cache.tgz" && echo "compile caches ($parts) over 30 MB: not brought back"
+      done
     fi
     ;;
   stream|fp8tau)

@@ -15,7 +15,8 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-exec > >(tee -a "$OUT/log.txt") 2>&1
+# the console without progress bars (all of it in log.txt): see gpu_job.sh
+exec > >(tee -a "$OUT/log.txt" | tr '\r' '\n' | grep --line-buffered -v -E '%\||\[[0-9]{2}:[0-9]{2}[<,]') 2>&1
 source benchmarks/gpu/use_snapshot.sh  # first: eyas is installed from this code
 source benchmarks/gpu/setup.sh
 cd "$(dirname "$0")/../.." 2>/dev/null || true
