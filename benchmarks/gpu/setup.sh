@@ -13,7 +13,8 @@
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || return 1
 export EYAS_CACHE=/root/eyas-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p /root/park "$EYAS_CACHE/gguf" "$EYAS_CACHE/data"
-for d in .carry/c*; do [ -d "$d" ] && cp -r "$d"/* /root/park/; done
+# c0..c2 and a second target's t0..tN alike (the vLLM parts v0..vN are vllm_setup.sh's)
+for d in .carry/c* .carry/t[0-9]*; do [ -d "$d" ] && cp -r "$d"/* /root/park/; done
 GGUF=$EYAS_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -s "$GGUF" ] && [ -s /root/park/smol.part00 ] && [ -s /root/park/smol.part01 ]; then
   cat /root/park/smol.part00 /root/park/smol.part01 > "$GGUF"
