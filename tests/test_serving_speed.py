@@ -183,6 +183,26 @@ def test_a_rerun_starts_no_engine_and_a_longer_minimum_times_again(drafted, eval
     assert longer["vllm"]["best_k"]["1"] == {"k": 3, "speedup": pytest.approx(2.5), "pays": True}
 
 
+def test_a_run_stopped_while_timing_the_baseline_resumes_without_the_drafts_engine(
+    drafted, evaluated, tmp_path, monkeypatch
+):
+    """The draft's answers and speed points are kept before the engine without the draft starts: a
+    run stopped there (a time limit) starts only that engine again, and ends as an uninterrupted one."""
+    target, work = drafted
+    reports, _, qfile = evaluated
+    out, draft = tmp_path / "eval", work / "run" / "draft"
+    fake_vllm.use(monkeypatch, {key: v for key, v in SPEEDS.items() if key[0] is not None})
+    with pytest.raises(KeyError):  # the baseline's engine fails at its first point
+        _evaluate(target, draft, qfile, out)
+    assert fake_vllm.STARTED == [2, None]
+    fake_vllm.use(monkeypatch, SPEEDS)
+    again = _evaluate(target, draft, qfile, out)
+    assert fake_vllm.STARTED == [None, 1, 3]  # k=2's engine is not started again
+    assert [t["k"] for t in fake_vllm.TIMED] == [None, None, 1, 1, 3, 3]
+    assert again["vllm"]["serving_speed_by_k"] == reports["vllm"]["serving_speed_by_k"]
+    assert again["vllm"]["best_k"] == reports["vllm"]["best_k"]
+
+
 def test_speculative_options_reach_the_engine_the_report_and_the_card(drafted, evaluated, tmp_path, monkeypatch):
     """--speculative-options: every draft engine gets them (the one without the draft does not), the
     records of the default run are not mixed with them, the report records them and the export's

@@ -179,10 +179,8 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     """vLLM's own speculative decoding: the records, and with ``--speed-concurrency`` the serving speed
     with the draft at each concurrency and, unless ``ctx.plain_speed`` hands it in (the -k run's),
     without."""
-    import warnings
-
     from eyas.evaluate.prompts import read_questions, render_turn
-    from eyas.evaluate.vllm_metrics import VllmEngine, VllmPool, find_vllm_python
+    from eyas.evaluate.vllm_metrics import VllmEngine, find_vllm_python
     from eyas.fsio import atomic_write_text
 
     # per-request acceptance read from the tokens per engine step, each stop round whole; records
@@ -206,16 +204,67 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     )
     prompts = [render_turn(ctx.tokenizer, q, 0, []) for q in every[: plan.get("prompts", 0)]]
     state_path = ctx.out / RUN_STATE
-    saved, speed = _saved_run(state_path, settings, concurrency, plan, plain)
-    if saved is not None:
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    state = state if state.get("settings") == settings else {}
+    saved, speed = _saved_run(state, concurrency, plan, plain)
+    answered = _answered(ctx, settings)
+
+    def keep(extra: dict[str, Any], speed: dict[str, Any] | None) -> None:
+        state = {"settings": settings, "extra": extra, "serving_speed": speed}
+        atomic_write_text(state_path, json.dumps(state, indent=1))
+
+    if saved is not None and answered:
         # every question answered and the serving speed measured by an earlier run: no engine to
         # start (a cold vLLM start is minutes on a GPU)
-        if _answered(ctx, settings):
-            records = _answer(cfg, ctx, settings, pool=lambda todo: iter(()))
-            return Answers(
-                {k: records},
-                {**saved["extra"], "serving_speed": _with_plain(speed, plain), "wall_seconds_this_run": 0.0},
+        records = _answer(cfg, ctx, settings, pool=lambda todo: iter(()))
+        return Answers(
+            {k: records},
+            {**saved["extra"], "serving_speed": _with_plain(speed, plain), "wall_seconds_this_run": 0.0},
+        )
+    if answered and speed and state.get("extra"):
+        # an earlier run answered and timed the draft, then stopped while timing serving without it:
+        # only that engine is left to start
+        records, extra, wall = _answer(cfg, ctx, settings, pool=lambda todo: iter(())), state["extra"], 0.0
+    else:
+        records, extra, wall, speed = _run_draft_engine(cfg, ctx, python, settings, concurrency, plan, prompts, speed)
+        # kept before the baseline's engine starts: a run stopped there resumes without the draft's
+        keep(extra, speed)
+    if speed and plain is None and "plain" not in speed:
+        # the same prompts without the draft, once the draft's engine is gone
+        with VllmEngine(
+            python, ctx.target.path, None, k=k, dtype=ctx.dtype, seed=cfg.seed, log_path=ctx.out / "vllm-plain.log"
+        ) as eng:
+            speed = _with_plain(
+                speed,
+                [
+                    eng.speed(prompts, cfg.max_new_tokens, ctx.stop_ids, c, cfg.speed_min_seconds, SPEED_MIN_WAVES)
+                    for c in concurrency
+                ],
+                shared=False,
             )
+    speed = _with_plain(speed, plain)
+    keep(extra, speed)
+    return Answers({k: records}, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall})
+
+
+def _run_draft_engine(
+    cfg: EvaluateConfig,
+    ctx: EngineContext,
+    python: Path,
+    settings: dict[str, Any],
+    concurrency: list[int],
+    plan: dict[str, Any],
+    prompts: list[list[int]],
+    speed: dict[str, Any] | None,
+) -> tuple[list[dict[str, Any]], dict[str, Any], float, dict[str, Any] | None]:
+    """vLLM with the draft: the questions not yet answered, then (unless ``speed`` holds them) the
+    serving speed at each concurrency. Returns the records, what the run was, its seconds of
+    answering and the serving speed."""
+    import warnings
+
+    from eyas.evaluate.vllm_metrics import VllmEngine, VllmPool
+
+    k = cfg.k
     exported = Path(cfg.vllm_draft) if cfg.vllm_draft is not None else _export_for_vllm(cfg, ctx)
     with VllmEngine(
         python,
@@ -253,20 +302,6 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
                     for c in concurrency
                 ],
             }
-    if speed and plain is None and "plain" not in speed:
-        # the same prompts without the draft, once the draft's engine is gone
-        with VllmEngine(
-            python, ctx.target.path, None, k=k, dtype=ctx.dtype, seed=cfg.seed, log_path=ctx.out / "vllm-plain.log"
-        ) as eng:
-            speed = _with_plain(
-                speed,
-                [
-                    eng.speed(prompts, cfg.max_new_tokens, ctx.stop_ids, c, cfg.speed_min_seconds, SPEED_MIN_WAVES)
-                    for c in concurrency
-                ],
-                shared=False,
-            )
-    speed = _with_plain(speed, plain)
     extra = {
         "vllm_version": info.get("vllm"),
         "vllm_python": str(python),
@@ -276,22 +311,18 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
         # requests of this run compared with vLLM's own per-request acceptance (0.31+)
         "vllm_own_acceptance": {"compared": pool.checked, "differed": pool.disagreed},
     }
-    atomic_write_text(state_path, json.dumps({"settings": settings, "extra": extra, "serving_speed": speed}, indent=1))
-    return Answers({k: records}, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall})
+    return records, extra, wall, speed
 
 
 def _saved_run(
-    state_path: Path,
-    settings: dict[str, Any],
+    saved: dict[str, Any],
     concurrency: list[int],
     plan: dict[str, Any],
     plain: list[dict[str, Any]] | None,
 ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """What an earlier run with these settings found (None: none, or its serving speed is not the one
-    this run needs), and the serving speed it measured that this run keeps."""
-    saved = json.loads(state_path.read_text()) if state_path.is_file() else {}
-    if saved.get("settings") != settings:
-        saved = {}
+    """What an earlier run with these settings found (``saved``: its state; None: none, or its
+    serving speed is not the one this run needs), and the serving speed it measured that this run
+    keeps."""
     speed = saved.get("serving_speed")
     if not concurrency:
         speed = None
