@@ -210,8 +210,8 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     answered = _answered(ctx, settings)
 
     def keep(extra: dict[str, Any], speed: dict[str, Any] | None) -> None:
-        state = {"settings": settings, "extra": extra, "serving_speed": speed}
-        atomic_write_text(state_path, json.dumps(state, indent=1))
+        found = {"settings": settings, "extra": extra, "serving_speed": speed}
+        atomic_write_text(state_path, json.dumps(found, indent=1))
 
     if saved is not None and answered:
         # every question answered and the serving speed measured by an earlier run: no engine to
