@@ -4,7 +4,7 @@ CPU side of `eyas evaluate --engine vllm` without vLLM: what eyas does with the 
 
 The stand-in answers each request with ``max_tokens`` tokens, every draft accepted (k + 1 tokens per
 engine step), and its serving speed is read from ``TOKENS_PER_S[(k, concurrency)]`` (k None: no
-draft). Every engine started and every speed point timed is recorded in ``STARTED`` / ``TIMED``.
+draft), with a draft's tokens per round over the timed requests (k + 1). Every engine started and every speed point timed is recorded in ``STARTED`` / ``TIMED``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class FakeVllmEngine:
         )
         tps = TOKENS_PER_S[(self.k, concurrency)]
         tokens = min_waves * concurrency * max_new_tokens
-        return {
+        point = {
             "concurrency": concurrency,
             "waves": min_waves,
             "requests": min_waves * concurrency,
@@ -70,6 +70,8 @@ class FakeVllmEngine:
             "seconds": tokens / tps,
             "tokens_per_s": tps,
         }
+        # every draft accepted: k + 1 tokens a round, as vLLM's counters would say
+        return point if self.k is None else {**point, "acceptance_length": float(self.k + 1)}
 
     def close(self) -> None:
         pass

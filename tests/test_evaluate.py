@@ -62,6 +62,21 @@ def test_default_mt_bench_is_in_the_repo():
     assert len(per_cat) == 16 and all(sum(q.category == c.category for q in per_cat) == 2 for c in per_cat)
 
 
+def test_categories_in_turn_spread_any_first_questions_over_every_category():
+    """The serving-speed prompts: MT-bench's first 32 questions are 3 of its 8 categories; the first
+    32 taken with categories in turn are 4 of each, and nothing is lost or repeated."""
+    from eyas.evaluate.prompts import DEFAULT_PROMPTS, categories_in_turn
+
+    qs = read_questions(DEFAULT_PROMPTS)
+    spread = categories_in_turn(qs)
+    assert sorted(q.question_id for q in spread) == sorted(q.question_id for q in qs)
+    assert len({q.category for q in qs[:32]}) < 8
+    first = spread[:32]
+    assert all(sum(q.category == c for q in first) == 4 for c in {q.category for q in qs})
+    uneven = [Question(str(i), c, ("t",)) for i, c in enumerate("aaabcc")]
+    assert [q.question_id for q in categories_in_turn(uneven)] == ["0", "3", "4", "1", "5", "2"]
+
+
 def test_the_second_prompt_set_humaneval_is_in_the_repo():
     """data/humaneval (scripts/make_humaneval_prompts.py): HumanEval's 164 stubs, one turn each."""
     from eyas.evaluate.prompts import DEFAULT_PROMPTS

@@ -74,6 +74,42 @@ def test_a_speed_point_runs_at_least_its_waves_and_its_seconds():
     assert got["tokens"] == 8 * got["waves"] and got["tokens_per_s"] == pytest.approx(got["tokens"] / got["seconds"])
 
 
+class _CountingLLM(_LLM):
+    """With vLLM's spec-decode counters: each request's wave adds ``rounds`` verification rounds and
+    ``accepted`` accepted draft tokens; the warm-up wave counts ``warmup`` times as much (a point's
+    acceptance must leave it out)."""
+
+    def __init__(self, rounds: int, accepted: int, warmup: int):
+        super().__init__(0.0)
+        self.rounds, self.accepted, self.warmup, self.count = rounds, accepted, warmup, [0, 0]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        scale = self.warmup if not self.waves else 1
+        self.count = [
+            self.count[0] + scale * self.rounds * len(prompts),
+            self.count[1] + scale * self.accepted * len(prompts),
+        ]
+        return super().generate(prompts, params, use_tqdm)
+
+    def get_metrics(self):
+        return [
+            SimpleNamespace(name="vllm:spec_decode_num_drafts", value=self.count[0]),
+            SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=self.count[1]),
+        ]
+
+
+def test_a_speed_point_with_a_draft_has_the_acceptance_of_its_timed_waves():
+    """The point's own tau (tokens per verification round) from vLLM's counters over the timed waves,
+    the warm-up wave left out; none from an engine without a draft."""
+    from eyas.vllm.worker.serve import speed
+
+    req = {"op": "speed", "prompts": [[1], [2]], "max_tokens": 4, "concurrency": 2, "min_waves": 3}
+    got = speed(_CountingLLM(rounds=4, accepted=6, warmup=5), lambda **kw: kw, req)
+    assert got["acceptance_length"] == pytest.approx(1 + 6 / 4)
+    assert "acceptance_length" not in speed(_LLM(0.0), lambda **kw: kw, req)
+    assert "acceptance_length" not in speed(_CountingLLM(rounds=0, accepted=0, warmup=1), lambda **kw: kw, req)
+
+
 # ----------------------------------------------------------- evaluate: every k, one baseline
 
 
@@ -151,6 +187,7 @@ def test_evaluate_times_every_k_against_one_baseline_and_names_the_best_k(evalua
         "tokens_per_s_draft": 300.0,
         "tokens_per_s_plain": 400.0,
         "speedup": pytest.approx(0.75),
+        "tau_timed": 4.0,  # the timed requests' own, as the stand-in accepts every draft
     }
     # every answer accepted whole by the stand-in: tau is k + 1 at each k
     assert saved["tau_by_k"] == {"1": pytest.approx(2.0), "2": pytest.approx(3.0), "3": pytest.approx(4.0)}
@@ -479,6 +516,30 @@ def test_step_cost_splits_a_step_into_its_fixed_part_and_the_drafts():
     assert need == {k: pytest.approx((fixed_ms + per_tok_ms * k) / plain_ms) for k in taus}
     (line,) = step_cost_lines({str(c): cost})
     assert "12.00 ms + 1.50 ms per draft token" in line and "k=1 1.35 (has 1.60)" in line
+
+
+def test_step_cost_takes_the_tau_of_the_timed_requests():
+    """Where a speed point carries its own tau (the timed first turns), a step's time comes from it,
+    not from the acceptance pass's tau over other prompts: the known cost model comes back only so."""
+    from eyas.evaluate.report import build_report, serving_summary
+
+    plain_ms, fixed_ms, per_tok_ms, c = 2.0, 1.5, 0.5, 1
+    timed = {2: 1.9, 3: 2.1}  # the speed prompts' tau
+    passed = {2: 2.2, 3: 2.5}  # the acceptance pass's, on all turns
+
+    def report(k):
+        step_ms = fixed_ms + per_tok_ms * k
+        point = {"concurrency": c, "tokens_per_s": 1000.0 * c * timed[k] / step_ms, "acceptance_length": timed[k]}
+        speed = {"draft": [point], "plain": [{"concurrency": c, "tokens_per_s": 1000.0 * c / plain_ms}]}
+        rec = {"category": "writing", "rounds": 10, "accepted_per_pos": [round((passed[k] - 1) * 10)] + [0] * (k - 1)}
+        return build_report([{**rec, "new_tokens": 1}], k, {"engine": "vllm", "serving_speed": speed})
+
+    summary = serving_summary({k: report(k) for k in timed})
+    cost = summary["step_cost"][str(c)]
+    assert cost["fixed_ms"] == pytest.approx(fixed_ms) and cost["per_draft_token_ms"] == pytest.approx(per_tok_ms)
+    assert [(s["tau"], s["tau_from"]) for s in cost["by_k"]] == [(1.9, "timed requests"), (2.1, "timed requests")]
+    assert summary["tau_by_k"] == {"2": pytest.approx(2.2), "3": pytest.approx(2.5)}
+    assert [r["tau_timed"] for r in summary["serving_speed_by_k"]] == [1.9, 2.1]
 
 
 def test_step_cost_without_two_k_has_no_line_fit():

@@ -238,6 +238,8 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
         assert d["waves"] == p["waves"] == 3 and d["requests"] == p["requests"] == 3 * d["concurrency"]
         assert d["seconds"] > 0 and p["seconds"] > 0
         assert d["tokens"] == p["tokens"] > 0  # greedy: the draft changes the speed, not the tokens
+        # the timed requests' own tokens per round, from vLLM's counters: with the draft only
+        assert 1.0 <= d["acceptance_length"] <= K + 1 and "acceptance_length" not in p
     assert set(sp["speedup"]) == {"1", "2"} and set(v["best_k"]) == {"1", "2"}
     assert v["vllm_version"] == "0.32.0" and len(v["per_prompt"]) == 6
     assert c["identical_outputs"] == 6  # greedy: the two engines emit the same tokens

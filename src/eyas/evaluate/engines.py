@@ -179,7 +179,7 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     """vLLM's own speculative decoding: the records, and with ``--speed-concurrency`` the serving speed
     with the draft at each concurrency and, unless ``ctx.plain_speed`` hands it in (the -k run's),
     without."""
-    from eyas.evaluate.prompts import read_questions, render_turn
+    from eyas.evaluate.prompts import categories_in_turn, read_questions, render_turn
     from eyas.evaluate.vllm_metrics import VllmEngine, find_vllm_python
     from eyas.fsio import atomic_write_text
 
@@ -190,11 +190,13 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
         settings["speculative_options"] = cfg.speculative_options
     k, plain, concurrency = cfg.k, ctx.plain_speed, list(cfg.speed_concurrency)
     python = find_vllm_python(cfg.vllm)
-    # the speed prompts come from the whole prompt file, so --max-prompts limits the acceptance run only
-    every = read_questions(Path(settings["prompts"]), None, None) if concurrency else []
+    # the speed prompts come from the whole prompt file, so --max-prompts limits the acceptance run
+    # only; their categories in turn, so that they span the file as the acceptance run does
+    every = categories_in_turn(read_questions(Path(settings["prompts"]), None, None)) if concurrency else []
     plan = (
         {
             "prompts": min(len(every), max(SPEED_PROMPTS, *concurrency)),
+            "order": "categories in turn",
             "max_new_tokens": cfg.max_new_tokens,
             "min_seconds": cfg.speed_min_seconds,
             "min_waves": SPEED_MIN_WAVES,

@@ -74,6 +74,17 @@ def read_questions(
     return out
 
 
+def categories_in_turn(questions: list[Question]) -> list[Question]:
+    """The questions with their categories taken in turn (the first of each, then the second of
+    each, ...), each category's own order kept: any first N of them span every category, where
+    MT-bench's file order (sorted by category) would give its first categories only."""
+    by_cat: dict[str, list[Question]] = {}
+    for q in questions:
+        by_cat.setdefault(q.category, []).append(q)
+    lists = list(by_cat.values())
+    return [lst[i] for i in range(max(map(len, lists), default=0)) for lst in lists if i < len(lst)]
+
+
 def _parse(obj: Any, where: str) -> Question:
     if not isinstance(obj, dict):
         raise EyasError(f"{where}: expected a JSON object with 'turns', got {type(obj).__name__}")

@@ -68,7 +68,7 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The vllm reports of each k (k -> report, each with its ``serving_speed``) side by side:
 
     - ``serving_speed_by_k``: one row per k and concurrency, output tokens/s with and without the
-      draft and their ratio (``speedup``);
+      draft, their ratio (``speedup``) and the tau of the timed requests (``tau_timed``);
     - ``best_k``: per concurrency, the k of the highest measured speedup with that speedup, and
       ``pays``: whether it is above 1 (where no k speeds serving up, the least slow is named, unpaid);
       on a tie the smaller k (fewer draft tokens to propose);
@@ -87,6 +87,8 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     "tokens_per_s_draft": with_,
                     "tokens_per_s_plain": without,
                     "speedup": with_ / without if with_ and without else None,
+                    # tokens per verification round over the timed waves (vLLM's counters), where known
+                    "tau_timed": d.get("acceptance_length"),
                 }
             )
     rows.sort(key=lambda r: (r["concurrency"], r["k"]))

@@ -1,7 +1,10 @@
 """Where serving time goes, from what `eyas evaluate --engine vllm` measures at several k.
 
 At ``c`` concurrent requests a plain decoding step yields ``c`` tokens, a speculative one ``c * tau``
-(tau counts the verified bonus token), so the measured output tokens/s give each step's time:
+(tau counts the verified bonus token), so the measured output tokens/s give each step's time. The
+tau is the timed requests' own (``tau_timed``, vLLM's counters over the timed waves) where the row
+has it: the speed prompts (first turns) are not the acceptance pass's, and their tau differs. Else,
+the acceptance pass's tau at that k:
 ``plain_ms = 1000 c / T_plain`` and ``step_ms(k) = 1000 c tau_k / T_k``. A straight line through
 ``step_ms`` over k splits a speculative step into its fixed part (the target's forward over the k+1
 tokens, scheduling and sampling; ``fixed_ms``) and the draft's share per proposed token
@@ -27,16 +30,25 @@ def step_costs(rows: list[dict[str, Any]], tau_by_k: dict[str, float]) -> dict[s
             if r["concurrency"] == c
             and r["tokens_per_s_draft"]
             and r["tokens_per_s_plain"]
-            and tau_by_k.get(str(r["k"])) is not None
+            and (r.get("tau_timed") or tau_by_k.get(str(r["k"]))) is not None
         ]
         if not mine:
             continue
         plain_ms = sum(1000.0 * c / r["tokens_per_s_plain"] for r in mine) / len(mine)
         steps = []
         for r in sorted(mine, key=lambda r: r["k"]):
-            tau = tau_by_k[str(r["k"])]
+            timed = r.get("tau_timed")
+            tau = timed or tau_by_k[str(r["k"])]
             ms = 1000.0 * c * tau / r["tokens_per_s_draft"]
-            steps.append({"k": r["k"], "step_ms": ms, "tau": tau, "breakeven_tau": ms / plain_ms})
+            steps.append(
+                {
+                    "k": r["k"],
+                    "step_ms": ms,
+                    "tau": tau,
+                    "tau_from": "timed requests" if timed else "acceptance pass",
+                    "breakeven_tau": ms / plain_ms,
+                }
+            )
         entry: dict[str, Any] = {"plain_step_ms": plain_ms, "by_k": steps}
         if len(steps) >= 2:  # distinct k: one row per k and concurrency
             fit = statistics.linear_regression([s["k"] for s in steps], [s["step_ms"] for s in steps])

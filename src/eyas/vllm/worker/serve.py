@@ -83,7 +83,9 @@ def speed(llm, SamplingParams, req):
     """Wall-clock tokens/s of greedy generation, ``concurrency`` requests at a time: each wave of
     ``concurrency`` prompts (taken in turn from ``prompts``, round and round) is submitted together
     and the next once it is done, until at least ``min_waves`` waves and ``min_seconds`` of
-    generation; after one untimed warm-up wave."""
+    generation; after one untimed warm-up wave. With a draft, vLLM's spec-decode counters over the
+    timed waves give their own acceptance length (tokens per verification round): the speed prompts
+    are not the acceptance pass's, so a step's time is read from this one."""
     params = SamplingParams(
         max_tokens=req["max_tokens"],
         temperature=0.0,
@@ -98,6 +100,8 @@ def speed(llm, SamplingParams, req):
         return [prompts[(i * c + j) % len(prompts)] for j in range(c)]
 
     llm.generate(wave(0), params, use_tqdm=False)
+    counted = hasattr(llm, "get_metrics")
+    before = spec_counters(llm) if counted else {}
     tokens = waves = 0
     t = time.perf_counter()
     secs = 0.0
@@ -106,7 +110,7 @@ def speed(llm, SamplingParams, req):
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
         waves += 1
         secs = time.perf_counter() - t
-    return {
+    point = {
         "concurrency": c,
         "waves": waves,
         "requests": waves * c,
@@ -114,6 +118,11 @@ def speed(llm, SamplingParams, req):
         "seconds": secs,
         "tokens_per_s": tokens / secs if secs > 0 else None,
     }
+    spec = delta(spec_counters(llm), before) if counted else {}
+    rounds, accepted = spec.get("vllm:spec_decode_num_drafts"), spec.get("vllm:spec_decode_num_accepted_tokens")
+    if rounds and accepted is not None:  # only with a draft: a plain engine counts none
+        point["acceptance_length"] = 1.0 + accepted / rounds
+    return point
 
 
 class Stream:
