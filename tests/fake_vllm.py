@@ -4,7 +4,8 @@ CPU side of `eyas evaluate --engine vllm` without vLLM: what eyas does with the 
 
 The stand-in answers each request with ``max_tokens`` tokens, every draft accepted (k + 1 tokens per
 engine step), and its serving speed is read from ``TOKENS_PER_S[(k, concurrency)]`` (k None: no
-draft), with a draft's tokens per round over the timed requests (k + 1). Every engine started and every speed point timed is recorded in ``STARTED`` / ``TIMED``.
+draft), with a draft's tokens per round over the timed requests (k + 1). Every engine started and
+every speed point timed is recorded in ``STARTED`` / ``TIMED``.
 """
 
 from __future__ import annotations
