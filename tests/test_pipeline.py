@@ -224,3 +224,29 @@ def test_the_pipeline_puts_the_measured_serving_speed_into_the_exports_card(tmp_
     assert config == {"method": "eagle3", "model": str((run / "export-vllm").resolve()), "num_speculative_tokens": 1}
     assert not list((run / "eval").rglob("README.md"))  # evaluate wrote no card in its own folder
     assert json.loads((run / "eval" / "vllm" / "report.json").read_text())["best_k"]["1"]["k"] == 1
+
+
+def test_the_train_stage_leaves_no_model_alive_for_the_stages_after_it(tmp_path, tiny_llama_dir, monkeypatch):
+    # evaluate's vLLM engine runs in its own process: the GPU memory of the target and draft that
+    # online training loaded can only go back to it (release_device_memory) if nothing holds them
+    import gc
+
+    import torch
+
+    import eyas.export.run as export_run
+
+    def live_modules() -> int:
+        gc.collect()
+        return sum(isinstance(o, torch.nn.Module) for o in gc.get_objects())
+
+    seen: dict[str, int] = {}
+    real = export_run.run
+
+    def export_counting_first(cfg):
+        seen["at export"] = live_modules()
+        return real(cfg)
+
+    monkeypatch.setattr(export_run, "run", export_counting_first)
+    before = live_modules()
+    run_pipeline(load_config(_config(tmp_path, tiny_llama_dir, "online")))
+    assert seen["at export"] == before

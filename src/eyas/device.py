@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import re
+import sys
 
 from eyas.errors import EyasError
 
@@ -26,3 +28,13 @@ def resolve_device(device: str, flag: str = "--device") -> str:
         if ":" in text and int(text.split(":")[1]) >= n:
             raise EyasError(f"{flag} {text}: this machine has {n} GPU(s) (cuda:0 .. cuda:{n - 1})")
     return text
+
+
+def release_device_memory() -> None:
+    """Return what a finished stage left in torch's CUDA cache to the driver: a vLLM engine that a
+    later stage starts runs in its own process and sees only the driver's free memory, so the
+    training's cached blocks would make it refuse to start (below its gpu_memory_utilization)."""
+    gc.collect()  # the stage's modules and tensors, where only reference cycles still hold them
+    torch = sys.modules.get("torch")  # a stage that never imported torch holds no device memory
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 
 from eyas.config import PipelineConfig, load_config
+from eyas.device import release_device_memory
 from eyas.errors import EyasError
 from eyas.fsio import atomic_write_text, sha256_file
 from eyas.stages import Stage, build, evaluate_settings, folders, stage_names, upstream
@@ -289,6 +290,7 @@ def _run_pipeline(cfg: PipelineConfig, stages: list[Stage]) -> dict[str, Any]:
             st.run(st.config)
             if st.name == "evaluate":  # the export's card gains the serving speed evaluate measured
                 _card(by_name["export"].out, by_name["train"].out / "draft", st.out)
+        release_device_memory()  # a later stage's vLLM engine needs what this one cached on the GPU
     timings = rec.write_timings()
     console.print(
         f"pipeline done in {sum(timings.values()):.0f} s over its runs: "

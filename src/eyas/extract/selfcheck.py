@@ -25,7 +25,6 @@ hf's own rounding does not add to vLLM's.
 
 from __future__ import annotations
 
-import gc
 import shutil
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from eyas.device import release_device_memory
 from eyas.errors import EyasError
 
 MEAN_COSINE = 0.999
@@ -197,11 +197,7 @@ def self_check(
             f"self-check: {backend} failed on the first {len(indices)} samples, before any comparison ({why}): {e}"
         ) from e
     extract(ExtractConfig(out=work / "hf", backend="hf", model_dtype=dtype, **common))
-    gc.collect()  # the hf model goes before the real run's vLLM engine asks for device memory
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
+    release_device_memory()  # the hf model goes before the real run's vLLM engine asks for device memory
     rep = compare_stores(work / backend, work / "hf", TAIL_COSINE, device=device, progress=False)
     bad = verdict(rep)
     worst = min(sl["mean_cosine"] for sl in rep["slots"])
