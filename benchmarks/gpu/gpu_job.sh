@@ -32,13 +32,17 @@
 #   fp8tau   issue 21's fp8 check: benchmarks/fp8_store.py tau on the 4.5M-token set (carried in c0, else made):
 #            eyas extract --dtype bf16 and fp8 into /dev/shm, eyas train from each (the stream step's
 #            settings, STREAM_STEPS steps), both drafts by replay on the full MT-bench at k=5, paired
+#   home     the pipeline run's state (stage records, train/ with its newest checkpoint only) sent home
+#            over calls HOME_CALL = 0, 1, ... (stage_run.sh, send_home.sh: 3 pieces of 15 MiB a call);
+#            benchmarks/gpu/bring_home.sh carries it back to the same workdir in a later session,
+#            where `eyas pipeline` resumes the training from that checkpoint
 #   replay   after pipeline: eyas evaluate --engine replay on the pipeline's draft, the full MT-bench at k=5
 #            and every k from 1 to 7 from the same pass, compared turn by turn with the pipeline's builtin
 #            k=5 records (benchmarks/replay_vs_builtin.py --builtin-from): the replay engine on CUDA in bf16
 # What comes back in $OUT: log.txt (this call, progress bars included), steps.tsv (every step so far: name, rc, seconds),
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
-STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay}
+STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay|home}
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 export OUT=${OUT:-/tmp/out}
@@ -212,6 +216,14 @@ case $STEP in
       --builtin-from "$W/eval" --also-k 1,2,3,4,6,7 --result "$OUT/replay_vs_builtin.jsonl" -- \
       --device cuda --dtype bfloat16 -k $K --max-new-tokens $TOKENS --prompts data/mt_bench/question.jsonl
     fi
+    ;;
+  home)
+    S=/root/stage/$(basename "$PIPE_W")
+    if [ "${HOME_CALL:-0}" = 0 ]; then  # a first call stages the run anew and forgets earlier pieces
+      bash benchmarks/gpu/stage_run.sh "$PIPE_W" "$S" || exit 1
+      rm -f /root/home/run.*
+    fi
+    step home bash benchmarks/gpu/send_home.sh "$S" run "${HOME_CALL:-0}" "$PIPE_W"
     ;;
   *) echo "unknown step $STEP"; exit 2 ;;
 esac

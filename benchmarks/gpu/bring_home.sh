@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Here, after the calls of benchmarks/gpu/send_home.sh: join the pieces they returned, check the
+# sha256, and pack the directory to travel back to the device in a later session:
+#
+#   bash benchmarks/gpu/bring_home.sh NAME [PREFIX] [RESULT_DIR ...]   # default: /work/.device/*
+#
+# Keeps the joined tar in .home/NAME.tar (git-ignored, for a later session's checkout to be given by
+# hand), and splits it into .carry/<PREFIX>0 .. (PREFIX k by default) of carry_room.sh's size, each
+# with the list bundle-<sha12>-of<N>.parts ("NAME SHA N DEST"). Carry them one per call like the other
+# parts: setup.sh joins them, checks the sha256 and unpacks the directory at DEST on the device.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+NAME=${1:?usage: bring_home.sh NAME [PREFIX] [RESULT_DIR ...]}
+PREFIX=${2:-k}
+shift $(($# < 2 ? $# : 2))
+DIRS=("$@")
+[ ${#DIRS[@]} -gt 0 ] || DIRS=(/work/.device/*)
+newest() { ls -t "$@" 2>/dev/null | head -1 || true; }  # the newest of these paths that exist
+list=$(newest "${DIRS[@]/%//$NAME.home}")
+[ -n "$list" ] || { echo "bring_home: no $NAME.home in ${DIRS[*]}" >&2; exit 1; }
+read -r _ SHA PIECES DEST < "$list"
+mkdir -p .home && grep -q '^/.home/' .gitignore
+w=$(mktemp -d)
+for i in $(seq 0 $((PIECES - 1))); do
+  p=$(newest "${DIRS[@]/%//$(printf '%s.p%03d' "$NAME" "$i")}")
+  [ -n "$p" ] || { echo "bring_home: piece $i of $PIECES of $NAME is missing: send it again (send_home.sh ... $((i / 4)))" >&2; exit 1; }
+  cat "$p" >> "$w/$NAME.tar"
+done
+got=$(sha256sum "$w/$NAME.tar" | cut -d' ' -f1)
+[ "$got" = "$SHA" ] || { echo "bring_home: $NAME joined from $PIECES pieces has sha256 $got, not $SHA: nothing kept" >&2; exit 1; }
+mv "$w/$NAME.tar" ".home/$NAME.tar"
+PART_MB=${PART_MB:-$(bash benchmarks/gpu/carry_room.sh)}
+split -b "${PART_MB}MB" -d -a 2 ".home/$NAME.tar" "$w/part"
+n=$(ls "$w" | wc -l)
+stem=bundle-${SHA:0:12}-of$n
+rm -rf ".carry/$PREFIX"[0-9]*
+i=0
+for p in "$w"/part*; do
+  mkdir -p ".carry/$PREFIX$i" && mv "$p" ".carry/$PREFIX$i/$stem.${p##*/}"
+  echo "$NAME $SHA $n $DEST" > ".carry/$PREFIX$i/$stem.parts"
+  i=$((i + 1))
+done
+rm -rf "$w"
+echo "bring_home: $NAME ($(du -h ".home/$NAME.tar" | cut -f1), sha256 ${SHA:0:12}) -> .home/$NAME.tar and .carry/${PREFIX}0 .. .carry/$PREFIX$((n - 1)); back at $DEST on the device"
