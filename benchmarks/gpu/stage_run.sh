@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu/stage_run.sh WORKDIR STAGE
 set -euo pipefail
 W=${1:?usage: stage_run.sh WORKDIR STAGE} S=${2:?stage dir}
-last=$(ls -d "$W"/train/checkpoints/step-* 2>/dev/null | tail -1)
+last=$(ls -d "$W"/train/checkpoints/step-* 2>/dev/null | tail -1 || true)
 [ -n "$last" ] || { echo "stage_run: no checkpoint in $W/train/checkpoints: nothing to resume from" >&2; exit 1; }
 rm -rf "$S" && mkdir -p "$S/train/checkpoints"
 cp "$W"/pipeline-config.json "$S"/

@@ -1,0 +1,132 @@
+"""The device scripts that carry a run between sessions (benchmarks/gpu/): its state goes home in
+pieces of a call's size and comes back whole, or not at all."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+
+
+def sh(script: str, *args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(GPU / script), *map(str, args)],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+    )
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A pipeline workdir as the device leaves it: two checkpoints, a draft, prepared data."""
+    w = tmp_path / "device" / "runs" / "job"
+    for step in ("step-00000010", "step-00000020"):
+        ck = w / "train" / "checkpoints" / step
+        ck.mkdir(parents=True)
+        (ck / "model.safetensors").write_bytes(os.urandom(1_500_000))
+        (ck / "optimizer.pt").write_bytes(os.urandom(2_000_000))
+        (ck / "trainer_state.json").write_text(f'{{"step": {int(step[5:])}}}')
+    (w / "train" / "draft").mkdir()
+    (w / "train" / "draft" / "model.safetensors").write_bytes(b"draft")
+    (w / "train" / "metrics.jsonl").write_text('{"step": 1}\n')
+    (w / "prepared").mkdir()
+    (w / "prepared" / "shard-00000.parquet").write_bytes(b"data")
+    (w / "pipeline-config.json").write_text('{"stages": {}}')
+    return w
+
+
+def send(tmp_path: Path, stage: Path, dest: Path, calls: int) -> list[Path]:
+    outs = []
+    for call in range(calls):
+        out = tmp_path / f"out{call}"
+        out.mkdir()
+        env = {"OUT": str(out), "HOME_DIR": str(tmp_path / "home"), "PIECE_MB": "1", "PER_CALL": "2"}
+        r = sh("send_home.sh", stage, "run", call, dest, env=env)
+        assert r.returncode == 0, r.stderr
+        outs.append(out)
+    return outs
+
+
+def test_a_run_goes_home_in_pieces_and_comes_back_whole(tmp_path, run_dir):
+    stage = tmp_path / "stage" / "job"
+    assert sh("stage_run.sh", run_dir, stage).returncode == 0
+    # what resuming needs: the records and the newest checkpoint, not the draft or the data
+    assert sorted(p.name for p in (stage / "train" / "checkpoints").iterdir()) == ["step-00000020"]
+    assert not (stage / "train" / "draft").exists() and not (stage / "prepared").exists()
+    assert (stage / "pipeline-config.json").is_file() and (stage / "train" / "metrics.jsonl").is_file()
+
+    outs = send(tmp_path, stage, run_dir, calls=3)
+    pieces = [sorted(p.name for p in o.glob("run.p*")) for o in outs]
+    assert all(len(p) <= 2 for p in pieces) and sum(map(len, pieces)) >= 3  # a call's share, all sent
+
+    carry, keep = tmp_path / "carry", tmp_path / "keep"
+    r = sh("bring_home.sh", "run", "k", *outs, env={"CARRY_DIR": str(carry), "KEEP_DIR": str(keep), "PART_MB": "2"})
+    assert r.returncode == 0, r.stderr
+    parts = sorted(carry.glob("k*"))
+    assert len(parts) >= 2  # split again to the carry's size
+
+    park = tmp_path / "park"
+    park.mkdir()
+    for d in parts:
+        for f in d.iterdir():
+            shutil.copy(f, park)
+    shutil.rmtree(run_dir.parent.parent)  # a fresh machine
+    r = sh("unbundle.sh", park)
+    assert r.returncode == 0 and f"at {run_dir}" in r.stdout
+    assert tree(run_dir) == tree(stage)
+
+
+def test_a_corrupt_piece_brings_nothing_home(tmp_path, run_dir):
+    stage = tmp_path / "stage" / "job"
+    assert sh("stage_run.sh", run_dir, stage).returncode == 0
+    outs = send(tmp_path, stage, run_dir, calls=2)
+    piece = outs[1] / "run.p002"
+    data = bytearray(piece.read_bytes())
+    data[100] ^= 0xFF
+    piece.write_bytes(bytes(data))
+    carry, keep = tmp_path / "carry", tmp_path / "keep"
+    r = sh("bring_home.sh", "run", "k", *outs, env={"CARRY_DIR": str(carry), "KEEP_DIR": str(keep), "PART_MB": "2"})
+    assert r.returncode != 0 and "nothing kept" in r.stderr
+    assert not list(keep.glob("*")) and not list(carry.glob("k*"))
+
+
+def test_a_missing_piece_is_named(tmp_path, run_dir):
+    stage = tmp_path / "stage" / "job"
+    assert sh("stage_run.sh", run_dir, stage).returncode == 0
+    outs = send(tmp_path, stage, run_dir, calls=1)  # the second call's pieces never came
+    r = sh("bring_home.sh", "run", "k", *outs, env={"CARRY_DIR": str(tmp_path / "c"), "KEEP_DIR": str(tmp_path / "k")})
+    assert r.returncode != 0 and "piece 2 of" in r.stderr and "send_home.sh ... 1" in r.stderr
+
+
+def test_unbundle_never_unpacks_over_an_existing_run(tmp_path, run_dir):
+    stage = tmp_path / "stage" / "job"
+    assert sh("stage_run.sh", run_dir, stage).returncode == 0
+    outs = send(tmp_path, stage, run_dir, calls=2)
+    carry = tmp_path / "carry"
+    env = {"CARRY_DIR": str(carry), "KEEP_DIR": str(tmp_path / "keep"), "PART_MB": "2"}
+    assert sh("bring_home.sh", "run", "k", *outs, env=env).returncode == 0
+    park = tmp_path / "park"
+    park.mkdir()
+    for f in carry.glob("k*/*"):
+        shutil.copy(f, park)
+    before = tree(run_dir)  # the device's own run, newer than what came home
+    assert sh("unbundle.sh", park).returncode == 0
+    assert tree(run_dir) == before
+
+
+def test_stage_run_refuses_a_run_without_a_checkpoint(tmp_path):
+    w = tmp_path / "runs" / "job"
+    (w / "train").mkdir(parents=True)
+    (w / "pipeline-config.json").write_text("{}")
+    r = sh("stage_run.sh", w, tmp_path / "stage" / "job")
+    assert r.returncode != 0 and "no checkpoint" in r.stderr
