@@ -204,6 +204,18 @@ def test_evaluate_times_every_k_against_one_baseline_and_names_the_best_k(evalua
         line.startswith("vllm serving, 4 concurrent: no k speeds it up (the least slow: k=1, 0.95x)") for line in lines
     )
     assert "k=3 vllm serving, 4 concurrent: 300 tok/s with the draft, 400 without (0.75x)" in lines
+    # the baseline's engine answers every question once; each k's answers are compared with those
+    # (the stand-in without the draft differs at the 4th token of every second turn)
+    assert (out / "vllm" / "plain-answers.jsonl").is_file()
+    for rep in (saved, also_report):
+        assert rep["greedy_vs_plain"] == {
+            "turns": 6,
+            "identical": 3,
+            "first_turns": 3,
+            "first_turns_identical": 3,
+            "first_difference_median": 3,
+        }
+    assert "k=2 vllm greedy answers identical with and without the draft: 3/6 turns (3/3 first turns)" in lines
 
 
 def test_a_rerun_starts_no_engine_and_a_longer_minimum_times_again(drafted, evaluated, tmp_path, monkeypatch):
@@ -549,3 +561,22 @@ def test_step_cost_without_two_k_has_no_line_fit():
     got = step_costs(rows, {"3": 2.0})["1"]
     assert "fixed_ms" not in got and got["by_k"][0]["breakeven_tau"] == pytest.approx((1000 * 2 / 300) / 5)
     assert step_costs(rows, {}) == {}  # no tau for that k: nothing to say
+
+
+def test_greedy_vs_plain_counts_identical_turns_and_where_the_others_differ():
+    from eyas.evaluate.report import greedy_vs_plain
+
+    records = [
+        {"question_id": 1, "turn": 0, "output_ids": [5, 6, 7]},
+        {"question_id": 1, "turn": 1, "output_ids": [5, 6, 7, 8]},
+        {"question_id": 2, "turn": 0, "output_ids": [5, 9, 9]},
+        {"question_id": 3, "turn": 0, "output_ids": [1, 2]},  # no plain answer: not compared
+    ]
+    plain = {"1/0": [5, 6, 7], "1/1": [5, 6, 7], "2/0": [5, 6, 6]}
+    assert greedy_vs_plain(records, plain) == {
+        "turns": 3,
+        "identical": 1,
+        "first_turns": 2,
+        "first_turns_identical": 1,
+        "first_difference_median": 3,  # 1/1 is one token longer (at 3), 2/0 differs at 2
+    }

@@ -243,6 +243,8 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     assert set(sp["speedup"]) == {"1", "2"} and set(v["best_k"]) == {"1", "2"}
     assert v["vllm_version"] == "0.32.0" and len(v["per_prompt"]) == 6
     assert c["identical_outputs"] == 6  # greedy: the two engines emit the same tokens
+    # and vLLM's own greedy answers without the draft (the baseline's engine) are vLLM's with it
+    assert v["greedy_vs_plain"]["turns"] == 6 and v["greedy_vs_plain"]["identical"] == 6
     # all 6 turns in one batch; the acceptance read from the tokens per step is vLLM's own, per request
     assert v["in_flight"] == 64 and v["vllm_own_acceptance"] == {"compared": 6, "differed": 0}
     assert v["overall"]["rounds"] > 0 and v["overall"]["accepted_tokens"] > 0
@@ -275,3 +277,4 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in logs} == logs
     assert again["vllm"]["serving_speed"] == sp and again["vllm"]["wall_seconds_this_run"] == 0.0
     assert again["vllm"]["overall"] == v["overall"] and again["vllm"]["vllm_version"] == "0.32.0"
+    assert again["vllm"]["greedy_vs_plain"] == v["greedy_vs_plain"]

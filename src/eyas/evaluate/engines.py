@@ -30,6 +30,7 @@ class EngineContext:
     out: Path  # this engine's folder, OUT/<engine>
     settings: dict[str, Any]  # the records' header: records made with other settings are refused
     plain_speed: list[dict[str, Any]] | None = None  # vllm: the -k run's serving without the draft
+    plain_answers: Path | None = None  # vllm: the -k run's answers without the draft (PLAIN_ANSWERS)
 
 
 class Answers(NamedTuple):
@@ -173,6 +174,7 @@ def _gpu(device: str) -> dict[str, Any]:
 SPEED_PROMPTS = 32  # first turns timed per concurrency (more when a concurrency is higher), round and round
 SPEED_MIN_WAVES = 3  # waves of `concurrency` requests that each serving-speed point runs at least
 RUN_STATE = "vllm-run.json"  # what a finished vLLM run found: a resumed one needs no engine
+PLAIN_ANSWERS = "plain-answers.jsonl"  # the questions answered greedily without the draft
 
 
 def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
@@ -180,6 +182,7 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     with the draft at each concurrency and, unless ``ctx.plain_speed`` hands it in (the -k run's),
     without."""
     from eyas.evaluate.prompts import categories_in_turn, read_questions, render_turn
+    from eyas.evaluate.report import greedy_vs_plain
     from eyas.evaluate.vllm_metrics import VllmEngine, find_vllm_python
     from eyas.fsio import atomic_write_text
 
@@ -236,6 +239,8 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
         with VllmEngine(
             python, ctx.target.path, None, k=k, dtype=ctx.dtype, seed=cfg.seed, log_path=ctx.out / "vllm-plain.log"
         ) as eng:
+            if cfg.temperature <= 0:  # greedy: the draft must not change the answers
+                extra = {**extra, "greedy_vs_plain": greedy_vs_plain(records, _plain_answers(cfg, ctx, eng))}
             speed = _with_plain(
                 speed,
                 [
@@ -244,9 +249,30 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
                 ],
                 shared=False,
             )
+    elif cfg.temperature <= 0 and ctx.plain_answers is not None and ctx.plain_answers.is_file():
+        extra = {**extra, "greedy_vs_plain": greedy_vs_plain(records, _read_plain_answers(ctx.plain_answers))}
     speed = _with_plain(speed, plain)
     keep(extra, speed)
     return Answers({k: records}, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall})
+
+
+def _plain_answers(cfg: EvaluateConfig, ctx: EngineContext, eng: Any) -> dict[str, list[int]]:
+    """Every question answered greedily by ``eng`` (the target without the draft) as the draft's run
+    answers it (each turn's prompt holding the engine's own earlier answers, ``in_flight`` questions
+    at once), kept in OUT/vllm/PLAIN_ANSWERS for the other k to compare with."""
+    from eyas.evaluate.vllm_metrics import VllmPool
+    from eyas.fsio import atomic_write_text
+
+    pool = VllmPool(eng, 0, 0.0, cfg.seed, ctx.tokenizer, cfg.max_new_tokens, ctx.stop_ids, cfg.in_flight)
+    answers = {f"{r['question_id']}/{r['turn']}": r["output_ids"] for recs in pool(ctx.questions) for r in recs}
+    lines = (json.dumps({"turn": key, "output_ids": ids}) + "\n" for key, ids in answers.items())
+    atomic_write_text(ctx.out / PLAIN_ANSWERS, "".join(lines))
+    return answers
+
+
+def _read_plain_answers(path: Path) -> dict[str, list[int]]:
+    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    return {row["turn"]: row["output_ids"] for row in rows}
 
 
 def _run_draft_engine(

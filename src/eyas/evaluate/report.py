@@ -64,6 +64,38 @@ def build_report(records: list[dict[str, Any]], k: int, meta: dict[str, Any]) ->
     }
 
 
+def greedy_vs_plain(records: list[dict[str, Any]], plain: dict[str, list[int]]) -> dict[str, Any]:
+    """Turn by turn, the answers decoded with the draft against the same engine's without it (both
+    greedy; ``plain`` maps "question_id/turn" to output ids): how many are identical, and where the
+    others first differ. Speculative decoding leaves greedy outputs unchanged in exact arithmetic;
+    in bf16 the verification's batched forward can flip a near-tie, and a later turn then differs
+    wherever its history does."""
+    diffs, turns, same, first, first_same = [], 0, 0, 0, 0
+    for r in records:
+        other = plain.get(f"{r['question_id']}/{r['turn']}")
+        if other is None:
+            continue
+        ids = r["output_ids"]
+        at = next((i for i, (a, b) in enumerate(zip(ids, other)) if a != b), None)
+        if at is None and len(ids) != len(other):
+            at = min(len(ids), len(other))
+        turns += 1
+        same += at is None
+        if r["turn"] == 0:
+            first, first_same = first + 1, first_same + (at is None)
+        if at is not None:
+            diffs.append(at)
+    diffs.sort()
+    return {
+        "turns": turns,
+        "identical": same,
+        "first_turns": first,
+        "first_turns_identical": first_same,
+        # the median position of the first differing token in the turns that differ
+        "first_difference_median": diffs[len(diffs) // 2] if diffs else None,
+    }
+
+
 def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """The vllm reports of each k (k -> report, each with its ``serving_speed``) side by side:
 
@@ -215,6 +247,12 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
         lines.append(
             f"{label}tau builtin vs vllm: relative difference {c['tau_relative_difference']:.3f}, "
             f"identical outputs {c['identical_outputs']}/{c['prompts']}"
+        )
+    g = reports.get("vllm", {}).get("greedy_vs_plain")
+    if g and g["turns"]:
+        lines.append(
+            f"{label}vllm greedy answers identical with and without the draft: {g['identical']}/{g['turns']} "
+            f"turns ({g['first_turns_identical']}/{g['first_turns']} first turns)"
         )
     speed = reports.get("vllm", {}).get("serving_speed")
     for d, p in zip(speed["draft"], speed.get("plain", [])) if speed else ():

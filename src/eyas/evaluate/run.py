@@ -42,7 +42,9 @@ def evaluate(cfg: EvaluateConfig) -> dict[str, Any]:
         return run_evaluation(cfg)
 
 
-def run_evaluation(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def run_evaluation(
+    cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None = None, plain_answers: Path | None = None
+) -> dict[str, Any]:
     """Evaluate; writes OUT/<engine>/report.json + plots (and OUT/comparison.json for both).
     Returns {engine: report} (plus "comparison", and "k<N>" for each ``also_k``).
 
@@ -53,12 +55,14 @@ def run_evaluation(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None
     it the vllm engine exports one into OUT/vllm/draft-vllm. ``speed_concurrency`` (vllm engine):
     also time vLLM serving the first turns with and without the draft at each of these numbers of
     concurrent requests (report's ``serving_speed``), at -k and every ``also_k`` (:func:`_also_k`:
-    ``plain_speed`` hands those runs the -k run's serving without the draft)."""
+    ``plain_speed`` hands those runs the -k run's serving without the draft, ``plain_answers`` its
+    greedy answers without the draft, for each k's ``greedy_vs_plain``)."""
     from eyas.evaluate.engines import ENGINES, engines_of
     from eyas.evaluate.report import build_report, write_report
 
     _check_choices(cfg)
     ctx, meta = _context(cfg, plain_speed)
+    ctx = replace(ctx, plain_answers=plain_answers)
     out, k, draft = Path(cfg.out), cfg.k, Path(cfg.draft)
     reports: dict[str, Any] = {}
     for name in engines_of(cfg.engine):
@@ -191,6 +195,7 @@ def _also_k(cfg: EvaluateConfig, reports: dict[str, Any], summarize: bool = True
     compared with the -k run's serving without the draft. Then (``summarize``: in the -k run, not in
     an ``also_k`` one) OUT/vllm/report.json gains every k's serving speed and the best k at each
     concurrency."""
+    from eyas.evaluate.engines import PLAIN_ANSWERS
     from eyas.evaluate.report import serving_summary, write_report
 
     vllm = reports.get("vllm")
@@ -198,7 +203,9 @@ def _also_k(cfg: EvaluateConfig, reports: dict[str, Any], summarize: bool = True
     for other in dict.fromkeys(cfg.also_k):
         if other != cfg.k:
             reports[f"k{other}"] = run_evaluation(
-                replace(cfg, k=other, also_k=[], out=Path(cfg.out) / f"k{other}"), plain_speed=plain
+                replace(cfg, k=other, also_k=[], out=Path(cfg.out) / f"k{other}"),
+                plain_speed=plain,
+                plain_answers=Path(cfg.out) / "vllm" / PLAIN_ANSWERS,
             )
     if plain and summarize:
         by_k = {
