@@ -271,6 +271,44 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny_target, data, tmp_path):
     assert res.returncode != 0 and "seed" in res.stderr
 
 
+def test_sigint_saves_where_it_stops_and_the_resume_equals_uninterrupted(tiny_target, data, tmp_path):
+    # as a time limit's `timeout -s INT` stops a run: with --save-every 0 the only checkpoint is the
+    # one the signal makes, at the step it stopped after
+    steps = ["--max-steps", "24", "--save-every", "0"]
+    full = tmp_path / "full"
+    subprocess.run(_cli(*_train_args(tiny_target, data, full, *steps)), env=ENV, check=True, capture_output=True)
+    run = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        _cli(*_train_args(tiny_target, data, run, *steps)),
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 900
+    while not (run / "metrics.jsonl").is_file() or max([r["step"] for r in _records(run)], default=0) < 3:
+        assert proc.poll() is None, "training ended before the signal"
+        assert time.time() < deadline, "no step within the deadline"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err
+    saved = [int(p.name.split("-")[1]) for p in checkpoint_dirs(run)]
+    assert len(saved) == 1 and 3 <= saved[0] < 24, (saved, err)
+    assert f"stopped at step {saved[0]} of 24" in err and "Traceback" not in err
+    assert max(r["step"] for r in _records(run)) == saved[0]
+    assert not (run / "draft").exists()
+    subprocess.run(
+        _cli(*_train_args(tiny_target, data, run, *steps, "--resume")), env=ENV, check=True, capture_output=True
+    )
+    a = load_file(str(full / "draft" / "model.safetensors"))
+    b = load_file(str(run / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert [r["loss"] for r in _records(run)] == [r["loss"] for r in _records(full)]
+
+
 def _torchrun(*args: str) -> list[str]:
     return [
         PY,

@@ -125,8 +125,11 @@ def error_line(e: BaseException) -> tuple[str, int]:
 def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv)
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:
         raise
+    except KeyboardInterrupt:  # Ctrl-C or a time limit's SIGINT: what was kept is said above, no traceback
+        print("eyas: stopped by an interrupt", file=sys.stderr, flush=True)
+        sys.exit(130)
     except Exception as e:  # noqa: BLE001 - every error ends in one line; the traceback under --debug
         if os.environ.get("EYAS_DEBUG") not in (None, "", "0"):
             traceback.print_exception(e)

@@ -39,6 +39,7 @@ from eyas.train import optim as optim_mod
 from eyas.train import parallel
 from eyas.train.config import TrainConfig
 from eyas.train.packing import EpochPlan, pack_indices, split_indices
+from eyas.train.stop import StopRequest
 from eyas.train.tau import TAU_FILE, TAU_KEYS
 
 # The step count of a --budget run before its plan: no end (the plan sets one).
@@ -507,22 +508,34 @@ class Trainer:
         cfg = self.cfg
         self.model.train()
         last_eval, step = None, self.start
-        while step < self.total:  # a --budget plan may set the end on the way
-            done = step + 1
-            self.log.push(self.train_step(step))  # writes the previous step's record
-            tau_due = self._decide(done)
-            if cfg.eval_every and done % cfg.eval_every == 0 and done < self.total:
-                self.log.flush()
-                with self.clock.pause():
-                    last_eval = self.evaluate(done)
-            if (cfg.save_every and done % cfg.save_every == 0) or done == self.total:
-                self.log.flush()  # tokens_seen goes into the checkpoint
-                with self.clock.pause():
-                    self.save(done)  # the last one makes a finished run's --resume a no-op
-            if tau_due and done < self.total:
-                self.log.flush()
-                self.measure_tau(done)
-            step = done
+        # torchrun's ranks would each see the signal at another step: there it stops them at once
+        with StopRequest(enabled=not self.dist.on) as stop:
+            while step < self.total:  # a --budget plan may set the end on the way
+                done = step + 1
+                self.log.push(self.train_step(step))  # writes the previous step's record
+                tau_due = self._decide(done)
+                if cfg.eval_every and done % cfg.eval_every == 0 and done < self.total:
+                    self.log.flush()
+                    with self.clock.pause():
+                        last_eval = self.evaluate(done)
+                saving = (cfg.save_every and done % cfg.save_every == 0) or done == self.total
+                if saving or stop.requested:
+                    self.log.flush()  # tokens_seen goes into the checkpoint
+                    with self.clock.pause():
+                        self.save(done)  # the last one makes a finished run's --resume a no-op
+                if stop.requested and done < self.total:
+                    self.log.close()
+                    print(
+                        f"stopped at step {done} of {self.total}, checkpoint saved in {self.run_dir}: "
+                        "run the same command with --resume to go on",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    raise KeyboardInterrupt
+                if tau_due and done < self.total:
+                    self.log.flush()
+                    self.measure_tau(done)
+                step = done
         self.log.close()  # waits for the last step
         self.clock.stop()
         last_eval = self.evaluate(self.total) or last_eval
