@@ -81,7 +81,7 @@ def test_a_run_goes_home_in_pieces_and_comes_back_whole(tmp_path, run_dir):
         for f in d.iterdir():
             shutil.copy(f, park)
     shutil.rmtree(run_dir.parent.parent)  # a fresh machine
-    r = sh("unbundle.sh", park)
+    r = sh("carry_join.sh", park, "bundle")
     assert r.returncode == 0 and f"at {run_dir}" in r.stdout
     assert tree(run_dir) == tree(stage)
 
@@ -108,7 +108,7 @@ def test_a_missing_piece_is_named(tmp_path, run_dir):
     assert r.returncode != 0 and "piece 2 of" in r.stderr and "send_home.sh ... 1" in r.stderr
 
 
-def test_unbundle_never_unpacks_over_an_existing_run(tmp_path, run_dir):
+def test_carry_join_never_unpacks_over_an_existing_run(tmp_path, run_dir):
     stage = tmp_path / "stage" / "job"
     assert sh("stage_run.sh", run_dir, stage).returncode == 0
     outs = send(tmp_path, stage, run_dir, calls=2)
@@ -120,7 +120,7 @@ def test_unbundle_never_unpacks_over_an_existing_run(tmp_path, run_dir):
     for f in carry.glob("k*/*"):
         shutil.copy(f, park)
     before = tree(run_dir)  # the device's own run, newer than what came home
-    assert sh("unbundle.sh", park).returncode == 0
+    assert sh("carry_join.sh", park, "bundle").returncode == 0
     assert tree(run_dir) == before
 
 
@@ -130,3 +130,37 @@ def test_stage_run_refuses_a_run_without_a_checkpoint(tmp_path):
     (w / "pipeline-config.json").write_text("{}")
     r = sh("stage_run.sh", w, tmp_path / "stage" / "job")
     assert r.returncode != 0 and "no checkpoint" in r.stderr
+
+
+def test_a_target_joins_from_its_own_packing_only_and_only_whole(tmp_path):
+    import hashlib
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(os.urandom(3_500_000))
+    sha = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    carry, park, cache = tmp_path / "carry", tmp_path / "park", tmp_path / "cache"
+    env = {"CARRY_DIR": str(carry)}
+    # an earlier packing of the same file in other parts, one of them still parked on the device
+    assert sh("carry_split.sh", gguf, "target", "model.gguf", sha, "t", env={**env, "PART_MB": "2"}).returncode == 0
+    park.mkdir()
+    stale = sorted(carry.glob("t1/*"))
+    for f in stale:
+        shutil.copy(f, park)
+    r = sh("carry_split.sh", gguf, "target", "model.gguf", sha, "t", env={**env, "PART_MB": "1"})
+    assert r.returncode == 0, r.stderr
+    for f in carry.glob("t*/*"):
+        shutil.copy(f, park)
+    r = sh("carry_join.sh", park, "target", cache)
+    assert r.returncode == 0 and (cache / "model.gguf").read_bytes() == gguf.read_bytes(), r.stdout
+
+    # a corrupt part: nothing kept, and the next call with a good part joins it
+    (cache / "model.gguf").unlink()
+    part = sorted(park.glob("target-*-of4.part01"))[0]
+    good = part.read_bytes()
+    part.write_bytes(b"x" + good[1:])
+    r = sh("carry_join.sh", park, "target", cache)
+    assert "another sha256" in r.stdout and not (cache / "model.gguf").exists()
+    assert not list(cache.glob("*.tmp"))
+    part.write_bytes(good)
+    assert sh("carry_join.sh", park, "target", cache).returncode == 0
+    assert (cache / "model.gguf").read_bytes() == gguf.read_bytes()

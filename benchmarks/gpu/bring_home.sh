@@ -5,10 +5,9 @@
 #   bash benchmarks/gpu/bring_home.sh NAME [PREFIX] [RESULT_DIR ...]   # default: /work/.device/*
 #
 # Keeps the joined tar in .home/NAME.tar (KEEP_DIR; git-ignored, for a later session's checkout to be
-# given by hand), and splits it into .carry/<PREFIX>0 .. (CARRY_DIR; PREFIX k by default) of
-# carry_room.sh's size (PART_MB), each
-# with the list bundle-<sha12>-of<N>.parts ("NAME SHA N DEST"). Carry them one per call like the other
-# parts: setup.sh joins them, checks the sha256 and unpacks the directory at DEST on the device.
+# given by hand), and splits it into .carry/<PREFIX>0 .. (PREFIX k by default; carry_split.sh, kind
+# bundle). Carry them one per call like the other parts: setup.sh joins them (carry_join.sh), checks
+# the sha256 and unpacks the directory at DEST on the device.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 NAME=${1:?usage: bring_home.sh NAME [PREFIX] [RESULT_DIR ...]}
@@ -20,8 +19,8 @@ newest() { ls -t "$@" 2>/dev/null | head -1 || true; }  # the newest of these pa
 list=$(newest "${DIRS[@]/%//$NAME.home}")
 [ -n "$list" ] || { echo "bring_home: no $NAME.home in ${DIRS[*]}" >&2; exit 1; }
 read -r _ SHA PIECES DEST PER < "$list"
-CARRY=${CARRY_DIR:-.carry} KEEP=${KEEP_DIR:-.home}  # both git-ignored in this repo
-mkdir -p "$KEEP" "$CARRY"
+KEEP=${KEEP_DIR:-.home}  # git-ignored, as .carry (CARRY_DIR, carry_split.sh's)
+mkdir -p "$KEEP"
 w=$(mktemp -d)
 for i in $(seq 0 $((PIECES - 1))); do
   p=$(newest "${DIRS[@]/%//$(printf '%s.p%03d' "$NAME" "$i")}")
@@ -31,16 +30,6 @@ done
 got=$(sha256sum "$w/$NAME.tar" | cut -d' ' -f1)
 [ "$got" = "$SHA" ] || { echo "bring_home: $NAME joined from $PIECES pieces has sha256 $got, not $SHA: nothing kept" >&2; exit 1; }
 mv "$w/$NAME.tar" "$KEEP/$NAME.tar"
-PART_MB=${PART_MB:-$(bash benchmarks/gpu/carry_room.sh)}
-split -b "${PART_MB}MB" -d -a 2 "$KEEP/$NAME.tar" "$w/part"
-n=$(ls "$w" | wc -l)
-stem=bundle-${SHA:0:12}-of$n
-rm -rf "$CARRY/$PREFIX"[0-9]*
-i=0
-for p in "$w"/part*; do
-  mkdir -p "$CARRY/$PREFIX$i" && mv "$p" "$CARRY/$PREFIX$i/$stem.${p##*/}"
-  echo "$NAME $SHA $n $DEST" > "$CARRY/$PREFIX$i/$stem.parts"
-  i=$((i + 1))
-done
 rm -rf "$w"
-echo "bring_home: $NAME ($(du -h "$KEEP/$NAME.tar" | cut -f1), sha256 ${SHA:0:12}) -> $KEEP/$NAME.tar and $CARRY/${PREFIX}0 .. $CARRY/$PREFIX$((n - 1)); back at $DEST on the device"
+bash benchmarks/gpu/carry_split.sh "$KEEP/$NAME.tar" bundle "$NAME" "$SHA" "$PREFIX" "$DEST"
+echo "bring_home: $NAME (sha256 ${SHA:0:12}) kept in $KEEP/$NAME.tar; back at $DEST on the device"

