@@ -229,10 +229,32 @@ def _train_args(tiny_target, data, out, *extra):
     ]
 
 
+def _train_to_end(tiny_target, data, run: Path, *args: str) -> None:
+    subprocess.run(_cli(*_train_args(tiny_target, data, run, *args)), env=ENV, check=True, capture_output=True)
+
+
+def _assert_same_training(run: Path, full: Path) -> None:
+    """``run`` (stopped, then resumed) ends with ``full``'s weights and step losses."""
+    a = load_file(str(full / "draft" / "model.safetensors"))
+    b = load_file(str(run / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert [r["loss"] for r in _records(run)] == [r["loss"] for r in _records(full)]
+
+
+def _wait_for(cond, proc: subprocess.Popen, what: str) -> None:
+    deadline = time.time() + 900  # generous: the shared CI box can be heavily loaded
+    while not cond():
+        assert proc.poll() is None, f"training ended before {what}"
+        assert time.time() < deadline, f"no {what} within the deadline"
+        time.sleep(0.02)
+
+
 def test_sigkill_then_resume_equals_uninterrupted(tiny_target, data, tmp_path):
     steps = ["--max-steps", "24", "--save-every", "3"]
     full = tmp_path / "full"
-    subprocess.run(_cli(*_train_args(tiny_target, data, full, *steps)), env=ENV, check=True, capture_output=True)
+    _train_to_end(tiny_target, data, full, *steps)
     run = tmp_path / "killed"
     proc = subprocess.Popen(
         _cli(*_train_args(tiny_target, data, run, *steps)),
@@ -240,27 +262,16 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny_target, data, tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.time() + 900  # generous: the shared CI box can be heavily loaded
-    while not any(int(p.name.split("-")[1]) >= 6 for p in checkpoint_dirs(run)):
-        assert proc.poll() is None, "training ended before the kill"
-        assert time.time() < deadline, "no checkpoint within the deadline"
-        time.sleep(0.02)
+    _wait_for(lambda: any(int(p.name.split("-")[1]) >= 6 for p in checkpoint_dirs(run)), proc, "the kill's checkpoint")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (run / "draft").exists(), "the run finished before SIGKILL; nothing was tested"
     done = [r["step"] for r in _records(run)]
     assert max(done) < 24
-    subprocess.run(
-        _cli(*_train_args(tiny_target, data, run, *steps, "--resume")), env=ENV, check=True, capture_output=True
-    )
-    a = load_file(str(full / "draft" / "model.safetensors"))
-    b = load_file(str(run / "draft" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    # each step logged once, with the uninterrupted run's losses
+    _train_to_end(tiny_target, data, run, *steps, "--resume")
+    # each step logged once, with the uninterrupted run's weights and losses
     assert [r["step"] for r in _records(run)] == list(range(1, 25))
-    assert [r["loss"] for r in _records(run)] == [r["loss"] for r in _records(full)]
+    _assert_same_training(run, full)
     # changing what fixes the data order is refused on resume
     res = subprocess.run(
         _cli(*_train_args(tiny_target, data, run, "--max-steps", "30", "--seed", "5", "--resume")),
@@ -276,7 +287,7 @@ def test_sigint_saves_where_it_stops_and_the_resume_equals_uninterrupted(tiny_ta
     # one the signal makes, at the step it stopped after
     steps = ["--max-steps", "24", "--save-every", "0"]
     full = tmp_path / "full"
-    subprocess.run(_cli(*_train_args(tiny_target, data, full, *steps)), env=ENV, check=True, capture_output=True)
+    _train_to_end(tiny_target, data, full, *steps)
     run = tmp_path / "stopped"
     proc = subprocess.Popen(
         _cli(*_train_args(tiny_target, data, run, *steps)),
@@ -285,11 +296,11 @@ def test_sigint_saves_where_it_stops_and_the_resume_equals_uninterrupted(tiny_ta
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 900
-    while not (run / "metrics.jsonl").is_file() or max([r["step"] for r in _records(run)], default=0) < 3:
-        assert proc.poll() is None, "training ended before the signal"
-        assert time.time() < deadline, "no step within the deadline"
-        time.sleep(0.02)
+    _wait_for(
+        lambda: (run / "metrics.jsonl").is_file() and max([r["step"] for r in _records(run)], default=0) >= 3,
+        proc,
+        "step 3",
+    )
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 130, err
@@ -298,15 +309,8 @@ def test_sigint_saves_where_it_stops_and_the_resume_equals_uninterrupted(tiny_ta
     assert f"stopped at step {saved[0]} of 24" in err and "Traceback" not in err
     assert max(r["step"] for r in _records(run)) == saved[0]
     assert not (run / "draft").exists()
-    subprocess.run(
-        _cli(*_train_args(tiny_target, data, run, *steps, "--resume")), env=ENV, check=True, capture_output=True
-    )
-    a = load_file(str(full / "draft" / "model.safetensors"))
-    b = load_file(str(run / "draft" / "model.safetensors"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    assert [r["loss"] for r in _records(run)] == [r["loss"] for r in _records(full)]
+    _train_to_end(tiny_target, data, run, *steps, "--resume")
+    _assert_same_training(run, full)
 
 
 def _torchrun(*args: str) -> list[str]:
