@@ -477,6 +477,34 @@ def test_evaluate_device_cpu_equals_the_default_on_the_cpu(setup, tmp_path):
     assert res.tokens == first["output_ids"] and res.accepted_per_pos == first["accepted_per_pos"]
 
 
+def test_evaluate_without_target_uses_the_drafts_own_and_names_a_missing_one(setup, tmp_path):
+    """No --target: the target the draft was trained for (its config.json's target_spec) is
+    evaluated, with the records an explicit --target gives; a draft that records none is refused
+    with the flag to pass."""
+    import shutil
+
+    from eyas.evaluate.config import EvaluateConfig
+    from eyas.evaluate.run import evaluate
+
+    target, model, draft, draft_dir = setup
+    recorded = json.loads((draft_dir / "config.json").read_text())["target_spec"]
+    assert recorded, "the test draft must record its target"
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 1)
+    kw = dict(prompts=qfile, k=2, max_new_tokens=8, progress=False)
+    own = evaluate(EvaluateConfig(draft=draft_dir, out=tmp_path / "own", **kw))["builtin"]
+    given = evaluate(EvaluateConfig(target=str(target.path), draft=draft_dir, out=tmp_path / "given", **kw))["builtin"]
+    assert own["target_name"] == recorded and own["target"] == given["target"]
+    assert [r["output_ids"] for r in own["per_prompt"]] == [r["output_ids"] for r in given["per_prompt"]]
+
+    bare = tmp_path / "bare-draft"
+    shutil.copytree(draft_dir, bare)
+    cfg = json.loads((bare / "config.json").read_text())
+    cfg["target_spec"] = ""
+    (bare / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EyasError, match=r"records no target.*pass --target"):
+        evaluate(EvaluateConfig(draft=bare, out=tmp_path / "bare", **kw))
+
+
 def test_worker_processes_give_the_records_of_one_process(setup, tmp_path):
     """--workers 2: the questions are shared by two processes and come back in any order; the
     report is the one process's, record for record, and the records file of one run resumes the

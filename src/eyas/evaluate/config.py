@@ -20,7 +20,11 @@ EYAS_SPECULATIVE_KEYS = {"method": "eagle3", "model": "the export", "num_specula
 
 @dataclass(kw_only=True)
 class EvaluateConfig:
-    target: str = setting("smollm2-135m-instruct", "HF dir, .gguf file or built-in name.")
+    target: str | None = setting(
+        None,
+        "HF dir, .gguf file or built-in name. Default: the target the draft was trained for (its "
+        "config.json's target_spec).",
+    )
     draft: Path = setting(help="Draft checkpoint directory (RUN_DIR/draft from `eyas train`).")
     prompts: Path = setting(DEFAULT_PROMPTS, "MT-bench style question.jsonl.")
     out: Path = setting(Path("runs/evaluate"), "Output directory (reports, plots, resumable records).")

@@ -122,6 +122,17 @@ def _check_choices(cfg: EvaluateConfig) -> None:
         )
 
 
+def _recorded_target(config: Any, draft: Path) -> str:
+    """The target a draft was trained for, from its config.json (``target_spec``)."""
+    spec = getattr(config, "target_spec", "") or ""
+    if not spec:
+        raise EyasError(
+            f"draft {draft}: its config.json records no target (target_spec); pass --target "
+            "(an HF dir, a .gguf file or a built-in name)"
+        )
+    return spec
+
+
 def _context(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None) -> tuple[Any, dict[str, Any]]:
     """What every engine shares (:class:`~eyas.evaluate.engines.EngineContext`: the target, its
     tokenizer, the questions, the records' settings), and the reports' common fields. The device,
@@ -137,8 +148,10 @@ def _context(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None) -> t
     draft, prompts = Path(cfg.draft), Path(cfg.prompts)
     device = resolve_device(cfg.device)  # a bad spelling or a missing GPU stops here, before any model
     dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if device.startswith("cuda") else "float32"
-    target = resolve_target(cfg.target)
-    check_against_target(load_checkpoint(draft), target.config(), target.identity, f"target {cfg.target!r}")
+    checkpoint = load_checkpoint(draft)
+    target_spec = cfg.target or _recorded_target(checkpoint.config, draft)
+    target = resolve_target(target_spec)
+    check_against_target(checkpoint, target.config(), target.identity, f"target {target_spec!r}")
     if cfg.vllm_draft is not None and cfg.engine in ("vllm", "both"):
         check_export_of(Path(cfg.vllm_draft), draft)
     questions = read_questions(prompts, cfg.max_prompts, cfg.max_per_category)
@@ -150,7 +163,7 @@ def _context(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None) -> t
     meta = {
         **_training_tau(draft, cfg.k),
         "target": target.identity,
-        "target_name": cfg.target,
+        "target_name": target_spec,
         "draft": str(cfg.draft),
         "prompts": str(cfg.prompts),
         "temperature": cfg.temperature,
