@@ -157,16 +157,25 @@ case $STEP in
         --exclude='checkpoints' --exclude='draft-vllm' pipeline-config.json pipeline-timings.json \
         prepared/manifest.json prepared/regenerate.json prepared/regenerate-vllm*.log train/summary.json \
         train/metrics.jsonl train/*.png train/draft/*.json export-vllm/*.json export-vllm/README.md eval 2>/dev/null )
-    # vLLM's compile cache and Triton's kernels (with the launcher it builds with gcc), for the next
-    # session's first engine (a cold start compiles for minutes): carry it back in .carry/vllm-cache/
-    # with c2; vllm_setup.sh restores it. Triton's part is left out where both exceed 30 MB.
+    # vLLM's compile cache, Triton's and FlashInfer's kernels (Triton's with the launcher it builds
+    # with gcc), for the next session's first engine (a cold start compiles and JITs for minutes):
+    # back in pieces of 15 MiB (a file back is at most 16 MiB), at most 3; here, `cat` them into
+    # .carry/vllm-cache/vllm-compile-cache.tgz; vllm_setup.sh restores it. Kernels are left out,
+    # FlashInfer's first, where the whole exceeds 45 MB.
     if [ -d /root/.cache/vllm/torch_compile_cache ]; then
-      for parts in ".cache/vllm/torch_compile_cache .triton/cache" ".cache/vllm/torch_compile_cache"; do
-        # shellcheck disable=SC2086  # two paths when the Triton cache exists
-        tar -czf "$OUT/vllm-compile-cache.tgz" -C /root $(cd /root && ls -d $parts 2>/dev/null)
-        [ "$(stat -c %s "$OUT/vllm-compile-cache.tgz")" -le 30000000 ] && break
-        rm -f "$OUT/vllm-compile-cache.tgz" && echo "compile caches ($parts) over 30 MB: not brought back"
+      rm -f "$OUT"/vllm-compile-cache.tgz*
+      for parts in ".cache/vllm/torch_compile_cache .triton/cache .cache/flashinfer" \
+          ".cache/vllm/torch_compile_cache .triton/cache" ".cache/vllm/torch_compile_cache"; do
+        # shellcheck disable=SC2086  # the paths that exist of each set
+        tar -czf /root/vllm-compile-cache.tgz -C /root $(cd /root && ls -d $parts 2>/dev/null)
+        if [ "$(stat -c %s /root/vllm-compile-cache.tgz)" -le 45000000 ]; then
+          split -b 15M -d -a 1 /root/vllm-compile-cache.tgz "$OUT/vllm-compile-cache.tgz.part"
+          echo "compile caches ($parts): $(ls "$OUT"/vllm-compile-cache.tgz.part* | wc -l) pieces back"
+          break
+        fi
+        echo "compile caches ($parts) over 45 MB: not brought back"
       done
+      rm -f /root/vllm-compile-cache.tgz
     fi
     ;;
   stream|fp8tau)
@@ -220,7 +229,7 @@ case $STEP in
   home)
     S=/root/stage/$(basename "$PIPE_W")
     if [ "${HOME_CALL:-0}" = 0 ]; then  # a first call stages the run anew and forgets earlier pieces
-      bash benchmarks/gpu/stage_run.sh "$PIPE_W" "$S" || exit 1
+      bash benchmarks/gpu/stage_run.sh "$PIPE_W" "$S" "${HOME_WHAT:-checkpoint}" || exit 1
       rm -f /root/home/run.*
     fi
     step home bash benchmarks/gpu/send_home.sh "$S" run "${HOME_CALL:-0}" "$PIPE_W"

@@ -1,17 +1,31 @@
 #!/usr/bin/env bash
-# Copy what `eyas pipeline` needs to resume a run's training elsewhere into STAGE (made anew): the
-# stage records (pipeline-config.json, pipeline-timings.json) and train/ with only its newest
-# checkpoint, without the draft. The prepared data is not copied: the answers are seeded from git and
-# prepare makes the same dataset again. Used by `gpu_job.sh home` before send_home.sh.
+# Copy what `eyas pipeline` needs to go on with a run elsewhere into STAGE (made anew): the stage
+# records (pipeline-config.json, pipeline-timings.json) and
+#   - train/ with only its newest checkpoint, without the draft: the training resumes there;
+#   - with `draft`: train/ with the finished draft and no checkpoint, and the vLLM export: the
+#     pipeline skips training and goes on to evaluate.
+# The prepared data is not copied: the answers are seeded from git and prepare makes the same dataset
+# again. Used by `gpu_job.sh home` (HOME_WHAT=draft for the second) before send_home.sh.
 #
-#   bash benchmarks/gpu/stage_run.sh WORKDIR STAGE
+#   bash benchmarks/gpu/stage_run.sh WORKDIR STAGE [draft]
 set -euo pipefail
-W=${1:?usage: stage_run.sh WORKDIR STAGE} S=${2:?stage dir}
-last=$(ls -d "$W"/train/checkpoints/step-* 2>/dev/null | tail -1 || true)
-[ -n "$last" ] || { echo "stage_run: no checkpoint in $W/train/checkpoints: nothing to resume from" >&2; exit 1; }
-rm -rf "$S" && mkdir -p "$S/train/checkpoints"
+W=${1:?usage: stage_run.sh WORKDIR STAGE [draft]} S=${2:?stage dir} WHAT=${3:-checkpoint}
+case $WHAT in
+  checkpoint)
+    last=$(ls -d "$W"/train/checkpoints/step-* 2>/dev/null | tail -1 || true)
+    [ -n "$last" ] || { echo "stage_run: no checkpoint in $W/train/checkpoints: nothing to resume from" >&2; exit 1; } ;;
+  draft)
+    [ -s "$W/train/draft/model.safetensors" ] || { echo "stage_run: no finished draft in $W/train/draft" >&2; exit 1; } ;;
+  *) echo "stage_run: WHAT is checkpoint or draft, not $WHAT" >&2; exit 2 ;;
+esac
+rm -rf "$S" && mkdir -p "$S/train"
 cp "$W"/pipeline-config.json "$S"/
 [ -f "$W"/pipeline-timings.json ] && cp "$W"/pipeline-timings.json "$S"/
-tar -C "$W" -cf - --exclude=train/draft --exclude=train/checkpoints train | tar -C "$S" -xf -
-cp -r "$last" "$S/train/checkpoints/"
-echo "stage_run: $W -> $S ($(du -sh "$S" | cut -f1), checkpoint $(basename "$last"))"
+if [ "$WHAT" = checkpoint ]; then
+  tar -C "$W" -cf - --exclude=train/draft --exclude=train/checkpoints train | tar -C "$S" -xf -
+  mkdir -p "$S/train/checkpoints" && cp -r "$last" "$S/train/checkpoints/"
+  echo "stage_run: $W -> $S ($(du -sh "$S" | cut -f1), checkpoint $(basename "$last"))"
+else
+  tar -C "$W" -cf - --exclude=train/checkpoints train $(cd "$W" && ls -d export-vllm 2>/dev/null) | tar -C "$S" -xf -
+  echo "stage_run: $W -> $S ($(du -sh "$S" | cut -f1), the draft and its export)"
+fi
