@@ -53,7 +53,14 @@ class FakeVllmEngine:
         return outs
 
     def speed(
-        self, prompts, max_new_tokens: int, stop_ids, concurrency: int, min_seconds: float = 0.0, min_waves: int = 1
+        self,
+        prompts,
+        max_new_tokens: int,
+        stop_ids,
+        concurrency: int,
+        min_seconds: float = 0.0,
+        min_waves: int = 1,
+        load: str = "steady",
     ) -> dict[str, Any]:
         TIMED.append(
             {
@@ -61,6 +68,7 @@ class FakeVllmEngine:
                 "concurrency": concurrency,
                 "min_seconds": min_seconds,
                 "min_waves": min_waves,
+                "load": load,
                 "prompts": len(prompts),
             }
         )

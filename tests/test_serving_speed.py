@@ -110,6 +110,84 @@ def test_a_speed_point_with_a_draft_has_the_acceptance_of_its_timed_waves():
     assert "acceptance_length" not in speed(_CountingLLM(rounds=0, accepted=0, warmup=1), lambda **kw: kw, req)
 
 
+class _Engine:
+    """``LLM.llm_engine`` as the steady load drives it: a request of prompt ``[n]`` gains one token a
+    step and finishes after ``n``; each step sleeps ``pause`` s and records how many requests it ran.
+    ``get_metrics`` (the clock's start and end) marks the step it was read at."""
+
+    def __init__(self, pause: float = 0.0):
+        self.pause, self.live, self.added, self.batch, self.marks = pause, {}, [], [], []
+
+    def add_request(self, rid, prompt, params):
+        self.live[rid] = [prompt["prompt_token_ids"][0], 0]
+        self.added.append(prompt["prompt_token_ids"][0])
+
+    def step(self):
+        self.batch.append(len(self.live))
+        time.sleep(self.pause)
+        outs = []
+        for rid, st in list(self.live.items()):
+            st[1] += 1
+            done = st[1] >= st[0]
+            outs.append(SimpleNamespace(request_id=rid, finished=done, outputs=[SimpleNamespace(token_ids=[7] * st[1])]))
+            if done:
+                del self.live[rid]
+        return outs
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+
+class _SteadyLLM:
+    def __init__(self, pause: float = 0.0):
+        self.llm_engine = _Engine(pause)
+
+    def generate(self, prompts, params, use_tqdm=False):
+        for i, p in enumerate(prompts):
+            self.llm_engine.add_request(f"w{i}", p, params)
+        outs = {}
+        while self.llm_engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in self.llm_engine.step() if o.finished})
+        return [outs[f"w{i}"] for i in range(len(prompts))]
+
+    def get_metrics(self):
+        self.llm_engine.marks.append(len(self.llm_engine.batch))
+        return []
+
+
+def test_a_steady_point_keeps_its_requests_in_flight_and_counts_the_timed_steps():
+    """steady: every step before the last requests drain runs `concurrency` requests, the prompts
+    in turn; the point counts the tokens of exactly the steps between the clock's start and end,
+    and at least min_waves x concurrency requests finish in them; the engine is left empty."""
+    from eyas.vllm.worker.serve import speed
+
+    req = {"op": "speed", "prompts": [[2], [5], [3], [9]], "max_tokens": 16, "concurrency": 3, "min_waves": 2}
+    llm = _SteadyLLM()
+    got = speed(llm, lambda **kw: kw, {**req, "load": "steady"})
+    eng = llm.llm_engine
+    start, end = eng.marks
+    assert eng.added == [[2, 5, 3, 9][i % 4] for i in range(len(eng.added))]
+    assert set(eng.batch[:end]) == {3} and not eng.live
+    assert got["tokens"] == 3 * (end - start)  # one token per request per step
+    assert got["requests"] >= 6 and got["concurrency"] == 3 and got["waves"] == got["requests"] // 3
+
+
+def test_steady_load_is_not_held_up_by_the_slowest_request_of_a_wave():
+    """With answers of 1 and 8 tokens, a wave lasts 8 steps for 9 tokens, while steady keeps 2
+    requests running: more tokens per step, at the same time per step."""
+    from eyas.vllm.worker.serve import speed
+
+    req = {"op": "speed", "prompts": [[1], [8]], "max_tokens": 8, "concurrency": 2, "min_waves": 4}
+    steady = _SteadyLLM(pause=0.002)
+    waves = _SteadyLLM(pause=0.002)
+    got_s = speed(steady, lambda **kw: kw, {**req, "load": "steady"})
+    got_w = speed(waves, lambda **kw: kw, {**req, "load": "waves"})
+    per_step_w = got_w["tokens"] / (waves.llm_engine.marks[1] - waves.llm_engine.marks[0])
+    per_step_s = got_s["tokens"] / (steady.llm_engine.marks[1] - steady.llm_engine.marks[0])
+    assert per_step_w == pytest.approx(9 / 8) and per_step_s == pytest.approx(2.0)
+    assert got_s["tokens_per_s"] > 1.4 * got_w["tokens_per_s"]
+
+
 # ----------------------------------------------------------- evaluate: every k, one baseline
 
 

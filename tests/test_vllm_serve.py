@@ -233,11 +233,12 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     b, v, c = reps["builtin"], reps["vllm"], reps["comparison"]
     sp = v["serving_speed"]  # the same first turns served with and without the draft
     assert [r["concurrency"] for r in sp["draft"]] == [r["concurrency"] for r in sp["plain"]] == [1, 2]
+    assert sp["load"] == "steady"
     for d, p in zip(sp["draft"], sp["plain"]):
-        # 3 waves of `concurrency` requests (--speed-min-seconds 0), the 3 prompts round and round
-        assert d["waves"] == p["waves"] == 3 and d["requests"] == p["requests"] == 3 * d["concurrency"]
-        assert d["seconds"] > 0 and p["seconds"] > 0
-        assert d["tokens"] == p["tokens"] > 0  # greedy: the draft changes the speed, not the tokens
+        # `concurrency` requests in flight until 3 times as many finished (--speed-min-seconds 0)
+        for point in (d, p):
+            assert point["requests"] >= 3 * point["concurrency"] and point["waves"] >= 3
+            assert point["seconds"] > 0 and point["tokens"] > 0
         # the timed requests' own tokens per round, from vLLM's counters: with the draft only
         assert 1.0 <= d["acceptance_length"] <= K + 1 and "acceptance_length" not in p
     assert set(sp["speedup"]) == {"1", "2"} and set(v["best_k"]) == {"1", "2"}

@@ -12,6 +12,7 @@ from eyas.settings import setting
 
 # the settings with a fixed set of values (checked against these by eyas.checks)
 Engine = Literal["builtin", "vllm", "both", "replay"]  # both: builtin, then vllm, compared
+SpeedLoad = Literal["steady", "waves"]  # how --speed-concurrency's requests arrive (worker/serve.py: speed)
 EngineName = Literal["builtin", "vllm", "replay"]  # the keys of eyas.evaluate.engines.ENGINES
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # the keys of vLLM's speculative config that eyas fills in, and from what
@@ -126,9 +127,16 @@ class EvaluateConfig:
     )
     speed_min_seconds: float = setting(
         20.0,
-        "vllm --speed-concurrency: time each point (a k or no draft, at a concurrency) over waves of "
-        "requests until at least this many seconds of generation and at least 3 waves.",
-        check=at_least(0, "seconds of generation per serving-speed point", "0 times 3 waves only"),
+        "vllm --speed-concurrency: time each point (a k or no draft, at a concurrency) until at least "
+        "this many seconds of generation and at least 3 times `concurrency` requests.",
+        check=at_least(0, "seconds of generation per serving-speed point", "0 times 3 times the requests only"),
+    )
+    speed_load: SpeedLoad = setting(
+        "steady",
+        "vllm --speed-concurrency: how the requests arrive. steady: `concurrency` always in flight, a "
+        "finished one replaced at once, as a server under that load; waves: `concurrency` sent "
+        "together, the next wave once the slowest is done.",
+        "--speed-load",
     )
     speculative_options: dict[str, Any] = setting(
         {},

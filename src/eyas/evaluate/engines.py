@@ -173,6 +173,12 @@ def _gpu(device: str) -> dict[str, Any]:
 
 SPEED_PROMPTS = 32  # first turns timed per concurrency (more when a concurrency is higher), round and round
 SPEED_MIN_WAVES = 3  # waves of `concurrency` requests that each serving-speed point runs at least
+SPEED_WHAT = {  # the report's words for each --speed-load
+    "steady": "first turns, greedy, wall clock, `concurrency` requests always in flight (a finished one "
+    "replaced at once), each point at least min_waves times `concurrency` requests and min_seconds",
+    "waves": "first turns, greedy, wall clock, waves of `concurrency` requests submitted together (the "
+    "next once one is done), each point at least min_waves waves and min_seconds",
+}
 RUN_STATE = "vllm-run.json"  # what a finished vLLM run found: a resumed one needs no engine
 PLAIN_ANSWERS = "plain-answers.jsonl"  # the questions answered greedily without the draft
 
@@ -203,6 +209,7 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
             "max_new_tokens": cfg.max_new_tokens,
             "min_seconds": cfg.speed_min_seconds,
             "min_waves": SPEED_MIN_WAVES,
+            "load": cfg.speed_load,
         }
         if concurrency
         else {}
@@ -244,7 +251,7 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
             speed = _with_plain(
                 speed,
                 [
-                    eng.speed(prompts, cfg.max_new_tokens, ctx.stop_ids, c, cfg.speed_min_seconds, SPEED_MIN_WAVES)
+                    _speed_point(eng, cfg, ctx, prompts, c)
                     for c in concurrency
                 ],
                 shared=False,
@@ -254,6 +261,12 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     speed = _with_plain(speed, plain)
     keep(extra, speed)
     return Answers({k: records}, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall})
+
+
+def _speed_point(eng: Any, cfg: EvaluateConfig, ctx: EngineContext, prompts: list[list[int]], c: int) -> dict:
+    return eng.speed(
+        prompts, cfg.max_new_tokens, ctx.stop_ids, c, cfg.speed_min_seconds, SPEED_MIN_WAVES, cfg.speed_load
+    )
 
 
 def _plain_answers(cfg: EvaluateConfig, ctx: EngineContext, eng: Any) -> dict[str, list[int]]:
@@ -322,11 +335,9 @@ def _run_draft_engine(
         if concurrency and not speed:
             speed = {
                 **plan,
-                "what": "first turns, greedy, wall clock, waves of `concurrency` requests "
-                "submitted together (the next once one is done), each point at least min_waves waves "
-                "and min_seconds",
+                "what": SPEED_WHAT[cfg.speed_load],
                 "draft": [
-                    eng.speed(prompts, cfg.max_new_tokens, ctx.stop_ids, c, cfg.speed_min_seconds, SPEED_MIN_WAVES)
+                    _speed_point(eng, cfg, ctx, prompts, c)
                     for c in concurrency
                 ],
             }

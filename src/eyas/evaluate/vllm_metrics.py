@@ -118,9 +118,11 @@ class VllmEngine:
         concurrency: int,
         min_seconds: float = 0.0,
         min_waves: int = 1,
+        load: str = "steady",
     ) -> dict[str, Any]:
-        """Greedy wall-clock tokens/s with ``concurrency`` requests in flight, in waves over
-        ``prompts`` (round and round) until at least ``min_waves`` waves and ``min_seconds``."""
+        """Greedy wall-clock tokens/s with ``concurrency`` requests, ``prompts`` taken round and
+        round, until at least ``min_waves`` times ``concurrency`` requests and ``min_seconds``;
+        ``load`` steady (always ``concurrency`` in flight) or waves (the worker's ``speed``)."""
         return self.proc.request(
             {
                 "op": "speed",
@@ -130,6 +132,7 @@ class VllmEngine:
                 "concurrency": concurrency,
                 "min_seconds": min_seconds,
                 "min_waves": min_waves,
+                "load": load,
             }
         )
 

@@ -280,8 +280,13 @@ def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> lis
         "",
         f"Measured by `eyas evaluate` with vLLM {report.get('vllm_version')} on {report.get('machine')}, "
         f"{report.get('dtype')}: {speed.get('prompts')} first turns of {report.get('prompts')}, greedy, up "
-        f"to {speed.get('max_new_tokens')} new tokens, sent in waves of `concurrent requests` at once (the "
-        f"next wave once one is done), each point at least {speed.get('min_waves')} waves and "
+        f"to {speed.get('max_new_tokens')} new tokens, "
+        + (
+            "sent in waves of `concurrent requests` at once (the next wave once one is done)"
+            if speed.get("load", "waves") == "waves"
+            else "`concurrent requests` always in flight (a finished one replaced at once)"
+        )
+        + f", each point at least {speed.get('min_waves')} times as many requests and "
         f"{speed.get('min_seconds')} s of generation" + (f"; report {report_path}." if report_path else "."),
     ]
     return lines

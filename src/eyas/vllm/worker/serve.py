@@ -13,11 +13,12 @@ answers requests (``protocol.py``):
   ignore EOS: eyas cuts the answers itself, so that the round that reaches a stop token is counted
   whole, as the builtin loop and vLLM's counters count it. Where vLLM keeps per-request acceptance
   itself (``per_request_spec_decode_metrics``), its per-step counts come along as a check;
-- ``{"op": "speed", ...}``: wall-clock tokens/s over waves of requests (:func:`speed`).
+- ``{"op": "speed", ...}``: wall-clock tokens/s at a number of concurrent requests (:func:`speed`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
@@ -80,12 +81,20 @@ def ignored_head_options(draft_dir):
 
 
 def speed(llm, SamplingParams, req):
-    """Wall-clock tokens/s of greedy generation, ``concurrency`` requests at a time: each wave of
-    ``concurrency`` prompts (taken in turn from ``prompts``, round and round) is submitted together
-    and the next once it is done, until at least ``min_waves`` waves and ``min_seconds`` of
-    generation; after one untimed warm-up wave. With a draft, vLLM's spec-decode counters over the
-    timed waves give their own acceptance length (tokens per verification round): the speed prompts
-    are not the acceptance pass's, so a step's time is read from this one."""
+    """Wall-clock tokens/s of greedy generation with ``concurrency`` requests, the prompts taken in
+    turn from ``prompts`` (round and round), until at least ``min_waves`` times ``concurrency``
+    requests and ``min_seconds`` of generation, after an untimed warm-up. ``load``:
+
+    - ``steady``: ``concurrency`` requests always in flight, each finished one replaced at once, as
+      a server under that load sees them; timed from the warm-up's end (when ``concurrency``
+      requests have finished, so that their ends are spread) until the minimums are met, the
+      tokens of the requests still running counted up to then;
+    - ``waves``: each wave of ``concurrency`` requests is submitted together and the next once it
+      is done; the wave's slowest request holds up the next wave.
+
+    With a draft, vLLM's spec-decode counters over the timed part give its own acceptance length
+    (tokens per verification round): the speed prompts are not the acceptance pass's, so a step's
+    time is read from this one."""
     params = SamplingParams(
         max_tokens=req["max_tokens"],
         temperature=0.0,
@@ -94,35 +103,95 @@ def speed(llm, SamplingParams, req):
     )
     prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
     c = int(req["concurrency"])
-    min_waves, min_seconds = int(req.get("min_waves", 1)), float(req.get("min_seconds", 0.0))
+    min_requests = int(req.get("min_waves", 1)) * c
+    min_seconds = float(req.get("min_seconds", 0.0))
+    counted = hasattr(llm, "get_metrics")
+    timed = _steady if req.get("load", "waves") == "steady" else _waves
+    counters = {}  # "start" and "stop": vLLM's spec-decode counters when the clock starts and stops
+
+    def clock(at):
+        counters[at] = spec_counters(llm) if counted else {}
+
+    tokens, requests, secs = timed(llm, params, prompts, c, min_requests, min_seconds, clock)
+    point = {
+        "concurrency": c,
+        "waves": requests // c,
+        "requests": requests,
+        "tokens": tokens,
+        "seconds": secs,
+        "tokens_per_s": tokens / secs if secs > 0 else None,
+    }
+    spec = delta(counters["stop"], counters["start"]) if counted else {}
+    rounds, accepted = spec.get("vllm:spec_decode_num_drafts"), spec.get("vllm:spec_decode_num_accepted_tokens")
+    if rounds and accepted is not None:  # only with a draft: a plain engine counts none
+        point["acceptance_length"] = 1.0 + accepted / rounds
+    return point
+
+
+def _waves(llm, params, prompts, c, min_requests, min_seconds, clock):
+    """(tokens, requests, seconds) over waves of ``c`` requests, after one untimed wave."""
 
     def wave(i):
         return [prompts[(i * c + j) % len(prompts)] for j in range(c)]
 
     llm.generate(wave(0), params, use_tqdm=False)
-    counted = hasattr(llm, "get_metrics")
-    before = spec_counters(llm) if counted else {}
-    tokens = waves = 0
+    clock("start")
+    tokens = requests = 0
     t = time.perf_counter()
     secs = 0.0
-    while waves < min_waves or secs < min_seconds:
-        outs = llm.generate(wave(waves), params, use_tqdm=False)
+    while requests < min_requests or secs < min_seconds:
+        outs = llm.generate(wave(requests // c), params, use_tqdm=False)
         tokens += sum(len(o.outputs[0].token_ids) for o in outs)
-        waves += 1
+        requests += c
         secs = time.perf_counter() - t
-    point = {
-        "concurrency": c,
-        "waves": waves,
-        "requests": waves * c,
-        "tokens": tokens,
-        "seconds": secs,
-        "tokens_per_s": tokens / secs if secs > 0 else None,
-    }
-    spec = delta(spec_counters(llm), before) if counted else {}
-    rounds, accepted = spec.get("vllm:spec_decode_num_drafts"), spec.get("vllm:spec_decode_num_accepted_tokens")
-    if rounds and accepted is not None:  # only with a draft: a plain engine counts none
-        point["acceptance_length"] = 1.0 + accepted / rounds
-    return point
+    clock("stop")
+    return tokens, requests, secs
+
+
+_speed_ids = itertools.count()
+
+
+def _steady(llm, params, prompts, c, min_requests, min_seconds, clock):
+    """(tokens, requests finished, seconds) with ``c`` requests always in flight, through the engine's
+    ``add_request``/``step``; the requests still running at the end finish untimed."""
+    engine, point = llm.llm_engine, next(_speed_ids)
+    sent = 0
+    have = {}  # request id -> tokens so far
+
+    def send():
+        nonlocal sent
+        rid = f"speed-{point}-{sent}"
+        engine.add_request(rid, prompts[sent % len(prompts)], params)
+        have[rid] = 0
+        sent += 1
+
+    for _ in range(c):
+        send()
+    warm, t, tokens, requests = c, None, 0, 0
+    while True:
+        for o in engine.step():
+            n = len(o.outputs[0].token_ids)
+            if t is not None:
+                tokens += n - have[o.request_id]
+            have[o.request_id] = n
+            if o.finished:
+                del have[o.request_id]
+                if t is None:
+                    warm -= 1
+                else:
+                    requests += 1
+                send()
+        if t is None and warm <= 0:
+            clock("start")
+            t = time.perf_counter()
+        elif t is not None:
+            secs = time.perf_counter() - t
+            if requests >= min_requests and secs >= min_seconds:
+                clock("stop")
+                break
+    while engine.has_unfinished_requests():  # the last requests, untimed: the next point starts empty
+        engine.step()
+    return tokens, requests, secs
 
 
 class Stream:
