@@ -132,14 +132,15 @@ def test_stage_run_refuses_a_run_without_a_checkpoint(tmp_path):
     assert r.returncode != 0 and "no checkpoint" in r.stderr
 
 
-def test_a_finished_draft_is_staged_without_checkpoints_and_with_its_export(tmp_path, run_dir):
-    (run_dir / "export-vllm").mkdir()
+def test_a_finished_draft_is_staged_without_checkpoints_or_its_export(tmp_path, run_dir):
+    (run_dir / "export-vllm").mkdir()  # remade by the pipeline's export stage in a second
     (run_dir / "export-vllm" / "model.safetensors").write_bytes(b"export")
     stage = tmp_path / "stage" / "job"
     r = sh("stage_run.sh", run_dir, stage, "draft")
     assert r.returncode == 0, r.stderr
     assert (stage / "train" / "draft" / "model.safetensors").read_bytes() == b"draft"
-    assert (stage / "export-vllm" / "model.safetensors").read_bytes() == b"export"
+    assert (stage / "train" / "metrics.jsonl").is_file() and (stage / "pipeline-config.json").is_file()
+    assert not (stage / "export-vllm").exists()
     assert not (stage / "train" / "checkpoints").exists() and not (stage / "prepared").exists()
 
     (run_dir / "train" / "draft" / "model.safetensors").unlink()  # a training still under way

@@ -2,8 +2,8 @@
 # Copy what `eyas pipeline` needs to go on with a run elsewhere into STAGE (made anew): the stage
 # records (pipeline-config.json, pipeline-timings.json) and
 #   - train/ with only its newest checkpoint, without the draft: the training resumes there;
-#   - with `draft`: train/ with the finished draft and no checkpoint, and the vLLM export: the
-#     pipeline skips training and goes on to evaluate.
+#   - with `draft`: train/ with the finished draft and no checkpoint: the pipeline skips training
+#     and goes on to export (a second) and evaluate.
 # The prepared data is not copied: the answers are seeded from git and prepare makes the same dataset
 # again. Used by `gpu_job.sh home` (HOME_WHAT=draft for the second) before send_home.sh.
 #
@@ -26,6 +26,6 @@ if [ "$WHAT" = checkpoint ]; then
   mkdir -p "$S/train/checkpoints" && cp -r "$last" "$S/train/checkpoints/"
   echo "stage_run: $W -> $S ($(du -sh "$S" | cut -f1), checkpoint $(basename "$last"))"
 else
-  tar -C "$W" -cf - --exclude=train/checkpoints train $(cd "$W" && ls -d export-vllm 2>/dev/null) | tar -C "$S" -xf -
-  echo "stage_run: $W -> $S ($(du -sh "$S" | cut -f1), the draft and its export)"
+  tar -C "$W" -cf - --exclude=train/checkpoints train | tar -C "$S" -xf -
+  echo "stage_run: $W -> $S ($(du -sh "$S" | cut -f1), the draft)"
 fi
