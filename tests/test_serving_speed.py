@@ -129,7 +129,9 @@ class _Engine:
         for rid, st in list(self.live.items()):
             st[1] += 1
             done = st[1] >= st[0]
-            outs.append(SimpleNamespace(request_id=rid, finished=done, outputs=[SimpleNamespace(token_ids=[7] * st[1])]))
+            outs.append(
+                SimpleNamespace(request_id=rid, finished=done, outputs=[SimpleNamespace(token_ids=[7] * st[1])])
+            )
             if done:
                 del self.live[rid]
         return outs

@@ -250,10 +250,7 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
                 extra = {**extra, "greedy_vs_plain": greedy_vs_plain(records, _plain_answers(cfg, ctx, eng))}
             speed = _with_plain(
                 speed,
-                [
-                    _speed_point(eng, cfg, ctx, prompts, c)
-                    for c in concurrency
-                ],
+                [_speed_point(eng, cfg, ctx, prompts, c) for c in concurrency],
                 shared=False,
             )
     elif cfg.temperature <= 0 and ctx.plain_answers is not None and ctx.plain_answers.is_file():
@@ -336,10 +333,7 @@ def _run_draft_engine(
             speed = {
                 **plan,
                 "what": SPEED_WHAT[cfg.speed_load],
-                "draft": [
-                    _speed_point(eng, cfg, ctx, prompts, c)
-                    for c in concurrency
-                ],
+                "draft": [_speed_point(eng, cfg, ctx, prompts, c) for c in concurrency],
             }
     extra = {
         "vllm_version": info.get("vllm"),
