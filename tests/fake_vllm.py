@@ -35,6 +35,7 @@ class FakeVllmEngine:
         speculative_options=None,
     ):
         self.k = k if draft_dir is not None else None
+        self.opts = {"k": k, "draft": str(draft_dir) if draft_dir is not None else None}
         STARTED.append(self.k)
         OPTIONS.append(dict(speculative_options or {}))
         self.info = {"vllm": "fake-0.0", "load_seconds": 0.0}

@@ -312,6 +312,32 @@ def test_a_rerun_starts_no_engine_and_a_longer_minimum_times_again(drafted, eval
     assert longer["vllm"]["best_k"]["1"] == {"k": 3, "speedup": pytest.approx(2.5), "pays": True}
 
 
+def test_each_engine_start_and_speed_point_is_reported_as_it_ends(drafted, tmp_path, monkeypatch, capsys):
+    """With --progress, a line per vLLM engine started and per serving-speed point: a vLLM
+    evaluation's minutes are accounted for while it runs; --quiet prints none."""
+    target, work = drafted
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 1)
+    fake_vllm.use(monkeypatch, SPEEDS)
+    _evaluate(target, work / "run" / "draft", qfile, tmp_path / "eval", also_k=[3], progress=True)
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("vllm engine")] == [
+        "vllm engine (k=2) ready in 0.0 s",
+        "vllm engine (no draft) ready in 0.0 s",
+        "vllm engine (k=3) ready in 0.0 s",
+    ]
+    points = [line.split(" over ")[0] for line in err if line.startswith("vllm serving, ")]
+    assert points == [
+        "vllm serving, k=2, 1 requests (steady): 190 tokens/s",
+        "vllm serving, k=2, 4 requests (steady): 360 tokens/s",
+        "vllm serving, no draft, 1 requests (steady): 100 tokens/s",
+        "vllm serving, no draft, 4 requests (steady): 400 tokens/s",
+        "vllm serving, k=3, 1 requests (steady): 170 tokens/s",
+        "vllm serving, k=3, 4 requests (steady): 300 tokens/s",
+    ]
+    _evaluate(target, work / "run" / "draft", qfile, tmp_path / "quiet", also_k=[3], progress=False)
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("vllm ")]
+
+
 def test_a_run_stopped_while_timing_the_baseline_resumes_without_the_drafts_engine(
     drafted, evaluated, tmp_path, monkeypatch
 ):

@@ -63,11 +63,11 @@ step() {  # step NAME CMD...: run, time, record
   local name=$1 t0 rc
   shift
   t0=$(date +%s.%N)
-  echo "== $name: $*"
+  echo "== $name [$(date +%T)]: $*"
   "$@"
   rc=$?
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}")" "$*" >> "$J/steps.tsv"
-  echo "== $name: exit $rc after $(tail -1 "$J/steps.tsv" | cut -f3) s"
+  echo "== $name [$(date +%T)]: exit $rc after $(tail -1 "$J/steps.tsv" | cut -f3) s"
   return $rc
 }
 

@@ -9,6 +9,7 @@ replay, which measures every ``--also-k`` in its one pass) with what its report 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -246,6 +247,7 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
         with VllmEngine(
             python, ctx.target.path, None, k=k, dtype=ctx.dtype, seed=cfg.seed, log_path=ctx.out / "vllm-plain.log"
         ) as eng:
+            _started(cfg, eng)
             if cfg.temperature <= 0:  # greedy: the draft must not change the answers
                 extra = {**extra, "greedy_vs_plain": greedy_vs_plain(records, _plain_answers(cfg, ctx, eng))}
             speed = _with_plain(
@@ -261,9 +263,27 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
 
 
 def _speed_point(eng: Any, cfg: EvaluateConfig, ctx: EngineContext, prompts: list[list[int]], c: int) -> dict:
-    return eng.speed(
+    point = eng.speed(
         prompts, cfg.max_new_tokens, ctx.stop_ids, c, cfg.speed_min_seconds, SPEED_MIN_WAVES, cfg.speed_load
     )
+    what = f"k={eng.opts['k']}" if eng.opts.get("draft") else "no draft"
+    _say(
+        cfg,
+        f"vllm serving, {what}, {c} requests ({cfg.speed_load}): {point['tokens_per_s']:,.0f} tokens/s over "
+        f"{point['seconds']:.1f} s, {point['requests']} requests",
+    )
+    return point
+
+
+def _say(cfg: EvaluateConfig, line: str) -> None:
+    """A progress line (with --progress): where a long vLLM evaluation spends its minutes."""
+    if cfg.progress:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _started(cfg: EvaluateConfig, eng: Any) -> None:
+    what = f"k={eng.opts['k']}" if eng.opts.get("draft") else "no draft"
+    _say(cfg, f"vllm engine ({what}) ready in {eng.info.get('load_seconds', float('nan')):.1f} s")
 
 
 def _plain_answers(cfg: EvaluateConfig, ctx: EngineContext, eng: Any) -> dict[str, list[int]]:
@@ -314,6 +334,7 @@ def _run_draft_engine(
         log_path=ctx.out / "vllm.log",
         speculative_options=cfg.speculative_options,
     ) as eng:
+        _started(cfg, eng)
         pool = VllmPool(
             eng, k, cfg.temperature, cfg.seed, ctx.tokenizer, cfg.max_new_tokens, ctx.stop_ids, cfg.in_flight
         )
