@@ -142,6 +142,13 @@ def test_a_finished_draft_is_staged_without_checkpoints_or_its_export(tmp_path, 
     assert (stage / "train" / "metrics.jsonl").is_file() and (stage / "pipeline-config.json").is_file()
     assert not (stage / "export-vllm").exists()
     assert not (stage / "train" / "checkpoints").exists() and not (stage / "prepared").exists()
+    assert not (stage / "eval").exists()  # none begun
+
+    (run_dir / "eval" / "k4" / "vllm").mkdir(parents=True)  # an evaluation under way goes along
+    (run_dir / "eval" / "k4" / "vllm" / "records.jsonl").write_text('{"settings": {}}\n')
+    r = sh("stage_run.sh", run_dir, stage, "draft")
+    assert r.returncode == 0 and "the evaluation so far" in r.stdout
+    assert (stage / "eval" / "k4" / "vllm" / "records.jsonl").read_text() == '{"settings": {}}\n'
 
     (run_dir / "train" / "draft" / "model.safetensors").unlink()  # a training still under way
     r = sh("stage_run.sh", run_dir, tmp_path / "stage2" / "job", "draft")

@@ -2,8 +2,9 @@
 # Copy what `eyas pipeline` needs to go on with a run elsewhere into STAGE (made anew): the stage
 # records (pipeline-config.json, pipeline-timings.json) and
 #   - train/ with only its newest checkpoint, without the draft: the training resumes there;
-#   - with `draft`: train/ with the finished draft and no checkpoint: the pipeline skips training
-#     and goes on to export (a second) and evaluate.
+#   - with `draft`: train/ with the finished draft and no checkpoint, and eval/ as far as it got:
+#     the pipeline skips training, exports again (a second) and resumes the evaluation (the k done
+#     start no engine).
 # The prepared data is not copied: the answers are seeded from git and prepare makes the same dataset
 # again. Used by `gpu_job.sh home` (HOME_WHAT=draft for the second) before send_home.sh.
 #
@@ -26,6 +27,8 @@ if [ "$WHAT" = checkpoint ]; then
   mkdir -p "$S/train/checkpoints" && cp -r "$last" "$S/train/checkpoints/"
   echo "stage_run: $W -> $S ($(du -sh "$S" | cut -f1), checkpoint $(basename "$last"))"
 else
-  tar -C "$W" -cf - --exclude=train/checkpoints train | tar -C "$S" -xf -
-  echo "stage_run: $W -> $S ($(du -sh "$S" | cut -f1), the draft)"
+  # shellcheck disable=SC2046  # eval/ where the evaluation began
+  tar -C "$W" -cf - --exclude=train/checkpoints --exclude=draft-vllm train $(cd "$W" && ls -d eval 2>/dev/null) \
+    | tar -C "$S" -xf -
+  echo "stage_run: $W -> $S ($(du -sh "$S" | cut -f1), the draft$( [ -d "$S/eval" ] && echo " and the evaluation so far"))"
 fi
