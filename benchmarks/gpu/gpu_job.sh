@@ -36,6 +36,8 @@
 #            over calls HOME_CALL = 0, 1, ... (stage_run.sh, send_home.sh: 3 pieces of 15 MiB a call);
 #            benchmarks/gpu/bring_home.sh carries it back to the same workdir in a later session,
 #            where `eyas pipeline` resumes the training from that checkpoint
+#   options  after pipeline: eyas evaluate --engine vllm of its draft and export at OPT_K alone, under
+#            --speculative-options SPEC_OPTS, serving timed at OPT_C (1,32) requests (issue 31 item 4)
 #   replay   after pipeline: eyas evaluate --engine replay on the pipeline's draft, the full MT-bench at k=5
 #            and every k from 1 to 7 from the same pass, compared turn by turn with the pipeline's builtin
 #            k=5 records (benchmarks/replay_vs_builtin.py --builtin-from): the replay engine on CUDA in bf16
@@ -226,6 +228,14 @@ case $STEP in
       --device cuda --dtype bfloat16 -k $K --max-new-tokens $TOKENS --prompts data/mt_bench/question.jsonl
     fi
     ;;
+  options)
+    # issue 31 item 4: the pipeline's draft and export at one k (OPT_K) under other settings of vLLM's
+    # speculative config (SPEC_OPTS, e.g. enforce_eager=true), timed at OPT_C requests; each its own --out
+    W=$PIPE_W name=$(printf '%s' "${SPEC_OPTS:?SPEC_OPTS=key=value,...}" | tr -c 'A-Za-z0-9_' '-')
+    step "options-$name" eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
+      --device cuda --dtype bfloat16 -k "${OPT_K:?OPT_K=the k to time}" --max-new-tokens $TOKENS \
+      --speed-concurrency "${OPT_C:-1,32}" --speculative-options "$SPEC_OPTS" --out "$J/eval-options-$name"
+    ;;
   home)
     S=/root/stage/$(basename "$PIPE_W")
     if [ "${HOME_CALL:-0}" = 0 ]; then  # a first call stages the run anew and forgets earlier pieces
@@ -241,6 +251,6 @@ cp "$J/steps.tsv" "$OUT/" 2>/dev/null
 ( cd "$J" && tar -czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='records.jsonl' \
     --exclude='regenerated*.jsonl' --exclude='shard-*' --exclude='checkpoints' --exclude='draft-vllm' \
     steps.tsv parity.json parity32.json run/summary.json run/metrics.jsonl run/*.png run/draft/*.json export/*.json \
-    eval eval-fp32 eval-replay regen/*.json regen/regenerate-vllm.log 2>/dev/null )
+    eval eval-fp32 eval-replay eval-options-* regen/*.json regen/regenerate-vllm.log 2>/dev/null )
 [ -f "$J/eval/builtin/records.jsonl" ] && echo "builtin records: $(( $(wc -l < "$J/eval/builtin/records.jsonl") - 1 )) turns"
 exit $rc
