@@ -328,6 +328,24 @@ def _torchrun(*args: str) -> list[str]:
     ]
 
 
+def test_a_finished_run_closes_its_process_group(tiny_target, data, tmp_path, monkeypatch):
+    """A torchrun rank's process group is ended when its training is done: left to the
+    interpreter's exit, gloo's threads aborted a finished rank (exit -6) under load."""
+    import torch.distributed as td
+
+    from eyas.train.trainer import run
+
+    monkeypatch.setenv("RANK", "0")
+    td.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        draft = run(_cfg(tiny_target, data, tmp_path / "run", save_every=0, eval_every=0))
+        assert (draft / "model.safetensors").is_file()
+        assert not td.is_initialized()
+    finally:
+        if td.is_initialized():
+            td.destroy_process_group()
+
+
 def test_torchrun_two_processes_match_single_process(tiny_target, data, tmp_path):
     steps = ["--max-steps", "4", "--save-every", "0"]
     single = tmp_path / "single"

@@ -79,6 +79,13 @@ def setup_dist(device_arg: str) -> tuple[Dist, torch.device]:
     return Dist(rank, world, local), device
 
 
+def teardown_dist() -> None:
+    """End the process group of a finished torchrun rank: left to the interpreter's exit, its
+    threads can abort the rank after the draft is written (exit -6, a failed job)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def wrap(model: nn.Module, parallel: str, world: int, device: torch.device, fused_loss: bool = False) -> nn.Module:
     """The module to train through: ``model`` itself (one process or FSDP2, which shards in
     place) or a DDP wrapper. Build the optimizer from ``model.parameters()`` AFTER this call.

@@ -710,7 +710,9 @@ def run(cfg: TrainConfig) -> Path:
     from eyas.outdir import check_out, writer_lock
 
     if int(os.environ.get("RANK", "0")) != 0:
-        return Trainer(cfg).train()
+        draft = Trainer(cfg).train()
+        parallel.teardown_dist()
+        return draft
     check_out(
         cfg.out, inputs={"the prepared dataset --data": cfg.data, "the --store": cfg.store, "the --target": cfg.target}
     )
@@ -718,6 +720,7 @@ def run(cfg: TrainConfig) -> Path:
         print(ckpt.no_checkpoint_note(Path(cfg.out)), file=sys.stderr, flush=True)
     with writer_lock(cfg.out, command="eyas train"):
         draft = Trainer(cfg).train()
+    parallel.teardown_dist()
     print(f"draft -> {draft}", file=sys.stderr, flush=True)
     measured = Path(draft) / TAU_FILE
     if measured.is_file():
