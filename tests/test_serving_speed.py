@@ -139,6 +139,9 @@ class _Engine:
     def has_unfinished_requests(self):
         return bool(self.live)
 
+    def get_num_unfinished_requests(self):
+        return len(self.live)
+
 
 class _SteadyLLM:
     def __init__(self, pause: float = 0.0):

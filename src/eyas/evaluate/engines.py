@@ -266,11 +266,10 @@ def _speed_point(eng: Any, cfg: EvaluateConfig, ctx: EngineContext, prompts: lis
     point = eng.speed(
         prompts, cfg.max_new_tokens, ctx.stop_ids, c, cfg.speed_min_seconds, SPEED_MIN_WAVES, cfg.speed_load
     )
-    what = f"k={eng.opts['k']}" if eng.opts.get("draft") else "no draft"
     _say(
         cfg,
-        f"vllm serving, {what}, {c} requests ({cfg.speed_load}): {point['tokens_per_s']:,.0f} tokens/s over "
-        f"{point['seconds']:.1f} s, {point['requests']} requests",
+        f"vllm serving, {_engine_name(eng)}, {c} requests ({cfg.speed_load}): "
+        f"{point['tokens_per_s']:,.0f} tokens/s over {point['seconds']:.1f} s, {point['requests']} requests",
     )
     return point
 
@@ -282,8 +281,11 @@ def _say(cfg: EvaluateConfig, line: str) -> None:
 
 
 def _started(cfg: EvaluateConfig, eng: Any) -> None:
-    what = f"k={eng.opts['k']}" if eng.opts.get("draft") else "no draft"
-    _say(cfg, f"vllm engine ({what}) ready in {eng.info.get('load_seconds', float('nan')):.1f} s")
+    _say(cfg, f"vllm engine ({_engine_name(eng)}) ready in {eng.info.get('load_seconds', float('nan')):.1f} s")
+
+
+def _engine_name(eng: Any) -> str:
+    return f"k={eng.opts['k']}" if eng.opts.get("draft") else "no draft"
 
 
 def _plain_answers(cfg: EvaluateConfig, ctx: EngineContext, eng: Any) -> dict[str, list[int]]:

@@ -152,46 +152,49 @@ _speed_ids = itertools.count()
 
 
 def _steady(llm, params, prompts, c, min_requests, min_seconds, clock):
-    """(tokens, requests finished, seconds) with ``c`` requests always in flight, through the engine's
-    ``add_request``/``step``; the requests still running at the end finish untimed."""
+    """(tokens, requests finished, seconds) with ``c`` requests always in flight, stepped by
+    :func:`step_until` (each finished one replaced before the next step); the requests still running
+    at the end finish untimed."""
     engine, point = llm.llm_engine, next(_speed_ids)
-    sent = 0
     have = {}  # request id -> tokens so far
+    sent = gained = 0
+    timing = False
 
-    def send():
+    def send(n):
         nonlocal sent
-        rid = f"speed-{point}-{sent}"
-        engine.add_request(rid, prompts[sent % len(prompts)], params)
-        have[rid] = 0
-        sent += 1
+        for _ in range(n):
+            rid = f"speed-{point}-{sent}"
+            engine.add_request(rid, prompts[sent % len(prompts)], params)
+            have[rid] = 0
+            sent += 1
 
-    for _ in range(c):
-        send()
-    warm, t, tokens, requests = c, None, 0, 0
-    while True:
-        for o in engine.step():
-            n = len(o.outputs[0].token_ids)
-            if t is not None:
-                tokens += n - have[o.request_id]
-            have[o.request_id] = n
-            if o.finished:
-                del have[o.request_id]
-                if t is None:
-                    warm -= 1
-                else:
-                    requests += 1
-                send()
-        if t is None and warm <= 0:
-            clock("start")
-            t = time.perf_counter()
-        elif t is not None:
-            secs = time.perf_counter() - t
-            if requests >= min_requests and secs >= min_seconds:
-                clock("stop")
-                break
-    while engine.has_unfinished_requests():  # the last requests, untimed: the next point starts empty
-        engine.step()
-    return tokens, requests, secs
+    def seen(o):
+        nonlocal gained
+        n = len(o.outputs[0].token_ids)
+        if timing:
+            gained += n - have[o.request_id]
+        have[o.request_id] = n
+        if o.finished:
+            del have[o.request_id]
+            return o.request_id
+        return None
+
+    send(c)
+    warm = c  # the clock starts once c requests have finished, their ends spread
+    while warm > 0:
+        done = step_until(engine, c - 1, seen)
+        warm -= len(done)
+        send(len(done))
+    clock("start")
+    timing, t, requests, secs = True, time.perf_counter(), 0, 0.0
+    while requests < min_requests or secs < min_seconds:
+        done = step_until(engine, c - 1, seen)
+        requests += len(done)
+        send(len(done))
+        secs = time.perf_counter() - t
+    clock("stop")
+    step_until(engine, 0, lambda o: None)  # the last requests, untimed: the next point starts empty
+    return gained, requests, secs
 
 
 class Stream:
