@@ -232,11 +232,14 @@ case $STEP in
     ;;
   options)
     # issue 31 item 4: the pipeline's draft and export at one k (OPT_K) under other settings of vLLM's
-    # speculative config (SPEC_OPTS, e.g. enforce_eager=true), timed at OPT_C requests; each its own --out
-    W=$PIPE_W name=$(printf '%s' "${SPEC_OPTS:?SPEC_OPTS=key=value,...}" | tr -c 'A-Za-z0-9_' '-')
+    # speculative config (SPEC_OPTS, e.g. enforce_eager=true; `default`: none, a repeat of the
+    # pipeline's own point), timed at OPT_C requests; each its own --out
+    W=$PIPE_W name=$(printf '%s' "${SPEC_OPTS:?SPEC_OPTS=key=value,... or default}" | tr -c 'A-Za-z0-9_' '-')
+    OPTS=(--speculative-options "$SPEC_OPTS")
+    [ "$SPEC_OPTS" = default ] && OPTS=()
     step "options-$name" eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
       --device cuda --dtype bfloat16 -k "${OPT_K:?OPT_K=the k to time}" --max-new-tokens $TOKENS \
-      --speed-concurrency "${OPT_C:-1,32}" --speculative-options "$SPEC_OPTS" --out "$J/eval-options-$name"
+      --speed-concurrency "${OPT_C:-1,32}" "${OPTS[@]}" --out "$J/eval-options-$name"
     ;;
   home)
     S=/root/stage/$(basename "$PIPE_W")
