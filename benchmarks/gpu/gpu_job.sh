@@ -36,6 +36,8 @@
 #            over calls HOME_CALL = 0, 1, ... (stage_run.sh, send_home.sh: 3 pieces of 15 MiB a call);
 #            benchmarks/gpu/bring_home.sh carries it back to the same workdir in a later session,
 #            where `eyas pipeline` resumes the training from that checkpoint
+#   profile  after pipeline: eyas evaluate --engine vllm --speed-profile-steps of its draft at PROF_K (3) and
+#            PROF_ALSO (4,5) and without it, 1 request: each part of a step from vLLM's profiler (issue 31 item 4)
 #   options  after pipeline: eyas evaluate --engine vllm of its draft and export at OPT_K alone, under
 #            --speculative-options SPEC_OPTS, serving timed at OPT_C (1,32) requests (issue 31 item 4)
 #   replay   after pipeline: eyas evaluate --engine replay on the pipeline's draft, the full MT-bench at k=5
@@ -44,7 +46,7 @@
 # What comes back in $OUT: log.txt (this call, progress bars included), steps.tsv (every step so far: name, rc, seconds),
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
-STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay|home}
+STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay|options|profile|home}
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 export OUT=${OUT:-/tmp/out}
@@ -230,6 +232,21 @@ case $STEP in
       --device cuda --dtype bfloat16 -k $K --max-new-tokens $TOKENS --prompts data/mt_bench/question.jsonl
     fi
     ;;
+  profile)
+    # issue 31 item 4: what each part of a decoding step costs at 1 request (the target's forward,
+    # sampling, the draft's passes, the rest), k = PROF_K and each of PROF_ALSO, and without the
+    # draft, from vLLM's own profiler (eyas evaluate --speed-profile-steps); the traces come back
+    # apart from results.tgz, where they fit
+    W=$PIPE_W
+    step profile eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
+      --device cuda --dtype bfloat16 -k "${PROF_K:-3}" --also-k "${PROF_ALSO:-4,5}" --max-new-tokens $TOKENS \
+      --speed-concurrency 1 --speed-min-seconds "${PROF_MIN_S:-10}" --speed-profile-steps "${PROF_STEPS:-64}" \
+      --out "$J/eval-profile"
+    ( cd "$J" && find eval-profile -name '*.pt.trace.json*' -print0 | tar -czf "$OUT/profile-traces.tgz" --null -T - )
+    if [ "$(stat -c %s "$OUT/profile-traces.tgz" 2>/dev/null || echo 0)" -gt 15000000 ]; then
+      echo "profile traces over 15 MB: not brought back"; rm -f "$OUT/profile-traces.tgz"
+    fi
+    ;;
   options)
     # issue 31 item 4: the pipeline's draft and export at one k (OPT_K) under other settings of vLLM's
     # speculative config (SPEC_OPTS, e.g. enforce_eager=true; `default`: none, a repeat of the
@@ -255,7 +272,8 @@ rc=$?
 cp "$J/steps.tsv" "$OUT/" 2>/dev/null
 ( cd "$J" && tar -czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='records.jsonl' \
     --exclude='regenerated*.jsonl' --exclude='shard-*' --exclude='checkpoints' --exclude='draft-vllm' \
+    --exclude='*.pt.trace.json*' \
     steps.tsv parity.json parity32.json run/summary.json run/metrics.jsonl run/*.png run/draft/*.json export/*.json \
-    eval eval-fp32 eval-replay eval-options-* regen/*.json regen/regenerate-vllm.log 2>/dev/null )
+    eval eval-fp32 eval-replay eval-options-* eval-profile regen/*.json regen/regenerate-vllm.log 2>/dev/null )
 [ -f "$J/eval/builtin/records.jsonl" ] && echo "builtin records: $(( $(wc -l < "$J/eval/builtin/records.jsonl") - 1 )) turns"
 exit $rc

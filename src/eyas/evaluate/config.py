@@ -138,6 +138,15 @@ class EvaluateConfig:
         "together, the next wave once the slowest is done.",
         "--speed-load",
     )
+    speed_profile_steps: int = setting(
+        0,
+        "vllm --speed-concurrency: also run this many engine steps at 1 request under vLLM's torch "
+        "profiler, for each engine (the draft's and the baseline's), and report what a step's parts "
+        "cost (the target's forward, sampling, the draft's passes, the rest); traces in "
+        "OUT/vllm/profile-*/ (0: none).",
+        "--speed-profile-steps",
+        check=at_least(0, "profiled engine steps", "0 profiles none"),
+    )
     speculative_options: dict[str, Any] = setting(
         {},
         "vllm: more keys of vLLM's --speculative-config for the draft's engine, e.g. "

@@ -211,6 +211,8 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
             "min_seconds": cfg.speed_min_seconds,
             "min_waves": SPEED_MIN_WAVES,
             "load": cfg.speed_load,
+            # profiled engines have vLLM's named scopes on in every step: their points are their own
+            **({"profile_steps": cfg.speed_profile_steps} if cfg.speed_profile_steps else {}),
         }
         if concurrency
         else {}
@@ -245,7 +247,14 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     if speed and plain is None and "plain" not in speed:
         # the same prompts without the draft, once the draft's engine is gone
         with VllmEngine(
-            python, ctx.target.path, None, k=k, dtype=ctx.dtype, seed=cfg.seed, log_path=ctx.out / "vllm-plain.log"
+            python,
+            ctx.target.path,
+            None,
+            k=k,
+            dtype=ctx.dtype,
+            seed=cfg.seed,
+            log_path=ctx.out / "vllm-plain.log",
+            profile_dir=_profile_dir(cfg, ctx, "plain"),
         ) as eng:
             _started(cfg, eng)
             if cfg.temperature <= 0:  # greedy: the draft must not change the answers
@@ -255,6 +264,8 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
                 [_speed_point(eng, cfg, ctx, prompts, c) for c in concurrency],
                 shared=False,
             )
+            if cfg.speed_profile_steps:
+                speed["plain_profile"] = _profile(eng, cfg, ctx, prompts, "plain")
     elif cfg.temperature <= 0 and ctx.plain_answers is not None and ctx.plain_answers.is_file():
         extra = {**extra, "greedy_vs_plain": greedy_vs_plain(records, _read_plain_answers(ctx.plain_answers))}
     speed = _with_plain(speed, plain)
@@ -272,6 +283,27 @@ def _speed_point(eng: Any, cfg: EvaluateConfig, ctx: EngineContext, prompts: lis
         f"{point['tokens_per_s']:,.0f} tokens/s over {point['seconds']:.1f} s, {point['requests']} requests",
     )
     return point
+
+
+def _profile_dir(cfg: EvaluateConfig, ctx: EngineContext, name: str) -> Path | None:
+    """Where vLLM's profiler writes the traces of engine ``name`` (none without --speed-profile-steps)."""
+    return ctx.out / f"profile-{name}" if cfg.speed_profile_steps and cfg.speed_concurrency else None
+
+
+def _profile(eng: Any, cfg: EvaluateConfig, ctx: EngineContext, prompts: list[list[int]], name: str) -> dict:
+    """``--speed-profile-steps`` engine steps at one request under vLLM's profiler, read into what each
+    part of a step costs (:mod:`eyas.evaluate.step_profile`); the trace stays in OUT/vllm/profile-NAME."""
+    import shutil
+
+    from eyas.evaluate.step_profile import profile_dir_summary, profile_line
+
+    trace_dir = _profile_dir(cfg, ctx, name)
+    shutil.rmtree(trace_dir, ignore_errors=True)  # an earlier run's trace is not this one's
+    eng.profile(prompts, cfg.max_new_tokens, ctx.stop_ids, cfg.speed_profile_steps)
+    summary = profile_dir_summary(trace_dir)
+    summary["trace"] = str(Path(summary["trace"]).relative_to(ctx.out))
+    _say(cfg, profile_line(_engine_name(eng), summary))
+    return summary
 
 
 def _say(cfg: EvaluateConfig, line: str) -> None:
@@ -335,6 +367,7 @@ def _run_draft_engine(
         seed=cfg.seed,
         log_path=ctx.out / "vllm.log",
         speculative_options=cfg.speculative_options,
+        profile_dir=_profile_dir(cfg, ctx, "draft") if not speed else None,
     ) as eng:
         _started(cfg, eng)
         pool = VllmPool(
@@ -358,6 +391,8 @@ def _run_draft_engine(
                 "what": SPEED_WHAT[cfg.speed_load],
                 "draft": [_speed_point(eng, cfg, ctx, prompts, c) for c in concurrency],
             }
+            if cfg.speed_profile_steps:
+                speed["draft_profile"] = _profile(eng, cfg, ctx, prompts, "draft")
     extra = {
         "vllm_version": info.get("vllm"),
         "vllm_python": str(python),
@@ -388,7 +423,7 @@ def _saved_run(
     ):
         speed = None  # measured with other prompts, lengths or durations
     elif speed and plain is None and speed.get("plain_from"):  # an -k run's baseline: time this run's own
-        speed = {key: v for key, v in speed.items() if key not in ("plain", "plain_from", "speedup")}
+        speed = {key: v for key, v in speed.items() if key not in ("plain", "plain_from", "speedup", "plain_profile")}
     timed = not concurrency or bool(speed and (plain is not None or "plain" in speed))
     return (saved if saved and timed else None), speed
 

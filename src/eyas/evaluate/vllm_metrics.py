@@ -49,6 +49,7 @@ class VllmEngine:
         log_path: Path | None = None,
         kv_cache_gib: int = 2,
         speculative_options: dict[str, Any] | None = None,
+        profile_dir: Path | None = None,
     ):
         self.opts = {
             "target": str(Path(target_dir).resolve()),
@@ -58,6 +59,8 @@ class VllmEngine:
             "dtype": dtype,
             "max_model_len": max_model_len,
             "seed": seed,
+            # vLLM's torch profiler behind `profile` (its trace files go there)
+            "profile_dir": str(Path(profile_dir).resolve()) if profile_dir else None,
         }
         self._work = Path(tempfile.mkdtemp(prefix="eyas-vllm-serve-"))  # the job and its worker package
         self.log_path = Path(log_path) if log_path else self._work / "vllm.log"
@@ -133,6 +136,25 @@ class VllmEngine:
                 "min_seconds": min_seconds,
                 "min_waves": min_waves,
                 "load": load,
+            }
+        )
+
+    def profile(
+        self, prompts: list[list[int]], max_new_tokens: int, stop_ids: set[int], steps: int, warm: int = 8
+    ) -> dict[str, Any]:
+        """``steps`` engine steps at one request under vLLM's torch profiler (the engine must have
+        been started with ``profile_dir``), after ``warm`` untraced ones; the trace lands in
+        ``profile_dir``."""
+        if not self.opts["profile_dir"]:
+            raise ValueError("VllmEngine.profile needs an engine started with profile_dir")
+        return self.proc.request(
+            {
+                "op": "profile",
+                "prompts": prompts,
+                "max_tokens": max_new_tokens,
+                "stop_token_ids": sorted(stop_ids),
+                "steps": steps,
+                "warm": warm,
             }
         )
 

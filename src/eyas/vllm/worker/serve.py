@@ -13,7 +13,9 @@ answers requests (``protocol.py``):
   ignore EOS: eyas cuts the answers itself, so that the round that reaches a stop token is counted
   whole, as the builtin loop and vLLM's counters count it. Where vLLM keeps per-request acceptance
   itself (``per_request_spec_decode_metrics``), its per-step counts come along as a check;
-- ``{"op": "speed", ...}``: wall-clock tokens/s at a number of concurrent requests (:func:`speed`).
+- ``{"op": "speed", ...}``: wall-clock tokens/s at a number of concurrent requests (:func:`speed`);
+- ``{"op": "profile", ...}``: engine steps at one request under vLLM's torch profiler, where the job
+  names a ``profile_dir`` (:func:`profile`).
 """
 
 from __future__ import annotations
@@ -197,6 +199,64 @@ def _steady(llm, params, prompts, c, min_requests, min_seconds, clock):
     return gained, requests, secs
 
 
+def profile(llm, SamplingParams, req):
+    """``steps`` engine steps with one request always in flight (greedy, the prompts taken in turn),
+    under vLLM's own torch profiler, after ``warm`` untraced steps; the trace goes to the job's
+    ``profile_dir`` for eyas to read each step's parts from (``eyas.evaluate.step_profile``)."""
+    params = SamplingParams(
+        max_tokens=req["max_tokens"],
+        temperature=0.0,
+        stop_token_ids=req.get("stop_token_ids") or None,
+        detokenize=False,
+    )
+    prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
+    engine, point = llm.llm_engine, next(_speed_ids)
+    sent = 0
+
+    def step():
+        nonlocal sent
+        for o in engine.step():
+            if o.finished:  # replaced at once: one request in flight
+                engine.add_request(f"profile-{point}-{sent}", prompts[sent % len(prompts)], params)
+                sent += 1
+
+    engine.add_request(f"profile-{point}-{sent}", prompts[0], params)
+    sent += 1
+    for _ in range(int(req.get("warm", 8))):
+        step()
+    t = time.perf_counter()
+    llm.start_profile()
+    for _ in range(int(req["steps"])):
+        step()
+    llm.stop_profile()  # writes the trace
+    secs = time.perf_counter() - t
+    step_until(engine, 0, lambda o: None)
+    return {"steps": int(req["steps"]), "requests": sent, "seconds": secs}
+
+
+def profiler_options(EngineArgs, profile_dir):
+    """The engine arguments (and environment) that put vLLM's torch profiler behind
+    ``LLM.start_profile`` with its model runner's named scopes, on this version: ``profiler_config``
+    where EngineArgs takes it, else the environment variable of older versions."""
+    import dataclasses
+    import os
+
+    os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the engine core inherits it
+    names = {f.name for f in dataclasses.fields(EngineArgs)} if dataclasses.is_dataclass(EngineArgs) else set()
+    if "profiler_config" in names:
+        config = {"profiler": "torch", "torch_profiler_dir": profile_dir}
+        try:
+            from vllm.config import ProfilerConfig
+
+            if "torch_profiler_with_stack" in {f.name for f in dataclasses.fields(ProfilerConfig)}:
+                config["torch_profiler_with_stack"] = False  # Python frames: most of a trace, not read
+        except (ImportError, TypeError):
+            pass
+        return {"profiler_config": config}
+    os.environ["VLLM_TORCH_PROFILER_DIR"] = profile_dir
+    return {}
+
+
 class Stream:
     """The ``stream`` op's requests, kept across replies: the engine's batch outlives each reply."""
 
@@ -323,6 +383,8 @@ def main(job_path: str) -> None:
             **extra,
         }
         kwargs.update(per_request_metrics_option(EngineArgs))
+    if opts.get("profile_dir"):
+        kwargs.update(profiler_options(EngineArgs, opts["profile_dir"]))
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     channel.reply({"ready": True, "vllm": vllm.__version__, "load_seconds": time.perf_counter() - t0})
@@ -330,6 +392,9 @@ def main(job_path: str) -> None:
     for req in channel.requests():
         if req.get("op") == "speed":
             channel.reply(speed(llm, SamplingParams, req))
+            continue
+        if req.get("op") == "profile":
+            channel.reply(profile(llm, SamplingParams, req))
             continue
         if req.get("op") == "stream":
             channel.reply(stream(req))
