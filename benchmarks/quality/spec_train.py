@@ -25,13 +25,34 @@ first minus steady validation time in the probe, or ``--allowance-s`` without a 
 plan does not spend it. Writes ``OUT/spec_train.json`` with the plan, timings and the
 checkpoint directory to evaluate.
 
+A run can span sessions (speculators_resume.md, section 5); none of this is on by default:
+- ``--save-every-s S``: at the first step boundary S seconds after the first step or the last
+  save, a numbered checkpoint ``run/<epoch>/`` with its ``training_state.json``, which
+  speculators resumes from (also mid-epoch), unlike SIGTERM's ``interrupted/``.
+- ``--stop-after-s S``: at the first step boundary S seconds after this session's first step,
+  such a checkpoint, then the run stops (the script's own exception, not SIGTERM). The plan's
+  last step never stops. ``spec_train.json["stopped"]`` says where (epoch, local and global
+  step); it is null when the trainer returned (finished, or cut by the budget timer).
+- ``--resume``: continues the stopped run in ``OUT``: its plan (no probe), extra flags and
+  ``--ttt-steps``, the budget left (``--budget-s`` minus every earlier session's
+  ``after_first_step_s``; the timer gets the allowance again, its validation compiles again),
+  the same ``run/``, after removing a stale ``run/interrupted``. The earlier sessions' records
+  move to ``"sessions"``; ``ckpt_at`` times continue the budget clock. A ``--resume`` of a run
+  that was not stopped does nothing.
+- ``--fp32-checkpoints``: its checkpointer saves in fp32 rather than bf16 (2x the size) so that a
+  resume is exact (the trainer keeps fp32 weights and optimizer state).
+The stop is decided in each process on its own clock: single-process runs only (as run_quality
+starts it), not torchrun.
+
 ``--cpu`` (tests on machines without an accelerator only): 0.9.0's trainer moves the model to
-device index 0 and pins memory unconditionally; the flag makes it use the CPU instead. Nothing
-else is changed.
+device index 0, pins memory unconditionally and loads a resumed checkpoint to "cuda:0"; the flag
+makes it use the CPU instead. Nothing else is changed.
 
 Usage (speculators importable, e.g. PYTHONPATH with the carried wheels):
     python spec_train.py --verifier T --data D --out O --budget-s 120 [--probe-steps 30]
-        [--ttt-steps N] [-- extra speculators flags]
+        [--ttt-steps N] [--save-every-s S] [--stop-after-s S] [--fp32-checkpoints]
+        [-- extra speculators flags]
+    python spec_train.py --verifier T --data D --out O --resume [--stop-after-s S]
 """
 
 from __future__ import annotations
@@ -40,6 +61,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -62,6 +84,11 @@ class Probe:
         self.ckpt_at: list[dict] = []
         self.interrupted = False
         self.timer: threading.Timer | None = None
+        # --stop-after-s: where the run stopped ({"epoch", "local_step", "global_step", ...}), or None
+        self.stopped: dict | None = None
+        self.last_save: float | None = None  # perf_counter at the end of the last numbered save
+        # budget seconds spent by earlier sessions of a resumed run: ckpt_at's times continue them
+        self.clock_offset_s = 0.0
 
     def summary(self) -> dict:
         d = [b - a for a, b in zip(self.steps, self.steps[1:])]
@@ -80,27 +107,82 @@ class Probe:
         }
 
 
-def instrument(probe: Probe, budget_s: float | None, cpu: bool) -> None:
-    """Wrap speculators' Trainer methods to time them (and arm the budget timer)."""
+class SessionStop(Exception):
+    """Raised from the step callback after --stop-after-s's checkpoint; caught in run_once."""
+
+
+class Session:
+    """What a run does beyond the plain budget run; all off by default."""
+
+    def __init__(
+        self, save_every_s: float | None = None, stop_after_s: float | None = None, fp32: bool = False
+    ) -> None:
+        self.save_every_s = save_every_s
+        self.stop_after_s = stop_after_s
+        self.fp32 = fp32
+
+
+def instrument(probe: Probe, budget_s: float | None, cpu: bool, session: Session | None = None) -> None:
+    """Wrap speculators' Trainer methods to time them (and arm the budget timer; with a
+    ``session``, save numbered checkpoints on a clock, stop cleanly, save in fp32)."""
     import speculators.train.trainer as tr
 
+    session = session or Session()
     T = tr.Trainer
     orig = {n: getattr(T, n) for n in ("__init__", "train_epoch", "val_epoch", "maybe_save_checkpoint", "run_training")}
 
     def __init__(self, *a, **k):
         probe.trainer = self
         orig["__init__"](self, *a, **k)
+        if session.fp32:
+            _fp32_checkpoints(self)
 
     def train_epoch(self, epoch, *, step_callback=None):
+        # the epoch's local step, as the trainer counts it (1-based over the full epoch, a resumed
+        # epoch's skipped batches included); read before the original clears _resume_local_step
+        skip = getattr(self, "_resume_local_step", 0) if epoch == getattr(self, "current_epoch", epoch) else 0
+        n0, cfg, num_steps = self.global_step, self.config, None
+        if session.stop_after_s is not None or session.save_every_s is not None:
+            # the epoch's batch count varies with the epoch (packing): set it first, as the
+            # original does, and count before its resume skip slices the sampler's batch list
+            if hasattr(self.train_loader.batch_sampler, "set_epoch"):
+                self.train_loader.batch_sampler.set_epoch(epoch)
+            num_steps = len(self.train_loader)
+
         def cb():
-            probe.steps.append(time.perf_counter())
-            if len(probe.steps) == 1 and budget_s is not None:
-                # the budget runs from the end of the first step: compilation and warm-up are
-                # not counted (eyas's runs are planned the same way, from steady step times)
-                timer = threading.Timer(budget_s, lambda: os.kill(os.getpid(), signal.SIGTERM))
-                timer.daemon = True
-                timer.start()
-                probe.timer = timer
+            now = time.perf_counter()
+            probe.steps.append(now)
+            if len(probe.steps) == 1:
+                probe.last_save = now
+                if budget_s is not None:
+                    # the budget runs from the end of the first step: compilation and warm-up are
+                    # not counted (eyas's runs are planned the same way, from steady step times)
+                    timer = threading.Timer(budget_s, lambda: os.kill(os.getpid(), signal.SIGTERM))
+                    timer.daemon = True
+                    timer.start()
+                    probe.timer = timer
+            if session.stop_after_s is not None or session.save_every_s is not None:
+                # after the optimizer, the scheduler and global_step += 1: a consistent boundary
+                local_step = skip + self.global_step - n0
+                last = (cfg.max_steps is not None and self.global_step >= cfg.max_steps) or (
+                    epoch == cfg.num_epochs - 1 and local_step >= num_steps
+                )
+                # the plan's last step: the trainer saves and validates next anyway, and a resume
+                # from a mid-epoch state at max_steps would run one step more than planned
+                if not last:
+                    stop = session.stop_after_s is not None and now - probe.steps[0] >= session.stop_after_s
+                    due = session.save_every_s is not None and now - probe.last_save >= session.save_every_s
+                    if stop or due:
+                        self.maybe_save_checkpoint(epoch, local_step=local_step)
+                    if stop:
+                        probe.stopped = {
+                            "epoch": epoch,
+                            "local_step": local_step,
+                            "global_step": self.global_step,
+                            "after_first_step_s": time.perf_counter() - probe.steps[0],
+                            "checkpoint": str(self.checkpointer.path / str(epoch)),
+                        }
+                        raise SessionStop(f"stopped after {session.stop_after_s} s at {probe.stopped}")
             if step_callback is not None:
                 step_callback()
 
@@ -115,11 +197,22 @@ def instrument(probe: Probe, budget_s: float | None, cpu: bool) -> None:
 
     def maybe_save_checkpoint(self, epoch, local_step=0):
         t = time.perf_counter()
-        probe.ckpt_at.append({"epoch": str(epoch), "after_first_step_s": (t - probe.steps[0]) if probe.steps else None})
+        at = {
+            "epoch": str(epoch),
+            # a resumed session's save before its first step (the end of the epoch it stopped at
+            # the end of) is at the budget clock's time so far
+            "after_first_step_s": (probe.clock_offset_s + t - probe.steps[0])
+            if probe.steps
+            else (probe.clock_offset_s or None),
+        }
+        if session.save_every_s is not None or session.stop_after_s is not None or probe.clock_offset_s:
+            at |= {"local_step": local_step, "global_step": self.global_step}
+        probe.ckpt_at.append(at)
         try:
             return orig["maybe_save_checkpoint"](self, epoch, local_step=local_step)
         finally:
             probe.ckpt_s.append(time.perf_counter() - t)
+            probe.last_save = time.perf_counter()
             if epoch == "interrupted":
                 probe.interrupted = True
 
@@ -138,6 +231,19 @@ def instrument(probe: Probe, budget_s: float | None, cpu: bool) -> None:
         _cpu_shims()
 
 
+def _fp32_checkpoints(trainer) -> None:
+    """Make this trainer's checkpointer save in fp32 (0.9.0 passes no float_dtype, so bf16): the
+    weights and optimizer state it keeps in fp32 then come back exactly on a resume."""
+    import torch
+
+    save = trainer.checkpointer.save_checkpoint  # bound; keeps its rank-0-only decorator
+
+    def save_checkpoint(model, optimizer, epoch, float_dtype=None):
+        return save(model, optimizer, epoch, float_dtype=torch.float32)
+
+    trainer.checkpointer.save_checkpoint = save_checkpoint
+
+
 def restore(saved: dict) -> None:
     import speculators.train.trainer as tr
 
@@ -146,16 +252,18 @@ def restore(saved: dict) -> None:
 
 
 def _cpu_shims() -> None:
-    """Let 0.9.0's trainer run without an accelerator (tests only): CPU device, no pinned memory,
-    no accelerator synchronisation in its step timer."""
+    """Let 0.9.0's trainer run without an accelerator (tests only): CPU device (also for loading a
+    checkpoint on a resume), no pinned memory, no accelerator synchronisation in its step timer."""
     import functools
 
     import torch
     import torch.utils.data
+    import speculators.train.checkpointer as ck
     import speculators.train.dataloader as dl
     import speculators.train.trainer as tr
 
     tr.get_local_rank = lambda: "cpu"
+    ck.get_current_device = lambda: "cpu"  # where a resume loads its checkpoint to
     if not torch.accelerator.is_available():  # its step timer synchronizes the accelerator
         torch.accelerator.synchronize = lambda *a, **k: None
     dl.DataLoader = functools.partial(torch.utils.data.DataLoader, pin_memory=False)
@@ -195,7 +303,13 @@ def base_argv(a: argparse.Namespace, save_path: Path, extra: list[str]) -> list[
     return argv + list(extra)
 
 
-def run_once(argv: list[str], budget_s: float | None, cpu: bool) -> Probe:
+def run_once(
+    argv: list[str],
+    budget_s: float | None,
+    cpu: bool,
+    session: Session | None = None,
+    clock_offset_s: float = 0.0,
+) -> Probe:
     import speculators.train.trainer as tr
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
@@ -205,18 +319,22 @@ def run_once(argv: list[str], budget_s: float | None, cpu: bool) -> Probe:
         for n in ("__init__", "train_epoch", "val_epoch", "maybe_save_checkpoint", "run_training")
     }
     probe = Probe()
-    instrument(probe, budget_s, cpu)
+    probe.clock_offset_s = clock_offset_s
+    instrument(probe, budget_s, cpu, session)
     try:
         main(TrainConfig.resolve(argv))
+    except SessionStop as e:
+        print(f"spec_train: {e}", file=sys.stderr)
     finally:
         restore(saved)
     return probe
 
 
-def plan(budget_s: float, p: dict, margin: float = 0.97) -> dict:
+def plan(budget_s: float, p: dict, margin: float = 0.97, save_every_s: float | None = None, stop: bool = False) -> dict:
     """The most steps that fit in the budget with their validation epochs and checkpoints; as
     ``--epochs`` (rounded up) plus ``--max-steps`` when that is not a whole number of epochs, so
     its LR schedule (which decays over ``--max-steps`` when set) ends with the budget.
+    ``--save-every-s`` checkpoints and a ``--stop-after-s`` one are taken off the budget first.
 
     Whole epochs only, as before run d, left speculators 16 s of its 90 (RESULTS.md, run d)."""
     step = p["step_s_median"] or p["first_step_s"]  # one probe step (tiny data): its own time
@@ -228,6 +346,8 @@ def plan(budget_s: float, p: dict, margin: float = 0.97) -> dict:
     ckpt = max(p["ckpt_s"]) if p["ckpt_s"] else 0.0
     # the budget starts after the first step (compilation), so only steady steps count
     avail = budget_s * margin
+    extra_saves = (int(avail // save_every_s) if save_every_s else 0) + (1 if stop else 0)
+    avail -= extra_saves * ckpt
     allowance = max(0.0, vals[0] - vals[-1]) if len(vals) >= 2 else 0.0
 
     def cost(n: int) -> float:  # every started epoch ends with a validation and a checkpoint
@@ -237,12 +357,16 @@ def plan(budget_s: float, p: dict, margin: float = 0.97) -> dict:
     while n > 1 and cost(n) > avail:
         n -= 1
     n = max(1, n)
-    return {
+    out = {
         "epochs": math.ceil(n / spe),
         "max_steps": n if n % spe else None,
         "expected_s": cost(n),
         "allowance_s": allowance,
     }
+    if extra_saves:
+        out["extra_saves"] = extra_saves
+        out["expected_s"] += extra_saves * ckpt
+    return out
 
 
 def final_checkpoint(save_path: Path) -> Path | None:
@@ -257,6 +381,22 @@ def final_checkpoint(save_path: Path) -> Path | None:
     return max(epochs, key=lambda d: int(d.name)) if epochs else None
 
 
+def _previous(out: Path, a: argparse.Namespace, extra: list[str]) -> dict:
+    """The stopped session's record that ``--resume`` continues; checks that this call matches it."""
+    sj = out / "spec_train.json"
+    if not sj.is_file():
+        raise SystemExit(f"spec_train: --resume needs {sj} from the stopped session")
+    prev = json.loads(sj.read_text())
+    if extra and extra != prev["extra_args"]:
+        raise SystemExit(f"spec_train: --resume: extra flags {extra} differ from the recorded {prev['extra_args']}")
+    if a.ttt_steps is not None and a.ttt_steps != prev["ttt_steps"]:
+        raise SystemExit(f"spec_train: --resume: --ttt-steps {a.ttt_steps} differs from the stopped session's")
+    for k in ("epochs", "max_steps"):
+        if getattr(a, k) is not None and getattr(a, k) != prev["plan"][k]:
+            raise SystemExit(f"spec_train: --resume: --{k.replace('_', '-')} differs from the plan {prev['plan']}")
+    return prev
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -267,7 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verifier", required=True, help="Target HF directory.")
     ap.add_argument("--data", required=True, help="Output of to_speculators.py.")
     ap.add_argument("--out", required=True, help="Run directory (probe/, run/, spec_train.json).")
-    ap.add_argument("--budget-s", type=float, required=True, help="Wall-clock budget of the run.")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="Wall-clock budget of the whole run (required; with --resume the recorded one by default).",
+    )
     ap.add_argument("--probe-steps", type=int, default=30, help="0: no probe, use --epochs/--max-steps.")
     ap.add_argument("--epochs", type=int, default=None, help="With --probe-steps 0 only.")
     ap.add_argument("--max-steps", type=int, default=None, help="With --probe-steps 0 only.")
@@ -280,19 +425,85 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--ttt-steps", type=int, default=None, help="Default: speculators' own (3).")
     ap.add_argument("--num-workers", type=int, default=8, help="Its dataloader workers (its default 12).")
+    ap.add_argument(
+        "--save-every-s",
+        type=float,
+        default=None,
+        help="Also save a numbered (resumable) checkpoint at the first step this many seconds after "
+        "the first step or the last save.",
+    )
+    ap.add_argument(
+        "--stop-after-s",
+        type=float,
+        default=None,
+        help="End this session at the first step this many seconds after its first step: save a "
+        "numbered checkpoint and stop (spec_train.json's 'stopped'); continue with --resume.",
+    )
+    ap.add_argument(
+        "--fp32-checkpoints",
+        action="store_true",
+        help="Save checkpoints in fp32 instead of its bf16 (2x the size; a resume is then exact).",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="Continue the run that --stop-after-s stopped in OUT: its plan, no probe, the rest of its budget.",
+    )
     ap.add_argument("--cpu", action="store_true", help="Tests only: run without an accelerator.")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"budget_s": a.budget_s, "extra_args": extra, "ttt_steps": a.ttt_steps}
+    run_dir = out / "run"
+    prev = _previous(out, a, extra) if a.resume else None
+    if prev is not None:
+        if not prev.get("stopped"):
+            print(f"spec_train: the run in {out} was not stopped by --stop-after-s; nothing to resume")
+            return 0
+        st = prev["stopped"]
+        state = run_dir / str(st["epoch"]) / "training_state.json"
+        if not state.is_file() or json.loads(state.read_text())["global_step"] != st["global_step"]:
+            raise SystemExit(f"spec_train: --resume: {state} is missing or is not the stop's ({st})")
+        extra, a.ttt_steps = prev["extra_args"], prev["ttt_steps"]
+        a.fp32_checkpoints = a.fp32_checkpoints or prev.get("fp32_checkpoints", False)
+        total = a.budget_s if a.budget_s is not None else prev["budget_s"]
+        sessions = prev.get("sessions", []) + [
+            {k: prev.get(k) for k in ("session_budget_s", "run", "stopped", "checkpoint", "argv") if k in prev}
+        ]
+        used = sum(x["run"]["after_first_step_s"] or 0.0 for x in sessions)
+        if total - used <= 0:
+            print(f"spec_train: --resume: no budget left ({used:.1f} s of {total} s used)", file=sys.stderr)
+            return 1
+        # a SIGTERM's interrupted/ is not resumable and would shadow this session's checkpoints
+        shutil.rmtree(run_dir / "interrupted", ignore_errors=True)
+        result: dict = {"budget_s": total, "extra_args": extra, "ttt_steps": a.ttt_steps}
+        result |= {k: prev[k] for k in ("probe", "plan") if k in prev}
+        result |= {"sessions": sessions, "session_budget_s": total - used, "resumed_from": st}
+        session_budget, clock_offset = total - used, used
+    else:
+        if a.budget_s is None:
+            ap.error("--budget-s is required")
+        result = {"budget_s": a.budget_s, "extra_args": extra, "ttt_steps": a.ttt_steps}
+        session_budget, clock_offset = a.budget_s, 0.0
+    if a.fp32_checkpoints:
+        result["fp32_checkpoints"] = True
+    session = Session(a.save_every_s, a.stop_after_s, a.fp32_checkpoints)
     t0 = time.perf_counter()
-    if a.probe_steps > 0:
+    if prev is not None:
+        pass  # the stopped session's plan (in result): the same --epochs/--max-steps, the same LR schedule
+    elif a.probe_steps > 0:
         probe_dir = out / "probe"
-        pa = base_argv(a, probe_dir, extra) + ["--epochs", "2", "--max-steps", str(a.probe_steps)]
-        p = run_once(pa, None, a.cpu).summary()
+        # a leftover probe/ must not be resumed (resuming is the CLI's default): it would run 0 steps
+        pa = base_argv(a, probe_dir, extra) + [
+            "--epochs",
+            "2",
+            "--max-steps",
+            str(a.probe_steps),
+            "--no-resume-from-checkpoint",
+        ]
+        p = run_once(pa, None, a.cpu, Session(fp32=a.fp32_checkpoints)).summary()
         p["wall_s"] = time.perf_counter() - t0
         result["probe"] = p
-        result["plan"] = plan(a.budget_s, p)
+        result["plan"] = plan(a.budget_s, p, save_every_s=a.save_every_s, stop=a.stop_after_s is not None)
     else:
         result["plan"] = {
             "epochs": a.epochs,
@@ -300,25 +511,29 @@ def main(argv: list[str] | None = None) -> int:
             "expected_s": None,
             "allowance_s": a.allowance_s,
         }
-    run_dir = out / "run"
     ra = base_argv(a, run_dir, extra)
     if result["plan"]["epochs"] is not None:
         ra += ["--epochs", str(result["plan"]["epochs"])]
     if result["plan"]["max_steps"] is not None:
         ra += ["--max-steps", str(result["plan"]["max_steps"])]
     t1 = time.perf_counter()
-    probe = run_once(ra, a.budget_s + result["plan"]["allowance_s"], a.cpu)
+    probe = run_once(ra, session_budget + result["plan"]["allowance_s"], a.cpu, session, clock_offset)
     s = probe.summary()
     s["setup_s"] = (probe.run_start - t1) if probe.run_start else None
     s["wall_s"] = time.perf_counter() - t1
     result["run"] = s
+    # null: the trainer returned (finished, or cut by the budget timer); else where it stopped
+    result["stopped"] = probe.stopped
     ck = final_checkpoint(run_dir)
     result["checkpoint"] = str(ck) if ck else None
     result["argv"] = ra
     tmp = out / "spec_train.json.tmp"
     tmp.write_text(json.dumps(result, indent=2))
     os.replace(tmp, out / "spec_train.json")
-    print(json.dumps({k: result[k] for k in ("plan", "checkpoint")} | {"run_loop_s": s["loop_s"], "steps": s["steps"]}))
+    line = {k: result[k] for k in ("plan", "checkpoint")} | {"run_loop_s": s["loop_s"], "steps": s["steps"]}
+    if probe.stopped:
+        line["stopped"] = probe.stopped
+    print(json.dumps(line))
     if ck is None:
         print("spec_train: no checkpoint was written", file=sys.stderr)
         return 1
