@@ -235,6 +235,22 @@ def main(argv: list[str] | None = None) -> int:
         help="With --spec-probe-steps 0: its first validation's compile time (spec_train.py).",
     )
     ap.add_argument("--spec-workers", type=int, default=8)
+    # a speculators run over two or more device sessions (spec_train.py; speculators_resume.md 5)
+    ap.add_argument(
+        "--spec-save-every-s",
+        type=float,
+        default=None,
+        help="speculators: a numbered checkpoint this often (kept for --curve-every-s's curve).",
+    )
+    ap.add_argument(
+        "--spec-stop-after-s",
+        type=float,
+        default=None,
+        help="speculators: end this session's run after this many seconds of steps, with a "
+        "resumable checkpoint; a later main call continues it with --spec-resume.",
+    )
+    ap.add_argument("--spec-resume", action="store_true", help="speculators: continue the stopped run.")
+    ap.add_argument("--spec-fp32-checkpoints", action="store_true", help="speculators: exact resumes.")
     ap.add_argument(
         "--ablations",
         default=",".join(ABLATIONS),
@@ -460,20 +476,26 @@ def _spec_start(r: Runner, a, work: Path) -> subprocess.Popen:
         work / "spec_data",
         "--out",
         work / "spec_main",
-        "--budget-s",
-        a.main_budget_s,
-        "--probe-steps",
-        a.spec_probe_steps,
         "--num-workers",
         a.spec_workers,
     ]
-    if a.spec_probe_steps == 0:
-        if not a.spec_epochs:
-            raise ValueError("--spec-probe-steps 0 needs --spec-epochs (and --spec-allowance-s)")
-        cmd += ["--epochs", a.spec_epochs, "--allowance-s", a.spec_allowance_s]
+    if a.spec_resume:  # the stopped run's plan, budget and flags (spec_train.py --resume)
+        cmd.append("--resume")
+    else:
+        cmd += ["--budget-s", a.main_budget_s, "--probe-steps", a.spec_probe_steps]
+        if a.spec_probe_steps == 0:
+            if not a.spec_epochs:
+                raise ValueError("--spec-probe-steps 0 needs --spec-epochs (and --spec-allowance-s)")
+            cmd += ["--epochs", a.spec_epochs, "--allowance-s", a.spec_allowance_s]
+        if a.spec_save_every_s:
+            cmd += ["--save-every-s", a.spec_save_every_s, "--keep-saves"]
+        if a.spec_fp32_checkpoints:
+            cmd.append("--fp32-checkpoints")
+    if a.spec_stop_after_s:
+        cmd += ["--stop-after-s", a.spec_stop_after_s]
     if _device(a) == "cpu":
         cmd.append("--cpu")
-    if a.spec_args.strip():
+    if a.spec_args.strip() and not a.spec_resume:  # a resume takes the recorded ones
         cmd += ["--", *a.spec_args.split()]
     env = r.spec_env()
     env.update({k: v for k, v in _gpu_env(r, 1).items() if k == "CUDA_VISIBLE_DEVICES"})
@@ -485,7 +507,9 @@ def _spec_finish(r: Runner, a, work: Path, res: dict, ps: subprocess.Popen, time
     sj = work / "spec_main" / "spec_train.json"
     sm = json.loads(sj.read_text()) if sj.is_file() else {"error": f"rc={ps.returncode}, see logs/spec_main.log"}
     res["spec_main"] = sm
-    if sm.get("checkpoint"):
+    if sm.get("stopped"):  # a session's stop, not the trained draft: a later --spec-resume ends it
+        log(f"spec_main: stopped at {sm['stopped']}; continue it with --spec-resume")
+    elif sm.get("checkpoint"):
         r.run(
             "spec_convert",
             [
@@ -863,13 +887,13 @@ def curve(r: Runner, a, work: Path, ev_replay: list[str] | None) -> dict[str, li
                     "draft": str(ck),
                 }
             )
-    sj = work / "spec_main" / "spec_train.json"
-    saved = (json.loads(sj.read_text()).get("run") or {}).get("ckpt_at", []) if sj.is_file() else []
-    for c in saved:  # {"epoch", "after_first_step_s"} per maybe_save_checkpoint call
-        ck = work / "spec_main" / "run" / c["epoch"]
+    for c in spec_saves(work / "spec_main" / "spec_train.json"):
+        # a kept copy of each save where spec_train.py made them (--spec-save-every-s), else the
+        # epoch's directory (which holds its last save only)
+        ck = Path(c["kept"]) if c.get("kept") else work / "spec_main" / "run" / c["epoch"]
         if not (ck / "config.json").is_file() or c["after_first_step_s"] is None:
             continue  # that call saved nothing (or came before the first step)
-        name = f"curve_spec_{c['epoch']}"
+        name = f"curve_spec_{ck.name if c.get('kept') else c['epoch']}"
         draft = work / f"{name}_draft"
         try:
             r.run(
@@ -885,12 +909,30 @@ def curve(r: Runner, a, work: Path, ev_replay: list[str] | None) -> dict[str, li
             out["speculators"].append(
                 {
                     "epoch": c["epoch"],
+                    **({"global_step": c["global_step"]} if "global_step" in c else {}),
                     "train_s": c["after_first_step_s"],
                     "tau": got[f"{name}_k{a.curve_k}"]["tau"],
                     "draft": str(ck),
                 }
             )
     log(f"curve: {json.dumps(out)}")
+    return out
+
+
+def spec_saves(spec_json: Path) -> list[dict]:
+    """Every save of a speculators run (spec_train.py's ``ckpt_at``), its earlier sessions' first:
+    {"epoch", "after_first_step_s" on the run's budget clock, and "kept" where a copy was kept}."""
+    if not spec_json.is_file():
+        return []
+    sj = json.loads(spec_json.read_text())
+    runs = [x.get("run") or {} for x in sj.get("sessions", [])] + [sj.get("run") or {}]
+    out, kept = [], set()
+    for c in (c for run in runs for c in run.get("ckpt_at", [])):
+        if c.get("kept"):
+            if c["kept"] in kept:
+                continue  # a resumed session saving the step its predecessor stopped at: the same weights
+            kept.add(c["kept"])
+        out.append(c)
     return out
 
 

@@ -41,6 +41,9 @@ A run can span sessions (speculators_resume.md, section 5); none of this is on b
   that was not stopped does nothing.
 - ``--fp32-checkpoints``: its checkpointer saves in fp32 rather than bf16 (2x the size) so that a
   resume is exact (the trainer keeps fp32 weights and optimizer state).
+- ``--keep-saves``: a copy of each numbered save's weights and config in ``OUT/kept/step-<global
+  step>/`` (``ckpt_at[].kept``), for the tau curve: a mid-epoch save overwrites its epoch's
+  directory in place. The copies are made inside the budget's clock.
 The stop is decided in each process on its own clock: single-process runs only (as run_quality
 starts it), not torchrun.
 
@@ -115,11 +118,18 @@ class Session:
     """What a run does beyond the plain budget run; all off by default."""
 
     def __init__(
-        self, save_every_s: float | None = None, stop_after_s: float | None = None, fp32: bool = False
+        self,
+        save_every_s: float | None = None,
+        stop_after_s: float | None = None,
+        fp32: bool = False,
+        keep_dir: Path | None = None,
     ) -> None:
         self.save_every_s = save_every_s
         self.stop_after_s = stop_after_s
         self.fp32 = fp32
+        # --keep-saves: each numbered save's weights copied here (a mid-epoch save overwrites its
+        # epoch's directory in place, so the curve's checkpoints would otherwise be lost)
+        self.keep_dir = keep_dir
 
 
 def instrument(probe: Probe, budget_s: float | None, cpu: bool, session: Session | None = None) -> None:
@@ -212,6 +222,8 @@ def instrument(probe: Probe, budget_s: float | None, cpu: bool, session: Session
             return orig["maybe_save_checkpoint"](self, epoch, local_step=local_step)
         finally:
             probe.ckpt_s.append(time.perf_counter() - t)
+            if session.keep_dir is not None and epoch != "interrupted":
+                at["kept"] = _keep(self.checkpointer.path / str(epoch), session.keep_dir / f"step-{self.global_step}")
             probe.last_save = time.perf_counter()
             if epoch == "interrupted":
                 probe.interrupted = True
@@ -229,6 +241,22 @@ def instrument(probe: Probe, budget_s: float | None, cpu: bool, session: Session
     T.maybe_save_checkpoint, T.run_training = maybe_save_checkpoint, run_training
     if cpu:
         _cpu_shims()
+
+
+def _keep(src: Path, dst: Path) -> str | None:
+    """A copy of the weights and config of the checkpoint just saved in ``src`` (what evaluation
+    reads; no optimizer state), or None where it saved nothing (not rank 0, or gated)."""
+    if not (src / "config.json").is_file():
+        return None
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and (f.suffix in (".json", ".safetensors")) and f.name != "training_state.json":
+            shutil.copy2(f, tmp / f.name)
+    shutil.rmtree(dst, ignore_errors=True)
+    os.replace(tmp, dst)
+    return str(dst)
 
 
 def _fp32_checkpoints(trainer) -> None:
@@ -445,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
         help="Save checkpoints in fp32 instead of its bf16 (2x the size; a resume is then exact).",
     )
     ap.add_argument(
+        "--keep-saves",
+        action="store_true",
+        help="Copy the weights of every numbered save to OUT/kept/step-<global step>/ (for the tau "
+        "curve: a mid-epoch save overwrites its epoch's directory); ckpt_at names each copy ('kept').",
+    )
+    ap.add_argument(
         "--resume",
         action="store_true",
         help="Continue the run that --stop-after-s stopped in OUT: its plan, no probe, the rest of its budget.",
@@ -486,7 +520,16 @@ def main(argv: list[str] | None = None) -> int:
         session_budget, clock_offset = a.budget_s, 0.0
     if a.fp32_checkpoints:
         result["fp32_checkpoints"] = True
-    session = Session(a.save_every_s, a.stop_after_s, a.fp32_checkpoints)
+    if prev is not None:  # the stopped session's saving goes on as it was
+        a.keep_saves = a.keep_saves or prev.get("keep_saves", False)
+        a.save_every_s = a.save_every_s if a.save_every_s is not None else prev.get("save_every_s")
+    if a.keep_saves:
+        result["keep_saves"] = True
+    if a.save_every_s is not None:
+        result["save_every_s"] = a.save_every_s
+    session = Session(
+        a.save_every_s, a.stop_after_s, a.fp32_checkpoints, (out / "kept").resolve() if a.keep_saves else None
+    )
     t0 = time.perf_counter()
     if prev is not None:
         pass  # the stopped session's plan (in result): the same --epochs/--max-steps, the same LR schedule
