@@ -26,7 +26,9 @@ ALLOWED_VLLM: dict[str, set[str | None]] = {
     "vllm": {None, "LLM", "SamplingParams", "EngineArgs", "__version__"},
     # the dataclass behind --speculative-config (vLLM's config reference documents it): only its
     # fields are read, to name the keys a version takes when --speculative-options has another
-    "vllm.config": {"SpeculativeConfig"},
+    "vllm.config": {"SpeculativeConfig", "ProfilerConfig"},
+    # ProfilerConfig, the dataclass behind --profiler-config (also documented): only its fields are
+    # read, to leave Python stacks out of a profile where a version can
     # the type of SamplingParams' documented output_kind field (regeneration asks for FINAL_ONLY)
     "vllm.sampling_params": {"RequestOutputKind"},
     # the stock hidden-states connector we subclass for CPU, and its public file helpers
