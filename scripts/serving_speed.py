@@ -55,6 +55,8 @@ def run_of(eval_dir: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any], d
         "min_waves": speed.get("min_waves"),
         "min_seconds": speed.get("min_seconds"),
         "tau_by_k": rep.get("tau_by_k"),
+        # each k's decoding step part by part at 1 request (--speed-profile-steps), where measured
+        **({"step_profile": rep["step_profile"]} if rep.get("step_profile") else {}),
         **({"partial": {"k_measured": partial}} if partial else {}),
     }
     rows = [{"target": target, **r} for r in rep["serving_speed_by_k"]]

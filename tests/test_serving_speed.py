@@ -455,6 +455,38 @@ def test_best_k_from_the_reports_of_each_k():
     assert got["tau_by_k"] == {"1": 1.5, "3": 2.5, "5": 3.5}
 
 
+def test_each_k_s_step_profile_is_gathered_and_printed(tmp_path):
+    """--speed-profile-steps: each k's profiled step (and the baseline's, from the -k run) side by
+    side in the summary, and a line each in what `eyas evaluate` prints."""
+    from eyas.evaluate.report import build_report, serving_summary, summary_lines
+
+    def prof(interval, **parts):
+        return {"steps": 10, "interval_ms": interval, "parts_ms": parts, "rest_ms": 0.1, "tokens_per_step": 4}
+
+    def report(k, draft_profile, plain_profile=None):
+        speed = {
+            "draft": [{"concurrency": 1, "tokens_per_s": 200.0}],
+            "plain": [{"concurrency": 1, "tokens_per_s": 100.0}],
+            "draft_profile": draft_profile,
+            **({"plain_profile": plain_profile} if plain_profile else {}),
+        }
+        rec = {"category": "writing", "rounds": 2, "accepted_per_pos": [1] * k, "new_tokens": 4}
+        return build_report([rec], k, {"engine": "vllm", "serving_speed": speed})
+
+    plain = prof(2.1, forward=1.5)
+    reps = {3: report(3, prof(3.5, forward=1.9, draft=0.9), plain), 5: report(5, prof(4.9, forward=2.0, draft=1.8))}
+    got = serving_summary(reps)["step_profile"]
+    assert got["plain"] == plain
+    assert got["by_k"]["3"]["parts_ms"]["draft"] == 0.9 and got["by_k"]["5"]["interval_ms"] == 4.9
+    lines = summary_lines({"vllm": reps[3]}, tmp_path)
+    assert any("with the draft" in x and "a step every 3.50 ms" in x and "draft 0.90" in x for x in lines)
+    assert any("no draft" in x and "a step every 2.10 ms" in x for x in lines)
+    # without profiles the summary has none
+    del reps[3]["serving_speed"]["draft_profile"], reps[3]["serving_speed"]["plain_profile"]
+    del reps[5]["serving_speed"]["draft_profile"]
+    assert "step_profile" not in serving_summary(reps)
+
+
 # --------------------------------------------------------------------------- the model card
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.evaluate.step_cost import step_cost_lines, step_costs
+from eyas.evaluate.step_profile import profile_line
 
 REPORT_NAME = "report.json"
 ENGINE_NAMES = ("builtin", "vllm", "replay")  # the engines that write a report of their own
@@ -106,7 +107,9 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
       on a tie the smaller k (fewer draft tokens to propose);
     - ``tau_by_k``: each k's tau in its evaluation;
     - ``step_cost``: per concurrency, each step's time and the tau each k needs to pay
-      (:mod:`eyas.evaluate.step_cost`)."""
+      (:mod:`eyas.evaluate.step_cost`);
+    - ``step_profile`` (with ``--speed-profile-steps``): each k's decoding step at 1 request, part by
+      part, and the baseline's (:mod:`eyas.evaluate.step_profile`)."""
     rows = []
     for k, rep in sorted(reports.items()):
         speed = rep.get("serving_speed") or {}
@@ -130,12 +133,18 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
         if r["speedup"] is not None and (b is None or r["speedup"] > b["speedup"]):
             best[str(r["concurrency"])] = {"k": r["k"], "speedup": r["speedup"], "pays": r["speedup"] > 1.0}
     tau_by_k = {str(k): rep["overall"]["tau"] for k, rep in sorted(reports.items())}
-    return {
+    out = {
         "serving_speed_by_k": rows,
         "best_k": best,
         "tau_by_k": tau_by_k,
         "step_cost": step_costs(rows, tau_by_k),
     }
+    speeds = {k: rep.get("serving_speed") or {} for k, rep in sorted(reports.items())}
+    by_k = {str(k): sp["draft_profile"] for k, sp in speeds.items() if sp.get("draft_profile")}
+    plain = next((sp["plain_profile"] for sp in speeds.values() if sp.get("plain_profile")), None)
+    if by_k or plain:
+        out["step_profile"] = {"plain": plain, "by_k": by_k}
+    return out
 
 
 def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
@@ -260,6 +269,9 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
             f"{label}vllm serving, {d['concurrency']} concurrent: {d['tokens_per_s']:.0f} tok/s with "
             f"the draft, {p['tokens_per_s']:.0f} without ({d['tokens_per_s'] / p['tokens_per_s']:.2f}x)"
         )
+    for key, name in (("draft_profile", f"{label}with the draft".lstrip()), ("plain_profile", "no draft")):
+        if speed and speed.get(key):
+            lines.append(profile_line(name, speed[key]))
     for key, rep in reports.items():
         if key.startswith("k") and key[1:].isdigit():  # also_k: that k's own reports, in OUT/k<N>/
             lines += summary_lines(rep, Path(out) / key, top=False)
