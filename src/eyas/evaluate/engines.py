@@ -294,13 +294,21 @@ def _profile(eng: Any, cfg: EvaluateConfig, ctx: EngineContext, prompts: list[li
     """``--speed-profile-steps`` engine steps at one request under vLLM's profiler, read into what each
     part of a step costs (:mod:`eyas.evaluate.step_profile`); the trace stays in OUT/vllm/profile-NAME."""
     import shutil
+    import warnings
 
+    from eyas.errors import EyasError
     from eyas.evaluate.step_profile import profile_dir_summary, profile_line
 
     trace_dir = _profile_dir(cfg, ctx, name)
     shutil.rmtree(trace_dir, ignore_errors=True)  # an earlier run's trace is not this one's
-    eng.profile(prompts, cfg.max_new_tokens, ctx.stop_ids, cfg.speed_profile_steps)
-    summary = profile_dir_summary(trace_dir)
+    try:
+        eng.profile(prompts, cfg.max_new_tokens, ctx.stop_ids, cfg.speed_profile_steps)
+        summary = profile_dir_summary(trace_dir)
+    except (EyasError, ValueError, KeyError, OSError) as e:
+        # the profile explains the speed points, it is not one: they are kept, and the reason said
+        summary = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        warnings.warn(f"vllm profile ({_engine_name(eng)}) failed, the serving speed is kept: {e}", stacklevel=2)
+        return summary
     summary["trace"] = str(Path(summary["trace"]).relative_to(ctx.out))
     _say(cfg, profile_line(_engine_name(eng), summary))
     return summary

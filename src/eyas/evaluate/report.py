@@ -270,8 +270,11 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
             f"the draft, {p['tokens_per_s']:.0f} without ({d['tokens_per_s'] / p['tokens_per_s']:.2f}x)"
         )
     for key, name in (("draft_profile", f"{label}with the draft".lstrip()), ("plain_profile", "no draft")):
-        if speed and speed.get(key):
-            lines.append(profile_line(name, speed[key]))
+        prof = (speed or {}).get(key)
+        if prof:
+            lines.append(
+                profile_line(name, prof) if "parts_ms" in prof else f"vllm profile, {name}: {prof.get('error')}"
+            )
     for key, rep in reports.items():
         if key.startswith("k") and key[1:].isdigit():  # also_k: that k's own reports, in OUT/k<N>/
             lines += summary_lines(rep, Path(out) / key, top=False)
