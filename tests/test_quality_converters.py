@@ -1,8 +1,9 @@
 """Converters of the speculators comparison (benchmarks/quality): eyas store -> speculators data,
 speculators checkpoint -> a draft eyas's evaluation loop runs.
 
-The checks against speculators' own code run it in .venvs/speculators (speculators==0.9.0 on the
-CPU torch); they are skipped where that venv does not exist.
+The checks against speculators' own code run it in .venvs/speculators (speculators==0.9.0 over
+.venv's CPU torch; `make spec-env`, part of `make test`); they are skipped where that venv does not
+exist.
 """
 
 from __future__ import annotations
@@ -258,3 +259,38 @@ def test_speculators_checkpoint_runs_in_eyas_step_loop(tiny_store, tiny_llama_di
         for j in range(3):
             torch.testing.assert_close(unroll[j][0, : t - 2], ref[f"step{j}"][: t - 2], rtol=1e-4, atol=1e-4)
     assert checked == 2 * (t - 2)
+
+
+@needs_spec
+def test_spec_train_stopped_and_resumed_ends_as_one_run(tiny_store, tiny_llama_dir):
+    """benchmarks/quality/spec_train.py: a session stopped after its first step (--stop-after-s 0)
+    and continued (--resume) runs the rest of the plan in speculators' own trainer and ends, with
+    fp32 checkpoints, with the very weights of one uninterrupted run."""
+    from safetensors.torch import load_file
+
+    import to_speculators
+
+    tmp, _, store = tiny_store
+    data = tmp / "spec_data_train"
+    to_speculators.convert(store, None, data, threads=2, progress=False)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+
+    def spec_train(out: Path, *args: str) -> dict:
+        cmd = [str(SPEC_PY), str(ROOT / "benchmarks" / "quality" / "spec_train.py"), "--cpu"]
+        cmd += ["--verifier", str(tiny_llama_dir), "--data", str(data), "--num-workers", "0", "--out", str(out)]
+        r = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads((out / "spec_train.json").read_text())
+
+    plan = ["--budget-s", "600", "--probe-steps", "0", "--epochs", "2", "--fp32-checkpoints"]
+    packs = ["--", "--total-seq-len", "64"]  # a few steps an epoch from 12 short samples
+    one = spec_train(tmp / "st_one", *plan, *packs)
+    first = spec_train(tmp / "st_two", *plan, "--stop-after-s", "0", *packs)
+    assert one["stopped"] is None and one["run"]["steps"] >= 4
+    assert first["stopped"]["global_step"] == 1 and first["run"]["steps"] == 1
+    rest = spec_train(tmp / "st_two", "--resume")
+    assert rest["stopped"] is None and rest["resumed_from"]["global_step"] == 1
+    assert rest["run"]["steps"] == one["run"]["steps"] - 1 and rest["plan"] == first["plan"]
+    a = load_file(str(Path(one["checkpoint"]) / "model.safetensors"))
+    b = load_file(str(Path(rest["checkpoint"]) / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
