@@ -242,10 +242,12 @@ case $STEP in
       --device cuda --dtype bfloat16 -k "${PROF_K:-3}" --also-k "${PROF_ALSO:-4,5}" --max-new-tokens $TOKENS \
       --speed-concurrency 1 --speed-min-seconds "${PROF_MIN_S:-10}" --speed-profile-steps "${PROF_STEPS:-64}" \
       --out "$J/eval-profile"
+    prc=$?
     ( cd "$J" && find eval-profile -name '*.pt.trace.json*' -print0 | tar -czf "$OUT/profile-traces.tgz" --null -T - )
     if [ "$(stat -c %s "$OUT/profile-traces.tgz" 2>/dev/null || echo 0)" -gt 15000000 ]; then
       echo "profile traces over 15 MB: not brought back"; rm -f "$OUT/profile-traces.tgz"
     fi
+    [ "$prc" = 0 ]  # the call's status is the evaluation's
     ;;
   options)
     # issue 31 item 4: the pipeline's draft and export at one k (OPT_K) under other settings of vLLM's
