@@ -82,6 +82,25 @@ def ignored_head_options(draft_dir):
     return [k for k in used if k not in src]
 
 
+def greedy_requests(SamplingParams, req):
+    """The greedy sampling and the prompts of a ``speed`` or ``profile`` request."""
+    params = SamplingParams(
+        max_tokens=req["max_tokens"],
+        temperature=0.0,
+        stop_token_ids=req.get("stop_token_ids") or None,
+        detokenize=False,
+    )
+    return params, [{"prompt_token_ids": p} for p in req["prompts"]]
+
+
+def field_names(cls) -> set[str]:
+    """The fields of one of vLLM's config dataclasses (empty where this version's is not one): how
+    eyas tells which options a version takes."""
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+
+
 def speed(llm, SamplingParams, req):
     """Wall-clock tokens/s of greedy generation with ``concurrency`` requests, the prompts taken in
     turn from ``prompts`` (round and round), until at least ``min_waves`` times ``concurrency``
@@ -97,13 +116,7 @@ def speed(llm, SamplingParams, req):
     With a draft, vLLM's spec-decode counters over the timed part give its own acceptance length
     (tokens per verification round): the speed prompts are not the acceptance pass's, so a step's
     time is read from this one."""
-    params = SamplingParams(
-        max_tokens=req["max_tokens"],
-        temperature=0.0,
-        stop_token_ids=req.get("stop_token_ids") or None,
-        detokenize=False,
-    )
-    prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
+    params, prompts = greedy_requests(SamplingParams, req)
     c = int(req["concurrency"])
     min_requests = int(req.get("min_waves", 1)) * c
     min_seconds = float(req.get("min_seconds", 0.0))
@@ -203,13 +216,7 @@ def profile(llm, SamplingParams, req):
     """``steps`` engine steps with one request always in flight (greedy, the prompts taken in turn),
     under vLLM's own torch profiler, after ``warm`` untraced steps; the trace goes to the job's
     ``profile_dir`` for eyas to read each step's parts from (``eyas.evaluate.step_profile``)."""
-    params = SamplingParams(
-        max_tokens=req["max_tokens"],
-        temperature=0.0,
-        stop_token_ids=req.get("stop_token_ids") or None,
-        detokenize=False,
-    )
-    prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
+    params, prompts = greedy_requests(SamplingParams, req)
     engine, point = llm.llm_engine, next(_speed_ids)
     sent = 0
 
@@ -238,20 +245,17 @@ def profiler_options(EngineArgs, profile_dir):
     """The engine arguments (and environment) that put vLLM's torch profiler behind
     ``LLM.start_profile`` with its model runner's named scopes, on this version: ``profiler_config``
     where EngineArgs takes it, else the environment variable of older versions."""
-    import dataclasses
     import os
 
     os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"  # the engine core inherits it
-    names = {f.name for f in dataclasses.fields(EngineArgs)} if dataclasses.is_dataclass(EngineArgs) else set()
-    if "profiler_config" in names:
+    if "profiler_config" in field_names(EngineArgs):
         config = {"profiler": "torch", "torch_profiler_dir": profile_dir}
         try:
             from vllm.config import ProfilerConfig
-
-            if "torch_profiler_with_stack" in {f.name for f in dataclasses.fields(ProfilerConfig)}:
-                config["torch_profiler_with_stack"] = False  # Python frames: most of a trace, not read
-        except (ImportError, TypeError):
-            pass
+        except ImportError:
+            ProfilerConfig = None
+        if "torch_profiler_with_stack" in field_names(ProfilerConfig):
+            config["torch_profiler_with_stack"] = False  # Python frames: most of a trace, not read
         return {"profiler_config": config}
     os.environ["VLLM_TORCH_PROFILER_DIR"] = profile_dir
     return {}
@@ -308,25 +312,20 @@ class Stream:
 
 def per_request_metrics_option(EngineArgs):
     """vLLM's per-request acceptance, per step, where this version keeps it (0.31 and later)."""
-    import dataclasses
-
-    names = {f.name for f in dataclasses.fields(EngineArgs)} if dataclasses.is_dataclass(EngineArgs) else set()
-    return {"per_request_spec_decode_metrics": "detailed"} if "per_request_spec_decode_metrics" in names else {}
+    return (
+        {"per_request_spec_decode_metrics": "detailed"}
+        if "per_request_spec_decode_metrics" in field_names(EngineArgs)
+        else {}
+    )
 
 
 def speculative_fields() -> set[str]:
     """The keys vLLM's ``SpeculativeConfig`` takes (empty where this vLLM does not say)."""
-    import dataclasses
-
     try:
         from vllm.config import SpeculativeConfig
     except ImportError:
         return set()
-    return (
-        {f.name for f in dataclasses.fields(SpeculativeConfig)}
-        if dataclasses.is_dataclass(SpeculativeConfig)
-        else set()
-    )
+    return field_names(SpeculativeConfig)
 
 
 def main(job_path: str) -> None:
