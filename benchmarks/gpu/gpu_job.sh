@@ -107,6 +107,15 @@ read -r PIPE_W TNAME < <(python3 -c "import sys, yaml; c = yaml.safe_load(open(s
 # the builtin and both steps share one --out and these settings, so both resumes builtin's records
 EVAL=(eyas evaluate --device cuda --draft "$J/run/draft" -k $K --max-new-tokens $TOKENS --no-plain --out "$J/eval")
 
+# vLLM profiler traces under DIR/WHERE into $OUT/profile-traces.tgz, unless over 15 MB (a file back
+# is at most 16 MiB)
+traces() {
+  ( cd "$1" && find "$2" -name '*.pt.trace.json*' -print0 | tar -czf "$OUT/profile-traces.tgz" --null -T - )
+  if [ "$(stat -c %s "$OUT/profile-traces.tgz" 2>/dev/null || echo 0)" -gt 15000000 ]; then
+    echo "profile traces over 15 MB: not brought back"; rm -f "$OUT/profile-traces.tgz"
+  fi
+}
+
 case $STEP in
   park) ;;
   base)
@@ -160,9 +169,11 @@ case $STEP in
       cp "$W/prepared/regenerate.json" "$OUT/" 2>/dev/null
     fi
     ( cd "$W" && tar -czf "$OUT/pipeline.tgz" --exclude='*.safetensors' --exclude='*.pt' \
-        --exclude='checkpoints' --exclude='draft-vllm' pipeline-config.json pipeline-timings.json \
+        --exclude='checkpoints' --exclude='draft-vllm' --exclude='*.pt.trace.json*' pipeline-config.json pipeline-timings.json \
         prepared/manifest.json prepared/regenerate.json prepared/regenerate-vllm*.log train/summary.json \
         train/metrics.jsonl train/*.png train/draft/*.json export-vllm/*.json export-vllm/README.md eval 2>/dev/null )
+    # evaluate.speed_profile_steps's traces (vLLM's profiler), apart, where they fit
+    traces "$W" eval
     # vLLM's compile cache, Triton's and FlashInfer's kernels (Triton's with the launcher it builds
     # with gcc), for the next session's first engine (a cold start compiles and JITs for minutes):
     # back in pieces of 15 MiB (a file back is at most 16 MiB), at most 3; here, `cat` them into
@@ -243,10 +254,7 @@ case $STEP in
       --speed-concurrency 1 --speed-min-seconds "${PROF_MIN_S:-10}" --speed-profile-steps "${PROF_STEPS:-64}" \
       --out "$J/eval-profile"
     prc=$?
-    ( cd "$J" && find eval-profile -name '*.pt.trace.json*' -print0 | tar -czf "$OUT/profile-traces.tgz" --null -T - )
-    if [ "$(stat -c %s "$OUT/profile-traces.tgz" 2>/dev/null || echo 0)" -gt 15000000 ]; then
-      echo "profile traces over 15 MB: not brought back"; rm -f "$OUT/profile-traces.tgz"
-    fi
+    traces "$J" eval-profile
     [ "$prc" = 0 ]  # the call's status is the evaluation's
     ;;
   options)
