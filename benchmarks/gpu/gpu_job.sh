@@ -178,8 +178,9 @@ case $STEP in
     # with gcc), for the next session's first engine (a cold start compiles and JITs for minutes):
     # back in pieces of 15 MiB (a file back is at most 16 MiB), at most 3; here, `cat` them into
     # .carry/vllm-cache/vllm-compile-cache.tgz; vllm_setup.sh restores it. Kernels are left out,
-    # FlashInfer's first, where the whole exceeds 45 MB.
-    if [ -d /root/.cache/vllm/torch_compile_cache ]; then
+    # FlashInfer's first, where the whole exceeds 45 MB. Only with CACHE_BACK=1: .carry/ does not
+    # outlive a session, and within one the machine keeps its cache while it stays warm.
+    if [ "${CACHE_BACK:-0}" = 1 ] && [ -d /root/.cache/vllm/torch_compile_cache ]; then
       rm -f "$OUT"/vllm-compile-cache.tgz*
       for parts in ".cache/vllm/torch_compile_cache .triton/cache .cache/flashinfer" \
           ".cache/vllm/torch_compile_cache .triton/cache" ".cache/vllm/torch_compile_cache"; do
