@@ -105,3 +105,49 @@ def test_a_directory_without_decoding_steps_is_named(tmp_path):
     (tmp_path / "a.pt.trace.json").write_text(json.dumps({"traceEvents": [scope("x", 0, 1)]}))
     with pytest.raises(ValueError, match=str(tmp_path)):
         profile_dir_summary(tmp_path)
+
+
+def call(name, corr, ts, tid=T):
+    return {
+        "ph": "X",
+        "cat": "cuda_runtime",
+        "name": name,
+        "ts": ts,
+        "dur": 2,
+        "tid": tid,
+        "args": {"correlation": corr},
+    }
+
+
+def runner_v2_step(t0, corr, k, forward_us=900, pass_us=80, eager_us=30):
+    """A decoding step of vLLM's newer model runner: the step is named, its parts are not; the
+    target's forward is one CUDA graph, each of the drafter's k passes another, and a few kernels
+    (logits, sampling) are launched one by one. The GPU has its own copy of the step's range."""
+    events = [
+        scope(f"execute_context_0(0)_generation_1({k + 1})", t0, 300),
+        {**scope(f"execute_context_0(0)_generation_1({k + 1})", t0 + 50, 900), "cat": "gpu_user_annotation", "tid": 99},
+        call("cudaLaunchKernel", corr, t0 + 20),
+        kernel(corr, t0 + 60, eager_us),
+        call("cudaGraphLaunch", corr + 1, t0 + 100),
+        kernel(corr + 1, t0 + 200, forward_us / 2),  # a graph runs many kernels under one launch
+        kernel(corr + 1, t0 + 200 + forward_us / 2, forward_us / 2),
+    ]
+    for i in range(k):
+        c = corr + 2 + i
+        events += [call("cudaGraphLaunch", c, t0 + 400 + 10 * i), kernel(c, t0 + 1200 + pass_us * i, pass_us)]
+    return events
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_runner_without_part_scopes_is_split_by_cuda_graph(k):
+    events = []
+    for n in range(5):
+        events += runner_v2_step(n * 3000, 100 * n, k)
+    got = step_parts(events)
+    assert got["steps"] == 4  # the GPU's copies of the step ranges are not steps
+    assert got["parts_from"].startswith("GPU kernels by CUDA graph")
+    assert got["parts_ms"]["forward"] == pytest.approx(0.9)
+    assert got["parts_ms"]["draft"] == pytest.approx(0.08 * k)  # each of the k passes
+    assert got["parts_ms"]["other_kernels"] == pytest.approx(0.03)
+    assert got["rest_ms"] == pytest.approx(3.0 - 0.9 - 0.08 * k - 0.03)
+    assert got["tokens_per_step"] == k + 1

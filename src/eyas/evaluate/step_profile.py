@@ -10,6 +10,13 @@ part whose scope held the CPU call that launched it (the trace links the two by 
 so a part's figure is GPU time even where the CPU runs ahead. The CPU build launches no kernels,
 and a part costs its scope's own time there. ``interval_ms`` is the time from one step's start to
 the next one's: what a step costs the server, idle time included.
+
+vLLM's newer model runner (``model_runner.py``, the default on CUDA by 0.26) names the step but not
+its parts. There each step's kernels are split by the CUDA graph that ran them: the step's first
+graph is the target's forward (over k+1 tokens with a draft), every later one a pass of the
+drafter (k of them), and kernels launched outside a graph (logits, sampling, input preparation)
+are ``other_kernels``. Without CUDA graphs (``enforce_eager``) all of a step's kernels are
+``other_kernels``.
 """
 
 from __future__ import annotations
@@ -41,17 +48,28 @@ def step_parts(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     draft run after the step's own scope has closed). None where the trace holds no decoding step
     (another process's trace, or a profile of nothing)."""
     steps = sorted(
-        (e for e in events if e.get("ph") == "X" and STEP.fullmatch(e.get("name", ""))), key=lambda e: e["ts"]
+        (
+            e
+            for e in events
+            # the GPU's copy of the step's range (a stream's row, not a thread's) is not a step
+            if e.get("ph") == "X" and e.get("cat") != "gpu_user_annotation" and STEP.fullmatch(e.get("name", ""))
+        ),
+        key=lambda e: e["ts"],
     )
     parts = sorted(
         (e for e in events if e.get("ph") == "X" and e.get("name", "").startswith(PART)), key=lambda e: e["ts"]
     )
     part_starts = [e["ts"] for e in parts]
-    launches = {}  # correlation -> (thread, ts) of the CPU call that launched it
-    for e in events:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
-            launches[e["args"]["correlation"]] = (e.get("tid"), e["ts"])
+    calls = sorted(
+        (e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})),
+        key=lambda e: e["ts"],
+    )
+    call_starts = [e["ts"] for e in calls]
+    launches = {e["args"]["correlation"]: (e.get("tid"), e["ts"]) for e in calls}  # of the CPU call that launched it
     kernels = [e for e in events if e.get("cat") in KERNEL_CATS and "correlation" in e.get("args", {})]
+    kernel_us: dict[Any, float] = {}  # correlation -> its kernels' GPU time
+    for k in kernels:
+        kernel_us[k["args"]["correlation"]] = kernel_us.get(k["args"]["correlation"], 0.0) + k.get("dur", 0.0)
 
     def part_at(tid: Any, ts: float) -> dict[str, Any] | None:
         """The innermost named part on thread ``tid`` whose span holds ``ts``."""
@@ -83,21 +101,47 @@ def step_parts(events: list[dict[str, Any]]) -> dict[str, Any] | None:
             name = p["name"][len(PART) :]
             ms = (gpu.get(id(p), 0.0) if on_gpu else p["dur"]) / 1000.0
             row["parts"][name] = row["parts"].get(name, 0.0) + ms
+        if on_gpu and not parts:
+            end = nxt if nxt is not None else float("inf")
+            lo, hi = bisect.bisect_left(call_starts, s["ts"]), bisect.bisect_left(call_starts, end)
+            row["parts"] = graph_parts([c for c in calls[lo:hi] if c.get("tid") == s.get("tid")], kernel_us)
         if nxt is not None:
             row["interval_ms"] = (nxt - s["ts"]) / 1000.0
             per_step.append(row)  # the last step's parts may be cut off by the profile's end
     if not per_step:
         return None
     names = sorted({name for row in per_step for name in row["parts"]})
+    if not on_gpu:
+        parts_from = "each part's own time (no GPU kernels)"
+    elif parts:
+        parts_from = "GPU kernels launched in each part"
+    else:
+        parts_from = "GPU kernels by CUDA graph: the first the target's forward, later ones the draft's"
     return {
         "steps": len(per_step),
         "tokens_per_step": statistics.median(row["tokens"] for row in per_step),
-        "parts_from": "GPU kernels launched in each part" if on_gpu else "each part's own time (no GPU kernels)",
+        "parts_from": parts_from,
         "interval_ms": statistics.median(row["interval_ms"] for row in per_step),
         "parts_ms": {name: statistics.median(row["parts"].get(name, 0.0) for row in per_step) for name in names},
         # the interval less its named parts: on a GPU the time it idles between them
         "rest_ms": statistics.median(row["interval_ms"] - sum(row["parts"].values()) for row in per_step),
     }
+
+
+def graph_parts(calls: list[dict[str, Any]], kernel_us: dict[Any, float]) -> dict[str, float]:
+    """One step's GPU time in ms by what launched it, for a runner that names no parts: its first
+    CUDA graph (the target's forward), its later graphs (the draft's passes), and the kernels
+    launched one by one."""
+    out = {"forward": 0.0, "draft": 0.0, "other_kernels": 0.0}
+    graphs = 0
+    for c in calls:
+        us = kernel_us.get(c["args"]["correlation"], 0.0)
+        if "GraphLaunch" in c.get("name", ""):
+            out["forward" if graphs == 0 else "draft"] += us / 1000.0
+            graphs += 1
+        else:
+            out["other_kernels"] += us / 1000.0
+    return out
 
 
 def profile_dir_summary(trace_dir: Path) -> dict[str, Any]:
