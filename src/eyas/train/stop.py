@@ -6,17 +6,22 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 
 
 class StopRequest:
     """While entered (in the main thread of a single-process run), the first SIGINT or SIGTERM sets
     ``requested``: the trainer finishes the step in flight, saves a checkpoint and stops. A second
-    signal stops at once (KeyboardInterrupt), as without it."""
+    signal stops at once (KeyboardInterrupt), as without it, unless it comes within ``SAME_S`` of
+    the first: GNU `timeout` sends its signal to the command and then to the command's whole
+    process group, so the command gets it twice, microseconds apart."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SAME_S = 1.0
 
     def __init__(self, enabled: bool = True):
         self.enabled, self.requested = enabled, False
+        self._first = 0.0
         self._old: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:
@@ -26,8 +31,10 @@ class StopRequest:
 
     def _on_signal(self, signum: int, frame) -> None:
         if self.requested:
+            if time.monotonic() - self._first < self.SAME_S:
+                return  # the same stop, sent twice
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self._first = True, time.monotonic()
         print(
             f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
             "(send it again to stop at once, without one)",
