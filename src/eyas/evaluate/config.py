@@ -143,7 +143,8 @@ class EvaluateConfig:
         "vllm --speed-concurrency: also run this many engine steps at 1 request under vLLM's torch "
         "profiler, for each engine (the draft's and the baseline's), and report what a step's parts "
         "cost (the target's forward, sampling, the draft's passes, the rest); traces in "
-        "OUT/vllm/profile-*/ (0: none).",
+        "OUT/vllm/profile-*/ (0: none). Those engines start with the profiler configured and time "
+        "their speed points before it runs; the report's serving_speed.profile_steps says so.",
         "--speed-profile-steps",
         check=at_least(0, "profiled engine steps", "0 profiles none"),
     )
