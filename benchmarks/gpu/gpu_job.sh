@@ -37,7 +37,8 @@
 #            benchmarks/gpu/bring_home.sh carries it back to the same workdir in a later session,
 #            where `eyas pipeline` resumes the training from that checkpoint
 #   profile  after pipeline: eyas evaluate --engine vllm --speed-profile-steps of its draft at PROF_K (3) and
-#            PROF_ALSO (4,5) and without it, 1 request: each part of a step from vLLM's profiler (issue 31 item 4)
+#            PROF_ALSO (4,5; empty: none) and without it, 1 request: each part of a step from vLLM's profiler
+#            (issue 31 item 4)
 #   options  after pipeline: eyas evaluate --engine vllm of its draft and export at OPT_K alone, under
 #            --speculative-options SPEC_OPTS, serving timed at OPT_C (1,32) requests (issue 31 item 4)
 #   replay   after pipeline: eyas evaluate --engine replay on the pipeline's draft, the full MT-bench at k=5
@@ -249,9 +250,10 @@ case $STEP in
     # sampling, the draft's passes, the rest), k = PROF_K and each of PROF_ALSO, and without the
     # draft, from vLLM's own profiler (eyas evaluate --speed-profile-steps); the traces come back
     # apart from results.tgz, where they fit
-    W=$PIPE_W
+    W=$PIPE_W ALSO=(--also-k "${PROF_ALSO-4,5}")
+    [ -z "${PROF_ALSO-4,5}" ] && ALSO=()  # PROF_ALSO= : PROF_K and the baseline only
     step profile eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
-      --device cuda --dtype bfloat16 -k "${PROF_K:-3}" --also-k "${PROF_ALSO:-4,5}" --max-new-tokens $TOKENS \
+      --device cuda --dtype bfloat16 -k "${PROF_K:-3}" "${ALSO[@]}" --max-new-tokens $TOKENS \
       --speed-concurrency 1 --speed-min-seconds "${PROF_MIN_S:-10}" --speed-profile-steps "${PROF_STEPS:-64}" \
       --out "$J/eval-profile"
     prc=$?
