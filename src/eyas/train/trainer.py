@@ -39,6 +39,7 @@ from eyas.train import optim as optim_mod
 from eyas.train import parallel
 from eyas.train.config import TrainConfig
 from eyas.train.packing import EpochPlan, pack_indices, split_indices
+from eyas.train.stall import StallWatch
 from eyas.train.stop import StopRequest
 from eyas.train.tau import TAU_FILE, TAU_KEYS
 
@@ -509,10 +510,12 @@ class Trainer:
         self.model.train()
         last_eval, step = None, self.start
         # torchrun's ranks would each see the signal at another step: there it stops them at once
-        with StopRequest(enabled=not self.dist.on) as stop:
+        with StopRequest(enabled=not self.dist.on) as stop, StallWatch() as watch:
             while step < self.total:  # a --budget plan may set the end on the way
                 done = step + 1
+                watch.arm(compiling=not self.clock.started)
                 self.log.push(self.train_step(step))  # writes the previous step's record
+                watch.disarm()
                 tau_due = self._decide(done)
                 if cfg.eval_every and done % cfg.eval_every == 0 and done < self.total:
                     self.log.flush()
