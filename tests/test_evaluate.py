@@ -598,3 +598,42 @@ def test_vllm_draft_must_be_an_export_of_the_draft(setup, tmp_path):
                 progress=False,
             )
         )
+
+
+def test_stop_at_stops_between_ks_and_a_rerun_goes_on(setup, tmp_path, monkeypatch):
+    """EYAS_STOP_AT (a job scheduler's end): no further k starts once it leaves too little time; the
+    k done is kept, a run without it goes on from there, and a finished k is only read back."""
+    import time
+
+    from eyas.evaluate.cli import register
+
+    target, draft_dir = setup[0], setup[3]
+    qfile = evalkit.write_questions(tmp_path / "question.jsonl", 2)
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)
+    out = tmp_path / "eval"
+    args = ["evaluate", "--target", str(target.path), "--draft", str(draft_dir), "--prompts", str(qfile)]
+    args += ["--max-new-tokens", "12", "--no-plain", "--quiet", "--out", str(out), "-k", "3", "--also-k", "2"]
+    monkeypatch.setenv("EYAS_STOP_AT", str(time.time() - 1))
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code != 0 and "stopped before k=2" in str(res.exception), res.output
+    assert (out / "builtin" / "report.json").is_file() and not (out / "k2").exists()
+    monkeypatch.delenv("EYAS_STOP_AT")
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    turns = lambda: json.loads((out / "k2" / "builtin" / "report.json").read_text())["per_prompt"]  # noqa: E731
+    k2 = turns()
+    monkeypatch.setenv("EYAS_STOP_AT", str(time.time() - 1))
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert turns() == k2
+
+
+def test_stop_at_that_is_no_time_is_named(monkeypatch):
+    from eyas import deadline
+    from eyas.errors import EyasError
+
+    monkeypatch.setenv("EYAS_STOP_AT", "tomorrow")
+    with pytest.raises(EyasError, match="EYAS_STOP_AT='tomorrow'"):
+        deadline.check(0, "k=2")

@@ -159,8 +159,10 @@ case $STEP in
       cp "$SEED/regenerate.json" "$W/prepared/"
       echo "pipeline: seeded $(wc -l < "$W/prepared/regenerated.jsonl") answers from $SEED"
     fi
-    # -k: a run that has not stopped 40 s after SIGINT is killed, so the call still copies its results
-    step pipeline timeout -s INT -k 40 "${BUDGET_S:-530}" eyas pipeline "$PIPE_CONFIG"
+    # -k: a run that has not stopped 40 s after SIGINT is killed, so the call still copies its results;
+    # EYAS_STOP_AT: no k of the evaluation starts that would be cut by the SIGINT
+    step pipeline env EYAS_STOP_AT=$(($(date +%s) + ${BUDGET_S:-530} - 5)) \
+      timeout -s INT -k 40 "${BUDGET_S:-530}" eyas pipeline "$PIPE_CONFIG"
     # the answers come back only when git does not keep them already (REGEN_BACK=1 forces it)
     BACK=${REGEN_BACK:-$([ -s "$SEED/regenerated.jsonl.xz" ] && echo 0 || echo 1)}
     if [ "$BACK" = 1 ] && [ -s "$W/prepared/regenerated.jsonl" ]; then

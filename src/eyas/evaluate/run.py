@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from eyas import deadline
 from eyas.errors import EyasError
 from eyas.evaluate.config import EvaluateConfig
 
@@ -61,6 +63,7 @@ def run_evaluation(
     from eyas.evaluate.report import build_report, write_report
 
     _check_choices(cfg)
+    started = time.monotonic()
     ctx, meta = _context(cfg, plain_speed)
     ctx = replace(ctx, plain_answers=plain_answers)
     out, k, draft = Path(cfg.out), cfg.k, Path(cfg.draft)
@@ -80,7 +83,7 @@ def run_evaluation(
     if "builtin" in reports and "vllm" in reports:
         reports["comparison"] = _compare(reports["builtin"], reports["vllm"], out)
     if cfg.engine != "replay":
-        _also_k(cfg, reports, summarize=plain_speed is None)
+        _also_k(cfg, reports, summarize=plain_speed is None, took=time.monotonic() - started)
     return reports
 
 
@@ -203,23 +206,33 @@ def _context(cfg: EvaluateConfig, plain_speed: list[dict[str, Any]] | None) -> t
     return ctx, meta
 
 
-def _also_k(cfg: EvaluateConfig, reports: dict[str, Any], summarize: bool = True) -> None:
+def _also_k(cfg: EvaluateConfig, reports: dict[str, Any], summarize: bool = True, took: float = 0.0) -> None:
     """Each ``also_k`` on its own, into OUT/k<N>/, resumable as -k is; its serving speed (vllm) is
     compared with the -k run's serving without the draft. Then (``summarize``: in the -k run, not in
     an ``also_k`` one) OUT/vllm/report.json gains every k's serving speed and the best k at each
-    concurrency."""
-    from eyas.evaluate.engines import PLAIN_ANSWERS
+    concurrency. Under ``EYAS_STOP_AT`` no k starts that would not end in time by the longest part
+    of this run so far (``took``: the -k run's, its baseline's and a first engine's start included,
+    so the estimate errs long: a stop costs a restart, a cut costs the k)."""
+    from eyas.evaluate.engines import PLAIN_ANSWERS, engines_of
     from eyas.evaluate.report import serving_summary, write_report
 
     vllm = reports.get("vllm")
     plain = ((vllm or {}).get("serving_speed") or {}).get("plain")
+    longest = took  # the longest part of this run: what the next k may take
     for other in dict.fromkeys(cfg.also_k):
         if other != cfg.k:
+            done = all(
+                (Path(cfg.out) / f"k{other}" / name / "report.json").is_file() for name in engines_of(cfg.engine)
+            )
+            if not done:  # a finished k is only read back
+                deadline.check(longest, f"k={other}")
+            t = time.monotonic()
             reports[f"k{other}"] = run_evaluation(
                 replace(cfg, k=other, also_k=[], out=Path(cfg.out) / f"k{other}"),
                 plain_speed=plain,
                 plain_answers=Path(cfg.out) / "vllm" / PLAIN_ANSWERS,
             )
+            longest = max(longest, time.monotonic() - t)
     if plain and summarize:
         by_k = {
             cfg.k: vllm,
