@@ -1,6 +1,7 @@
 """A training step that does not end says where it hangs: while a step runs, Python's faulthandler
-is armed to print every thread's stack to stderr once the step has run ``after_s``, and again every
-``after_s`` while it still runs. Nothing is stopped; the stacks go where the run's log goes."""
+is armed to print every thread's stack to stderr once the step has run ``STEP_S`` (``COMPILE_S``
+while the first steps compile), and again as often while it still runs. Nothing is stopped; the
+stacks go where the run's log goes."""
 
 from __future__ import annotations
 
