@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -294,7 +295,6 @@ def _profile(eng: Any, cfg: EvaluateConfig, ctx: EngineContext, prompts: list[li
     """``--speed-profile-steps`` engine steps at one request under vLLM's profiler, read into what each
     part of a step costs (:mod:`eyas.evaluate.step_profile`); the trace stays in OUT/vllm/profile-NAME."""
     import shutil
-    import warnings
 
     from eyas.errors import EyasError
     from eyas.evaluate.step_profile import profile_dir_summary, profile_line
@@ -472,7 +472,29 @@ def _with_plain(
         for d, p in zip(speed["draft"], speed["plain"])
         if d["tokens_per_s"] and p["tokens_per_s"]
     }
+    drift = host_drift(speed["draft"], speed["plain"])
+    if drift is not None:
+        speed["host_probe_ratio"] = drift
+        if not 1 / HOST_DRIFT <= drift <= HOST_DRIFT:
+            warnings.warn(
+                f"the host ran a fixed CPU workload {drift:.2f}x as long during the draft's points as during "
+                "the baseline's: the speedups mix two host speeds (a busy or throttled machine); time them again",
+                stacklevel=2,
+            )
     return speed
+
+
+HOST_DRIFT = 1.2  # the probes' ratio past which the speedups are said to mix host speeds
+
+
+def host_drift(draft: list[dict[str, Any]], plain: list[dict[str, Any]]) -> float | None:
+    """The median host probe (a fixed CPU workload's ms, taken around each point by the worker)
+    of the draft's points over the baseline's; None where either has none (older records)."""
+    import statistics
+
+    probe = lambda points: [ms for p in points for ms in p.get("host_probe_ms") or []]  # noqa: E731
+    d, p = probe(draft), probe(plain)
+    return statistics.median(d) / statistics.median(p) if d and p and statistics.median(p) > 0 else None
 
 
 Engine = Callable[[EvaluateConfig, EngineContext], Answers]

@@ -127,6 +127,7 @@ def speed(llm, SamplingParams, req):
     def clock(at):
         counters[at] = spec_counters(llm) if counted else {}
 
+    before = host_probe_ms()
     tokens, requests, secs = timed(llm, params, prompts, c, min_requests, min_seconds, clock)
     point = {
         "concurrency": c,
@@ -135,6 +136,7 @@ def speed(llm, SamplingParams, req):
         "tokens": tokens,
         "seconds": secs,
         "tokens_per_s": tokens / secs if secs > 0 else None,
+        "host_probe_ms": [before, host_probe_ms()],
     }
     spec = delta(counters["stop"], counters["start"]) if counted else {}
     rounds, accepted = spec.get("vllm:spec_decode_num_drafts"), spec.get("vllm:spec_decode_num_accepted_tokens")
@@ -210,6 +212,18 @@ def _steady(llm, params, prompts, c, min_requests, min_seconds, clock):
     clock("stop")
     step_until(engine, 0, lambda o: None)  # the last requests, untimed: the next point starts empty
     return gained, requests, secs
+
+
+def host_probe_ms(repeats=5):
+    """The median ms of a fixed pure-Python workload: how fast this host's CPU runs now. At one
+    request a step is mostly CPU work, so a point timed while the host ran slower (a neighbour, a
+    lower clock) reads slower; eyas compares the draft's probes with the baseline's."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        sum(i * i for i in range(100_000))
+        times.append((time.perf_counter() - t) * 1000.0)
+    return sorted(times)[len(times) // 2]
 
 
 def profile(llm, SamplingParams, req):
