@@ -492,9 +492,9 @@ def host_drift(draft: list[dict[str, Any]], plain: list[dict[str, Any]]) -> floa
     of the draft's points over the baseline's; None where either has none (older records)."""
     import statistics
 
-    probe = lambda points: [ms for p in points for ms in p.get("host_probe_ms") or []]  # noqa: E731
-    d, p = probe(draft), probe(plain)
-    return statistics.median(d) / statistics.median(p) if d and p and statistics.median(p) > 0 else None
+    d, p = ([ms for point in points for ms in point.get("host_probe_ms") or []] for points in (draft, plain))
+    base = statistics.median(p) if p else 0.0
+    return statistics.median(d) / base if d and base > 0 else None
 
 
 Engine = Callable[[EvaluateConfig, EngineContext], Answers]

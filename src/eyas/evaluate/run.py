@@ -214,16 +214,14 @@ def _also_k(cfg: EvaluateConfig, reports: dict[str, Any], summarize: bool = True
     of this run so far (``took``: the -k run's, its baseline's and a first engine's start included,
     so the estimate errs long: a stop costs a restart, a cut costs the k)."""
     from eyas.evaluate.engines import PLAIN_ANSWERS, engines_of
-    from eyas.evaluate.report import serving_summary, write_report
+    from eyas.evaluate.report import REPORT_NAME, serving_summary, write_report
 
     vllm = reports.get("vllm")
     plain = ((vllm or {}).get("serving_speed") or {}).get("plain")
     longest = took  # the longest part of this run: what the next k may take
     for other in dict.fromkeys(cfg.also_k):
         if other != cfg.k:
-            done = all(
-                (Path(cfg.out) / f"k{other}" / name / "report.json").is_file() for name in engines_of(cfg.engine)
-            )
+            done = all((Path(cfg.out) / f"k{other}" / name / REPORT_NAME).is_file() for name in engines_of(cfg.engine))
             if not done:  # a finished k is only read back
                 deadline.check(longest, f"k={other}")
             t = time.monotonic()

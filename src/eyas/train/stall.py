@@ -16,9 +16,9 @@ COMPILE_S, STEP_S = 1200.0, 60.0
 class StallWatch:
     """``arm(compiling)`` before a step, ``disarm()`` after it (and on leaving the ``with``)."""
 
-    def __init__(self, step_s: float = STEP_S, compile_s: float = COMPILE_S, file: IO | None = None):
+    def __init__(self, step_s: float = STEP_S, compile_s: float = COMPILE_S):
         self.step_s, self.compile_s = step_s, compile_s
-        self.file = file if file is not None else _stderr()
+        self.file = _stderr()
 
     def arm(self, compiling: bool = False) -> None:
         if self.file is not None:
