@@ -114,6 +114,8 @@ def test_online_run_writes_draft_logs_plot(tiny_target, data, tmp_path):
     assert all(len(r["acc"]) == 3 and r["tokens_per_s"] > 0 for r in train_recs)
     elapsed = [r["elapsed_s"] for r in train_recs]  # wall seconds of the run at each record, rising
     assert elapsed[0] > 0 and all(a <= b for a, b in zip(elapsed, elapsed[1:]))
+    stamps = [r["time"] for r in train_recs]  # the wall clock, as other logs give it
+    assert 0 <= time.time() - stamps[-1] < 600 and stamps == sorted(stamps)
     held = _records(run, "heldout")
     assert [r["step"] for r in held] == [3, 6] and all(len(r["acc"]) == 3 for r in held)
     assert held[-1]["positions"][0] > 0

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -39,3 +42,32 @@ def test_the_handlers_before_it_come_back():
     with StopRequest():
         assert signal.getsignal(signal.SIGINT) is not before
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_signal_during_a_write_to_stderr_still_stops_with_a_checkpoint():
+    # the main thread blocked in a progress bar's write (a console that reads slowly) when the
+    # signal lands: a handler printing through sys.stderr re-entered its buffer and raised there
+    code = textwrap.dedent(
+        """
+        import sys
+        from eyas.train.stop import StopRequest
+
+        with StopRequest() as stop:
+            print("ready", flush=True)
+            for _ in range(40):
+                sys.stderr.write("x" * (1 << 20) + "\\n")
+                sys.stderr.flush()
+        print("requested" if stop.requested else "not requested", flush=True)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stderr buffered, as by default
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
+    )
+    assert proc.stdout.readline() == "ready\n"
+    time.sleep(0.5)  # nobody reads stderr yet: its pipe is full and the write blocks
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and out == "requested\n", err.replace("x", "")[-2000:]
+    assert "SIGINT: stopping after this step" in err

@@ -52,9 +52,15 @@ cd "$(dirname "$0")/../.."
 REPO=$PWD
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-# all of it into log.txt; the console (the call's reply) without progress bars, which would fill it
-# and take long to read while the machine waits for the next call
-exec > >(tee -a "$OUT/log.txt" | tr '\r' '\n' | grep --line-buffered -v -E '%\||\[[0-9]{2}:[0-9]{2}[<,]') 2>&1
+# all of it into log.txt, a file, so that a console that stops reading blocks only its follower and
+# never the job (in sessions 10 and 11 a training made no step for minutes and then ended at the
+# call's signal without its stop checkpoint or a word; the pipe it wrote through is one suspect).
+# The console (the call's reply) follows the file without progress bars, which would fill it and
+# take long to read while the machine waits for the next call
+touch "$OUT/log.txt"
+tail -n +1 -f --pid=$$ "$OUT/log.txt" | tr '\r' '\n' | grep --line-buffered -v -E '%\||\[[0-9]{2}:[0-9]{2}[<,]' &
+exec >> "$OUT/log.txt" 2>&1
+trap 'sleep 1.5' EXIT  # the follower reads the last lines while the job still runs
 source benchmarks/gpu/setup.sh
 cd "$REPO"
 # a step that starts no vLLM engine skips vLLM's check, which starts one (`gpu_job.md`, session 9)
@@ -163,6 +169,8 @@ case $STEP in
     # EYAS_STOP_AT: no k of the evaluation starts that would be cut by the SIGINT
     step pipeline env EYAS_STOP_AT=$(($(date +%s) + ${BUDGET_S:-530} - 5)) \
       timeout -s INT -k 40 "${BUDGET_S:-530}" eyas pipeline "$PIPE_CONFIG"
+    # what the next call resumes from (pipeline.tgz leaves checkpoints out)
+    echo "pipeline: checkpoints now: $(ls "$W/train/checkpoints" 2>/dev/null | tr '\n' ' ')"
     # the answers come back only when git does not keep them already (REGEN_BACK=1 forces it)
     BACK=${REGEN_BACK:-$([ -s "$SEED/regenerated.jsonl.xz" ] && echo 0 || echo 1)}
     if [ "$BACK" = 1 ] && [ -s "$W/prepared/regenerated.jsonl" ]; then
@@ -174,7 +182,7 @@ case $STEP in
     ( cd "$W" && tar -czf "$OUT/pipeline.tgz" --exclude='*.safetensors' --exclude='*.pt' \
         --exclude='checkpoints' --exclude='draft-vllm' --exclude='*.pt.trace.json*' pipeline-config.json pipeline-timings.json \
         prepared/manifest.json prepared/regenerate.json prepared/regenerate-vllm*.log train/summary.json \
-        train/metrics.jsonl train/*.png train/draft/*.json export-vllm/*.json export-vllm/README.md eval 2>/dev/null )
+        train/metrics.jsonl train/stalls*.txt train/*.png train/draft/*.json export-vllm/*.json export-vllm/README.md eval 2>/dev/null )
     # evaluate.speed_profile_steps's traces (vLLM's profiler), apart, where they fit
     traces "$W" eval
     # vLLM's compile cache, Triton's and FlashInfer's kernels (Triton's with the launcher it builds

@@ -280,7 +280,7 @@ def _run_pipeline(cfg: PipelineConfig, stages: list[Stage]) -> dict[str, Any]:
         console.print(f"evaluate: settings or draft changed; the earlier evaluation moved to {aside}")
     console.rule(f"eyas pipeline: target {cfg.target} -> {work}")
     for st in stages:
-        console.rule(st.name)
+        console.rule(f"{st.name} [{time.strftime('%H:%M:%S')}]")  # when it began, to line up with other logs
         if st.name == "train" and _draft_complete(st.out / "draft") and rec.done("train"):
             console.print(
                 f"train: {st.out / 'draft'} exists, made with these settings; skipping (delete {st.out} to train again)"

@@ -122,6 +122,7 @@ class StepLog:
                 "skipped_steps": self.guard.skipped,
                 # since this process started training (setup included): x of a tau-against-time curve
                 "elapsed_s": round(time.perf_counter() - self.t_start, 2),
+                "time": round(time.time(), 2),  # the wall clock, to line the record up with other logs
                 "acc": (per_step[1] / cnt).tolist(),
                 "step_loss": step_loss,
             }

@@ -3,8 +3,8 @@ before it stops, so it resumes where it stopped rather than at its last ``--save
 
 from __future__ import annotations
 
+import os
 import signal
-import sys
 import threading
 import time
 
@@ -14,7 +14,12 @@ class StopRequest:
     ``requested``: the trainer finishes the step in flight, saves a checkpoint and stops. A second
     signal stops at once (KeyboardInterrupt), as without it, unless it comes within ``SAME_S`` of
     the first: GNU `timeout` sends its signal to the command and then to the command's whole
-    process group, so the command gets it twice, microseconds apart."""
+    process group, so the command gets it twice, microseconds apart.
+
+    The handler writes its notice with one ``os.write`` to file descriptor 2, not through
+    ``sys.stderr``: a signal that lands while the main thread is inside a write to ``sys.stderr`` (a
+    progress bar) would otherwise re-enter that stream's buffer and raise in the step, and a notice
+    that cannot be written must not cost the checkpoint."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     SAME_S = 1.0
@@ -35,12 +40,14 @@ class StopRequest:
                 return  # the same stop, sent twice
             raise KeyboardInterrupt
         self.requested, self._first = True, time.monotonic()
-        print(
+        notice = (
             f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
-            "(send it again to stop at once, without one)",
-            file=sys.stderr,
-            flush=True,
+            "(send it again to stop at once, without one)\n"
         )
+        try:
+            os.write(2, notice.encode())
+        except OSError:
+            pass  # no console to tell: the stop goes on
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._old.items():

@@ -510,13 +510,16 @@ class Trainer:
         self.model.train()
         last_eval, step = None, self.start
         # torchrun's ranks would each see the signal at another step: there it stops them at once
-        with StopRequest(enabled=not self.dist.on) as stop, StallWatch() as watch:
+        # a rank on another node may have no run folder: its stacks go to its stderr
+        stalls = self.run_dir / (f"stalls-rank{self.dist.rank}.txt" if self.dist.on else "stalls.txt")
+        stalls = stalls if self.run_dir.is_dir() else None
+        with StopRequest(enabled=not self.dist.on) as stop, StallWatch(stalls) as watch:
             while step < self.total:  # a --budget plan may set the end on the way
                 done = step + 1
                 watch.arm(compiling=not self.clock.started)
                 self.log.push(self.train_step(step))  # writes the previous step's record
-                watch.disarm()
                 tau_due = self._decide(done)
+                watch.disarm()
                 if cfg.eval_every and done % cfg.eval_every == 0 and done < self.total:
                     self.log.flush()
                     with self.clock.pause():
