@@ -78,10 +78,14 @@ def test_builtin_sha_mismatch_keeps_nothing(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_builtin_smollm2_converts_once(monkeypatch):
+def test_builtin_smollm2_converts_once(monkeypatch, capsys):
     # Uses the real user cache (as the pipeline does), so CI converts the model only once.
+    from eyas.target import cache_dir
+
     monkeypatch.delenv("EYAS_CACHE")
+    cached = (cache_dir() / "targets" / "smollm2-135m-instruct" / ".eyas-complete").is_file()
     t = resolve_target("smollm2-135m-instruct")
+    assert ("converting to bf16 safetensors" in capsys.readouterr().err) == (not cached)  # said while it runs
     cfg = t.config()
     assert cfg["num_hidden_layers"] == 30 and cfg["hidden_size"] == 576
     weights = t.path / "model.safetensors"
@@ -89,6 +93,7 @@ def test_builtin_smollm2_converts_once(monkeypatch):
     again = resolve_target("smollm2-135m-instruct")
     assert again.identity == t.identity
     assert weights.stat().st_mtime_ns == stamp  # reused, not converted again
+    assert "convert" not in capsys.readouterr().err
     tok = t.load_tokenizer()
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
 

@@ -167,8 +167,9 @@ case $STEP in
     fi
     # -k: a run that has not stopped 40 s after SIGINT is killed, so the call still copies its results;
     # EYAS_STOP_AT: no k of the evaluation starts that would be cut by the SIGINT
+    # how_it_ended.py: whether eyas exited (130: stopped with its checkpoint) or a signal killed it
     step pipeline env EYAS_STOP_AT=$(($(date +%s) + ${BUDGET_S:-530} - 5)) \
-      timeout -s INT -k 40 "${BUDGET_S:-530}" eyas pipeline "$PIPE_CONFIG"
+      timeout -s INT -k 40 "${BUDGET_S:-530}" python3 benchmarks/gpu/how_it_ended.py eyas pipeline "$PIPE_CONFIG"
     # what the next call resumes from (pipeline.tgz leaves checkpoints out)
     echo "pipeline: checkpoints now: $(ls "$W/train/checkpoints" 2>/dev/null | tr '\n' ' ')"
     # the answers come back only when git does not keep them already (REGEN_BACK=1 forces it)

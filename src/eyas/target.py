@@ -11,7 +11,9 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -500,6 +502,9 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
     except ImportError as e:
         raise EyasError("reading GGUF targets needs the 'gguf' package: pip install gguf") from e
     src_dir, name = str(gguf.parent), gguf.name
+    t0 = time.perf_counter()
+    # minutes with no other output on a large GGUF: say what runs, and that it runs once
+    print(f"target {gguf.name}: converting to bf16 safetensors in {out} (once; later runs reuse it)", file=sys.stderr)
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
     for role, token in _gguf_special_tokens(gguf, tok).items():
         setattr(tok, role, token)
@@ -519,6 +524,7 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
             json.dumps({"gguf": str(gguf), "sha256": sha256_file(gguf), "conversion": CONVERSION}, indent=2)
         )
         (tmp / ".eyas-complete").write_text("ok\n")
+    print(f"target {gguf.name}: converted in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return out
 
 
