@@ -123,8 +123,35 @@ traces() {
   fi
 }
 
+# A built-in target's GGUF is converted to safetensors once per machine, on its CPU, for a minute or
+# two while the GPU idles. The park call in which its last part arrives starts that conversion in the
+# background, so that it runs during the carry calls that follow; the pipeline call waits for it.
+CONVERT_PID=/root/convert.pid
+converting() { [ -s "$CONVERT_PID" ] && kill -0 "$(cat "$CONVERT_PID")" 2>/dev/null; }
+convert_ahead() {
+  converting && return
+  python3 - "$TNAME" <<'PY' || return 0
+import sys
+from eyas.target import BUILTIN_TARGETS, _converted, cache_dir
+info = BUILTIN_TARGETS.get(sys.argv[1])
+here = info is not None and (cache_dir() / "gguf" / info["file"]).is_file()
+sys.exit(0 if here and not _converted(cache_dir() / "targets" / sys.argv[1]) else 1)
+PY
+  setsid nohup python3 -c "import sys; from eyas.target import resolve_target; resolve_target(sys.argv[1])" "$TNAME" \
+    > /root/convert.log 2>&1 < /dev/null &
+  echo $! > "$CONVERT_PID"
+  echo "convert_ahead: converting $TNAME in the background (pid $!, /root/convert.log)"
+}
+wait_conversion() {
+  converting || return 0
+  echo "waiting for the target's conversion begun by an earlier call"
+  while converting; do sleep 1; done
+  tail -2 /root/convert.log
+}
+case $STEP in park|home) ;; *) wait_conversion ;; esac
+
 case $STEP in
-  park) ;;
+  park) convert_ahead ;;
   base)
     step extract-hf eyas extract --backend hf --device cuda --data "$PREP" --out "$SHM/hf" --layers $LAYERS &&
     step train eyas train --data "$PREP" --features offline --store "$SHM/hf" --out "$J/run" --tokens-per-batch 2048 \
