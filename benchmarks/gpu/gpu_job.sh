@@ -60,7 +60,6 @@ mkdir -p "$OUT"
 touch "$OUT/log.txt"
 tail -n +1 -f --pid=$$ "$OUT/log.txt" | tr '\r' '\n' | grep --line-buffered -v -E '%\||\[[0-9]{2}:[0-9]{2}[<,]' &
 exec >> "$OUT/log.txt" 2>&1
-trap 'sleep 1.5' EXIT  # the follower reads the last lines while the job still runs
 source benchmarks/gpu/setup.sh
 cd "$REPO"
 # a step that starts no vLLM engine skips vLLM's check, which starts one (`gpu_job.md`, session 9)
