@@ -44,7 +44,7 @@ def test_the_handlers_before_it_come_back():
     assert signal.getsignal(signal.SIGINT) is before
 
 
-def test_a_signal_during_a_write_to_stderr_still_stops_with_a_checkpoint():
+def test_a_signal_during_a_write_to_stderr_still_requests_the_stop():
     # the main thread blocked in a progress bar's write (a console that reads slowly) when the
     # signal lands: a handler printing through sys.stderr re-entered its buffer and raised there
     code = textwrap.dedent(

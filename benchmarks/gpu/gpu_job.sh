@@ -53,8 +53,8 @@ REPO=$PWD
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # all of it into log.txt, a file, so that a console that stops reading blocks only its follower and
-# never the job (in sessions 10 and 11 a training made no step for minutes and then ended at the
-# call's signal without its stop checkpoint or a word; the pipe it wrote through is one suspect).
+# never the job (in sessions 10 and 11 a training ended at the call's signal without its stop
+# checkpoint or a word; the pipe it wrote through was one suspect).
 # The console (the call's reply) follows the file without progress bars, which would fill it and
 # take long to read while the machine waits for the next call
 touch "$OUT/log.txt"
