@@ -142,10 +142,14 @@ PY
   echo "convert_ahead: converting $TNAME in the background (pid $!, /root/convert.log)"
 }
 wait_conversion() {
-  converting || return 0
-  echo "waiting for the target's conversion begun by an earlier call"
-  while converting; do sleep 1; done
-  tail -2 /root/convert.log
+  if converting; then
+    echo "waiting for the target's conversion begun by an earlier call"
+    while converting; do sleep 1; done
+  fi
+  # its lines, once, into the first log after it: when it began and how long it took
+  if [ -s /root/convert.log ] && [ ! -e /root/convert.told ]; then
+    tr '\r' '\n' < /root/convert.log | grep -a -E '^target .*: convert|Error' ; touch /root/convert.told
+  fi
 }
 case $STEP in park|home) ;; *) wait_conversion ;; esac
 
