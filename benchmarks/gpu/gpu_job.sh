@@ -128,13 +128,12 @@ traces() {
 CONVERT_PID=/root/convert.pid
 converting() { [ -s "$CONVERT_PID" ] && kill -0 "$(cat "$CONVERT_PID")" 2>/dev/null; }
 convert_ahead() {
-  converting && return
-  python3 - "$TNAME" <<'PY' || return 0
+  [ -e /root/convert.log ] && return  # once a machine: begun, done or under way (a converted target returns at once)
+  python3 - "$TNAME" <<'PY' || return 0  # a built-in target whose GGUF is here
 import sys
-from eyas.target import BUILTIN_TARGETS, _converted, cache_dir
+from eyas.target import BUILTIN_TARGETS, cache_dir
 info = BUILTIN_TARGETS.get(sys.argv[1])
-here = info is not None and (cache_dir() / "gguf" / info["file"]).is_file()
-sys.exit(0 if here and not _converted(cache_dir() / "targets" / sys.argv[1]) else 1)
+sys.exit(0 if info is not None and (cache_dir() / "gguf" / info["file"]).is_file() else 1)
 PY
   setsid nohup python3 -c "import sys; from eyas.target import resolve_target; resolve_target(sys.argv[1])" "$TNAME" \
     > /root/convert.log 2>&1 < /dev/null &
