@@ -41,13 +41,18 @@
 #            (issue 31 item 4)
 #   options  after pipeline: eyas evaluate --engine vllm of its draft and export at OPT_K alone, under
 #            --speculative-options SPEC_OPTS, serving timed at OPT_C (1,32) requests (issue 31 item 4)
+#   quality  issue 32: eyas against speculators 0.9.0 (benchmarks/quality/run_quality.py) on this GPU, one
+#            phase a call: QPHASE=main QTRAIN=speculators, then QPHASE=main QTRAIN=eyas, then QPHASE=rest
+#            (the state stays in Q_DIR on the warm machine); the first Q_SAMPLES ShareGPT conversations with
+#            PIPE_CONFIG's target's answers kept in git, each trainer Q_BUDGET_S s with a checkpoint every
+#            Q_EVERY_S s, every checkpoint by replay on MT-bench and HumanEval; .carry/quality carried once
 #   replay   after pipeline: eyas evaluate --engine replay on the pipeline's draft, the full MT-bench at k=5
 #            and every k from 1 to 7 from the same pass, compared turn by turn with the pipeline's builtin
 #            k=5 records (benchmarks/replay_vs_builtin.py --builtin-from): the replay engine on CUDA in bf16
 # What comes back in $OUT: log.txt (this call, progress bars included), steps.tsv (every step so far: name, rc, seconds),
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
-STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay|options|profile|home}
+STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay|options|profile|home|quality}
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 export OUT=${OUT:-/tmp/out}
@@ -310,6 +315,40 @@ case $STEP in
     step "options-$name" eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
       --device cuda --dtype bfloat16 -k "${OPT_K:?OPT_K=the k to time}" --max-new-tokens $TOKENS \
       --speed-concurrency "${OPT_C:-1,32}" "${OPTS[@]}" --out "$J/eval-options-$name"
+    ;;
+  quality)
+    Q=${Q_DIR:-/dev/shm/quality} SEED=data/regenerated/$TNAME-sharegpt
+    # speculators and its wheels, once a machine, apart from eyas's (only run_quality's processes see them)
+    if [ ! -e /tmp/site-q/.done ] && [ -d .carry/quality/whl ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-q \
+        .carry/quality/whl/*.whl && touch /tmp/site-q/.done
+    fi
+    [ -e /tmp/site-q/.done ] || { echo "quality: speculators not installed (carry .carry/quality once)"; exit 3; }
+    # the conversations: the first Q_SAMPLES of ShareGPT with the target's answers kept in git (no engine)
+    if [ ! -s "$Q/regen/regenerated_conversations.jsonl" ]; then
+      rm -rf "$Q/regen" && mkdir -p "$Q/regen"
+      python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
+        "$SEED/regenerated.jsonl.xz" > "$Q/regen/regenerated.jsonl" && cp "$SEED/regenerate.json" "$Q/regen/"
+      step quality-data eyas prepare --target "$TNAME" --data sharegpt --regenerate --gen-backend vllm --temperature 0 \
+        --max-new-tokens 1024 --max-length 2048 --max-samples "${Q_SAMPLES:-3000}" --out "$Q/regen" --quiet || exit 1
+    fi
+    TDIR=$(python3 -c "import sys; from eyas.target import resolve_target; print(resolve_target(sys.argv[1]).path)" "$TNAME")
+    GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    # the phase's own deadline leaves the call 25 s to pack; timeout's SIGTERM is the backstop
+    step "quality-${QPHASE:?QPHASE=main or rest}" env PYTHONPATH="/tmp/site-q:$PYTHONPATH" \
+      timeout -s TERM -k 30 "${BUDGET_S:-560}" python3 benchmarks/quality/run_quality.py --phase "$QPHASE" \
+      --train "${QTRAIN:-speculators,eyas}" --target "$TDIR" --regenerated "$Q/regen/regenerated_conversations.jsonl" \
+      --prompts data/mt_bench/question.jsonl --work "$Q/work" --out "$OUT/quality" --gpus "$GPUS" \
+      --deadline-s $((${BUDGET_S:-560} - 25)) --ablations "" --main-budget-s "${Q_BUDGET_S:-300}" \
+      --curve-every-s "${Q_EVERY_S:-60}" --spec-save-every-s "${Q_EVERY_S:-60}" --eval-max-per-category 10 \
+      --curve-max-per-category 10 --eval-max-new $TOKENS --python python3 --spec-python python3 ${Q_ARGS:-}
+    qrc=$?
+    # the small results: the reports (each with its turns, for pairing again here), the runs' records
+    ( cd "$Q/work" 2>/dev/null && find . \( -name report.json -o -name spec_train.json -o -name summary.json \
+        -o -name metrics.jsonl -o -name eyas_conversion.json -o -name manifest.json -o -name '*.log' \) \
+        -not -path './store_*' -not -path './spec_data/hidden_states/*' -print0 |
+        tar -czf "$OUT/quality.tgz" --null -T - )
+    [ "$qrc" = 0 ]
     ;;
   home)
     S=/root/stage/$(basename "$PIPE_W")

@@ -212,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-probe-steps", type=int, default=20)
     ap.add_argument(
         "--eyas-args",
-        default="--ttt-steps 7 --lr 5e-4 --tokens-per-batch 8192 --warmup 30",
-        help="eyas train settings of the main run (ablations vary one thing each).",
+        default="",
+        help="eyas train settings of the main run (default: eyas train's own, its recipe; ablations "
+        "vary one thing each).",
     )
     # its fused Triton KL loss breaks torch.compile (dynamo) on torch 2.11, the GPU machine's torch
     # (RESULTS.md, 2026-11-30); its own eager implementation is the switch it offers for that
@@ -292,6 +293,18 @@ def main(argv: list[str] | None = None) -> int:
         default=120.0,
         help="main phase: eyas checkpoints this often (from the probe's step time); rest phase "
         "evaluates every checkpoint of both main runs for the tau-against-time curve (0: none)",
+    )
+    ap.add_argument(
+        "--second-prompts",
+        default=str(HERE.parents[1] / "data" / "humaneval" / "question.jsonl"),
+        help="replay: a second prompt set, all of its questions (issue 30's, tuned on by nothing; "
+        "its records are keyed DRAFT@SET_kK); '' for MT-bench alone",
+    )
+    ap.add_argument(
+        "--marks-s",
+        default="180,600,1800",
+        help="rest phase: training times at which the curves' checkpoints are paired (eyas against "
+        "speculators, 95%% CI), each the newest checkpoint at or just before the mark",
     )
     ap.add_argument("--curve-k", type=int, default=5)
     ap.add_argument("--curve-max-per-category", type=int, default=10)
@@ -529,78 +542,52 @@ def _spec_finish(r: Runner, a, work: Path, res: dict, ps: subprocess.Popen, time
 
 def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float | None) -> None:
     preps, stores = {k: Path(v) for k, v in res["preps"].items()}, {k: Path(v) for k, v in res["stores"].items()}
-    eyas_args = a.eyas_args.split()
+    run_dir = work / "eyas_main"
+    if (run_dir / "draft" / "model.safetensors").is_file():
+        log("eyas main: trained by an earlier main call")
+        return
     t = time.time()
-    pp = r.start(
-        "eyas_probe",
-        eyas_train(r, a, "eyas_probe", preps["regenerated"], stores["regenerated"], eyas_args, a.eyas_probe_steps, 0),
-        env=_gpu_env(r, 0),
-    )
-    r.wait(pp, check=False)
-    # fallbacks, measured ones, in order: eager instead of --compile, then dense instead of flex
-    fallbacks = []
-    if "--compile" in eyas_args:
-        fallbacks.append(("--compile", "--compile failed in the probe; eager used"))
-    if "--attention" not in eyas_args:  # the default on CUDA is flex
-        fallbacks.append(("--attention", "flex attention failed in the probe; dense used"))
-    while pp.returncode != 0 and fallbacks:
-        flag, why = fallbacks.pop(0)
-        eyas_args = (
-            [x for x in eyas_args if x != "--compile"] if flag == "--compile" else eyas_args + ["--attention", "dense"]
-        )
-        log(f"eyas probe failed: {why}")
-        res.setdefault("eyas_fallback", []).append(why)
-        shutil.rmtree(work / "eyas_probe", ignore_errors=True)
-        t = time.time()
-        pp = r.start(
-            f"eyas_probe_{flag.strip('-')}",
-            eyas_train(
-                r, a, "eyas_probe", preps["regenerated"], stores["regenerated"], eyas_args, a.eyas_probe_steps, 0
-            ),
-            env=_gpu_env(r, 0),
-        )
-        r.wait(pp, check=False)
-    if pp.returncode != 0:
-        raise RuntimeError("eyas probe failed; see logs/eyas_probe*.log")
-    probe_wall = time.time() - t
-    step_s = eyas_step_time(work / "eyas_probe")
-    if not step_s:
-        raise RuntimeError("eyas probe wrote no step timings (metrics.jsonl)")
-    setup_s = max(0.0, probe_wall - a.eyas_probe_steps * step_s)
-    steps = max(10, int(a.main_budget_s * 0.97 / step_s))
-    res["eyas_main"] = em = {
-        "probe": {"steps": a.eyas_probe_steps, "wall_s": probe_wall, "step_s": step_s, "setup_s": setup_s},
-        "max_steps": steps,
-        "args": eyas_args,
-    }
-    log(f"eyas plan: {steps} steps at {step_s:.3f}s/step (setup {setup_s:.1f}s)")
-    save()
+    em = res.get("eyas_main")
+    resume = bool(em and latest_eyas_draft(run_dir))  # an earlier call cut it: its plan, from its checkpoint
+    if not resume:
+        shutil.rmtree(run_dir, ignore_errors=True)  # no checkpoint: nothing to continue
+        res["eyas_main"] = em = _eyas_probe(r, a, work, preps, stores)
+        pr = em["probe"]
+        log(f"eyas plan: {em['max_steps']} steps at {pr['step_s']:.3f}s/step (setup {pr['setup_s']:.1f}s)")
+        save()
+    else:
+        log(f"eyas main: resuming from {latest_eyas_draft(run_dir)}")
     t_e = time.time()
-    # checkpoints every --curve-every-s (the curve's points), else every quarter; if the run overruns
-    # the budget, the latest one is evaluated. --max-train-seconds: eyas stops at the budget even if
-    # the plan was optimistic (its schedule is then cut short, which can only cost eyas)
+    # checkpoints every --curve-every-s (the curve's points, at the probe's step time), else every
+    # quarter. --budget: eyas plans its own steps from the steady step time it measures, so that its
+    # schedule ends with the budget; the probe's plan only caps it (twice over) and sets the saves
+    steps, step_s, setup_s = em["max_steps"], em["probe"]["step_s"], em["probe"]["setup_s"]
     every = max(1, int(a.curve_every_s / step_s)) if a.curve_every_s else max(1, steps // 4)
     em["save_every"] = every
     keep = ["--keep-checkpoints", 0] if a.curve_every_s else []  # every one is a point of the curve
     p = r.start(
-        "eyas_main",
+        "eyas_main" + ("_resumed" if resume else ""),
         eyas_train(
             r,
             a,
             "eyas_main",
             preps["regenerated"],
             stores["regenerated"],
-            eyas_args + ["--max-train-seconds", a.main_budget_s, *keep],
-            steps,
+            em["args"] + ["--budget", f"{a.main_budget_s:g}s", *keep, *(["--resume"] if resume else [])],
+            2 * steps,
             every,
         ),
         env=_gpu_env(r, 0),
     )
     dt = r.wait(p, timeout=1.5 * setup_s + 1.1 * a.main_budget_s + 20, check=False)
-    em.update(wall_s=dt, rc=p.returncode, metrics_tail=read_metrics(work / "eyas_main")[-3:])
-    em["draft"] = str(latest_eyas_draft(work / "eyas_main"))
-    summ = work / "eyas_main" / "summary.json"
+    em.update(wall_s=em.get("wall_s", 0.0) + dt, rc=p.returncode, metrics_tail=read_metrics(run_dir)[-3:])
+    em["draft"] = str(latest_eyas_draft(run_dir))
+    summ = run_dir / "summary.json"
     em["summary"] = json.loads(summ.read_text()) if summ.is_file() else None
+    if p.returncode != 0 and em["draft"] == "None":  # nothing to evaluate: say why, not "no draft" later
+        save()
+        tail = (r.logs / f"{p._eyas_name}.log").read_text()[-3000:]  # type: ignore[attr-defined]
+        raise RuntimeError(f"eyas_main failed (rc={p.returncode}) without a checkpoint:\n{tail}")
     if started_after is not None:
         em["started_after_speculators_s"] = started_after + (t_e - t)
     log(
@@ -612,6 +599,52 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
         )
     )
     save()
+
+
+def _eyas_probe(r: Runner, a, work: Path, preps: dict[str, Path], stores: dict[str, Path]) -> dict[str, Any]:
+    """A few steps of the main run's settings, afresh: its step time (for the saves of the curve) and
+    the settings that work here (--compile, then flex, dropped where they fail)."""
+    eyas_args = a.eyas_args.split()
+    fallbacks = []  # in order: eager instead of --compile, then dense instead of flex
+    if "--compile" in eyas_args:
+        fallbacks.append(("--compile", "--compile failed in the probe; eager used"))
+    if "--attention" not in eyas_args:  # the default on CUDA is flex
+        fallbacks.append(("--attention", "flex attention failed in the probe; dense used"))
+    why_not = []
+    name = "eyas_probe"
+    while True:
+        shutil.rmtree(work / "eyas_probe", ignore_errors=True)
+        t = time.time()
+        pp = r.start(
+            name,
+            eyas_train(
+                r, a, "eyas_probe", preps["regenerated"], stores["regenerated"], eyas_args, a.eyas_probe_steps, 0
+            ),
+            env=_gpu_env(r, 0),
+        )
+        r.wait(pp, check=False)
+        if pp.returncode == 0 or not fallbacks:
+            break
+        flag, why = fallbacks.pop(0)
+        eyas_args = (
+            [x for x in eyas_args if x != "--compile"] if flag == "--compile" else eyas_args + ["--attention", "dense"]
+        )
+        log(f"eyas probe failed: {why}")
+        why_not.append(why)
+        name = f"eyas_probe_{flag.strip('-')}"
+    if pp.returncode != 0:
+        raise RuntimeError("eyas probe failed; see logs/eyas_probe*.log")
+    probe_wall = time.time() - t
+    step_s = eyas_step_time(work / "eyas_probe")
+    if not step_s:
+        raise RuntimeError("eyas probe wrote no step timings (metrics.jsonl)")
+    setup_s = max(0.0, probe_wall - a.eyas_probe_steps * step_s)
+    return {
+        "probe": {"steps": a.eyas_probe_steps, "wall_s": probe_wall, "step_s": step_s, "setup_s": setup_s},
+        "max_steps": max(10, int(a.main_budget_s * 0.97 / step_s)),
+        "args": eyas_args,
+        **({"fallback": why_not} if why_not else {}),
+    }
 
 
 def eyas_train(
@@ -685,8 +718,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
         "--quiet",
     ]
     ev_base = r.eyas("evaluate", "--engine", "builtin", *common, "--workers", a.eval_workers, "--no-plain")
-    # replay: one target answer set for every draft, decoded by the first evaluation (the rest wait for it)
-    ev_replay = r.eyas("evaluate", "--engine", "replay", *common, "--references", work / "references.jsonl")
+    ev_replay = replay_sets(r, a, work)
     eval_procs: dict[str, subprocess.Popen] = {}
     replayed: dict[str, dict] = {}
     slot = [0]
@@ -724,7 +756,8 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     ks = [int(k) for k in a.abl_ks.split(",") if k]
     procs: dict[str, subprocess.Popen] = {}
     if em.get("max_steps") and (a.ablations.strip() or a.abl_args):
-        steps = a.abl_steps or em["max_steps"]
+        # the main run's own steps (its --budget planned them), else the probe's plan
+        steps = a.abl_steps or (em.get("summary") or {}).get("steps") or em["max_steps"]
         base = list(em["args"])
         specs = {
             "ttt1": ("regenerated", _with(base, "--ttt-steps", 1)),
@@ -741,7 +774,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             del specs[k]
         res["ablations"] = {
             "steps": steps,
-            "reference": f"eyas_main ({' '.join(base)}; regenerated data, vocab {a.vocab}, {em['max_steps']} steps)",
+            "reference": f"eyas_main ({' '.join(base)}; regenerated data, vocab {a.vocab}, {steps} steps)",
             "runs": abl,
         }
         for n, (name, (data, args)) in enumerate(specs.items()):
@@ -803,10 +836,10 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             reports[name] = {**partial_tau(sub / "records.jsonl", int(res["eval_plan"][name]["k"])), "complete": False}
     res["evaluations"] = reports
     verdict = {}
-    for k in [int(k) for k in a.eval_ks.split(",") if k]:
-        e, s = reports.get(f"eyas_k{k}", {}), reports.get(f"speculators_k{k}", {})
+    for suffix, k in [(x, int(k)) for x in ev_replay for k in a.eval_ks.split(",") if k]:
+        e, s = reports.get(f"eyas{suffix}_k{k}", {}), reports.get(f"speculators{suffix}_k{k}", {})
         if e.get("tau") is not None and s.get("tau") is not None:
-            verdict[f"k{k}"] = {
+            verdict[f"{suffix.lstrip('@') + '_' if suffix else ''}k{k}"] = {
                 "eyas_tau": e["tau"],
                 "speculators_tau": s["tau"],
                 "difference": e["tau"] - s["tau"],
@@ -815,6 +848,8 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
                 "prompts": [e["prompts"], s["prompts"]],
             }
     res["verdict"] = verdict
+    if a.eval_engine == "replay":
+        res["paired"] = paired_runs(a, work, res, list(ev_replay))
     res["eval_engine"] = a.eval_engine
     log(f"verdict: {json.dumps(verdict)}")
     save()
@@ -837,22 +872,54 @@ def report_summary(path: Path) -> dict[str, Any]:
     }
 
 
+def replay_sets(r: Runner, a, work: Path) -> dict[str, list[str]]:
+    """Key suffix -> `eyas evaluate --engine replay` on one prompt set: MT-bench ("", its first
+    --eval-max-per-category questions of each category) and --second-prompts ("@NAME", all). Each
+    set's target answers are decoded once, by its first evaluation, and shared by every draft."""
+    common = ["--target", a.target, "--device", _device(a), "--max-new-tokens", a.eval_max_new]
+    common += ["--dtype", a.eval_dtype, "--quiet"]
+    sets = {"": r.eyas("evaluate", "--engine", "replay", *common, "--prompts", a.prompts)}
+    sets[""] += ["--references", work / "references.jsonl"]
+    if a.second_prompts:
+        name = Path(a.second_prompts).parent.name
+        sets[f"@{name}"] = r.eyas("evaluate", "--engine", "replay", *common, "--prompts", a.second_prompts)
+        sets[f"@{name}"] += ["--references", work / f"references-{name}.jsonl"]
+    return sets
+
+
 def replay_eval(
-    r: Runner, ev_replay: list[str], out: Path, base: str, draft: str, ks: list[int], per_cat: int
+    r: Runner, sets: dict[str, list[str]], out: Path, base: str, draft: str, ks: list[int], per_cat: int
 ) -> dict[str, dict]:
-    """`eyas evaluate --engine replay` of ``draft`` at every k of ``ks`` in one run (seconds on a GPU
-    once the shared answers exist): ``{base}_k{k}`` -> summary; {} when it failed or ran out of time."""
-    cmd = ev_replay + ["--draft", draft, "--out", out, "-k", ks[0], "--max-per-category", per_cat]
-    if ks[1:]:
-        cmd += ["--also-k", ",".join(map(str, ks[1:]))]
-    try:
-        r.run(f"eval_{base}", cmd, timeout=max(10.0, r.left() - 10), env=_gpu_env(r, 0))
-    except RuntimeError as e:
-        log(f"eval {base}: {e}")
-        return {}
-    return {
-        f"{base}_k{k}": report_summary(out / ("" if k == ks[0] else f"k{k}") / "replay" / "report.json") for k in ks
-    }
+    """`eyas evaluate --engine replay` of ``draft`` on each prompt set of ``sets``, every k of ``ks``
+    in one run per set (seconds on a GPU once the shared answers exist): ``{base}{suffix}_k{k}`` ->
+    summary; a set that failed or ran out of time has no keys."""
+    got: dict[str, dict] = {}
+    for suffix, ev in sets.items():
+        dest = out.with_name(out.name + suffix.replace("@", "-"))
+        cmd = ev + ["--draft", draft, "--out", dest, "-k", ks[0]]
+        cmd += [] if suffix else ["--max-per-category", per_cat]  # the second set: every question
+        if ks[1:]:
+            cmd += ["--also-k", ",".join(map(str, ks[1:]))]
+        try:
+            r.run(f"eval_{base}{suffix}", cmd, timeout=max(10.0, r.left() - 10), env=_gpu_env(r, 0))
+        except RuntimeError as e:
+            log(f"eval {base}{suffix}: {e}")
+            continue
+        for k in ks:
+            rep = dest / ("" if k == ks[0] else f"k{k}") / "replay" / "report.json"
+            got[f"{base}{suffix}_k{k}"] = report_summary(rep)
+    return got
+
+
+def taus(got: dict[str, dict], name: str, ks: list[int]) -> dict[str, dict[str, float]]:
+    """``replay_eval``'s summaries of ``name`` as {prompt set: {k: tau}} (MT-bench as "mt_bench")."""
+    out: dict[str, dict[str, float]] = {}
+    for key, rep in got.items():
+        head, _, k = key.rpartition("_k")
+        draft, _, pset = head.partition("@")
+        if draft == name and int(k) in ks and rep.get("tau") is not None:
+            out.setdefault(pset or "mt_bench", {})[k] = rep["tau"]
+    return out
 
 
 def curve(r: Runner, a, work: Path, ev_replay: list[str] | None) -> dict[str, list[dict]]:
@@ -865,6 +932,7 @@ def curve(r: Runner, a, work: Path, ev_replay: list[str] | None) -> dict[str, li
     from eyas.train.checkpoint import checkpoint_dirs
 
     out: dict[str, list[dict]] = {"eyas": [], "speculators": []}
+    ks = sorted({a.curve_k, *(int(k) for k in a.eval_ks.split(",") if k)})
     recs = [m for m in read_metrics(work / "eyas_main") if m.get("split") == "train" and "elapsed_s" in m]
     for ck in checkpoint_dirs(work / "eyas_main"):
         step = int(ck.name.split("-")[1])
@@ -875,15 +943,17 @@ def curve(r: Runner, a, work: Path, ev_replay: list[str] | None) -> dict[str, li
             work / f"curve_eyas_{step}",
             f"curve_eyas_{step}",
             str(ck),
-            [a.curve_k],
+            ks,
             a.curve_max_per_category,
         )
-        if got and at:
+        if f"curve_eyas_{step}_k{a.curve_k}" in got and at:
             out["eyas"].append(
                 {
                     "step": step,
                     "train_s": at[-1] - recs[0]["elapsed_s"],
                     "tau": got[f"curve_eyas_{step}_k{a.curve_k}"]["tau"],
+                    "taus": taus(got, f"curve_eyas_{step}", ks),
+                    "eval": str(work / f"curve_eyas_{step}"),
                     "draft": str(ck),
                 }
             )
@@ -904,19 +974,74 @@ def curve(r: Runner, a, work: Path, ev_replay: list[str] | None) -> dict[str, li
         except RuntimeError as e:
             log(f"curve: {e}")
             continue
-        got = replay_eval(r, ev_replay, work / name, name, str(draft), [a.curve_k], a.curve_max_per_category)
-        if got:
+        got = replay_eval(r, ev_replay, work / name, name, str(draft), ks, a.curve_max_per_category)
+        if f"{name}_k{a.curve_k}" in got:
             out["speculators"].append(
                 {
                     "epoch": c["epoch"],
                     **({"global_step": c["global_step"]} if "global_step" in c else {}),
                     "train_s": c["after_first_step_s"],
                     "tau": got[f"{name}_k{a.curve_k}"]["tau"],
+                    "taus": taus(got, name, ks),
+                    "eval": str(work / name),
                     "draft": str(ck),
                 }
             )
     log(f"curve: {json.dumps(out)}")
     return out
+
+
+def _eval_dir(base: Path, suffix: str, k: int, ks: list[int]) -> Path:
+    """Where ``replay_eval`` put ``base``'s report of one prompt set and k."""
+    d = base.with_name(base.name + suffix.replace("@", "-"))
+    return d if k == ks[0] else d / f"k{k}"
+
+
+def paired_runs(a, work: Path, res: dict, suffixes: list[str]) -> list[dict]:
+    """eyas against speculators over the turns both evaluated, on every prompt set and k, with a 95%
+    bootstrap interval of the difference over questions (paired.py): the final drafts, and at each
+    --marks-s the newest checkpoint of each curve at or just before the mark (each curve's time is
+    the wall clock after its first optimizer step, its saves included, as speculators' budget counts
+    them; eyas's --budget does not, so its last checkpoint lands a little after the mark)."""
+    from paired import pair  # beside this file
+
+    ks = [int(k) for k in a.eval_ks.split(",") if k]
+    curve_ks = sorted({a.curve_k, *ks})
+    pairs = [("final", work / "eval_eyas", work / "eval_speculators", None, None, ks)]
+    cv = res.get("curve") or {}
+    for mark in (float(m) for m in a.marks_s.split(",") if m):
+        near = {}
+        for who in ("eyas", "speculators"):
+            pts = [p for p in cv.get(who, []) if mark - max(60.0, 0.2 * mark) <= p["train_s"] <= 1.05 * mark + 5]
+            near[who] = max(pts, key=lambda p: p["train_s"]) if pts else None
+        if near["eyas"] and near["speculators"] and "eval" in near["eyas"] and "eval" in near["speculators"]:
+            e, s = near["eyas"], near["speculators"]
+            pairs.append((f"{mark:g}s", Path(e["eval"]), Path(s["eval"]), e["train_s"], s["train_s"], curve_ks))
+    rows = []
+    for at, e_base, s_base, e_s, s_s, kk in pairs:
+        for suffix in suffixes:
+            for k in ks:
+                e_dir, s_dir = _eval_dir(e_base, suffix, k, kk), _eval_dir(s_base, suffix, k, kk)
+                if not all((d / "replay" / "report.json").is_file() for d in (e_dir, s_dir)):
+                    continue
+                row = pair(s_dir, [e_dir])[0]  # speculators the reference: the difference is eyas's gain
+                rows.append(
+                    {
+                        "at": at,
+                        "prompt_set": suffix.lstrip("@") or "mt_bench",
+                        "k": k,
+                        "eyas_train_s": e_s,
+                        "speculators_train_s": s_s,
+                        "turns": row["prompts"],
+                        "eyas_tau": row["tau"],
+                        "speculators_tau": row["reference_tau"],
+                        "ratio": row["tau"] / row["reference_tau"],
+                        "difference": row["difference"],
+                        "difference_ci95": row["difference_ci95"],
+                    }
+                )
+    log(f"paired: {len(rows)} rows")
+    return rows
 
 
 def spec_saves(spec_json: Path) -> list[dict]:
