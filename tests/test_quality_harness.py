@@ -1,0 +1,90 @@
+"""benchmarks/quality/run_quality.py end to end on the CPU with the tiny target: both trainers, the
+curve over their checkpoints on two prompt sets, and the paired rows. The harness drives eyas's CLI
+as a subprocess, so a flag eyas drops or renames surfaces here rather than on the GPU (it once
+passed a removed `--max-train-seconds` and went on with no eyas draft)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC_PY = ROOT / ".venvs" / "speculators" / "bin" / "python"
+HARNESS = ROOT / "benchmarks" / "quality" / "run_quality.py"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not SPEC_PY.exists(), reason="no .venvs/speculators (speculators==0.9.0)"),
+]
+
+
+def _conversations(path: Path, n: int = 24) -> Path:
+    words = "the draft learns what the target says next when it reads the hidden states".split()
+    with path.open("w") as f:
+        for i in range(n):
+            q = " ".join(words[(i + j) % len(words)] for j in range(6))
+            a = " ".join(words[(2 * i + j) % len(words)] for j in range(40))
+            msgs = [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            f.write(json.dumps({"id": f"c{i}", "messages": msgs}) + "\n")
+    return path
+
+
+def _first_of_each_category(src: Path, dst: Path, per_set: int | None = None) -> Path:
+    seen: dict[str, int] = {}
+    keep = []
+    for line in src.read_text().splitlines():
+        q = json.loads(line)
+        if seen.get(q["category"], 0) < 1:
+            seen[q["category"]] = 1
+            keep.append(line)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_text("\n".join(keep[:per_set]) + "\n")
+    return dst
+
+
+def test_quality_comparison_runs_through_on_the_cpu(tmp_path, tiny_llama_dir):
+    conv = _conversations(tmp_path / "conversations.jsonl")
+    mt = _first_of_each_category(ROOT / "data" / "mt_bench" / "question.jsonl", tmp_path / "mt_bench" / "q.jsonl", 3)
+    he = _first_of_each_category(ROOT / "data" / "humaneval" / "question.jsonl", tmp_path / "humaneval" / "q.jsonl")
+    work, out = tmp_path / "work", tmp_path / "out"
+    common = [sys.executable, str(HARNESS), "--target", str(tiny_llama_dir), "--prompts", str(mt)]
+    common += ["--work", str(work), "--out", str(out), "--gpus", "0", "--python", sys.executable]
+    common += ["--spec-python", str(SPEC_PY), "--ablations", "", "--eval-ks", "3,5", "--curve-k", "3"]
+    common += ["--second-prompts", str(he), "--eval-dtype", "float32", "--eval-max-new", "8"]
+    common += ["--eval-max-per-category", "1", "--curve-max-per-category", "1", "--marks-s", "4"]
+
+    def phase(*args: str) -> None:
+        r = subprocess.run([*common, *args], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    phase(
+        "--phase", "main", "--regenerated", str(conv), "--max-length", "128", "--vocab", "64",
+        "--main-budget-s", "6", "--eyas-probe-steps", "2", "--spec-probe-steps", "2", "--spec-workers", "0",
+        "--eyas-args", "--tokens-per-batch 128", "--curve-every-s", "3", "--spec-save-every-s", "3",
+        "--spec-args", "--loss-implementation eager --total-seq-len 64",
+    )  # fmt: skip
+    phase("--phase", "rest", "--curve-every-s", "3")
+    res = json.loads((out / "results.json").read_text())
+
+    em = res["eyas_main"]
+    assert em["rc"] == 0 and em["summary"]["steps"] > 0 and em["summary"]["budget_s"] == 6.0
+    assert Path(res["spec_main"]["draft"]).is_dir()
+    # both trainers' checkpoints, each measured on both prompt sets at every k
+    for who in ("eyas", "speculators"):
+        pts = res["curve"][who]
+        assert pts, who
+        for p in pts:
+            assert set(p["taus"]) == {"mt_bench", "humaneval"}
+            assert all(set(t) == {"3", "5"} for t in p["taus"].values())
+            assert all(v >= 1.0 for t in p["taus"].values() for v in t.values())
+    # the final drafts paired on each set and k over the same turns (3 MT-bench questions, 2 turns)
+    final = {(r["prompt_set"], r["k"]): r for r in res["paired"] if r["at"] == "final"}
+    assert set(final) == {(s, k) for s in ("mt_bench", "humaneval") for k in (3, 5)}
+    assert final[("mt_bench", 3)]["turns"] == 6
+    lo, hi = final[("mt_bench", 3)]["difference_ci95"]
+    assert lo <= final[("mt_bench", 3)]["difference"] <= hi
+    assert (out / "curve.png").is_file()
