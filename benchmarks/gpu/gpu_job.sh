@@ -42,7 +42,8 @@
 #   options  after pipeline: eyas evaluate --engine vllm of its draft and export at OPT_K alone, under
 #            --speculative-options SPEC_OPTS, serving timed at OPT_C (1,32) requests (issue 31 item 4)
 #   quality  issue 32: eyas against speculators 0.9.0 (benchmarks/quality/run_quality.py) on this GPU, one
-#            phase a call: QPHASE=main QTRAIN=speculators, then QPHASE=main QTRAIN=eyas, then QPHASE=rest
+#            phase a call: QPHASE=main QTRAIN= (the data and store alone), QPHASE=main QTRAIN=speculators,
+#            QPHASE=main QTRAIN=eyas, then QPHASE=rest
 #            (the state stays in Q_DIR on the warm machine); the first Q_SAMPLES ShareGPT conversations with
 #            PIPE_CONFIG's target's answers kept in git, each trainer Q_BUDGET_S s with a checkpoint every
 #            Q_EVERY_S s, every checkpoint by replay on MT-bench and HumanEval; .carry/quality carried once
@@ -330,14 +331,15 @@ case $STEP in
       python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
         "$SEED/regenerated.jsonl.xz" > "$Q/regen/regenerated.jsonl" && cp "$SEED/regenerate.json" "$Q/regen/"
       step quality-data eyas prepare --target "$TNAME" --data sharegpt --regenerate --gen-backend vllm --temperature 0 \
-        --max-new-tokens 1024 --max-length 2048 --max-samples "${Q_SAMPLES:-3000}" --out "$Q/regen" --quiet || exit 1
+        --max-new-tokens 1024 --max-length 2048 --max-samples "${Q_SAMPLES:-4000}" --out "$Q/regen" --quiet || exit 1
     fi
+    df -h "$Q" | tail -1  # the store and speculators' copy of it share this
     TDIR=$(python3 -c "import sys; from eyas.target import resolve_target; print(resolve_target(sys.argv[1]).path)" "$TNAME")
     GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
     # the phase's own deadline leaves the call 25 s to pack; timeout's SIGTERM is the backstop
     step "quality-${QPHASE:?QPHASE=main or rest}" env PYTHONPATH="/tmp/site-q:$PYTHONPATH" \
       timeout -s TERM -k 30 "${BUDGET_S:-560}" python3 benchmarks/quality/run_quality.py --phase "$QPHASE" \
-      --train "${QTRAIN:-speculators,eyas}" --target "$TDIR" --regenerated "$Q/regen/regenerated_conversations.jsonl" \
+      --train "${QTRAIN-speculators,eyas}" --target "$TDIR" --regenerated "$Q/regen/regenerated_conversations.jsonl" \
       --prompts data/mt_bench/question.jsonl --work "$Q/work" --out "$OUT/quality" --gpus "$GPUS" \
       --deadline-s $((${BUDGET_S:-560} - 25)) --ablations "" --main-budget-s "${Q_BUDGET_S:-300}" \
       --curve-every-s "${Q_EVERY_S:-60}" --spec-save-every-s "${Q_EVERY_S:-60}" --eval-max-per-category 10 \
