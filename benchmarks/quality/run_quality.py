@@ -922,10 +922,11 @@ def taus(got: dict[str, dict], name: str, ks: list[int]) -> dict[str, dict[str, 
     return out
 
 
-def curve(r: Runner, a, work: Path, ev_replay: list[str] | None) -> dict[str, list[dict]]:
-    """tau at --curve-k of every checkpoint of the two main runs, against the seconds of training after
-    each run's first optimizer step (its budget clock): eyas's from its metrics, speculators' epoch
-    checkpoints from spec_train.py's timings. Replay only (one pass per checkpoint)."""
+def curve(r: Runner, a, work: Path, ev_replay: dict[str, list[str]] | None) -> dict[str, list[dict]]:
+    """tau of every checkpoint of the two main runs on each prompt set at --curve-k and every
+    --eval-ks (``tau``: MT-bench at --curve-k; ``taus``: all), against the wall-clock seconds of
+    training after each run's first optimizer step: eyas's from its metrics, speculators' saves from
+    spec_train.py's timings. Replay only (one pass per checkpoint and prompt set)."""
     if ev_replay is None:
         log("curve: needs --eval-engine replay (one evaluation per checkpoint)")
         return {}
