@@ -180,7 +180,7 @@ def test_a_target_joins_from_its_own_packing_only_and_only_whole(tmp_path):
     (cache / "model.gguf").unlink()
     part = sorted(park.glob("target-*-of4.part01"))[0]
     good = part.read_bytes()
-    part.write_bytes(b"x" + good[1:])
+    part.write_bytes(bytes([good[0] ^ 0xFF]) + good[1:])  # "x" + good[1:] was no change when good began with "x"
     r = sh("carry_join.sh", park, "target", cache)
     assert "another sha256" in r.stdout and not (cache / "model.gguf").exists()
     assert not list(cache.glob("*.tmp"))
