@@ -88,3 +88,10 @@ def test_quality_comparison_runs_through_on_the_cpu(tmp_path, tiny_llama_dir):
     lo, hi = final[("mt_bench", 3)]["difference_ci95"]
     assert lo <= final[("mt_bench", 3)]["difference"] <= hi
     assert (out / "curve.png").is_file()
+
+    # pair_runs.py pairs the eyas run of one comparison with the speculators run of another (two
+    # sessions); given the same comparison twice it gives the rest phase's own rows
+    sys.path.insert(0, str(HARNESS.parent))
+    from pair_runs import pair_runs
+
+    assert pair_runs(work, work) == res["paired"]

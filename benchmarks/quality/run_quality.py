@@ -849,7 +849,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             }
     res["verdict"] = verdict
     if a.eval_engine == "replay":
-        res["paired"] = paired_runs(a, work, res, list(ev_replay))
+        res["paired"] = paired_runs(a, res, list(ev_replay), (work / "eval_eyas", work / "eval_speculators"))
     res["eval_engine"] = a.eval_engine
     log(f"verdict: {json.dumps(verdict)}")
     save()
@@ -998,7 +998,7 @@ def _eval_dir(base: Path, suffix: str, k: int, ks: list[int]) -> Path:
     return d if k == ks[0] else d / f"k{k}"
 
 
-def paired_runs(a, work: Path, res: dict, suffixes: list[str]) -> list[dict]:
+def paired_runs(a, res: dict, suffixes: list[str], finals: tuple[Path, Path]) -> list[dict]:
     """eyas against speculators over the turns both evaluated, on every prompt set and k, with a 95%
     bootstrap interval of the difference over questions (paired.py): the final drafts, and at each
     --marks-s the newest checkpoint of each curve at or just before the mark (each curve's time is
@@ -1008,7 +1008,7 @@ def paired_runs(a, work: Path, res: dict, suffixes: list[str]) -> list[dict]:
 
     ks = [int(k) for k in a.eval_ks.split(",") if k]
     curve_ks = sorted({a.curve_k, *ks})
-    pairs = [("final", work / "eval_eyas", work / "eval_speculators", None, None, ks)]
+    pairs = [("final", finals[0], finals[1], None, None, ks)]  # the two final drafts' evaluations
     cv = res.get("curve") or {}
     for mark in (float(m) for m in a.marks_s.split(",") if m):
         near = {}
