@@ -345,6 +345,11 @@ case $STEP in
       --curve-every-s "${Q_EVERY_S:-60}" --spec-save-every-s "${Q_EVERY_S:-60}" --eval-max-per-category 10 \
       --curve-max-per-category 10 --eval-max-new $TOKENS --python python3 --spec-python python3 ${Q_ARGS:-}
     qrc=$?
+    # a phase cut by that backstop leaves its children running (each in a session of its own): stop
+    # them before the call ends, eyas with a checkpoint (its SIGTERM stop) that the next call resumes
+    if pkill -TERM -f 'eyas[.]cli (prepare|extract|train|evaluate)|spec_train[.]py|(to|from)_speculators[.]py'; then
+      echo "quality: stopped what the phase left running"; sleep 20
+    fi
     # the small results: the reports (each with its turns, for pairing again here), the runs' records
     ( cd "$Q/work" 2>/dev/null && find . \( -name report.json -o -name spec_train.json -o -name summary.json \
         -o -name metrics.jsonl -o -name eyas_conversion.json -o -name manifest.json -o -name '*.log' \) \

@@ -579,7 +579,10 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
         ),
         env=_gpu_env(r, 0),
     )
-    dt = r.wait(p, timeout=1.5 * setup_s + 1.1 * a.main_budget_s + 20, check=False)
+    # at the call's deadline eyas is stopped (SIGTERM: it saves a checkpoint), and the next main
+    # call resumes it; it runs in a session of its own, so the call's own signal would not reach it
+    planned = 1.5 * setup_s + 1.1 * a.main_budget_s + 20
+    dt = r.wait(p, timeout=min(planned, max(30.0, r.left() - 30)), check=False)
     em.update(wall_s=em.get("wall_s", 0.0) + dt, rc=p.returncode, metrics_tail=read_metrics(run_dir)[-3:])
     em["draft"] = str(latest_eyas_draft(run_dir))
     summ = run_dir / "summary.json"
