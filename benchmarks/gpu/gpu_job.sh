@@ -157,6 +157,12 @@ wait_conversion() {
   fi
 }
 case $STEP in park|home) ;; *) wait_conversion ;; esac
+# speculators 0.9.0 and its wheels (.carry/quality, for the quality step), installed by whichever call
+# carries them, once a machine, apart from eyas's: only run_quality's processes see /tmp/site-q
+if [ ! -e /tmp/site-q/.done ] && [ -d .carry/quality/whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-q \
+    .carry/quality/whl/*.whl && touch /tmp/site-q/.done && echo "speculators' wheels installed in /tmp/site-q"
+fi
 
 case $STEP in
   park) convert_ahead ;;
@@ -319,11 +325,6 @@ case $STEP in
     ;;
   quality)
     Q=${Q_DIR:-/dev/shm/quality} SEED=data/regenerated/$TNAME-sharegpt
-    # speculators and its wheels, once a machine, apart from eyas's (only run_quality's processes see them)
-    if [ ! -e /tmp/site-q/.done ] && [ -d .carry/quality/whl ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-q \
-        .carry/quality/whl/*.whl && touch /tmp/site-q/.done
-    fi
     [ -e /tmp/site-q/.done ] || { echo "quality: speculators not installed (carry .carry/quality once)"; exit 3; }
     # the conversations: the first Q_SAMPLES of ShareGPT with the target's answers kept in git (no engine)
     if [ ! -s "$Q/regen/regenerated_conversations.jsonl" ]; then
