@@ -31,6 +31,7 @@ numerics of the norms and the reduction.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,10 +81,19 @@ def setup_dist(device_arg: str) -> tuple[Dist, torch.device]:
 
 
 def teardown_dist() -> None:
-    """End the process group of a finished torchrun rank: left to the interpreter's exit, its
-    threads can abort the rank after the draft is written (exit -6, a failed job)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    """End a finished rank's process group. NCCL's is destroyed. A gloo group of several ranks is
+    left by ending the process at once, once every rank is done: its teardown, in
+    destroy_process_group or at the interpreter's exit, races with the other ranks' and aborted a
+    finished rank now and then (exit -6, so torchrun failed the job; docs/status.md). Callers print
+    what they have to say before this."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    if torch.distributed.get_backend() == "gloo" and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()  # no rank leaves while another still needs it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    torch.distributed.destroy_process_group()
 
 
 def wrap(model: nn.Module, parallel: str, world: int, device: torch.device, fused_loss: bool = False) -> nn.Module:

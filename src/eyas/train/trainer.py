@@ -726,7 +726,6 @@ def run(cfg: TrainConfig) -> Path:
         print(ckpt.no_checkpoint_note(Path(cfg.out)), file=sys.stderr, flush=True)
     with writer_lock(cfg.out, command="eyas train"):
         draft = Trainer(cfg).train()
-    parallel.teardown_dist()
     print(f"draft -> {draft}", file=sys.stderr, flush=True)
     measured = Path(draft) / TAU_FILE
     if measured.is_file():
@@ -737,4 +736,5 @@ def run(cfg: TrainConfig) -> Path:
             file=sys.stderr,
             flush=True,
         )
+    parallel.teardown_dist()  # last: a gloo rank's process ends in it
     return draft
