@@ -95,3 +95,11 @@ def test_quality_comparison_runs_through_on_the_cpu(tmp_path, tiny_llama_dir):
     from pair_runs import pair_runs
 
     assert pair_runs(work, work) == res["paired"]
+
+    # quality_to_summary.py: a row of summary.json per checkpoint, prompt set and k, both trainers
+    from quality_to_summary import rows
+
+    got = rows(work, "t")
+    want = {(w, ps, k) for w in ("eyas", "speculators") for ps in ("mt_bench", "humaneval") for k in (3, 5)}
+    assert {(r["trainer"], r["prompt_set"], r["k"]) for r in got} == want
+    assert len(got) == 4 * sum(len(res["curve"][w]) for w in ("eyas", "speculators"))

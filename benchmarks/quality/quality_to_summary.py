@@ -36,6 +36,7 @@ def rows(run: Path, tag: str) -> list[dict]:
     main = next((v for k, v in res["args"].items() if k.startswith("main")), {})
     target = json.loads((run / "prep_regen" / "manifest.json").read_text())["target_spec"]
     samples = res["data"]["regenerated"]["counts"]["samples"]
+    ev = next((v for k, v in res["args"].items() if k.startswith("rest")), main)  # the evaluations' settings
     rest = res.get("started", {}).get("rest", "?")
     how = {"eyas": f"eyas train {main.get('eyas_args') or 'with its defaults'}", "speculators": "speculators 0.9.0"}
     out = []
@@ -43,7 +44,7 @@ def rows(run: Path, tag: str) -> list[dict]:
         note = (
             f"a checkpoint of a {main.get('main_budget_s', '?')} s run of {how.get(trainer, trainer)}, offline "
             f"from one bf16 store; budget_s: its wall clock after the first step; replay, "
-            f"{main.get('eval_dtype', '?')}, {main.get('eval_max_new', '?')} tokens"
+            f"{ev.get('eval_dtype', '?')}, {ev.get('eval_max_new', '?')} tokens"
         )
         for p in points:
             steps = p.get("step") or p.get("global_step") or 0
