@@ -119,6 +119,15 @@ read -r PIPE_W TNAME < <(python3 -c "import sys, yaml; c = yaml.safe_load(open(s
 # the builtin and both steps share one --out and these settings, so both resumes builtin's records
 EVAL=(eyas evaluate --device cuda --draft "$J/run/draft" -k $K --max-new-tokens $TOKENS --no-plain --out "$J/eval")
 
+# seed_answers SEED DIR WHO: the target's answers kept in git (SEED, xz) into DIR, where `eyas prepare
+# --regenerate` resumes after them: a seeded run starts no regeneration engine
+seed_answers() {
+  mkdir -p "$2" &&
+    python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
+      "$1/regenerated.jsonl.xz" > "$2/regenerated.jsonl" && cp "$1/regenerate.json" "$2/" &&
+    echo "$3: seeded $(wc -l < "$2/regenerated.jsonl") answers from $1"
+}
+
 # vLLM profiler traces under DIR/WHERE into $OUT/profile-traces.tgz, unless over 15 MB (a file back
 # is at most 16 MiB)
 traces() {
@@ -200,11 +209,7 @@ case $STEP in
     # resumes after them, so a session that has them starts no regeneration engine
     SEED=${REGEN_SEED:-data/regenerated/$TNAME-sharegpt}
     if [ ! -s "$W/prepared/regenerated.jsonl" ] && [ -s "$SEED/regenerated.jsonl.xz" ]; then
-      mkdir -p "$W/prepared"
-      python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
-        "$SEED/regenerated.jsonl.xz" > "$W/prepared/regenerated.jsonl"
-      cp "$SEED/regenerate.json" "$W/prepared/"
-      echo "pipeline: seeded $(wc -l < "$W/prepared/regenerated.jsonl") answers from $SEED"
+      seed_answers "$SEED" "$W/prepared" pipeline
     fi
     # -k: a run that has not stopped 40 s after SIGINT is killed, so the call still copies its results;
     # EYAS_STOP_AT: no k of the evaluation starts that would be cut by the SIGINT
@@ -328,9 +333,7 @@ case $STEP in
     [ -e /tmp/site-q/.done ] || { echo "quality: speculators not installed (carry .carry/quality once)"; exit 3; }
     # the conversations: the first Q_SAMPLES of ShareGPT with the target's answers kept in git (no engine)
     if [ ! -s "$Q/regen/regenerated_conversations.jsonl" ]; then
-      rm -rf "$Q/regen" && mkdir -p "$Q/regen"
-      python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.decompress(open(sys.argv[1], 'rb').read()))" \
-        "$SEED/regenerated.jsonl.xz" > "$Q/regen/regenerated.jsonl" && cp "$SEED/regenerate.json" "$Q/regen/"
+      rm -rf "$Q/regen" && seed_answers "$SEED" "$Q/regen" quality
       step quality-data eyas prepare --target "$TNAME" --data sharegpt --regenerate --gen-backend vllm --temperature 0 \
         --max-new-tokens 1024 --max-length 2048 --max-samples "${Q_SAMPLES:-4000}" --out "$Q/regen" --quiet || exit 1
     fi
