@@ -20,7 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from run_quality import paired_runs  # noqa: E402
+from run_quality import paired_runs, prompt_sets  # noqa: E402
 
 
 def _here(points: list[dict], run: Path) -> list[dict]:
@@ -43,8 +43,7 @@ def pair_runs(run_e: Path, run_s: Path, marks_s: str | None = None) -> list[dict
             "speculators": _here(res_s["curve"]["speculators"], run_s),
         }
     }
-    suffixes = [""] + ([f"@{Path(a.second_prompts).parent.name}"] if a.second_prompts else [])
-    return paired_runs(a, res, suffixes, (run_e / "eval_eyas", run_s / "eval_speculators"))
+    return paired_runs(a, res, list(prompt_sets(a)), (run_e / "eval_eyas", run_s / "eval_speculators"))
 
 
 def main() -> int:

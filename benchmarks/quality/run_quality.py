@@ -875,19 +875,26 @@ def report_summary(path: Path) -> dict[str, Any]:
     }
 
 
+def prompt_sets(a) -> dict[str, tuple[str, str]]:
+    """Key suffix -> (prompts, its target answers' file in WORK): MT-bench ("") and --second-prompts
+    ("@NAME"); records are keyed DRAFT{suffix}_kK."""
+    sets = {"": (a.prompts, "references.jsonl")}
+    if a.second_prompts:
+        name = Path(a.second_prompts).parent.name
+        sets[f"@{name}"] = (a.second_prompts, f"references-{name}.jsonl")
+    return sets
+
+
 def replay_sets(r: Runner, a, work: Path) -> dict[str, list[str]]:
     """Key suffix -> `eyas evaluate --engine replay` on one prompt set: MT-bench ("", its first
     --eval-max-per-category questions of each category) and --second-prompts ("@NAME", all). Each
     set's target answers are decoded once, by its first evaluation, and shared by every draft."""
     common = ["--target", a.target, "--device", _device(a), "--max-new-tokens", a.eval_max_new]
     common += ["--dtype", a.eval_dtype, "--quiet"]
-    sets = {"": r.eyas("evaluate", "--engine", "replay", *common, "--prompts", a.prompts)}
-    sets[""] += ["--references", work / "references.jsonl"]
-    if a.second_prompts:
-        name = Path(a.second_prompts).parent.name
-        sets[f"@{name}"] = r.eyas("evaluate", "--engine", "replay", *common, "--prompts", a.second_prompts)
-        sets[f"@{name}"] += ["--references", work / f"references-{name}.jsonl"]
-    return sets
+    return {
+        suffix: r.eyas("evaluate", "--engine", "replay", *common, "--prompts", prompts, "--references", work / refs)
+        for suffix, (prompts, refs) in prompt_sets(a).items()
+    }
 
 
 def replay_eval(
