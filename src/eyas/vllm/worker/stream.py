@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .chunks import PREFIX
 from .engine import build_llm, compat_model_dir
-from .protocol import Channel, read_job
+from .protocol import Channel, read_job, start_resource_tracker
 
 WATCHDOG_EXIT = 70  # the exit code when vLLM's engine-core process died under this one
 
@@ -82,6 +82,7 @@ def watch_engine_core(stopping: threading.Event, grace_s: float = 5.0) -> None:
 
 
 def main(job_path: str) -> None:
+    start_resource_tracker()
     channel = Channel()
     job = read_job(job_path)
     work = Path(job["work_dir"])
