@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 import tiny
 from vllm_envs import BACKEND_VERSIONS, versions, vllm_own_failure, vllm_python
@@ -26,15 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
     """Llama, 4 layers, head_dim 32 (the smallest vLLM's CPU attention takes), fp32."""
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("regen-target")
-    tok = tiny.make_tokenizer(out)
-    torch.manual_seed(1)
-    cfg = tiny.tiny_config("llama", vocab_size=len(tok), num_layers=4, hidden=128)
-    cfg.head_dim = 32
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
-    return out
+    return tiny.make_target(tmp_path_factory.mktemp("regen-target"), num_layers=4, hidden=128, seed=1, head_dim=32)
 
 
 def _data(tmp_path: Path, n: int = 5) -> Path:

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import tiny
 from vllm_envs import vllm_python
@@ -53,15 +52,7 @@ if sys.stdin.readline().strip() == "stop":
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
     """Llama, 2 layers, head_dim 32 (the smallest vLLM's CPU attention takes), fp32."""
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path_factory.mktemp("shm-target")
-    tok = tiny.make_tokenizer(out)
-    torch.manual_seed(1)
-    cfg = tiny.tiny_config("llama", vocab_size=len(tok), num_layers=2, hidden=128)
-    cfg.head_dim = 32
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out)
-    return out
+    return tiny.make_target(tmp_path_factory.mktemp("shm-target"), num_layers=2, hidden=128, seed=1, head_dim=32)
 
 
 def _shm_mapped(pids: list[int]) -> set[str]:

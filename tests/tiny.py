@@ -111,14 +111,18 @@ def make_target(
     chat_template: str | None = CHATML,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    head_dim: int | None = None,
 ) -> Path:
-    """Save a random `arch` model with the tiny tokenizer into `out`; returns `out`."""
+    """Save a random `arch` model with the tiny tokenizer into `out`; returns `out`. ``head_dim``:
+    32 is the smallest vLLM's CPU attention takes."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out)
     tok = make_tokenizer(out, chat_template=chat_template)
     torch.manual_seed(seed)
     config = tiny_config(arch, vocab_size=len(tok), num_layers=num_layers, hidden=hidden)
+    if head_dim is not None:
+        config.head_dim = head_dim
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(out, safe_serialization=True)
     return out
