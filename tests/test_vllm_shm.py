@@ -6,9 +6,9 @@ semaphore (``sem.mp-*``), which it unlinks only when it shuts down; what a kille
 Python's resource tracker unlinks, unless it was killed too. ``WorkerProcess.stop()`` sent SIGKILL
 to the whole engine a moment after SIGTERM, tracker included, and a killed process group took the
 tracker with it: such an engine's segments stayed in /dev/shm until reboot. And eyas killed alone
-left vLLM's processes running, re-parented, until the worker's watchdog (``guard_engine``). Here eyas runs in a
-session of its own (a helper script), so that its whole process group can be killed as a crash
-would, leaving the test alone.
+left vLLM's processes running, re-parented, until the worker's watchdog (``guard_engine``). Here
+eyas runs in a session of its own (a helper script), so that its whole process group can be killed
+as a crash would, leaving the test alone.
 """
 
 from __future__ import annotations
