@@ -11,16 +11,9 @@ from pathlib import Path
 import pytest
 
 from eyas.vllm.process import WorkerProcess, descendants
+from eyas.vllm.worker.protocol import alive
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"  # a zombie has exited; only its parent's reaping is left
 
 
 def _busy_worker(tmp_path: Path) -> WorkerProcess:
@@ -40,16 +33,16 @@ def _busy_worker(tmp_path: Path) -> WorkerProcess:
 def test_a_stopped_worker_leaves_no_process_of_its_own_behind(tmp_path, how):
     proc = _busy_worker(tmp_path)
     children = descendants(proc.proc.pid)
-    assert len(children) == 2 and all(_alive(c) for c in children)
+    assert len(children) == 2 and all(alive(c) for c in children)
     if how == "close":
         proc.close(timeout=1)  # it does not answer quit: killed after the timeout
     else:
         proc.stop()
     deadline = time.time() + 10
-    while any(_alive(c) for c in children) and time.time() < deadline:
+    while any(alive(c) for c in children) and time.time() < deadline:
         time.sleep(0.05)
     assert proc.poll() is not None
-    assert not [c for c in children if _alive(c)], "the worker's children outlived it"
+    assert not [c for c in children if alive(c)], "the worker's children outlived it"
 
 
 def test_a_resumed_worker_keeps_the_last_runs_log_beside_its_own(tmp_path):

@@ -111,7 +111,6 @@ def test_an_ended_engine_leaves_no_shared_memory(target, tmp_path, how):
 def _running(pids: list[int]) -> list[int]:
     """Those of ``pids`` still running (not zombies), Python's resource tracker left out: it ends by
     itself once every process that used it has."""
-    from eyas.vllm.process import alive
-    from eyas.vllm.worker.protocol import is_resource_tracker
+    from eyas.vllm.worker.protocol import alive, is_resource_tracker
 
     return [p for p in pids if alive(p) and not is_resource_tracker(p)]

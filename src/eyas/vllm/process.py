@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
-from eyas.vllm.worker.protocol import is_resource_tracker
+from eyas.vllm.worker.protocol import alive, is_resource_tracker, proc_stats, signal_pids
 
 WORKER_SRC = Path(__file__).with_name("worker")
 PKG = "eyas_vllm_worker"  # the package's name inside the vLLM interpreter
@@ -48,6 +48,9 @@ def worker_preexec() -> None:
     so a killed run leaves no engine writing."""
     try:
         os.setpgid(0, 0)
+    except OSError:
+        pass  # the worker then stays in eyas's group, without its watchdog
+    try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
@@ -58,34 +61,14 @@ def worker_preexec() -> None:
 def descendants(pid: int) -> list[int]:
     """The processes under ``pid`` (Linux /proc; elsewhere none are found)."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)"
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    for child, fields in proc_stats().items():
+        children.setdefault(int(fields[1]), []).append(child)
     out, todo = [], list(children.get(pid, []))
     while todo:
         p = todo.pop()
         out.append(p)
         todo.extend(children.get(p, []))
     return out
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has exited: only its parent's reaping is left)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _signal(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass  # gone already
 
 
 def install_worker(root: Path) -> Path:
@@ -230,7 +213,7 @@ class WorkerProcess:
                 time.sleep(0.1)
             if self.proc.poll() is None:
                 self._signal_tree(signal.SIGKILL)
-            _signal(tree, signal.SIGKILL)  # children that outlived a worker that did stop
+            signal_pids(tree, signal.SIGKILL)  # children that outlived a worker that did stop
         if not self._log.closed:
             self._log.close()
 
@@ -240,7 +223,7 @@ class WorkerProcess:
         (:func:`is_resource_tracker`: it exits with them, after unlinking what they left); after
         SIGKILL, wait for the worker. Returns the processes signalled under it."""
         tree = [p for p in descendants(self.proc.pid) if not is_resource_tracker(p)]
-        _signal([self.proc.pid, *tree], sig)
+        signal_pids([self.proc.pid, *tree], sig)
         if sig == signal.SIGKILL:
             self.proc.wait()
         return tree

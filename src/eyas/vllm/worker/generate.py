@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .batch import step_until
 from .engine import compat_model_dir
-from .protocol import Channel, read_job, guard_engine
+from .protocol import Channel, guard_engine, read_job
 
 
 def main(job_path: str) -> None:

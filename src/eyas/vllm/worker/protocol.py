@@ -50,26 +50,41 @@ def is_resource_tracker(pid: int) -> bool:
         return False
 
 
-def group_members(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid`` but this one and the resource tracker."""
-    out = []
+def proc_stats() -> dict[int, list[str]]:
+    """Every process's ``/proc/PID/stat`` fields after its name: state, ppid, pgrp, ..."""
+    out = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+            out[int(stat.parent.name)] = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
-            continue
-        pid = int(stat.parent.name)
-        if int(fields[2]) == pgid and fields[0] != "Z" and pid != os.getpid() and not is_resource_tracker(pid):
-            out.append(pid)
+            continue  # gone meanwhile
     return out
 
 
-def _signal(pids: list[int], sig: int) -> None:
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie has exited: only its parent's reaping is left)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def signal_pids(pids: list[int], sig: int) -> None:
+    """``sig`` to each of ``pids`` that still exists."""
     for pid in pids:
         try:
             os.kill(pid, sig)
-        except OSError:
+        except (ProcessLookupError, PermissionError):
             pass  # gone meanwhile
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` but this one and the resource tracker."""
+    return [
+        pid
+        for pid, fields in proc_stats().items()
+        if int(fields[2]) == pgid and fields[0] != "Z" and pid != os.getpid() and not is_resource_tracker(pid)
+    ]
 
 
 def _watch(worker: int, grace_s: float) -> None:
@@ -87,11 +102,11 @@ def _watch(worker: int, grace_s: float) -> None:
         os.closerange(3, 65536)
         while os.getppid() == worker:
             time.sleep(0.5)
-        _signal(group_members(worker), signal.SIGTERM)  # once: a second could cut vLLM's shutdown short
+        signal_pids(group_members(worker), signal.SIGTERM)  # once: a second could cut vLLM's shutdown short
         end = time.monotonic() + grace_s
         while group_members(worker) and time.monotonic() < end:
             time.sleep(0.5)
-        _signal(group_members(worker), signal.SIGKILL)
+        signal_pids(group_members(worker), signal.SIGKILL)
     finally:
         os._exit(0)
 

@@ -26,7 +26,7 @@ import sys
 import time
 
 from .batch import step_until
-from .protocol import Channel, read_job, guard_engine
+from .protocol import Channel, guard_engine, read_job
 
 SPEC = (
     "vllm:spec_decode_num_drafts",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .chunks import PREFIX
 from .engine import build_llm, compat_model_dir
-from .protocol import Channel, read_job, guard_engine
+from .protocol import Channel, alive, guard_engine, read_job
 
 WATCHDOG_EXIT = 70  # the exit code when vLLM's engine-core process died under this one
 
@@ -32,13 +32,6 @@ def _children() -> list[int]:
         except OSError:
             continue
     return pids
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _name(pid: int) -> str:
@@ -68,7 +61,7 @@ def watch_engine_core(stopping: threading.Event, grace_s: float = 5.0) -> None:
 
     def run() -> None:
         while not stopping.wait(0.5):
-            dead = [p for p in pids if not _alive(p)]
+            dead = [p for p in pids if not alive(p)]
             if dead and not stopping.wait(grace_s):
                 print(
                     f"eyas stream engine: vLLM's process {dead[0]} ({pids[dead[0]]}) died and vLLM did not "
