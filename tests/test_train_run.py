@@ -315,6 +315,25 @@ def test_sigint_saves_where_it_stops_and_the_resume_equals_uninterrupted(tiny_ta
     _assert_same_training(run, full)
 
 
+def test_sigint_before_a_budget_is_planned_names_no_step_count(tiny_target, data, tmp_path):
+    # a --budget run has no step count until its first steps are timed: a stop before then says
+    # where it stopped, not "of" a placeholder
+    run = tmp_path / "budget"
+    proc = subprocess.Popen(
+        _cli(*_train_args(tiny_target, data, run, "--budget", "10m", "--save-every", "0")),
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(lambda: (run / "metrics.jsonl").is_file() and _records(run), proc, "step 1")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 130, err
+    (saved,) = [int(p.name.split("-")[1]) for p in checkpoint_dirs(run)]
+    assert f"stopped at step {saved}, checkpoint saved in {run}" in err, err
+
+
 def _torchrun(*args: str) -> list[str]:
     return [
         PY,

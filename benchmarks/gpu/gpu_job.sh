@@ -53,6 +53,7 @@
 # What comes back in $OUT: log.txt (this call, progress bars included), steps.tsv (every step so far: name, rc, seconds),
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
+CALL_T0=$(date +%s)
 STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay|options|profile|home|quality}
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -76,6 +77,12 @@ J=/root/job SHM=/dev/shm/eyas PREP=/root/park/prep6000
 mkdir -p "$J" "$SHM"
 K=5 TOKENS=256 LAYERS=2,15,27
 echo "gpu_job: step $STEP at eyas ${EYAS_COMMIT:-?}; $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader)"
+
+# budget DEFAULT: the seconds left of BUDGET_S (else DEFAULT), counted from the call's start, not the
+# step's. What comes before a step (setup, vLLM's install, the wait for the target's conversion)
+# takes its share, so a call given timeout_s = BUDGET_S + 60 ends by the step's own stop and packs
+# its results; a call cut by the device's limit returns the log alone (gpu_job.md, session 14).
+budget() { local left=$(( ${BUDGET_S:-$1} - ($(date +%s) - CALL_T0) )); echo $(( left > 30 ? left : 30 )); }
 
 step() {  # step NAME CMD...: run, time, record
   local name=$1 t0 rc
@@ -131,6 +138,7 @@ seed_answers() {
 # vLLM profiler traces under DIR/WHERE into $OUT/profile-traces.tgz, unless over 15 MB (a file back
 # is at most 16 MiB)
 traces() {
+  [ -n "$(cd "$1" && find "$2" -name '*.pt.trace.json*' 2>/dev/null | head -1)" ] || return 0
   ( cd "$1" && find "$2" -name '*.pt.trace.json*' -print0 | tar -czf "$OUT/profile-traces.tgz" --null -T - )
   if [ "$(stat -c %s "$OUT/profile-traces.tgz" 2>/dev/null || echo 0)" -gt 15000000 ]; then
     echo "profile traces over 15 MB: not brought back"; rm -f "$OUT/profile-traces.tgz"
@@ -138,8 +146,11 @@ traces() {
 }
 
 # A built-in target's GGUF is converted to safetensors once per machine, on its CPU, for a minute or
-# two while the GPU idles. The park call in which its last part arrives starts that conversion in the
-# background, so that it runs during the carry calls that follow; the pipeline call waits for it.
+# two while the GPU idles. With CONVERT_AHEAD=1, the park call in which its last part arrives starts
+# that conversion in the background (a process of its own session, which outlives the call), so that
+# it runs during the carry calls that follow; the pipeline call waits for it. Off by default: both
+# sessions that used it (11 and 14) lost the machine on the call after the first pipeline call, and
+# it saved about 45 s in session 14 (gpu_job.md, session 14).
 CONVERT_PID=/root/convert.pid
 converting() { [ -s "$CONVERT_PID" ] && kill -0 "$(cat "$CONVERT_PID")" 2>/dev/null; }
 convert_ahead() {
@@ -174,7 +185,7 @@ if [ ! -e /tmp/site-q/.done ] && [ -d .carry/quality/whl ]; then
 fi
 
 case $STEP in
-  park) convert_ahead ;;
+  park) if [ "${CONVERT_AHEAD:-0}" = 1 ]; then convert_ahead; fi ;;
   base)
     step extract-hf eyas extract --backend hf --device cuda --data "$PREP" --out "$SHM/hf" --layers $LAYERS &&
     step train eyas train --data "$PREP" --features offline --store "$SHM/hf" --out "$J/run" --tokens-per-batch 2048 \
@@ -183,7 +194,7 @@ case $STEP in
     step export eyas export "$J/run/draft" --format vllm --out "$J/export" -k $K
     ;;
   builtin)
-    step builtin timeout -s INT "${BUDGET_S:-60}" "${EVAL[@]}" --engine builtin
+    step builtin timeout -s INT "$(budget 60)" "${EVAL[@]}" --engine builtin
     ;;
   parity)
     step extract-vllm eyas extract --backend auto --data "$PREP" --out "$SHM/vllm" --layers $LAYERS &&
@@ -193,7 +204,7 @@ case $STEP in
     step both "${EVAL[@]}" --engine both --speed-concurrency 1,32 ${EVAL_ARGS:-}
     ;;
   regen)
-    step regen timeout -s INT "${BUDGET_S:-500}" eyas prepare --data sharegpt --regenerate --gen-backend vllm \
+    step regen timeout -s INT "$(budget 500)" eyas prepare --data sharegpt --regenerate --gen-backend vllm \
       --temperature 0 --max-new-tokens 1024 --gen-batch-size 4096 --max-length 2048 --draft-vocab-size 32000 \
       --out "$J/regen"
     if [ -s "$J/regen/regenerated.jsonl" ]; then
@@ -214,8 +225,10 @@ case $STEP in
     # -k: a run that has not stopped 40 s after SIGINT is killed, so the call still copies its results;
     # EYAS_STOP_AT: no k of the evaluation starts that would be cut by the SIGINT
     # how_it_ended.py: whether eyas exited (130: stopped with its checkpoint) or a signal killed it
-    step pipeline env EYAS_STOP_AT=$(($(date +%s) + ${BUDGET_S:-530} - 5)) \
-      timeout -s INT -k 40 "${BUDGET_S:-530}" python3 benchmarks/gpu/how_it_ended.py eyas pipeline "$PIPE_CONFIG"
+    B=$(budget 530)
+    echo "pipeline: $B s of BUDGET_S left, $(( $(date +%s) - CALL_T0 )) s into the call"
+    step pipeline env EYAS_STOP_AT=$(($(date +%s) + B - 5)) \
+      timeout -s INT -k 40 "$B" python3 benchmarks/gpu/how_it_ended.py eyas pipeline "$PIPE_CONFIG"
     # what the next call resumes from (pipeline.tgz leaves checkpoints out)
     echo "pipeline: checkpoints now: $(ls "$W/train/checkpoints" 2>/dev/null | tr '\n' ' ')"
     # the answers come back only when git does not keep them already (REGEN_BACK=1 forces it)
@@ -265,12 +278,12 @@ case $STEP in
     EVALUATE="--device cuda --dtype bfloat16 -k $K --max-new-tokens $TOKENS"
     if [ "$STEP" = stream ]; then
       # STREAM_EVAL=1: the three drafts by replay too, online and vllm against offline, paired
-      step stream timeout -s INT "${BUDGET_S:-540}" python3 benchmarks/train_stream_bench.py \
+      step stream timeout -s INT "$(budget 540)" python3 benchmarks/train_stream_bench.py \
         --data "$PREP" --vllm-python "$EYAS_VLLM_PYTHON" --out "$SHM/stream" --buffer-gb 2 \
         --json "$OUT/train_stream_h200.json" --extract-args "--dtype bf16" --train "$TRAIN --quiet" \
         ${STREAM_EVAL:+--evaluate "$EVALUATE"}
     else
-      step fp8tau timeout -s INT "${BUDGET_S:-540}" python3 benchmarks/fp8_store.py tau --data "$PREP" \
+      step fp8tau timeout -s INT "$(budget 540)" python3 benchmarks/fp8_store.py tau --data "$PREP" \
         --store-dir "$SHM" --json "$OUT/fp8_tau_h200.json" --extract "--layers $LAYERS --device cuda" \
         --train "$TRAIN" --evaluate "$EVALUATE"
     fi
@@ -286,7 +299,7 @@ case $STEP in
     ;;
   fp32)
     W=$PIPE_W
-    step fp32 timeout -s INT "${BUDGET_S:-540}" eyas evaluate --engine both --dtype float32 --device cuda \
+    step fp32 timeout -s INT "$(budget 540)" eyas evaluate --engine both --dtype float32 --device cuda \
       --draft "$W/train/draft" --vllm-draft "$W/export-vllm" -k $K --max-new-tokens $TOKENS \
       --max-prompts "${FP32_PROMPTS:-10}" --workers 4 --no-plain --out "$J/eval-fp32"
     ;;
@@ -341,11 +354,12 @@ case $STEP in
     TDIR=$(python3 -c "import sys; from eyas.target import resolve_target; print(resolve_target(sys.argv[1]).path)" "$TNAME")
     GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
     # the phase's own deadline leaves the call 25 s to pack; timeout's SIGTERM is the backstop
+    B=$(budget 560)
     step "quality-${QPHASE:?QPHASE=main or rest}" env PYTHONPATH="/tmp/site-q:$PYTHONPATH" \
-      timeout -s TERM -k 30 "${BUDGET_S:-560}" python3 benchmarks/quality/run_quality.py --phase "$QPHASE" \
+      timeout -s TERM -k 30 "$B" python3 benchmarks/quality/run_quality.py --phase "$QPHASE" \
       --train "${QTRAIN-speculators,eyas}" --target "$TDIR" --regenerated "$Q/regen/regenerated_conversations.jsonl" \
       --prompts data/mt_bench/question.jsonl --work "$Q/work" --out "$OUT/quality" --gpus "$GPUS" \
-      --deadline-s $((${BUDGET_S:-560} - 25)) --ablations "" --main-budget-s "${Q_BUDGET_S:-300}" \
+      --deadline-s $((B - 25)) --ablations "" --main-budget-s "${Q_BUDGET_S:-300}" \
       --curve-every-s "${Q_EVERY_S:-60}" --spec-save-every-s "${Q_EVERY_S:-60}" --eval-max-per-category 10 \
       --curve-max-per-category 10 --eval-max-new $TOKENS --python python3 --spec-python python3 ${Q_ARGS:-}
     qrc=$?
@@ -379,4 +393,7 @@ cp "$J/steps.tsv" "$OUT/" 2>/dev/null
     steps.tsv parity.json parity32.json run/summary.json run/metrics.jsonl run/*.png run/draft/*.json export/*.json \
     eval eval-fp32 eval-replay eval-options-* eval-profile regen/*.json regen/regenerate-vllm.log 2>/dev/null )
 [ -f "$J/eval/builtin/records.jsonl" ] && echo "builtin records: $(( $(wc -l < "$J/eval/builtin/records.jsonl") - 1 )) turns"
+# what this call leaves running, GPU memory, host memory and disks: twice (sessions 11 and 14) the
+# call after a pipeline call found a machine that no longer answered (gpu_job.md, session 14)
+bash benchmarks/gpu/leftovers.sh look > "$OUT/leftovers.txt" 2>&1
 exit $rc

@@ -531,8 +531,9 @@ class Trainer:
                         self.save(done)  # the last one makes a finished run's --resume a no-op
                 if stop.requested and done < self.total:
                     self.log.close()
+                    of = "" if self.total == UNPLANNED else f" of {self.total}"  # a budget not yet planned
                     print(
-                        f"stopped at step {done} of {self.total}, checkpoint saved in {self.run_dir}: "
+                        f"stopped at step {done}{of}, checkpoint saved in {self.run_dir}: "
                         "run the same command with --resume to go on",
                         file=sys.stderr,
                         flush=True,
