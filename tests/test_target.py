@@ -78,6 +78,26 @@ def test_builtin_sha_mismatch_keeps_nothing(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_fresh_conversion_is_the_target_the_kept_answers_were_made_with(monkeypatch, tmp_path):
+    """The built-in GGUF converted anew has the identity that data/regenerated/ records: a
+    conversion that changed a tensor, the config or the tokenizer would make every seeded run
+    regenerate its answers (the identity keys them)."""
+    from eyas.target import cache_dir
+
+    monkeypatch.delenv("EYAS_CACHE")
+    resolve_target("smollm2-135m-instruct")  # the GGUF, fetched once into the user cache
+    gguf = cache_dir() / "gguf" / BUILTIN_TARGETS["smollm2-135m-instruct"]["file"]
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / gguf.name).symlink_to(gguf)
+    fresh = resolve_target("smollm2-135m-instruct", cache=tmp_path)
+    assert fresh.path == (tmp_path / "targets" / "smollm2-135m-instruct").resolve()
+    kept = json.loads(
+        (Path(__file__).parents[1] / "data/regenerated/smollm2-135m-instruct-sharegpt/regenerate.json").read_text()
+    )
+    assert fresh.identity == kept["target"]
+
+
+@pytest.mark.slow
 def test_builtin_smollm2_converts_once(monkeypatch, capsys):
     # Uses the real user cache (as the pipeline does), so CI converts the model only once.
     from eyas.target import cache_dir

@@ -6,6 +6,7 @@ later stage can refuse data that came from another model or tokenizer.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -495,7 +496,7 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
     if _converted(out):
         return out
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
         import gguf as _  # noqa: F401
@@ -509,11 +510,17 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
     for role, token in _gguf_special_tokens(gguf, tok).items():
         setattr(tok, role, token)
     loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.bfloat16)
-    # save_pretrained refuses a model "quantized with gguf": copy into a fresh model.
-    config = AutoConfig.from_pretrained(src_dir, gguf_file=name)
+    # save_pretrained refuses a model "quantized with gguf": move the weights into a fresh model,
+    # built without weights of its own (a random init of every layer costs seconds, and so does
+    # reading the GGUF again for its config)
+    config = copy.deepcopy(loaded.config)
     config.dtype = torch.bfloat16
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    fresh.load_state_dict(loaded.state_dict(), strict=False)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    fresh.load_state_dict(loaded.state_dict(), strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         fresh.tie_weights()
     fresh.generation_config = loaded.generation_config
