@@ -308,9 +308,11 @@ case $STEP in
     # builtin evaluation (configs/qwen0.5b-h200.yaml) gets the replay alone, k = 1..7 from one pass
     W=$PIPE_W
     if [ ! -d "$W/eval/builtin" ]; then
-      step replay eyas evaluate --engine replay --draft "$W/train/draft" --out "$J/eval-replay" -k $K \
+      step replay timeout -s INT -k 30 "$(budget 540)" eyas evaluate --engine replay --draft "$W/train/draft" \
+        --out "$J/eval-replay" -k $K \
         --also-k 1,2,3,4,6,7 --device cuda --dtype bfloat16 --max-new-tokens $TOKENS --prompts data/mt_bench/question.jsonl
-    else step replay python3 benchmarks/replay_vs_builtin.py --draft "$W/train/draft" --out "$J/eval-replay" \
+    else step replay timeout -s INT -k 30 "$(budget 540)" python3 benchmarks/replay_vs_builtin.py \
+      --draft "$W/train/draft" --out "$J/eval-replay" \
       --builtin-from "$W/eval" --also-k 1,2,3,4,6,7 --result "$OUT/replay_vs_builtin.jsonl" -- \
       --device cuda --dtype bfloat16 -k $K --max-new-tokens $TOKENS --prompts data/mt_bench/question.jsonl
     fi
@@ -322,7 +324,9 @@ case $STEP in
     # apart from results.tgz, where they fit
     W=$PIPE_W ALSO=(--also-k "${PROF_ALSO-4,5}")
     [ -z "${PROF_ALSO-4,5}" ] && ALSO=()  # PROF_ALSO= : PROF_K and the baseline only
-    step profile eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
+    B=$(budget 200)
+    step profile env EYAS_STOP_AT=$(($(date +%s) + B - 5)) timeout -s INT -k 30 "$B" \
+      eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
       --device cuda --dtype bfloat16 -k "${PROF_K:-3}" "${ALSO[@]}" --max-new-tokens $TOKENS \
       --speed-concurrency 1 --speed-min-seconds "${PROF_MIN_S:-10}" --speed-profile-steps "${PROF_STEPS:-64}" \
       --out "$J/eval-profile"
@@ -337,7 +341,9 @@ case $STEP in
     W=$PIPE_W name=$(printf '%s' "${SPEC_OPTS:?SPEC_OPTS=key=value,... or default}" | tr -c 'A-Za-z0-9_' '-')
     OPTS=(--speculative-options "$SPEC_OPTS")
     [ "$SPEC_OPTS" = default ] && OPTS=()
-    step "options-$name" eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
+    B=$(budget 200)
+    step "options-$name" env EYAS_STOP_AT=$(($(date +%s) + B - 5)) timeout -s INT -k 30 "$B" \
+      eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
       --device cuda --dtype bfloat16 -k "${OPT_K:?OPT_K=the k to time}" --max-new-tokens $TOKENS \
       --speed-concurrency "${OPT_C:-1,32}" "${OPTS[@]}" --out "$J/eval-options-$name"
     ;;
