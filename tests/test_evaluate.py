@@ -536,6 +536,7 @@ def test_a_stopped_worker_pool_ends_its_workers_without_waiting_for_their_questi
     import time
 
     from eyas.evaluate.workers import BuiltinPool
+    from eyas.vllm.worker.protocol import alive
 
     target, _, _, draft_dir = setup
     pool = BuiltinPool(2, target, draft_dir, 3, 0.0, 0, False, "float32", "cpu", 8, set())
@@ -550,18 +551,7 @@ def test_a_stopped_worker_pool_ends_its_workers_without_waiting_for_their_questi
     assert time.perf_counter() - start < 30
     # by the kernel's word: the executor's own thread may reap a worker before Process.is_alive() polls
     # it, which then reads as alive for ever
-    assert not any(_running(p.pid) for p in procs)
-
-
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    from pathlib import Path
-
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
+    assert not any(alive(p.pid) for p in procs)
 
 
 def test_vllm_draft_must_be_an_export_of_the_draft(setup, tmp_path):

@@ -62,9 +62,9 @@ def proc_stats() -> dict[int, list[str]]:
 
 
 def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie has exited: only its parent's reaping is left)."""
+    """Whether ``pid`` runs (a zombie, or one being reaped, has exited)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
 
