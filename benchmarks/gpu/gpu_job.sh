@@ -392,14 +392,15 @@ case $STEP in
   *) echo "unknown step $STEP"; exit 2 ;;
 esac
 rc=$?
+# what this call leaves running, GPU memory, host memory and disks, into results.tgz (a call returns
+# at most 8 files): twice (sessions 11 and 14) the call after a pipeline call found a machine that
+# no longer answered (gpu_job.md, session 14)
+bash benchmarks/gpu/leftovers.sh look > "$J/leftovers.txt" 2>&1
 cp "$J/steps.tsv" "$OUT/" 2>/dev/null
 ( cd "$J" && tar -czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.pt' --exclude='records.jsonl' \
     --exclude='regenerated*.jsonl' --exclude='shard-*' --exclude='checkpoints' --exclude='draft-vllm' \
     --exclude='*.pt.trace.json*' \
-    steps.tsv parity.json parity32.json run/summary.json run/metrics.jsonl run/*.png run/draft/*.json export/*.json \
+    steps.tsv leftovers.txt parity.json parity32.json run/summary.json run/metrics.jsonl run/*.png run/draft/*.json export/*.json \
     eval eval-fp32 eval-replay eval-options-* eval-profile regen/*.json regen/regenerate-vllm.log 2>/dev/null )
 [ -f "$J/eval/builtin/records.jsonl" ] && echo "builtin records: $(( $(wc -l < "$J/eval/builtin/records.jsonl") - 1 )) turns"
-# what this call leaves running, GPU memory, host memory and disks: twice (sessions 11 and 14) the
-# call after a pipeline call found a machine that no longer answered (gpu_job.md, session 14)
-bash benchmarks/gpu/leftovers.sh look > "$OUT/leftovers.txt" 2>&1
 exit $rc
