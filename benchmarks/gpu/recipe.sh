@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 30's recipe sweep on the lent H200 (benchmarks/recipe/sweep.py), one device call at a time:
 #
-#   bash benchmarks/gpu/recipe.sh        (BUDGET_S: this call's seconds of work, default 540)
+#   bash benchmarks/gpu/recipe.sh        (BUDGET_S: this call's seconds, from its start, default 540)
 #
 # Every call sources use_snapshot.sh (the code of one commit for the whole series) and setup.sh (the
 # carried parts); a call that finds a part missing only parks what it carried. The sweep resumes over
@@ -12,6 +12,7 @@
 # (steps between checkpoints: a training longer than one call is stopped at the deadline and resumed
 # by the next call on the same warm machine).
 set -uo pipefail
+CALL_T0=$(date +%s)  # BUDGET_S counts from here: setup's time comes off the sweep's (gpu_job.sh's budget)
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -27,9 +28,10 @@ if [ ! -f "$PREP/manifest.json" ] || [ ! -s "$GGUF" ] || [ ! -f /tmp/site/.done 
 fi
 COMMIT=$(cat /root/snap/COMMIT 2>/dev/null || echo "${EYAS_COMMIT:-?}")
 echo "recipe: eyas $COMMIT; $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader)"
-timeout -s INT -k 20 "${BUDGET_S:-540}" python3 benchmarks/recipe/sweep.py --mirror "$OUT/results.jsonl" --data "$PREP" --runs "$R" --results "$R/results.jsonl" \
+B=$(( ${BUDGET_S:-540} - ($(date +%s) - CALL_T0) ))
+timeout -s INT -k 20 "$B" python3 benchmarks/recipe/sweep.py --mirror "$OUT/results.jsonl" --data "$PREP" --runs "$R" --results "$R/results.jsonl" \
   --configs "${CONFIGS:-benchmarks/recipe/sweep1.json}" --budget "${TRAIN_BUDGET:-120}" \
-  --deadline-s "${BUDGET_S:-540}" ${ONLY:+--only "$ONLY"} ${SAVE_EVERY:+--save-every "$SAVE_EVERY"} --commit "$COMMIT" --machine "1x H200 (lent)" \
+  --deadline-s "$B" ${ONLY:+--only "$ONLY"} ${SAVE_EVERY:+--save-every "$SAVE_EVERY"} --commit "$COMMIT" --machine "1x H200 (lent)" \
   --common "--tokens-per-batch 2048 --warmup 50 --device cuda --precision bf16 --save-every 0 --eval-every 0" \
   --evaluate "--device cuda --dtype bfloat16 --batch-size 256" --tau-every "${TAU_EVERY:-60s}"
 cp "$R/results.jsonl" "$OUT/all-results.jsonl" 2>/dev/null
