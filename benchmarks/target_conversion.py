@@ -9,16 +9,12 @@ The GGUF comes from the user cache (fetched there once); the conversion runs in 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import tempfile
 import time
 from pathlib import Path
 
+from eyas.fsio import sha256_file
 from eyas.target import BUILTIN_TARGETS, cache_dir, resolve_target
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def main() -> None:
@@ -34,7 +30,11 @@ def main() -> None:
         fresh = resolve_target(a.name, cache=Path(tmp))
         took = time.perf_counter() - t0
         files = sorted(p.name for p in cached.path.iterdir() if p.is_file() and not p.name.startswith("."))
-        differ = [f for f in files if not (fresh.path / f).is_file() or _sha(fresh.path / f) != _sha(cached.path / f)]
+        differ = [
+            f
+            for f in files
+            if not (fresh.path / f).is_file() or sha256_file(fresh.path / f) != sha256_file(cached.path / f)
+        ]
     print(f"{a.name}: converted in {took:.1f} s (with the identity and the weights' checksums)")
     print(f"files: {len(files) - len(differ)} of {len(files)} the same as the cache's", *differ)
     print(f"identity: {'the same' if fresh.identity == cached.identity else 'DIFFERENT'} ({fresh.identity['id']})")
