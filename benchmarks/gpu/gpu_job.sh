@@ -83,6 +83,16 @@ echo "gpu_job: step $STEP at eyas ${EYAS_COMMIT:-?}; $(nvidia-smi --query-gpu=na
 # takes its share, so a call given timeout_s = BUDGET_S + 60 ends by the step's own stop and packs
 # its results; a call cut by the device's limit returns the log alone (gpu_job.md, session 14).
 budget() { local left=$(( ${BUDGET_S:-$1} - ($(date +%s) - CALL_T0) )); echo $(( left > 30 ? left : 30 )); }
+# until_budget GRACE DEFAULT CMD...: CMD for budget DEFAULT's seconds, then SIGINT (SIGKILL GRACE s
+# later), with EYAS_STOP_AT 5 s before the SIGINT: eyas starts no resumable part (a k of the
+# evaluation) that would be cut
+until_budget() {
+  local grace=$1 b
+  b=$(budget "$2")
+  shift 2
+  echo "budget: $b s of BUDGET_S left, $(( $(date +%s) - CALL_T0 )) s into the call"
+  env EYAS_STOP_AT=$(($(date +%s) + b - 5)) timeout -s INT -k "$grace" "$b" "$@"
+}
 
 step() {  # step NAME CMD...: run, time, record
   local name=$1 t0 rc
@@ -222,13 +232,9 @@ case $STEP in
     if [ ! -s "$W/prepared/regenerated.jsonl" ] && [ -s "$SEED/regenerated.jsonl.xz" ]; then
       seed_answers "$SEED" "$W/prepared" pipeline
     fi
-    # -k: a run that has not stopped 40 s after SIGINT is killed, so the call still copies its results;
-    # EYAS_STOP_AT: no k of the evaluation starts that would be cut by the SIGINT
+    # a run that has not stopped 40 s after the SIGINT is killed, so the call still copies its results
     # how_it_ended.py: whether eyas exited (130: stopped with its checkpoint) or a signal killed it
-    B=$(budget 530)
-    echo "pipeline: $B s of BUDGET_S left, $(( $(date +%s) - CALL_T0 )) s into the call"
-    step pipeline env EYAS_STOP_AT=$(($(date +%s) + B - 5)) \
-      timeout -s INT -k 40 "$B" python3 benchmarks/gpu/how_it_ended.py eyas pipeline "$PIPE_CONFIG"
+    step pipeline until_budget 40 530 python3 benchmarks/gpu/how_it_ended.py eyas pipeline "$PIPE_CONFIG"
     # what the next call resumes from (pipeline.tgz leaves checkpoints out)
     echo "pipeline: checkpoints now: $(ls "$W/train/checkpoints" 2>/dev/null | tr '\n' ' ')"
     # the answers come back only when git does not keep them already (REGEN_BACK=1 forces it)
@@ -324,9 +330,7 @@ case $STEP in
     # apart from results.tgz, where they fit
     W=$PIPE_W ALSO=(--also-k "${PROF_ALSO-4,5}")
     [ -z "${PROF_ALSO-4,5}" ] && ALSO=()  # PROF_ALSO= : PROF_K and the baseline only
-    B=$(budget 200)
-    step profile env EYAS_STOP_AT=$(($(date +%s) + B - 5)) timeout -s INT -k 30 "$B" \
-      eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
+    step profile until_budget 30 200 eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
       --device cuda --dtype bfloat16 -k "${PROF_K:-3}" "${ALSO[@]}" --max-new-tokens $TOKENS \
       --speed-concurrency 1 --speed-min-seconds "${PROF_MIN_S:-10}" --speed-profile-steps "${PROF_STEPS:-64}" \
       --out "$J/eval-profile"
@@ -341,9 +345,7 @@ case $STEP in
     W=$PIPE_W name=$(printf '%s' "${SPEC_OPTS:?SPEC_OPTS=key=value,... or default}" | tr -c 'A-Za-z0-9_' '-')
     OPTS=(--speculative-options "$SPEC_OPTS")
     [ "$SPEC_OPTS" = default ] && OPTS=()
-    B=$(budget 200)
-    step "options-$name" env EYAS_STOP_AT=$(($(date +%s) + B - 5)) timeout -s INT -k 30 "$B" \
-      eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
+    step "options-$name" until_budget 30 200 eyas evaluate --engine vllm --draft "$W/train/draft" --vllm-draft "$W/export-vllm" \
       --device cuda --dtype bfloat16 -k "${OPT_K:?OPT_K=the k to time}" --max-new-tokens $TOKENS \
       --speed-concurrency "${OPT_C:-1,32}" "${OPTS[@]}" --out "$J/eval-options-$name"
     ;;
