@@ -87,6 +87,8 @@ def test_quality_comparison_runs_through_on_the_cpu(tmp_path, tiny_llama_dir):
     assert final[("mt_bench", 3)]["turns"] == 6
     lo, hi = final[("mt_bench", 3)]["difference_ci95"]
     assert lo <= final[("mt_bench", 3)]["difference"] <= hi
+    # and the checkpoints nearest the mark, found by the reports each curve point names
+    assert {(r["prompt_set"], r["k"]) for r in res["paired"] if r["at"] == "4s"} == set(final)
     assert (out / "curve.png").is_file()
 
     # pair_runs.py pairs the eyas run of one comparison with the speculators run of another (two

@@ -23,11 +23,6 @@ sys.path.insert(0, str(HERE))
 from run_quality import paired_runs, prompt_sets  # noqa: E402
 
 
-def _here(points: list[dict], run: Path) -> list[dict]:
-    """Curve points with their evaluations' paths in RUN (results.json holds the device's)."""
-    return [{**p, "eval": str(run / Path(p["eval"]).name)} for p in points if "eval" in p]
-
-
 def pair_runs(run_e: Path, run_s: Path, marks_s: str | None = None) -> list[dict]:
     res_e, res_s = (json.loads((r / "results.json").read_text()) for r in (run_e, run_s))
     rest = next((v for k, v in res_e["args"].items() if k.startswith("rest")), None)
@@ -37,13 +32,9 @@ def pair_runs(run_e: Path, run_s: Path, marks_s: str | None = None) -> list[dict
     for who, res, run in (("eyas", res_e, run_e), ("speculators", res_s, run_s)):
         if not (res.get("curve") or {}).get(who):
             raise SystemExit(f"{run}: its results.json has no {who} curve")
-    res = {
-        "curve": {
-            "eyas": _here(res_e["curve"]["eyas"], run_e),
-            "speculators": _here(res_s["curve"]["speculators"], run_s),
-        }
-    }
-    return paired_runs(a, res, list(prompt_sets(a)), (run_e / "eval_eyas", run_s / "eval_speculators"))
+    res = {"curve": {"eyas": res_e["curve"]["eyas"], "speculators": res_s["curve"]["speculators"]}}
+    finals = (run_e / "eval_eyas", run_s / "eval_speculators")
+    return paired_runs(a, res, list(prompt_sets(a)), finals, (run_e, run_s))
 
 
 def main() -> int:

@@ -19,18 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from add_summary import entry, read_records, upsert  # noqa: E402
 
 
-def _reports(run: Path, eval_path: str) -> dict[str, list[Path]]:
-    """Prompt set -> the replay reports of one evaluation (its first k at the top, the others in kK/),
-    found in RUN under the evaluation's directory name (results.json holds the device's paths)."""
-    base = Path(eval_path).name
-    found: dict[str, list[Path]] = {}
-    for d in sorted(run.glob(f"{base}*")):
-        pset = d.name[len(base) :].lstrip("-") or "mt_bench"
-        if d.is_dir() and d.name[len(base) :] in ("", f"-{pset}"):
-            found[pset] = sorted(d.glob("**/replay/report.json"))
-    return found
-
-
 def rows(run: Path, tag: str) -> list[dict]:
     res = json.loads((run / "results.json").read_text())
     main = next((v for k, v in res["args"].items() if k.startswith("main")), {})
@@ -48,9 +36,9 @@ def rows(run: Path, tag: str) -> list[dict]:
         )
         for p in points:
             steps = p.get("step") or p.get("global_step") or 0
-            for pset, reports in _reports(run, p["eval"]).items():
-                for report in reports:
-                    recs, engine = read_records(report)
+            for pset, by_k in p["reports"].items():
+                for rel in by_k.values():  # relative to the work folder, here RUN
+                    recs, engine = read_records(run / rel)
                     name = f"{tag}-{trainer}-{p['train_s']:.0f}s"
                     src = f"benchmarks/quality/{tag} (run_quality.py, rest phase of {rest})"
                     out.append(

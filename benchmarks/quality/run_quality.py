@@ -751,7 +751,8 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             for k in ks:
                 start_eval(f"{base}_k{k}", draft, k, per_cat)
             return
-        replayed.update(replay_eval(r, ev_replay, work / f"eval_{base}", base, draft, ks, per_cat))
+        got = replay_eval(r, ev_replay, work / f"eval_{base}", base, draft, ks, per_cat)
+        replayed.update({f"{base}{suffix}_k{k}": rep for (suffix, k), rep in got.items()})
 
     # ablation training first (it takes longest), then the main evaluations beside it
     abl: dict[str, dict] = {}
@@ -852,7 +853,8 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             }
     res["verdict"] = verdict
     if a.eval_engine == "replay":
-        res["paired"] = paired_runs(a, res, list(ev_replay), (work / "eval_eyas", work / "eval_speculators"))
+        finals = (work / "eval_eyas", work / "eval_speculators")
+        res["paired"] = paired_runs(a, res, list(ev_replay), finals, (work, work))
     res["eval_engine"] = a.eval_engine
     log(f"verdict: {json.dumps(verdict)}")
     save()
@@ -897,15 +899,29 @@ def replay_sets(r: Runner, a, work: Path) -> dict[str, list[str]]:
     }
 
 
+def eval_dir(out: Path, suffix: str) -> Path:
+    """``replay_eval``'s `eyas evaluate --out` for one prompt set (``suffix``: "" for MT-bench,
+    "@NAME" for the second set, in OUT-NAME)."""
+    return out.with_name(out.name + suffix.replace("@", "-"))
+
+
+def report_path(out: Path, suffix: str, k: int, first_k: int) -> Path:
+    """Its report at k: the first k at the top, the others in kK/, as `eyas evaluate --also-k`
+    writes them."""
+    d = eval_dir(out, suffix)
+    return (d if k == first_k else d / f"k{k}") / "replay" / "report.json"
+
+
 def replay_eval(
     r: Runner, sets: dict[str, list[str]], out: Path, base: str, draft: str, ks: list[int], per_cat: int
-) -> dict[str, dict]:
+) -> dict[tuple[str, int], dict]:
     """`eyas evaluate --engine replay` of ``draft`` on each prompt set of ``sets``, every k of ``ks``
-    in one run per set (seconds on a GPU once the shared answers exist): ``{base}{suffix}_k{k}`` ->
-    summary; a set that failed or ran out of time has no keys."""
-    got: dict[str, dict] = {}
+    in one run per set (seconds on a GPU once the shared answers exist): (suffix, k) -> summary,
+    its report's path relative to ``out``'s folder in "report"; a set that failed or ran out of
+    time has no keys."""
+    got: dict[tuple[str, int], dict] = {}
     for suffix, ev in sets.items():
-        dest = out.with_name(out.name + suffix.replace("@", "-"))
+        dest = eval_dir(out, suffix)
         cmd = ev + ["--draft", draft, "--out", dest, "-k", ks[0]]
         cmd += [] if suffix else ["--max-per-category", per_cat]  # the second set: every question
         if ks[1:]:
@@ -916,19 +932,18 @@ def replay_eval(
             log(f"eval {base}{suffix}: {e}")
             continue
         for k in ks:
-            rep = dest / ("" if k == ks[0] else f"k{k}") / "replay" / "report.json"
-            got[f"{base}{suffix}_k{k}"] = report_summary(rep)
+            rep = report_path(out, suffix, k, ks[0])
+            got[(suffix, k)] = {**report_summary(rep), "report": str(rep.relative_to(out.parent))}
     return got
 
 
-def taus(got: dict[str, dict], name: str, ks: list[int]) -> dict[str, dict[str, float]]:
-    """``replay_eval``'s summaries of ``name`` as {prompt set: {k: tau}} (MT-bench as "mt_bench")."""
-    out: dict[str, dict[str, float]] = {}
-    for key, rep in got.items():
-        head, _, k = key.rpartition("_k")
-        draft, _, pset = head.partition("@")
-        if draft == name and int(k) in ks and rep.get("tau") is not None:
-            out.setdefault(pset or "mt_bench", {})[k] = rep["tau"]
+def by_prompt_set(got: dict[tuple[str, int], dict], field: str) -> dict[str, dict[str, Any]]:
+    """``replay_eval``'s ``field`` of each summary as {prompt set: {k: value}} (MT-bench as
+    "mt_bench"), the shape of a curve point's "taus" and "reports"."""
+    out: dict[str, dict[str, Any]] = {}
+    for (suffix, k), rep in got.items():
+        if rep.get(field) is not None:
+            out.setdefault(suffix.lstrip("@") or "mt_bench", {})[str(k)] = rep[field]
     return out
 
 
@@ -957,16 +972,9 @@ def curve(r: Runner, a, work: Path, ev_replay: dict[str, list[str]] | None) -> d
             ks,
             a.curve_max_per_category,
         )
-        if f"curve_eyas_{step}_k{a.curve_k}" in got and at:
+        if ("", a.curve_k) in got and at:
             out["eyas"].append(
-                {
-                    "step": step,
-                    "train_s": at[-1] - recs[0]["elapsed_s"],
-                    "tau": got[f"curve_eyas_{step}_k{a.curve_k}"]["tau"],
-                    "taus": taus(got, f"curve_eyas_{step}", ks),
-                    "eval": str(work / f"curve_eyas_{step}"),
-                    "draft": str(ck),
-                }
+                {"step": step, "train_s": at[-1] - recs[0]["elapsed_s"], **_point(got, a.curve_k), "draft": str(ck)}
             )
     for c in spec_saves(work / "spec_main" / "spec_train.json"):
         # a kept copy of each save where spec_train.py made them (--spec-save-every-s), else the
@@ -986,15 +994,13 @@ def curve(r: Runner, a, work: Path, ev_replay: dict[str, list[str]] | None) -> d
             log(f"curve: {e}")
             continue
         got = replay_eval(r, ev_replay, work / name, name, str(draft), ks, a.curve_max_per_category)
-        if f"{name}_k{a.curve_k}" in got:
+        if ("", a.curve_k) in got:
             out["speculators"].append(
                 {
                     "epoch": c["epoch"],
                     **({"global_step": c["global_step"]} if "global_step" in c else {}),
                     "train_s": c["after_first_step_s"],
-                    "tau": got[f"{name}_k{a.curve_k}"]["tau"],
-                    "taus": taus(got, name, ks),
-                    "eval": str(work / name),
+                    **_point(got, a.curve_k),
                     "draft": str(ck),
                 }
             )
@@ -1002,44 +1008,54 @@ def curve(r: Runner, a, work: Path, ev_replay: dict[str, list[str]] | None) -> d
     return out
 
 
-def _eval_dir(base: Path, suffix: str, k: int, ks: list[int]) -> Path:
-    """Where ``replay_eval`` put ``base``'s report of one prompt set and k."""
-    d = base.with_name(base.name + suffix.replace("@", "-"))
-    return d if k == ks[0] else d / f"k{k}"
+def _point(got: dict[tuple[str, int], dict], curve_k: int) -> dict[str, Any]:
+    """A curve point's evaluations: MT-bench's tau at --curve-k, every prompt set's tau at every k,
+    and their reports (relative to the work folder, which moves from the device to here)."""
+    taus, reports = by_prompt_set(got, "tau"), by_prompt_set(got, "report")
+    return {"tau": got[("", curve_k)]["tau"], "taus": taus, "reports": reports}
 
 
-def paired_runs(a, res: dict, suffixes: list[str], finals: tuple[Path, Path]) -> list[dict]:
+def paired_runs(a, res: dict, suffixes: list[str], finals: tuple[Path, Path], roots: tuple[Path, Path]) -> list[dict]:
     """eyas against speculators over the turns both evaluated, on every prompt set and k, with a 95%
-    bootstrap interval of the difference over questions (paired.py): the final drafts, and at each
-    --marks-s the newest checkpoint of each curve at or just before the mark (each curve's time is
-    the wall clock after its first optimizer step, its saves included, as speculators' budget counts
-    them; eyas's --budget does not, so its last checkpoint lands a little after the mark)."""
+    bootstrap interval of the difference over questions (paired.py): the final drafts (evaluated into
+    ``finals``), and at each --marks-s the newest checkpoint of each curve at or just before the mark
+    (each curve's time is the wall clock after its first optimizer step, its saves included, as
+    speculators' budget counts them; eyas's --budget does not, so its last checkpoint lands a little
+    after the mark). A curve point's reports are found under ``roots`` (eyas's, speculators')."""
     from paired import pair  # beside this file
 
     ks = [int(k) for k in a.eval_ks.split(",") if k]
-    curve_ks = sorted({a.curve_k, *ks})
-    pairs = [("final", finals[0], finals[1], None, None, ks)]  # the two final drafts' evaluations
+    psets = {s: s.lstrip("@") or "mt_bench" for s in suffixes}
+
+    def final(base: Path) -> dict[tuple[str, int], Path]:
+        return {(psets[s], k): report_path(base, s, k, ks[0]) for s in suffixes for k in ks}
+
+    def point(p: dict, root: Path) -> dict[tuple[str, int], Path]:
+        return {(ps, int(k)): root / rel for ps, by_k in p["reports"].items() for k, rel in by_k.items()}
+
+    pairs = [("final", final(finals[0]), final(finals[1]), None, None)]
     cv = res.get("curve") or {}
     for mark in (float(m) for m in a.marks_s.split(",") if m):
         near = {}
         for who in ("eyas", "speculators"):
             pts = [p for p in cv.get(who, []) if mark - max(60.0, 0.2 * mark) <= p["train_s"] <= 1.05 * mark + 5]
             near[who] = max(pts, key=lambda p: p["train_s"]) if pts else None
-        if near["eyas"] and near["speculators"] and "eval" in near["eyas"] and "eval" in near["speculators"]:
+        if near["eyas"] and near["speculators"]:
             e, s = near["eyas"], near["speculators"]
-            pairs.append((f"{mark:g}s", Path(e["eval"]), Path(s["eval"]), e["train_s"], s["train_s"], curve_ks))
+            pairs.append((f"{mark:g}s", point(e, roots[0]), point(s, roots[1]), e["train_s"], s["train_s"]))
     rows = []
-    for at, e_base, s_base, e_s, s_s, kk in pairs:
-        for suffix in suffixes:
+    for at, e_reps, s_reps, e_s, s_s in pairs:
+        for pset in psets.values():
             for k in ks:
-                e_dir, s_dir = _eval_dir(e_base, suffix, k, kk), _eval_dir(s_base, suffix, k, kk)
-                if not all((d / "replay" / "report.json").is_file() for d in (e_dir, s_dir)):
+                e_rep, s_rep = e_reps.get((pset, k)), s_reps.get((pset, k))
+                if not (e_rep and s_rep and e_rep.is_file() and s_rep.is_file()):
                     continue
-                row = pair(s_dir, [e_dir])[0]  # speculators the reference: the difference is eyas's gain
+                # speculators the reference: the difference is eyas's gain
+                row = pair(s_rep.parents[1], [e_rep.parents[1]])[0]
                 rows.append(
                     {
                         "at": at,
-                        "prompt_set": suffix.lstrip("@") or "mt_bench",
+                        "prompt_set": pset,
                         "k": k,
                         "eyas_train_s": e_s,
                         "speculators_train_s": s_s,
