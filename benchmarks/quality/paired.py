@@ -5,7 +5,7 @@ comparing their tau with the main run's over all 80 questions would mix prompt s
 recomputes both over the same prompts (tau = 1 + accepted / rounds, as `eyas evaluate`), with a
 95% bootstrap interval of the difference over questions (both turns of a question together).
 
-    python paired.py --reference EVAL_DIR --others EVAL_DIR... [--json out.json]
+    python paired.py --reference EVAL_DIR --others EVAL_DIR... [--also-k 3,7] [--json out.json]
 
 EVAL_DIR is an `eyas evaluate --out` directory, of the builtin or the replay engine.
 :func:`evaluate_and_pair` runs the evaluations too (replay, one answer set for all drafts).
@@ -82,7 +82,8 @@ def pair(reference: Path, others: list[Path]) -> list[dict]:
 
 def evaluate_and_pair(drafts: dict[str, Path], out: Path, evaluate_args: list[str]) -> dict:
     """Every draft by `eyas evaluate --engine replay` into OUT/eval_NAME (the target's answers decoded
-    once, OUT/references.jsonl), then each against the first, paired."""
+    once, OUT/references.jsonl), then each against the first, paired: at -k ("rows") and at each
+    --also-k ("also_k")."""
     for name, draft in drafts.items():
         cmd = [
             sys.executable,
@@ -104,18 +105,33 @@ def evaluate_and_pair(drafts: dict[str, Path], out: Path, evaluate_args: list[st
         if res.returncode != 0:
             raise SystemExit(f"failed: {' '.join(cmd)}\n{res.stderr[-3000:]}")
     dirs = [out / f"eval_{name}" for name in drafts]
-    return {"reference": dirs[0].name, "evaluate_args": evaluate_args, "rows": pair(dirs[0], dirs[1:])}
+    also = evaluate_args[evaluate_args.index("--also-k") + 1] if "--also-k" in evaluate_args else ""
+    also_k = [int(k) for k in also.split(",") if k]
+    return {"reference": dirs[0].name, "evaluate_args": evaluate_args, **pair_every_k(dirs[0], dirs[1:], also_k)}
+
+
+def pair_every_k(reference: Path, others: list[Path], also_k: list[int]) -> dict:
+    """:func:`pair` at the evaluations' -k ("rows") and at each of ``also_k`` ("also_k"), whose
+    reports `eyas evaluate --also-k` put in kN/ of the same directories."""
+    res: dict = {"rows": pair(reference, others)}
+    for k in also_k:
+        rows = pair(reference / f"k{k}", [d / f"k{k}" for d in others])
+        for row, d in zip(rows, others):
+            row["name"] = d.name  # not the kN they were read from
+        res.setdefault("also_k", {})[str(k)] = rows
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reference", required=True, type=Path)
     ap.add_argument("--others", nargs="+", required=True, type=Path)
+    ap.add_argument("--also-k", default="", help="also pair at these k (the evaluations' kN/), e.g. 3,7")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
-    rows = pair(a.reference, a.others)
+    res = pair_every_k(a.reference, a.others, [int(k) for k in a.also_k.split(",") if k])
     if a.json:
-        a.json.write_text(json.dumps({"reference": str(a.reference), "rows": rows}, indent=2))
+        a.json.write_text(json.dumps({"reference": str(a.reference), **res}, indent=2))
     return 0
 
 
