@@ -129,6 +129,54 @@ def test_replay_cli_reports_every_k_as_the_builtin_engine_does(setup, tmp_path):
     assert r2["references"] == str(refs) and r2["num_speculative_tokens"] == 2
 
 
+def test_replay_goes_on_from_the_chains_it_kept(setup, tmp_path):
+    """The draft's chain lengths are kept question by question: a run stopped mid-way (its file cut
+    after two questions, the last line torn) makes only the rest and reports what an unbroken run
+    does; a run again with the same draft makes none and leaves the file as it was; another draft
+    in the same OUT starts the file over and reports what it reports in a fresh OUT."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    questions = evalkit.write_questions(tmp_path / "q.jsonl", 5)
+    args = ("--engine", "replay", "-k", "3", "--also-k", "1")
+    _evaluate(setup, questions, tmp_path / "r", *args)
+    chains = tmp_path / "r" / "replay" / "chains.jsonl"
+    whole = chains.read_text().splitlines()
+    assert len(whole) == 1 + 10 and all(len(json.loads(x)["lengths"]) > 0 for x in whole[1:])
+
+    def report(out):
+        rep = json.loads((out / "replay" / "report.json").read_text())
+        return [(p["question_id"], p["turn"], p["rounds"], p["accepted_per_pos"]) for p in rep["per_prompt"]]
+
+    want = report(tmp_path / "r")
+    chains.write_text("\n".join(whole[:5]) + "\n" + whole[5][:20])
+    _evaluate(setup, questions, tmp_path / "r", *args)
+    assert chains.read_text().splitlines() == whole  # the two kept questions as they were, the rest made again
+    assert report(tmp_path / "r") == want
+
+    stamp = chains.stat().st_mtime_ns
+    _evaluate(setup, questions, tmp_path / "r", *args)
+    assert chains.stat().st_mtime_ns == stamp and report(tmp_path / "r") == want
+
+    _, _, _, draft_dir = setup
+    other = tmp_path / "other-draft"
+    shutil.copytree(draft_dir, other)
+    weights = load_file(other / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)  # another draft: its layer moved by noise of its own size
+    weights = {
+        n: t + t.std() * torch.randn(t.shape, generator=gen) if n.startswith("midlayer") and t.dim() == 2 else t
+        for n, t in weights.items()
+    }
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    _evaluate(setup, questions, tmp_path / "r", *args, "--draft", str(other))
+    _evaluate(setup, questions, tmp_path / "fresh", *args, "--draft", str(other))
+    lines = chains.read_text().splitlines()
+    fresh = (tmp_path / "fresh" / "replay" / "chains.jsonl").read_text().splitlines()
+    assert len(lines) == 1 + 10 and lines[0] == fresh[0] != whole[0]  # started over, for the other draft
+    assert report(tmp_path / "r") == report(tmp_path / "fresh") != want
+
+
 def test_tau_measured_while_training_is_what_evaluate_replay_gives(setup, tmp_path, monkeypatch):
     """`eyas train --tau`: at every --tau-every mark and at the end, the draft is replayed on the
     prompts; the last figure (in the draft's tau.json, summary.json and metrics.jsonl) equals `eyas

@@ -122,7 +122,14 @@ def run_replay(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     import torch
 
     from eyas.draft.model import Eagle3Draft
-    from eyas.evaluate.replay import reference_settings, references_path, replay, target_references
+    from eyas.evaluate.replay import (
+        CHAINS,
+        chains,
+        records_by_k,
+        reference_settings,
+        references_path,
+        target_references,
+    )
 
     ks = list(dict.fromkeys([cfg.k, *cfg.also_k]))
     refs_path = Path(cfg.references or references_path(cfg.out))
@@ -153,7 +160,9 @@ def run_replay(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
     draft = Eagle3Draft.from_pretrained(
         Path(cfg.draft), device=ctx.device, dtype=torch_dtype, target_dir=ctx.target.path
     )
-    by_k = replay(model, draft, refs, ks, cfg.max_new_tokens, ctx.stop_ids, cfg.progress)
+    sha = ctx.settings["draft_sha256"]
+    made = chains(model, draft, ctx.questions, refs, max(ks), ctx.out / CHAINS, sha, cfg.progress)
+    by_k = records_by_k(refs, made, ks, cfg.max_new_tokens, ctx.stop_ids)
     extra = {
         "references": str(refs_path),
         "batch_size": cfg.batch_size,

@@ -15,6 +15,9 @@ The engine therefore:
    these answers are the same for every draft and every k, and are kept (``references.jsonl``);
 2. runs the target once over each prompt + answer for its aux states, and the draft's unroll of
    ``max(k)`` steps over them: the accepted chain length at every position of the answer;
+   Each turn's chain lengths go to ``chains.jsonl`` as they are made, so an evaluation that stopped
+   goes on from the questions it finished, and one run again with the same draft and answers
+   makes none (:func:`chains`);
 3. walks the rounds as the loop does (a round of k drafts accepts the chain's length capped at k,
    and emits it plus one token) and cuts the answer where the loop stops
    (:func:`eyas.evaluate.speculative.steps_record`).
@@ -27,6 +30,7 @@ there is no speculative loop to time, so no speedup.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -38,6 +42,7 @@ from eyas.evaluate.prompts import Question, render_turn
 from eyas.evaluate.speculative import steps_record
 
 REFERENCES = "references.jsonl"
+CHAINS = "chains.jsonl"
 # Tokens decoded past each answer's end: the loop's last round verifies up to k of them, so a tail
 # of 8 serves every k up to 7 from one set of answers.
 MIN_TAIL = 8
@@ -241,6 +246,30 @@ def replay_record(
     }
 
 
+def chain_record(scorer: ReplayScorer, ref: dict[str, Any], steps: int) -> dict[str, Any]:
+    """``ref``'s turn with its chain lengths from a ``steps``-long unroll (:meth:`ReplayScorer.lengths`)."""
+    lengths = scorer.lengths(ref["prompt_ids"], ref["uncut_ids"], steps)
+    return {"question_id": ref["question_id"], "turn": ref["turn"], "lengths": lengths}
+
+
+def records_by_k(
+    references: list[dict[str, Any]],
+    chains: list[dict[str, Any]],
+    ks: list[int],
+    max_new_tokens: int,
+    stop_ids: set[int],
+) -> dict[int, list[dict[str, Any]]]:
+    """Per k of ``ks``: every reference turn's record, walked from its chain lengths."""
+    lengths = {(c["question_id"], c["turn"]): c["lengths"] for c in chains}
+    return {
+        k: [
+            replay_record(ref, lengths[(ref["question_id"], ref["turn"])], k, max_new_tokens, stop_ids)
+            for ref in references
+        ]
+        for k in ks
+    }
+
+
 def replay(
     model,
     draft,
@@ -254,15 +283,61 @@ def replay(
     from tqdm import tqdm
 
     scorer = ReplayScorer(model, draft)
-    out: dict[int, list[dict[str, Any]]] = {k: [] for k in ks}
     try:
-        for ref in tqdm(references, desc="replay", unit="turn", disable=not progress):
-            lengths = scorer.lengths(ref["prompt_ids"], ref["uncut_ids"], max(ks))
-            for k in ks:
-                out[k].append(replay_record(ref, lengths, k, max_new_tokens, stop_ids))
+        made = [
+            chain_record(scorer, ref, max(ks))
+            for ref in tqdm(references, desc="replay", unit="turn", disable=not progress)
+        ]
     finally:
         scorer.close()
-    return out
+    return records_by_k(references, made, ks, max_new_tokens, stop_ids)
+
+
+def chains(
+    model,
+    draft,
+    questions: list[Question],
+    references: list[dict[str, Any]],
+    steps: int,
+    path: Path,
+    draft_sha256: str,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Every reference turn's chain lengths, kept in ``path`` question by question: read back where
+    the file holds them for this draft (its sha256), these answers and ``steps``, the rest made and
+    added. A file of another draft or other answers is a cache of something else: it starts over."""
+    import hashlib
+
+    from eyas.evaluate.runner import run_questions
+
+    # the answers as the chains saw them: a references file decoded again (another GPU, say) may
+    # differ, and its chains with it
+    answers = hashlib.sha256(
+        json.dumps([[r["question_id"], r["turn"], r["prompt_ids"], r["uncut_ids"]] for r in references]).encode()
+    ).hexdigest()
+    settings = {"engine": "replay chains", "draft_sha256": draft_sha256, "answers_sha256": answers, "steps": steps}
+    if path.is_file():
+        with open(path) as fh:
+            first = fh.readline()
+        try:
+            kept = json.loads(first).get("settings")
+        except json.JSONDecodeError:
+            kept = None
+        if kept != settings:
+            path.unlink()
+    by_q: dict[str, list[dict[str, Any]]] = {}
+    for ref in references:
+        by_q.setdefault(ref["question_id"], []).append(ref)
+    scorer = ReplayScorer(model, draft)
+
+    def pool(todo: list[Question]) -> Iterator[list[dict[str, Any]]]:
+        for q in todo:
+            yield [chain_record(scorer, ref, steps) for ref in by_q[q.question_id]]
+
+    try:
+        return run_questions(None, questions, None, 0, set(), path, settings, progress, pool=pool)
+    finally:
+        scorer.close()
 
 
 def reference_settings(
