@@ -31,7 +31,7 @@
 #            engines without bf16's near-ties
 #   fp8tau   issue 21's fp8 check: benchmarks/fp8_store.py tau on the 4.5M-token set (carried in c0, else made):
 #            eyas extract --dtype bf16 and fp8 into /dev/shm, eyas train from each (the stream step's
-#            settings, STREAM_STEPS steps), both drafts by replay on the full MT-bench at k=5, paired
+#            settings, STREAM_STEPS steps), both drafts by replay on the full MT-bench at k = 3, 5, 7, paired
 #   home     the pipeline run's state (stage records, train/ with its newest checkpoint only) sent home
 #            over calls HOME_CALL = 0, 1, ... (stage_run.sh, send_home.sh: 3 pieces of 15 MiB a call);
 #            benchmarks/gpu/bring_home.sh carries it back to the same workdir in a later session,
@@ -279,9 +279,10 @@ case $STEP in
       [ -f "$PREP/manifest.json" ] || step prep6000 eyas prepare --data sharegpt --max-samples 6000 --max-length 2048 \
         --draft-vocab-size 32000 --out "$PREP" || exit 1
     fi
-    TRAIN="--ttt-steps 7 --tokens-per-batch 2048 --batch-size 16 --max-steps ${STREAM_STEPS:-200} --warmup 30
-           --eval-every 0 --save-every 0 --device cuda --precision bf16 --compile --fused-loss"
-    EVALUATE="--device cuda --dtype bfloat16 -k $K --max-new-tokens $TOKENS"
+    # eyas train's recipe (its CUDA defaults: Muon, TTT 3, 8 packs of 2,048, warmup 50, wsd, compiled,
+    # fused loss) for a fixed number of steps, so that every feature path trains the same steps
+    TRAIN="--max-steps ${STREAM_STEPS:-800} --eval-every 0 --save-every 0 --device cuda --precision bf16"
+    EVALUATE="--device cuda --dtype bfloat16 -k $K --also-k 3,7 --max-new-tokens $TOKENS"  # paired at each k
     if [ "$STEP" = stream ]; then
       # STREAM_EVAL=1: the three drafts by replay too, online and vllm against offline, paired
       step stream timeout -s INT "$(budget 540)" python3 benchmarks/train_stream_bench.py \
