@@ -14,8 +14,8 @@ The engine therefore:
    tail past the cut and any stop token (at least k + 1 tokens: what the loop's last round verifies);
    these answers are the same for every draft and every k, and are kept (``references.jsonl``);
 2. runs the target once over each prompt + answer for its aux states, and the draft's unroll of
-   ``max(k)`` steps over them: the accepted chain length at every position of the answer;
-   Each turn's chain lengths go to ``chains.jsonl`` as they are made, so an evaluation that stopped
+   ``max(k)`` steps over them: the accepted chain length at every position of the answer. Each
+   turn's chain lengths go to ``chains.jsonl`` as they are made, so an evaluation that stopped
    goes on from the questions it finished, and one run again with the same draft and answers
    makes none (:func:`chains`);
 3. walks the rounds as the loop does (a round of k drafts accepts the chain's length capped at k,
@@ -321,7 +321,7 @@ def chains(
             first = fh.readline()
         try:
             kept = json.loads(first).get("settings")
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, AttributeError):  # torn or not a header: made again
             kept = None
         if kept != settings:
             path.unlink()
