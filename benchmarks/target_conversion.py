@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from eyas.fsio import sha256_file
-from eyas.target import BUILTIN_TARGETS, cache_dir, resolve_target
+from eyas.cache import cache_dir
+from eyas.target import BUILTIN_TARGETS, resolve_target
 
 
 def main() -> None:

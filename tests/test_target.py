@@ -82,7 +82,7 @@ def test_a_fresh_conversion_is_the_target_the_kept_answers_were_made_with(monkey
     """The built-in GGUF converted anew has the identity that data/regenerated/ records: a
     conversion that changed a tensor, the config or the tokenizer would make every seeded run
     regenerate its answers (the identity keys them)."""
-    from eyas.target import cache_dir
+    from eyas.cache import cache_dir
 
     monkeypatch.delenv("EYAS_CACHE")
     resolve_target("smollm2-135m-instruct")  # the GGUF, fetched once into the user cache
@@ -100,7 +100,7 @@ def test_a_fresh_conversion_is_the_target_the_kept_answers_were_made_with(monkey
 @pytest.mark.slow
 def test_builtin_smollm2_converts_once(monkeypatch, capsys):
     # Uses the real user cache (as the pipeline does), so CI converts the model only once.
-    from eyas.target import cache_dir
+    from eyas.cache import cache_dir
 
     monkeypatch.delenv("EYAS_CACHE")
     cached = (cache_dir() / "targets" / "smollm2-135m-instruct" / ".eyas-complete").is_file()

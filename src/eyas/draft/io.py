@@ -18,6 +18,11 @@ from eyas.errors import EyasError, NonFiniteError
 from eyas.fsio import atomic_dir
 
 FROZEN = ("embed_tokens.weight",)  # the target's, never trained: not saved
+# what to do about a draft that cannot be read
+FIX = (
+    "Pass an intact draft: RUN_DIR/draft as `eyas train` wrote it, or train --resume to write it again "
+    "from the run's last checkpoint"
+)
 
 
 def check_finite_state(state: dict[str, torch.Tensor], what: str) -> None:
@@ -120,7 +125,6 @@ def load_draft(
     target_dir: str | os.PathLike | None = None,
 ):
     """The draft in ``directory`` (``RUN_DIR/draft``), its embedding from ``target_dir`` or the recorded target."""
-    from eyas.draft.checks import FIX
     from eyas.draft.model import Eagle3Draft
     from eyas.draft.shapes import check_draft_files
     from eyas.tensorfile import load_tensors

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eyas.checks import Range, at_least, fraction, int_list, key_values, positive, seconds
+from eyas.draft import AttentionKind
 from eyas.errors import EyasError
 from eyas.evaluate.prompts import DEFAULT_PROMPTS
 from eyas.settings import setting
@@ -21,7 +22,6 @@ CompileScope = Literal["model", "regions"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs"]
 OptimizerKind = Literal["muon", "adamw"]
 ParallelMode = Literal["ddp", "fsdp2"]
-AttentionKind = Literal["auto", "dense", "flex"]
 
 # Settings that measured no gain (benchmarks/): usable only with --experimental, so that the
 # default path is the one that is measured and tested. value -> where it was measured.

@@ -36,7 +36,7 @@ class TauProbe:
         from eyas.data.chat import stop_token_ids
         from eyas.evaluate.replay import reference_settings, target_references
         from eyas.fsio import sha256_file
-        from eyas.target import cache_dir
+        from eyas.cache import cache_dir
 
         self.ks, self.max_new_tokens = sorted(set(cfg.tau_k)), cfg.tau_max_new_tokens
         self.prompts = Path(cfg.tau_prompts)

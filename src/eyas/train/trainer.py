@@ -150,7 +150,7 @@ class Trainer:
         if on_cuda or cfg.compile:
             # inductor's and Triton's caches (flex attention is compiled on every CUDA run) under eyas's
             # cache: a second run of the same shapes reuses the first one's kernels and graphs
-            from eyas.target import cache_dir
+            from eyas.cache import cache_dir
 
             os.environ.setdefault(
                 "TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "compile" / f"torch-{torch.__version__}")
