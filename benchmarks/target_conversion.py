@@ -13,8 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from eyas.fsio import sha256_file
 from eyas.cache import cache_dir
+from eyas.fsio import sha256_file
 from eyas.target import BUILTIN_TARGETS, resolve_target
 
 

@@ -316,15 +316,6 @@ def chains(
         json.dumps([[r["question_id"], r["turn"], r["prompt_ids"], r["uncut_ids"]] for r in references]).encode()
     ).hexdigest()
     settings = {"engine": "replay chains", "draft_sha256": draft_sha256, "answers_sha256": answers, "steps": steps}
-    if path.is_file():
-        with open(path) as fh:
-            first = fh.readline()
-        try:
-            kept = json.loads(first).get("settings")
-        except (json.JSONDecodeError, AttributeError):  # torn or not a header: made again
-            kept = None
-        if kept != settings:
-            path.unlink()
     by_q: dict[str, list[dict[str, Any]]] = {}
     for ref in references:
         by_q.setdefault(ref["question_id"], []).append(ref)
@@ -335,7 +326,7 @@ def chains(
             yield [chain_record(scorer, ref, steps) for ref in by_q[q.question_id]]
 
     try:
-        return run_questions(None, questions, None, 0, set(), path, settings, progress, pool=pool)
+        return run_questions(None, questions, None, 0, set(), path, settings, progress, pool=pool, restart=True)
     finally:
         scorer.close()
 

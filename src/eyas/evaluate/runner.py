@@ -70,12 +70,15 @@ def run_questions(
     settings: dict[str, Any],
     progress: bool = True,
     pool: Callable[[list[Question]], Iterable[list[dict]]] | None = None,
+    restart: bool = False,
 ) -> list[dict]:
     """Answer the questions not yet in ``records_path``; return all records in question order.
 
     ``pool``: instead of ``engine``, a function that answers a list of questions in any order,
-    yielding each question's records as it finishes (worker processes)."""
-    records, todo = _resume(questions, records_path, settings)
+    yielding each question's records as it finishes (worker processes). ``restart``: a file made
+    with other settings (or whose header is torn) is a cache of something else and starts over,
+    where by default it is refused."""
+    records, todo = _resume(questions, records_path, settings, restart)
     answered = (
         pool(todo)
         if pool is not None
@@ -108,10 +111,10 @@ def unanswered(questions: list[Question], records_path: Path, settings: dict[str
 
 
 def _resume(
-    questions: list[Question], records_path: Path, settings: dict[str, Any]
+    questions: list[Question], records_path: Path, settings: dict[str, Any], restart: bool = False
 ) -> tuple[list[dict], list[Question]]:
     """The whole questions' records in ``records_path``, and the questions still to answer."""
-    records, torn = _load_records(records_path, settings)
+    records, torn = _load_records(records_path, settings, restart)
     # A question counts as done with all its turns; a kill while its turns were being written can
     # leave the first ones alone (and a torn last line), which are dropped here to be redone. The
     # file is rewritten without them, so what is appended next is not hidden behind a tear.
@@ -124,9 +127,9 @@ def _resume(
     return records, [q for q in questions if q.question_id not in done_ids]
 
 
-def _load_records(path: Path, settings: dict[str, Any]) -> tuple[list[dict], bool]:
+def _load_records(path: Path, settings: dict[str, Any], restart: bool = False) -> tuple[list[dict], bool]:
     """The whole records of ``path``, and whether a torn last line followed them."""
-    if not path.is_file():
+    if not path.is_file() or (restart and _settings_of(path) != settings):
         path.parent.mkdir(parents=True, exist_ok=True)
         _rewrite(path, settings, [])
         return [], False
@@ -149,6 +152,17 @@ def _load_records(path: Path, settings: dict[str, Any]) -> tuple[list[dict], boo
         except json.JSONDecodeError:
             return out, True  # a torn last line from a kill: everything before it is whole
     return out, False
+
+
+def _settings_of(path: Path) -> Any:
+    """The settings in ``path``'s header; None where it has none (empty, torn, not a header)."""
+    with open(path) as fh:
+        first = fh.readline()
+    try:
+        header = json.loads(first)
+    except json.JSONDecodeError:
+        return None
+    return header.get("settings") if isinstance(header, dict) else None
 
 
 def _rewrite(path: Path, settings: dict[str, Any], records: list[dict]) -> None:
