@@ -53,7 +53,7 @@
 # What comes back in $OUT: log.txt (this call, progress bars included), steps.tsv (every step so far: name, rc, seconds),
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
-CALL_T0=$(date +%s)
+source "$(dirname "$0")/budget.sh"  # first: the call's clock starts there
 STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay|options|profile|home|quality}
 cd "$(dirname "$0")/../.."
 REPO=$PWD
@@ -77,22 +77,6 @@ J=/root/job SHM=/dev/shm/eyas PREP=/root/park/prep6000
 mkdir -p "$J" "$SHM"
 K=5 TOKENS=256 LAYERS=2,15,27
 echo "gpu_job: step $STEP at eyas ${EYAS_COMMIT:-?}; $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader)"
-
-# budget DEFAULT: the seconds left of BUDGET_S (else DEFAULT), counted from the call's start, not the
-# step's. What comes before a step (setup, vLLM's install, the wait for the target's conversion)
-# takes its share, so a call given timeout_s = BUDGET_S + 60 ends by the step's own stop and packs
-# its results; a call cut by the device's limit returns the log alone (gpu_job.md, session 14).
-budget() { local left=$(( ${BUDGET_S:-$1} - ($(date +%s) - CALL_T0) )); echo $(( left > 30 ? left : 30 )); }
-# until_budget GRACE DEFAULT CMD...: CMD for budget DEFAULT's seconds, then SIGINT (SIGKILL GRACE s
-# later), with EYAS_STOP_AT 5 s before the SIGINT: eyas starts no resumable part (a k of the
-# evaluation) that would be cut
-until_budget() {
-  local grace=$1 b
-  b=$(budget "$2")
-  shift 2
-  echo "budget: $b s of BUDGET_S left, $(( $(date +%s) - CALL_T0 )) s into the call"
-  env EYAS_STOP_AT=$(($(date +%s) + b - 5)) timeout -s INT -k "$grace" "$b" "$@"
-}
 
 step() {  # step NAME CMD...: run, time, record
   local name=$1 t0 rc

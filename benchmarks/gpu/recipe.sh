@@ -12,7 +12,7 @@
 # (steps between checkpoints: a training longer than one call is stopped at the deadline and resumed
 # by the next call on the same warm machine).
 set -uo pipefail
-CALL_T0=$(date +%s)  # BUDGET_S counts from here: setup's time comes off the sweep's (gpu_job.sh's budget)
+source "$(dirname "$0")/budget.sh"  # first: BUDGET_S counts from here, setup's time comes off the sweep's
 cd "$(dirname "$0")/../.."
 export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -28,7 +28,7 @@ if [ ! -f "$PREP/manifest.json" ] || [ ! -s "$GGUF" ] || [ ! -f /tmp/site/.done 
 fi
 COMMIT=$(cat /root/snap/COMMIT 2>/dev/null || echo "${EYAS_COMMIT:-?}")
 echo "recipe: eyas $COMMIT; $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader)"
-B=$(( ${BUDGET_S:-540} - ($(date +%s) - CALL_T0) )); B=$(( B > 30 ? B : 30 ))  # timeout takes no 0 or less
+B=$(budget 540)
 timeout -s INT -k 20 "$B" python3 benchmarks/recipe/sweep.py --mirror "$OUT/results.jsonl" --data "$PREP" --runs "$R" --results "$R/results.jsonl" \
   --configs "${CONFIGS:-benchmarks/recipe/sweep1.json}" --budget "${TRAIN_BUDGET:-120}" \
   --deadline-s "$B" ${ONLY:+--only "$ONLY"} ${SAVE_EVERY:+--save-every "$SAVE_EVERY"} --commit "$COMMIT" --machine "1x H200 (lent)" \
