@@ -27,11 +27,12 @@ if [ ! -f "$PREP/manifest.json" ] || [ ! -s "$GGUF" ] || [ ! -f /tmp/site/.done 
   echo "recipe: parts missing (prepared $PREP, target, gguf package): parked what this call carried"; exit 0
 fi
 COMMIT=$(cat /root/snap/COMMIT 2>/dev/null || echo "${EYAS_COMMIT:-?}")
-echo "recipe: eyas $COMMIT; $(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader)"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)  # the kind that came, H100 or H200
+echo "recipe: eyas $COMMIT; $GPU, $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | head -n 1)"
 B=$(budget 540)
 timeout -s INT -k 20 "$B" python3 benchmarks/recipe/sweep.py --mirror "$OUT/results.jsonl" --data "$PREP" --runs "$R" --results "$R/results.jsonl" \
   --configs "${CONFIGS:-benchmarks/recipe/sweep1.json}" --budget "${TRAIN_BUDGET:-120}" \
-  --deadline-s "$B" ${ONLY:+--only "$ONLY"} ${SAVE_EVERY:+--save-every "$SAVE_EVERY"} --commit "$COMMIT" --machine "1x H200 (lent)" \
+  --deadline-s "$B" ${ONLY:+--only "$ONLY"} ${SAVE_EVERY:+--save-every "$SAVE_EVERY"} --commit "$COMMIT" --machine "1x ${GPU:-GPU} (lent)" \
   --common "--tokens-per-batch 2048 --warmup 50 --device cuda --precision bf16 --save-every 0 --eval-every 0" \
   --evaluate "--device cuda --dtype bfloat16 --batch-size 256" --tau-every "${TAU_EVERY:-60s}"
 cp "$R/results.jsonl" "$OUT/all-results.jsonl" 2>/dev/null

@@ -18,7 +18,7 @@ sys.path.insert(0, str(HERE.parent / "quality"))
 from add_summary import entry, read_records, upsert  # noqa: E402
 
 # conversations behind each prepared dataset the sweeps name (benchmarks/recipe/README.md)
-CONVERSATIONS = {"prep-regen": 10796, "prep-regen-nolen": 2540}
+CONVERSATIONS = {"prep-regen": 10796, "prep-regen-half": 5339, "prep-regen-nolen": 2540}
 SETS = {"eval-mt_bench": "mt_bench", "eval-humaneval": "humaneval"}
 
 
@@ -43,7 +43,8 @@ def rows() -> list[dict]:
                             CONVERSATIONS[data],
                             engine,
                             run.get("train_tau", {}).get("tau") if prompt_set == "mt_bench" else None,
-                            f"benchmarks/recipe/{results.name} (commit {run.get('commit', '?')[:7]})",
+                            f"benchmarks/recipe/{results.name} "
+                            f"(commit {run.get('commit', '?')[:7]}, {run.get('machine', '?')})",
                             f"eyas train {run['args']} {run['common']} (the rest its commit's defaults), online, "
                             f"{run['budget_s']:.0f} s budget; "
                             f"replay, bf16, {run.get('max_new_tokens', 256)} tokens",
