@@ -4,6 +4,7 @@ start, never gives timeout a 0 or less, and tells eyas when to stop starting res
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -14,7 +15,11 @@ BUDGET = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "budget.sh
 def bash(script: str, **env: str) -> str:
     base = {k: v for k, v in os.environ.items() if k != "BUDGET_S"}
     out = subprocess.run(
-        ["bash", "-c", f"source {BUDGET}; {script}"], env={**base, **env}, capture_output=True, text=True, check=True
+        ["bash", "-c", f"source {shlex.quote(str(BUDGET))}; {script}"],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return out.stdout
 
