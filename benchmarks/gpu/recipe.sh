@@ -27,8 +27,8 @@ if [ ! -f "$PREP/manifest.json" ] || [ ! -s "$GGUF" ] || [ ! -f /tmp/site/.done 
   echo "recipe: parts missing (prepared $PREP, target, gguf package): parked what this call carried"; exit 0
 fi
 COMMIT=$(cat /root/snap/COMMIT 2>/dev/null || echo "${EYAS_COMMIT:-?}")
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)  # the kind that came, H100 or H200
-echo "recipe: eyas $COMMIT; $GPU, $(nvidia-smi --query-gpu=memory.used --format=csv,noheader | head -n 1)"
+IFS=, read -r GPU MEM < <(nvidia-smi --query-gpu=name,memory.used --format=csv,noheader)  # the kind that came
+echo "recipe: eyas $COMMIT; $GPU,$MEM"
 B=$(budget 540)
 timeout -s INT -k 20 "$B" python3 benchmarks/recipe/sweep.py --mirror "$OUT/results.jsonl" --data "$PREP" --runs "$R" --results "$R/results.jsonl" \
   --configs "${CONFIGS:-benchmarks/recipe/sweep1.json}" --budget "${TRAIN_BUDGET:-120}" \
