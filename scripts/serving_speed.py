@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from eyas.evaluate.report import recommended_k
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "serving_speed.json"
 WHAT = (
@@ -33,11 +35,13 @@ def run_of(eval_dir: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any], d
     """(target, rows, best k, what the run was) of one evaluation."""
     path = Path(eval_dir) / "vllm" / "report.json"
     rep = json.loads(path.read_text())
-    partial = None
+    # rebuilt from each k's own report: a run cut between two k, and the rows of reports written
+    # before each row carried its k's host probe ratio
+    rebuilt, measured = finished_ks(Path(eval_dir), rep)
+    partial = None if rep.get("serving_speed_by_k") else measured
+    rep = rebuilt if rebuilt.get("serving_speed_by_k") else rep
     if not rep.get("serving_speed_by_k"):
-        rep, partial = finished_ks(Path(eval_dir), rep)
-        if not rep.get("serving_speed_by_k"):
-            sys.exit(f"{path}: no serving speed; evaluate with --engine vllm --speed-concurrency 1,8,32")
+        sys.exit(f"{path}: no serving speed; evaluate with --engine vllm --speed-concurrency 1,8,32")
     target = rep.get("target_name") or rep["target"]["id"]
     speed = rep["serving_speed"]
     run = {
@@ -79,12 +83,18 @@ def finished_ks(eval_dir: Path, rep: dict[str, Any]) -> tuple[dict[str, Any], li
 
 def merge(table: dict[str, Any], eval_dirs: list[Path]) -> dict[str, Any]:
     rows, best, runs = list(table.get("rows", [])), dict(table.get("best_k", {})), dict(table.get("runs", {}))
+    recommended = dict(table.get("recommended_k", {}))
     for d in eval_dirs:
         target, new, b, run = run_of(d)
         rows = [r for r in rows if r["target"] != target] + new
         best[target], runs[target] = b, run
+        # the k to serve with, from the rows (reports written before eyas named it have none)
+        rec = recommended_k(new)
+        recommended.pop(target, None)
+        if rec:
+            recommended[target] = rec
     rows.sort(key=lambda r: (r["target"], r["concurrency"], r["k"]))
-    return {"what": WHAT, "rows": rows, "best_k": best, "runs": runs}
+    return {"what": WHAT, "rows": rows, "best_k": best, "recommended_k": recommended, "runs": runs}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -380,7 +380,7 @@ def test_speculative_options_reach_the_engine_the_report_and_the_card(drafted, e
     assert fake_vllm.STARTED == [2, None, 1, 3]
     assert fake_vllm.OPTIONS == [options, {}, options, options]
     saved = json.loads((out / "vllm" / "report.json").read_text())
-    assert saved["speculative_options"] == options and reports["vllm"]["best_k"]["1"]["k"] == 2
+    assert saved["speculative_options"] == options and reports["vllm"]["recommended_k"]["k"] == 1
     app = typer.Typer()
     register(app)
     app.command("noop")(lambda: None)
@@ -400,7 +400,7 @@ def test_speculative_options_reach_the_engine_the_report_and_the_card(drafted, e
     assert config == {
         "method": "eagle3",
         "model": str((tmp_path / "exp").resolve()),
-        "num_speculative_tokens": 2,
+        "num_speculative_tokens": 1,
         **options,
     }
 
@@ -453,6 +453,65 @@ def test_best_k_from_the_reports_of_each_k():
     }
     assert [(r["concurrency"], r["k"]) for r in got["serving_speed_by_k"]][:3] == [(1, 1), (1, 3), (1, 5)]
     assert got["tau_by_k"] == {"1": 1.5, "3": 2.5, "5": 3.5}
+
+
+def _rows(speedups, ratios=None):
+    """serving_speed_by_k rows from {k: {concurrency: speedup}} (plain 100 tokens/s) and {k: host ratio}."""
+    return [
+        {
+            "k": k,
+            "concurrency": c,
+            "tokens_per_s_draft": None if x is None else 100.0 * x,
+            "tokens_per_s_plain": 100.0,
+            "speedup": x,
+            **({"host_probe_ratio": ratios[k]} if ratios and k in ratios else {}),
+        }
+        for k, by_c in speedups.items()
+        for c, x in by_c.items()
+    ]
+
+
+def test_the_recommended_k_is_the_fastest_at_its_slowest_load():
+    """A longer draft can win at 1 request and lose in a full batch (as in the Qwen rows of
+    benchmarks/serving_speed.json): one serve line meets every load, so eyas recommends the k whose
+    worst concurrency is best, not the best k at 1 request."""
+    from eyas.evaluate.report import recommended_k
+
+    rows = _rows({3: {1: 1.48, 32: 1.52}, 4: {1: 1.52, 32: 1.06}, 5: {1: 1.19, 32: 0.95}})
+    assert recommended_k(rows) == {
+        "k": 3,
+        "speedup": {"1": 1.48, "32": 1.52},
+        "worst": 1.48,
+        "pays": True,
+        "host_speeds_mixed": False,
+    }
+    # on a tie the smaller k; a k without a speedup at every concurrency is not a candidate
+    assert recommended_k(_rows({2: {1: 1.3, 8: 1.2}, 1: {1: 1.2, 8: 1.3}, 3: {1: 2.0, 8: None}}))["k"] == 1
+    # where every k slows some load down, the least slow is named, unpaid
+    got = recommended_k(_rows({1: {1: 1.5, 4: 0.95}, 2: {1: 1.9, 4: 0.9}}))
+    assert (got["k"], got["pays"]) == (1, False)
+    assert recommended_k(_rows({3: {1: None}})) is None
+
+
+def test_speedups_timed_at_two_host_speeds_are_named():
+    """Each k's host probe ratio travels with its rows; the k outside the bounds are named, and a
+    recommended k among them says so (its speedup may be the host's, not the draft's)."""
+    from eyas.evaluate.report import recommended_k, recommended_k_lines
+
+    rows = _rows({3: {1: 1.48, 32: 1.52}, 4: {1: 1.52, 32: 1.06}}, {3: 1.17, 4: 0.78})
+    report = {"serving_speed_by_k": rows, "recommended_k": recommended_k(rows)}
+    assert not report["recommended_k"]["host_speeds_mixed"]
+    lines = recommended_k_lines(report)
+    assert lines[0] == "vllm serving: serve with k=3, the best at its slowest load (1.48x at 1, 1.52x at 32 concurrent)"
+    assert lines[1].startswith("vllm serving: timed at two host speeds (host probe ratio k=4 0.78, outside 0.83-1.20)")
+    flagged = recommended_k(_rows({3: {1: 1.48, 32: 1.52}}, {3: 1.3}))
+    assert (
+        flagged["host_speeds_mixed"]
+        and "k=3 1.30"
+        in recommended_k_lines(
+            {"serving_speed_by_k": _rows({3: {1: 1.48, 32: 1.52}}, {3: 1.3}), "recommended_k": flagged}
+        )[1]
+    )
 
 
 def test_a_failed_profile_keeps_the_serving_speed(drafted, tmp_path, monkeypatch):
@@ -581,8 +640,10 @@ def test_the_card_with_tau_and_the_measured_speedups(drafted, evaluated, tmp_pat
     assert "- 1 concurrent: best k = 2, 1.90x" in card
     assert "- 4 concurrent: no k speeds serving up (the least slow: k = 1, 0.95x)" in card
     assert f"; report {report}." in card
-    assert json.loads(_serve_line(card)[4])["num_speculative_tokens"] == 2  # the best at 1 request
-    assert "k = 2: the best measured at 1 concurrent request (1.90x)." in card
+    # served with k=1: k=2 is the best at 1 request (1.90x) but slows 4 requests more (0.90x against 0.95x)
+    assert json.loads(_serve_line(card)[4])["num_speculative_tokens"] == 1
+    assert "k = 1: of the k measured, the fastest at its slowest load (1.50x at 1, 0.95x at 4 concurrent" in card
+    assert "- serve with k=1, the best at its slowest load (1.50x at 1, 0.95x at 4 concurrent)" in card
     # k=2 at 1 request: a 1000 * 3.00 / 190 = 15.79 ms step against plain's 10 ms needs tau 1.58
     assert "Where a step's time goes" in card and "k=2 1.58 (has 3.00)" in card
 
@@ -628,6 +689,7 @@ def test_the_benchmark_table_takes_the_rows_of_each_targets_run(evaluated, tmp_p
     target = rep["target_name"]
     assert got["rows"] == [{"target": target, **r} for r in rep["serving_speed_by_k"]]  # once, not twice
     assert got["best_k"] == {target: rep["best_k"]}
+    assert got["recommended_k"] == {target: rep["recommended_k"]} and rep["recommended_k"]["k"] == 1
     assert got["runs"][target]["min_waves"] == 3 and got["runs"][target]["min_seconds"] == 0.5
 
 

@@ -120,7 +120,7 @@ class EvaluateConfig:
         [],
         "vllm: also time serving with and without the draft at these numbers of concurrent requests, "
         "e.g. 1,8,32; with --also-k at every k, and OUT/vllm/report.json names the k of the best "
-        "speedup at each (best_k).",
+        "speedup at each (best_k) and the k to serve with, the best at its slowest load (recommended_k).",
         "--speed-concurrency",
         parse=int_list("--speed-concurrency", "1,32"),
         cli_type=str,

@@ -473,6 +473,8 @@ def _with_plain(
 ) -> dict[str, Any] | None:
     """``speed`` with ``plain`` as its serving without the draft and the speedup at each concurrency;
     ``shared``: ``plain`` is the -k run's (timed once for every k), not this run's own."""
+    from eyas.evaluate.report import host_speeds_mixed
+
     if not speed or plain is None:
         return speed
     speed = {**speed, "plain": plain, **({"plain_from": "the -k run"} if shared else {})}
@@ -484,16 +486,13 @@ def _with_plain(
     drift = host_drift(speed["draft"], speed["plain"])
     if drift is not None:
         speed["host_probe_ratio"] = drift
-        if not 1 / HOST_DRIFT <= drift <= HOST_DRIFT:
+        if host_speeds_mixed(drift):
             warnings.warn(
                 f"the host ran a fixed CPU workload {drift:.2f}x as long during the draft's points as during "
                 "the baseline's: the speedups mix two host speeds (a busy or throttled machine); time them again",
                 stacklevel=2,
             )
     return speed
-
-
-HOST_DRIFT = 1.2  # the probes' ratio past which the speedups are said to mix host speeds
 
 
 def host_drift(draft: list[dict[str, Any]], plain: list[dict[str, Any]]) -> float | None:

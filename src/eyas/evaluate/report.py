@@ -19,6 +19,13 @@ from eyas.evaluate.step_profile import profile_line
 
 REPORT_NAME = "report.json"
 ENGINE_NAMES = ("builtin", "vllm", "replay")  # the engines that write a report of their own
+HOST_DRIFT = 1.2  # the host probes' ratio past which a k's speedups are said to mix host speeds
+
+
+def host_speeds_mixed(ratio: float | None) -> bool:
+    """Whether a k's draft points and the baseline's were timed at two host speeds: the ratio of
+    their host probes (``serving_speed.host_probe_ratio``) outside [1 / HOST_DRIFT, HOST_DRIFT]."""
+    return ratio is not None and not 1 / HOST_DRIFT <= ratio <= HOST_DRIFT
 
 
 def aggregate(records: list[dict[str, Any]], k: int) -> dict[str, Any]:
@@ -105,6 +112,7 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     - ``best_k``: per concurrency, the k of the highest measured speedup with that speedup, and
       ``pays``: whether it is above 1 (where no k speeds serving up, the least slow is named, unpaid);
       on a tie the smaller k (fewer draft tokens to propose);
+    - ``recommended_k``: the one k to serve with (:func:`recommended_k`);
     - ``tau_by_k``: each k's tau in its evaluation;
     - ``step_cost``: per concurrency, each step's time and the tau each k needs to pay
       (:mod:`eyas.evaluate.step_cost`);
@@ -124,6 +132,8 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
                     "speedup": with_ / without if with_ and without else None,
                     # tokens per verification round over the timed waves (vLLM's counters), where known
                     "tau_timed": d.get("acceptance_length"),
+                    # this k's host probes over the baseline's (older reports have none)
+                    **({"host_probe_ratio": speed["host_probe_ratio"]} if "host_probe_ratio" in speed else {}),
                 }
             )
     rows.sort(key=lambda r: (r["concurrency"], r["k"]))
@@ -136,6 +146,7 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     out = {
         "serving_speed_by_k": rows,
         "best_k": best,
+        **({"recommended_k": rec} if (rec := recommended_k(rows)) else {}),
         "tau_by_k": tau_by_k,
         "step_cost": step_costs(rows, tau_by_k),
     }
@@ -145,6 +156,32 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     if by_k or plain:
         out["step_profile"] = {"plain": plain, "by_k": by_k}
     return out
+
+
+def recommended_k(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The k to serve with, of those timed at every measured concurrency: the one whose slowest
+    concurrency is fastest, as one ``vllm serve`` line meets every load (the smaller k on a tie).
+    The best k at 1 request alone may slow a loaded server: a longer draft pays at batch 1 and
+    costs more in a full batch. None where no k has a speedup at every concurrency."""
+    concurrencies = sorted({r["concurrency"] for r in rows})
+    by_k: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+    for r in rows:
+        if r["speedup"] is not None:
+            by_k[r["k"]][r["concurrency"]] = r
+    full = {k: rs for k, rs in by_k.items() if sorted(rs) == concurrencies}
+    if not full:
+        return None
+    k = max(sorted(full), key=lambda k: min(r["speedup"] for r in full[k].values()))
+    worst = min(r["speedup"] for r in full[k].values())
+    ratio = next(iter(full[k].values())).get("host_probe_ratio")
+    return {
+        "k": k,
+        "speedup": {str(c): full[k][c]["speedup"] for c in concurrencies},
+        "worst": worst,
+        "pays": worst > 1.0,
+        # its points and the baseline's at two host speeds: its speedups to be timed again
+        "host_speeds_mixed": host_speeds_mixed(ratio),
+    }
 
 
 def write_report(out_dir: Path, report: dict[str, Any]) -> Path:
@@ -279,6 +316,7 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
         if key.startswith("k") and key[1:].isdigit():  # also_k: that k's own reports, in OUT/k<N>/
             lines += summary_lines(rep, Path(out) / key, top=False)
     lines += best_k_lines(reports.get("vllm", {}).get("best_k") or {})
+    lines += recommended_k_lines(reports.get("vllm", {}))
     lines += step_cost_lines(reports.get("vllm", {}).get("step_cost") or {})
     if top:
         lines.append(f"reports (report.json, acceptance_per_position.png, tau_per_category.png) in {out}")
@@ -296,4 +334,25 @@ def best_k_lines(best: dict[str, dict[str, Any]]) -> list[str]:
                 f"vllm serving, {c} concurrent: no k speeds it up (the least slow: k={b['k']}, "
                 f"{b['speedup']:.2f}x); serve without the draft at this load"
             )
+    return lines
+
+
+def recommended_k_lines(report: dict[str, Any]) -> list[str]:
+    """The k to serve with (:func:`recommended_k`), and each k whose speedups mix two host speeds."""
+    lines = []
+    rec = report.get("recommended_k")
+    if rec and len(rec["speedup"]) > 1:  # at one concurrency it is that concurrency's best k
+        at = ", ".join(f"{x:.2f}x at {c}" for c, x in rec["speedup"].items())
+        lines.append(
+            f"vllm serving: serve with k={rec['k']}, the best at its slowest load ({at} concurrent)"
+            + ("" if rec["pays"] else "; it slows the slowest load down")
+        )
+    rows = report.get("serving_speed_by_k") or []
+    mixed = sorted({r["k"]: r for r in rows if host_speeds_mixed(r.get("host_probe_ratio"))}.items())
+    if mixed:
+        lines.append(
+            "vllm serving: timed at two host speeds (host probe ratio "
+            + ", ".join(f"k={k} {r['host_probe_ratio']:.2f}" for k, r in mixed)
+            + f", outside {1 / HOST_DRIFT:.2f}-{HOST_DRIFT:.2f}): time those k again before trusting their speedups"
+        )
     return lines

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.evaluate.report import recommended_k_lines
 from eyas.evaluate.step_cost import step_cost_lines
 
 CARD = "README.md"
@@ -269,6 +270,7 @@ def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> lis
                 "without the draft at this load"
             )
         )
+    lines += [f"- {ln.removeprefix('vllm serving: ')}" for ln in recommended_k_lines(report)]
     costs = report.get("step_cost") or {}
     if costs:
         lines += [
@@ -293,7 +295,22 @@ def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> lis
 
 
 def _serving_k(export: dict[str, Any], report: dict[str, Any] | None) -> tuple[int, str]:
-    """The k of the serve line, and why: the best measured at 1 concurrent request, else the export's."""
+    """The k of the serve line, and why: the evaluation's recommended k (the best at its slowest
+    measured load), else (reports before it) the best measured at 1 concurrent request, else the
+    export's."""
+    rec = (report or {}).get("recommended_k")
+    if rec:
+        at = ", ".join(f"{x:.2f}x at {c}" for c, x in rec["speedup"].items())
+        return int(rec["k"]), (
+            f"of the k measured, the fastest at its slowest load ({at} concurrent requests"
+            + ("" if rec["pays"] else "; slower than without the draft at the slowest")
+            + ")"
+            + (
+                "; its points and the baseline's were timed at two host speeds, so time it again"
+                if rec.get("host_speeds_mixed")
+                else ""
+            )
+        )
     best = ((report or {}).get("best_k") or {}).get("1")
     if best:
         return int(best["k"]), (
