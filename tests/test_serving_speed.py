@@ -646,6 +646,16 @@ def test_the_card_with_tau_and_the_measured_speedups(drafted, evaluated, tmp_pat
     assert "- serve with k=1, the best at its slowest load (1.50x at 1, 0.95x at 4 concurrent)" in card
     # k=2 at 1 request: a 1000 * 3.00 / 190 = 15.79 ms step against plain's 10 ms needs tau 1.58
     assert "Where a step's time goes" in card and "k=2 1.58 (has 3.00)" in card
+    # a report written before eyas named the recommended k: the card makes it from the rows
+    old = {k: v for k, v in json.loads(report.read_text()).items() if k != "recommended_k"}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    res = CliRunner().invoke(
+        app, ["export", str(draft), "--out", str(tmp_path / "exp2"), "--speed-report", str(tmp_path / "old.json")]
+    )
+    assert res.exit_code == 0, res.output
+    again = (tmp_path / "exp2" / "README.md").read_text()
+    assert json.loads(_serve_line(again)[4])["num_speculative_tokens"] == 1
+    assert "- serve with k=1, the best at its slowest load" in again
 
 
 def test_a_speed_report_of_another_draft_or_without_speed_is_refused(drafted, evaluated, tmp_path):

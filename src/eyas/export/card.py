@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
-from eyas.evaluate.report import recommended_k_lines
+from eyas.evaluate.report import recommended_k, recommended_k_lines
 from eyas.evaluate.step_cost import step_cost_lines
 
 CARD = "README.md"
@@ -270,7 +270,8 @@ def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> lis
                 "without the draft at this load"
             )
         )
-    lines += [f"- {ln.removeprefix('vllm serving: ')}" for ln in recommended_k_lines(report)]
+    rec = {"recommended_k": _recommended(report), "serving_speed_by_k": rows}
+    lines += [f"- {ln.removeprefix('vllm serving: ')}" for ln in recommended_k_lines(rec)]
     costs = report.get("step_cost") or {}
     if costs:
         lines += [
@@ -295,10 +296,9 @@ def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> lis
 
 
 def _serving_k(export: dict[str, Any], report: dict[str, Any] | None) -> tuple[int, str]:
-    """The k of the serve line, and why: the evaluation's recommended k (the best at its slowest
-    measured load), else (reports before it) the best measured at 1 concurrent request, else the
-    export's."""
-    rec = (report or {}).get("recommended_k")
+    """The k of the serve line, and why: the evaluation's recommended k (the fastest at its slowest
+    measured load; made from the rows of a report written before eyas named it), else the export's."""
+    rec = _recommended(report)
     if rec:
         at = ", ".join(f"{x:.2f}x at {c}" for c, x in rec["speedup"].items())
         return int(rec["k"]), (
@@ -311,18 +311,17 @@ def _serving_k(export: dict[str, Any], report: dict[str, Any] | None) -> tuple[i
                 else ""
             )
         )
-    best = ((report or {}).get("best_k") or {}).get("1")
-    if best:
-        return int(best["k"]), (
-            f"the best measured at 1 concurrent request ({best['speedup']:.2f}x"
-            + ("" if best["pays"] else ", slower than without the draft")
-            + ")"
-        )
     methods = (export.get("speculators_config") or {}).get("proposal_methods") or [{}]
     k = methods[0].get("speculative_tokens")
     if k is None:  # the sglang format records none
-        return 3, "eyas's default (serving speed not measured at 1 concurrent request)"
-    return int(k), "the export's num_speculative_tokens (serving speed not measured at 1 concurrent request)"
+        return 3, "eyas's default (serving speed not measured)"
+    return int(k), "the export's num_speculative_tokens (serving speed not measured)"
+
+
+def _recommended(report: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The report's recommended k; for a report written before eyas named one, made from its rows."""
+    report = report or {}
+    return report.get("recommended_k") or recommended_k(report.get("serving_speed_by_k") or [])
 
 
 def _f(x: Any, digits: int = 2) -> str:
