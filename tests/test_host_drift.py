@@ -36,3 +36,18 @@ def test_points_without_probes_have_no_ratio():
     assert host_drift(_points([500, 9000], None), _points([300, 5000], 4.0)) is None
     speed = _with_plain({"draft": _points([500, 9000], None)}, _points([300, 5000], None))
     assert "host_probe_ratio" not in speed
+
+
+def test_a_probe_of_two_speeds_is_averaged_not_voted():
+    """The probe reads one of two speeds; the median of a few such values jumps from one to the
+    other with a single probe, the mean moves by that probe's share."""
+    draft = [{"concurrency": 1, "tokens_per_s": 500, "host_probe_ms": [5.0, 5.0, 5.0, 9.0]}]
+    plain = [{"concurrency": 1, "tokens_per_s": 300, "host_probe_ms": [5.0, 9.0, 5.0, 9.0]}]
+    assert host_drift(draft, plain) == pytest.approx(6.0 / 7.0)  # the medians' 5 / 7 would be past 1 / 1.2
+
+
+def test_the_worker_spreads_its_probes():
+    from eyas.vllm.worker.serve import host_probes
+
+    probes = host_probes(n=3, gap_s=0.0)
+    assert len(probes) == 3 and all(ms > 0 for ms in probes)

@@ -239,6 +239,7 @@ def test_evaluate_both_engines_report_and_agree(setup, tmp_path):
         for point in (d, p):
             assert point["requests"] >= 3 * point["concurrency"] and point["waves"] >= 3
             assert point["seconds"] > 0 and point["tokens"] > 0
+            assert len(point["host_probe_ms"]) == 6  # 3 spread probes before the point, 3 after
         # the timed requests' own tokens per round, from vLLM's counters: with the draft only
         assert 1.0 <= d["acceptance_length"] <= K + 1 and "acceptance_length" not in p
     assert set(sp["speedup"]) == {"1", "2"} and set(v["best_k"]) == {"1", "2"}

@@ -496,13 +496,15 @@ def _with_plain(
 
 
 def host_drift(draft: list[dict[str, Any]], plain: list[dict[str, Any]]) -> float | None:
-    """The median host probe (a fixed CPU workload's ms, taken around each point by the worker)
-    of the draft's points over the baseline's; None where either has none (older records)."""
+    """The mean host probe (a fixed CPU workload's ms, taken around each point by the worker) of
+    the draft's points over the baseline's; None where either has none (older records). The mean,
+    not the median: the probe reads one of two speeds, and a median of a few such values jumps
+    from one to the other where the mean follows the share of each (`benchmarks/where_time_goes.md`)."""
     import statistics
 
     d, p = ([ms for point in points for ms in point.get("host_probe_ms") or []] for points in (draft, plain))
-    base = statistics.median(p) if p else 0.0
-    return statistics.median(d) / base if d and base > 0 else None
+    base = statistics.fmean(p) if p else 0.0
+    return statistics.fmean(d) / base if d and base > 0 else None
 
 
 Engine = Callable[[EvaluateConfig, EngineContext], Answers]

@@ -127,7 +127,7 @@ def speed(llm, SamplingParams, req):
     def clock(at):
         counters[at] = spec_counters(llm) if counted else {}
 
-    before = host_probe_ms()
+    before = host_probes()
     tokens, requests, secs = timed(llm, params, prompts, c, min_requests, min_seconds, clock)
     point = {
         "concurrency": c,
@@ -136,7 +136,7 @@ def speed(llm, SamplingParams, req):
         "tokens": tokens,
         "seconds": secs,
         "tokens_per_s": tokens / secs if secs > 0 else None,
-        "host_probe_ms": [before, host_probe_ms()],
+        "host_probe_ms": before + host_probes(),
     }
     spec = delta(counters["stop"], counters["start"]) if counted else {}
     rounds, accepted = spec.get("vllm:spec_decode_num_drafts"), spec.get("vllm:spec_decode_num_accepted_tokens")
@@ -212,6 +212,18 @@ def _steady(llm, params, prompts, c, min_requests, min_seconds, clock):
     clock("stop")
     step_until(engine, 0, lambda o: None)  # the last requests, untimed: the next point starts empty
     return gained, requests, secs
+
+
+def host_probes(n=3, gap_s=0.1):
+    """``n`` host probes ``gap_s`` apart. The probe reads one of two speeds, which holds over its
+    back-to-back repeats and changes within a point (``benchmarks/where_time_goes.md``), so probes
+    spread out sample how the point's time divides between the two."""
+    out = []
+    for i in range(n):
+        if i:
+            time.sleep(gap_s)
+        out.append(host_probe_ms())
+    return out
 
 
 def host_probe_ms(repeats=5):
