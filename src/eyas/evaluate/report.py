@@ -337,14 +337,18 @@ def best_k_lines(best: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def speedups_at(rec: dict[str, Any]) -> str:
+    """A recommended k's speedup at each concurrency, e.g. ``1.48x at 1, 1.52x at 32``."""
+    return ", ".join(f"{x:.2f}x at {c}" for c, x in rec["speedup"].items())
+
+
 def recommended_k_lines(report: dict[str, Any]) -> list[str]:
     """The k to serve with (:func:`recommended_k`), and each k whose speedups mix two host speeds."""
     lines = []
     rec = report.get("recommended_k")
     if rec and len(rec["speedup"]) > 1:  # at one concurrency it is that concurrency's best k
-        at = ", ".join(f"{x:.2f}x at {c}" for c, x in rec["speedup"].items())
         lines.append(
-            f"vllm serving: serve with k={rec['k']}, the best at its slowest load ({at} concurrent)"
+            f"vllm serving: serve with k={rec['k']}, the best at its slowest load ({speedups_at(rec)} concurrent)"
             + ("" if rec["pays"] else "; it slows the slowest load down")
         )
     rows = report.get("serving_speed_by_k") or []

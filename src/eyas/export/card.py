@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
-from eyas.evaluate.report import recommended_k, recommended_k_lines
+from eyas.evaluate.report import recommended_k, recommended_k_lines, speedups_at
 from eyas.evaluate.step_cost import step_cost_lines
 
 CARD = "README.md"
@@ -300,9 +300,8 @@ def _serving_k(export: dict[str, Any], report: dict[str, Any] | None) -> tuple[i
     measured load; made from the rows of a report written before eyas named it), else the export's."""
     rec = _recommended(report)
     if rec:
-        at = ", ".join(f"{x:.2f}x at {c}" for c, x in rec["speedup"].items())
         return int(rec["k"]), (
-            f"of the k measured, the fastest at its slowest load ({at} concurrent requests"
+            f"of the k measured, the fastest at its slowest load ({speedups_at(rec)} concurrent requests"
             + ("" if rec["pays"] else "; slower than without the draft at the slowest")
             + ")"
             + (
