@@ -244,7 +244,7 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
         records = _answer(cfg, ctx, settings, pool=lambda todo: iter(()))
         return Answers(
             {k: records},
-            {**saved["extra"], "serving_speed": _with_plain(speed, plain), "wall_seconds_this_run": 0.0},
+            {**saved["extra"], "serving_speed": _with_plain(speed, plain, k=k), "wall_seconds_this_run": 0.0},
         )
     if answered and speed and state.get("extra"):
         # an earlier run answered and timed the draft, then stopped while timing serving without it:
@@ -273,12 +273,13 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
                 speed,
                 [_speed_point(eng, cfg, ctx, prompts, c) for c in concurrency],
                 shared=False,
+                k=k,
             )
             if cfg.speed_profile_steps:
                 speed["plain_profile"] = _profile(eng, cfg, ctx, prompts, "plain")
     elif cfg.temperature <= 0 and ctx.plain_answers is not None and ctx.plain_answers.is_file():
         extra = {**extra, "greedy_vs_plain": greedy_vs_plain(records, _read_plain_answers(ctx.plain_answers))}
-    speed = _with_plain(speed, plain)
+    speed = _with_plain(speed, plain, k=k)
     keep(extra, speed)
     return Answers({k: records}, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall})
 
@@ -469,10 +470,11 @@ def _export_for_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Path:
 
 
 def _with_plain(
-    speed: dict[str, Any] | None, plain: list[dict[str, Any]] | None, shared: bool = True
+    speed: dict[str, Any] | None, plain: list[dict[str, Any]] | None, shared: bool = True, k: int | None = None
 ) -> dict[str, Any] | None:
     """``speed`` with ``plain`` as its serving without the draft and the speedup at each concurrency;
-    ``shared``: ``plain`` is the -k run's (timed once for every k), not this run's own."""
+    ``shared``: ``plain`` is the -k run's (timed once for every k), not this run's own; ``k`` names
+    the draft's points in a warning."""
     from eyas.evaluate.report import host_speeds_mixed
 
     if not speed or plain is None:
@@ -488,7 +490,8 @@ def _with_plain(
         speed["host_probe_ratio"] = drift
         if host_speeds_mixed(drift):
             warnings.warn(
-                f"the host ran a fixed CPU workload {drift:.2f}x as long during the draft's points as during "
+                ("" if k is None else f"k={k}: ")
+                + f"the host ran a fixed CPU workload {drift:.2f}x as long during the draft's points as during "
                 "the baseline's: the speedups mix two host speeds (a busy or throttled machine); time them again",
                 stacklevel=2,
             )
