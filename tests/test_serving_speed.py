@@ -501,16 +501,13 @@ def test_speedups_timed_at_two_host_speeds_are_named():
     rows = _rows({3: {1: 1.48, 32: 1.52}, 4: {1: 1.52, 32: 1.06}}, {3: 1.17, 4: 0.78})
     report = {"serving_speed_by_k": rows, "recommended_k": recommended_k(rows)}
     assert not report["recommended_k"]["host_speeds_mixed"]
-    lines = recommended_k_lines(report)
+    lines = recommended_k_lines(report["recommended_k"], rows)
     assert lines[0] == "vllm serving: serve with k=3, the best at its slowest load (1.48x at 1, 1.52x at 32 concurrent)"
     assert lines[1].startswith("vllm serving: timed at two host speeds (host probe ratio k=4 0.78, outside 0.83-1.20)")
     flagged = recommended_k(_rows({3: {1: 1.48, 32: 1.52}}, {3: 1.3}))
     assert (
         flagged["host_speeds_mixed"]
-        and "k=3 1.30"
-        in recommended_k_lines(
-            {"serving_speed_by_k": _rows({3: {1: 1.48, 32: 1.52}}, {3: 1.3}), "recommended_k": flagged}
-        )[1]
+        and "k=3 1.30" in recommended_k_lines(flagged, _rows({3: {1: 1.48, 32: 1.52}}, {3: 1.3}))[1]
     )
 
 

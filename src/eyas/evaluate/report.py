@@ -171,14 +171,14 @@ def recommended_k(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     full = {k: rs for k, rs in by_k.items() if sorted(rs) == concurrencies}
     if not full:
         return None
-    k = max(sorted(full), key=lambda k: min(r["speedup"] for r in full[k].values()))
-    worst = min(r["speedup"] for r in full[k].values())
+    worst = {k: min(r["speedup"] for r in rs.values()) for k, rs in full.items()}
+    k = max(sorted(worst), key=worst.__getitem__)
     ratio = next(iter(full[k].values())).get("host_probe_ratio")
     return {
         "k": k,
         "speedup": {str(c): full[k][c]["speedup"] for c in concurrencies},
-        "worst": worst,
-        "pays": worst > 1.0,
+        "worst": worst[k],
+        "pays": worst[k] > 1.0,
         # its points and the baseline's at two host speeds: its speedups to be timed again
         "host_speeds_mixed": host_speeds_mixed(ratio),
     }
@@ -316,7 +316,8 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
         if key.startswith("k") and key[1:].isdigit():  # also_k: that k's own reports, in OUT/k<N>/
             lines += summary_lines(rep, Path(out) / key, top=False)
     lines += best_k_lines(reports.get("vllm", {}).get("best_k") or {})
-    lines += recommended_k_lines(reports.get("vllm", {}))
+    vllm = reports.get("vllm", {})
+    lines += recommended_k_lines(vllm.get("recommended_k"), vllm.get("serving_speed_by_k") or [])
     lines += step_cost_lines(reports.get("vllm", {}).get("step_cost") or {})
     if top:
         lines.append(f"reports (report.json, acceptance_per_position.png, tau_per_category.png) in {out}")
@@ -342,16 +343,15 @@ def speedups_at(rec: dict[str, Any]) -> str:
     return ", ".join(f"{x:.2f}x at {c}" for c, x in rec["speedup"].items())
 
 
-def recommended_k_lines(report: dict[str, Any]) -> list[str]:
-    """The k to serve with (:func:`recommended_k`), and each k whose speedups mix two host speeds."""
+def recommended_k_lines(rec: dict[str, Any] | None, rows: list[dict[str, Any]]) -> list[str]:
+    """The k to serve with (:func:`recommended_k`), and each k of ``rows`` (``serving_speed_by_k``)
+    whose speedups mix two host speeds."""
     lines = []
-    rec = report.get("recommended_k")
     if rec and len(rec["speedup"]) > 1:  # at one concurrency it is that concurrency's best k
         lines.append(
             f"vllm serving: serve with k={rec['k']}, the best at its slowest load ({speedups_at(rec)} concurrent)"
             + ("" if rec["pays"] else "; it slows the slowest load down")
         )
-    rows = report.get("serving_speed_by_k") or []
     mixed = sorted({r["k"]: r for r in rows if host_speeds_mixed(r.get("host_probe_ratio"))}.items())
     if mixed:
         lines.append(

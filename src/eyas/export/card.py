@@ -270,8 +270,7 @@ def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> lis
                 "without the draft at this load"
             )
         )
-    rec = {"recommended_k": _recommended(report), "serving_speed_by_k": rows}
-    lines += [f"- {ln.removeprefix('vllm serving: ')}" for ln in recommended_k_lines(rec)]
+    lines += [f"- {ln.removeprefix('vllm serving: ')}" for ln in recommended_k_lines(_recommended(report), rows)]
     costs = report.get("step_cost") or {}
     if costs:
         lines += [
