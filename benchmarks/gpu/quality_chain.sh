@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 32's four phases (gpu_job.sh quality) one after another in one job, to be started by
+# detach.sh and followed by watch.sh calls:
+#
+#   source benchmarks/gpu/use_snapshot.sh && VLLM_CHECK=0 Q_BUDGET_S=300 Q_EVERY_S=60 CHAIN_S=1400 \
+#     bash benchmarks/gpu/detach.sh q bash benchmarks/gpu/quality_chain.sh
+#
+# The data (QTRAIN= : the store and speculators' copy), speculators' run, eyas's run, the rest (the
+# replays and the pairs), each with its own BUDGET_S and OUT/<phase>. CHAIN_S caps the whole chain:
+# a phase gets at most what is left of it, and none starts with under 60 s. A failed data phase ends
+# the chain (the trainers need its store); a failed trainer does not (the rest phase evaluates what
+# exists).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+T0=$(date +%s)
+ROOT=${OUT:?OUT: where the phases write (detach.sh sets it)}
+phase() {  # phase NAME BUDGET_S QPHASE QTRAIN
+  local left=$(( ${CHAIN_S:-1400} - ($(date +%s) - T0) )) b=$2
+  (( b > left )) && b=$left
+  if (( b < 60 )); then echo "chain: $1 not started, $left s of CHAIN_S left"; return 1; fi
+  echo "chain: $1 for $b s at $(date +%T)"
+  OUT=$ROOT/$1 QPHASE=$3 QTRAIN=$4 BUDGET_S=$b bash benchmarks/gpu/gpu_job.sh quality
+  local rc=$?
+  echo "chain: $1 ended with status $rc at $(date +%T)"
+  return $rc
+}
+phase data "${Q_DATA_S:-300}" main "" || exit 1
+phase speculators "${Q_SPEC_S:-560}" main speculators
+phase eyas "${Q_EYAS_S:-500}" main eyas
+phase rest "${Q_REST_S:-420}" rest
