@@ -21,7 +21,7 @@ if [ -f "$D/pid" ] && [ ! -f "$D/rc" ] && kill -0 "$(cat "$D/pid")" 2>/dev/null;
 fi
 rm -rf "$D" && mkdir -p "$D/out" "$D/tree"
 # the tree without the carried parts, which setup.sh has parked by now
-tar -cf - --exclude=./.carry --exclude=./.git . | tar -xf - -C "$D/tree"
+tar -cf - --exclude=./.carry --exclude=./.git --exclude=./.venv . | tar -xf - -C "$D/tree"
 date +%s > "$D/t0"
 (
   cd "$D/tree" || exit 1
