@@ -65,7 +65,9 @@ mkdir -p "$OUT"
 # The console (the call's reply) follows the file without progress bars, which would fill it and
 # take long to read while the machine waits for the next call
 touch "$OUT/log.txt"
-tail -n +1 -f --pid=$$ "$OUT/log.txt" | tr '\r' '\n' | grep --line-buffered -v -E '%\||\[[0-9]{2}:[0-9]{2}[<,]' &
+# (tr line-buffered: under detach.sh the console is a file that watch.sh reads as the job goes)
+LB=$(command -v stdbuf >/dev/null && echo "stdbuf -oL")
+tail -n +1 -f --pid=$$ "$OUT/log.txt" | $LB tr '\r' '\n' | grep --line-buffered -v -E '%\||\[[0-9]{2}:[0-9]{2}[<,]' &
 exec >> "$OUT/log.txt" 2>&1
 source benchmarks/gpu/setup.sh
 cd "$REPO"

@@ -14,12 +14,13 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
 ROOT=${OUT:?OUT: where the phases write (detach.sh sets it)}
-phase() {  # phase NAME BUDGET_S QPHASE QTRAIN
+phase() {  # phase NAME BUDGET_S QPHASE [QTRAIN] (without it, gpu_job.sh's default: both trainers)
   local left=$(( ${CHAIN_S:-1400} - ($(date +%s) - T0) )) b=$2
   (( b > left )) && b=$left
   if (( b < 60 )); then echo "chain: $1 not started, $left s of CHAIN_S left"; return 1; fi
   echo "chain: $1 for $b s at $(date +%T)"
-  OUT=$ROOT/$1 QPHASE=$3 QTRAIN=$4 BUDGET_S=$b bash benchmarks/gpu/gpu_job.sh quality
+  if [ $# -ge 4 ]; then export QTRAIN=$4; else unset QTRAIN; fi
+  OUT=$ROOT/$1 QPHASE=$3 BUDGET_S=$b bash benchmarks/gpu/gpu_job.sh quality
   local rc=$?
   echo "chain: $1 ended with status $rc at $(date +%T)"
   return $rc
