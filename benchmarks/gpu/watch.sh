@@ -21,7 +21,8 @@ sample() {
 end=$(( $(date +%s) + S ))
 while [ ! -f "$D/rc" ] && [ "$(date +%s)" -lt "$end" ]; do
   sample
-  sleep "$(( end - $(date +%s) < 10 ? (end - $(date +%s) > 0 ? end - $(date +%s) : 0) : 10 ))"
+  left=$(( end - $(date +%s) ))
+  sleep "$(( left > 10 ? 10 : (left > 0 ? left : 0) ))"
 done
 sample
 off=$(cat "$D/offset" 2>/dev/null || echo 0)

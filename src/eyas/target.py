@@ -532,10 +532,10 @@ def _gguf_parsed_once() -> Iterator[None]:
     """Within it, every ``gguf.GGUFReader`` of one file is the same parse, and every tensor-name map
     of one architecture and depth the same map. transformers reads the GGUF anew for the tokenizer,
     the config and the weights, and eyas once more for the special tokens; a read builds every
-    metadata field in Python (seconds for a large vocabulary), and transformers builds the name map
-    once per module. Both are read-only after they are built. Readers are looked up at call time
-    (``from gguf import GGUFReader`` inside transformers' functions), so the module's attributes
-    are what to replace; they are restored on the way out."""
+    metadata field in Python, slow for a large vocabulary (benchmarks/target_conversion.md), and
+    transformers builds the name map once per module. Both are read-only after they are built.
+    Readers are looked up at call time (``from gguf import GGUFReader`` inside transformers'
+    functions), so the module's attributes are what to replace; they are restored on the way out."""
     import gguf as gguf_pkg
 
     real_reader, real_map = gguf_pkg.GGUFReader, getattr(gguf_pkg, "get_tensor_name_map", None)
