@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Follow a job of detach.sh for at most SECONDS (default 50, less once it ends): every 10 s a line of
-# the machine's state (memory used and available, /dev/shm and / used, the largest process), then
-# the job's console since the last watch (no progress bars), and its OUT so far as NAME.tgz in this
-# call's OUT. Exit status: the job's once it has ended, else 0 ("running"); 2 for no such job.
+# the machine's state (memory used and available, the GPU's memory and load, /dev/shm and / used, the
+# largest process), then the job's console since the last watch (no progress bars), and its OUT so
+# far as NAME.tgz in this call's OUT. Exit status: the job's once it has ended, else 0 ("running");
+# 2 for no such job.
 #
 #   bash benchmarks/gpu/watch.sh NAME [SECONDS]
 set -uo pipefail
@@ -13,8 +14,9 @@ D=${BG_ROOT:-/root/bg}/$NAME
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 sample() {
-  printf '%s job %ss: mem %s; shm %s, / %s used; top %s\n' "$(date +%T)" "$(( $(date +%s) - $(cat "$D/t0") ))" \
+  printf '%s job %ss: mem %s; gpu %s; shm %s, / %s used; top %s\n' "$(date +%T)" "$(( $(date +%s) - $(cat "$D/t0") ))" \
     "$(free -m | awk '/^Mem/ {print $3 " MiB used, " $7 " MiB available"}')" \
+    "$(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null | head -1 || echo -)" \
     "$(df -h --output=used /dev/shm | tail -1 | tr -d ' ')" "$(df -h --output=used / | tail -1 | tr -d ' ')" \
     "$(ps -eo rss=,args= --sort=-rss | head -1 | awk '{printf "%d MiB ", $1 / 1024; $1 = ""; print}' | cut -c1-90)"
 }
