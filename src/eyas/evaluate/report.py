@@ -294,13 +294,14 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
             f"{label}tau builtin vs vllm: relative difference {c['tau_relative_difference']:.3f}, "
             f"identical outputs {c['identical_outputs']}/{c['prompts']}"
         )
-    g = reports.get("vllm", {}).get("greedy_vs_plain")
+    vllm = reports.get("vllm", {})
+    g = vllm.get("greedy_vs_plain")
     if g and g["turns"]:
         lines.append(
             f"{label}vllm greedy answers identical with and without the draft: {g['identical']}/{g['turns']} "
             f"turns ({g['first_turns_identical']}/{g['first_turns']} first turns)"
         )
-    speed = reports.get("vllm", {}).get("serving_speed")
+    speed = vllm.get("serving_speed")
     for d, p in zip(speed["draft"], speed.get("plain", [])) if speed else ():
         lines.append(
             f"{label}vllm serving, {d['concurrency']} concurrent: {d['tokens_per_s']:.0f} tok/s with "
@@ -315,10 +316,9 @@ def summary_lines(reports: dict[str, Any], out: Path, top: bool = True) -> list[
     for key, rep in reports.items():
         if key.startswith("k") and key[1:].isdigit():  # also_k: that k's own reports, in OUT/k<N>/
             lines += summary_lines(rep, Path(out) / key, top=False)
-    lines += best_k_lines(reports.get("vllm", {}).get("best_k") or {})
-    vllm = reports.get("vllm", {})
+    lines += best_k_lines(vllm.get("best_k") or {})
     lines += recommended_k_lines(vllm.get("recommended_k"), vllm.get("serving_speed_by_k") or [])
-    lines += step_cost_lines(reports.get("vllm", {}).get("step_cost") or {})
+    lines += step_cost_lines(vllm.get("step_cost") or {})
     if top:
         lines.append(f"reports (report.json, acceptance_per_position.png, tau_per_category.png) in {out}")
     return lines
