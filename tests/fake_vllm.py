@@ -10,6 +10,7 @@ every speed point timed is recorded in ``STARTED`` / ``TIMED``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 TOKEN = 100  # an ordinary token of tests/tiny.py's tokenizer (no stop token)
@@ -19,6 +20,7 @@ STARTED: list[int | None] = []  # the k of each engine started (None: without th
 OPTIONS: list[dict[str, Any]] = []  # the speculative options each engine started with
 TIMED: list[dict[str, Any]] = []  # each speed point: k, concurrency, min_seconds, min_waves
 PROFILED: list[int | None] = []  # the k of each engine asked for a profile
+START_SECONDS: dict[int | None, float] = {}  # how long an engine of this k takes to start (default 0)
 
 
 class FakeVllmEngine:
@@ -39,6 +41,7 @@ class FakeVllmEngine:
         self.k = k if draft_dir is not None else None
         self.opts = {"k": k, "draft": str(draft_dir) if draft_dir is not None else None}
         STARTED.append(self.k)
+        time.sleep(START_SECONDS.get(self.k, 0.0))
         OPTIONS.append(dict(speculative_options or {}))
         self.info = {"vllm": "fake-0.0", "load_seconds": 0.0}
 
@@ -114,5 +117,6 @@ def use(monkeypatch, tokens_per_s: dict[tuple[int | None, int], float]) -> None:
     OPTIONS.clear()
     TIMED.clear()
     PROFILED.clear()
+    START_SECONDS.clear()
     monkeypatch.setattr(vm, "VllmEngine", FakeVllmEngine)
     monkeypatch.setattr(vm, "find_vllm_python", lambda spec=None: Path("/fake/vllm/python"))

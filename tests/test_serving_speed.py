@@ -361,6 +361,25 @@ def test_a_run_stopped_while_timing_the_baseline_resumes_without_the_drafts_engi
     assert again["vllm"]["best_k"] == reports["vllm"]["best_k"]
 
 
+def test_the_time_a_later_k_is_given_leaves_out_the_baseline(drafted, evaluated, tmp_path, monkeypatch):
+    """Under EYAS_STOP_AT a further k starts only if a part like the longest so far fits; the -k
+    run's engine without the draft is not such a part (the later k reuse its speed and answers), so a
+    slow baseline does not keep the next k from starting."""
+    from eyas import deadline
+
+    target, work = drafted
+    _, _, qfile = evaluated
+    fake_vllm.use(monkeypatch, SPEEDS)
+    fake_vllm.START_SECONDS[None] = 3.0  # the baseline's engine: slower than all else in this run
+    needs = []
+    monkeypatch.setattr(deadline, "check", lambda need_s, what: needs.append((what, need_s)))
+    reps = _evaluate(target, work / "run" / "draft", qfile, tmp_path / "eval")
+    assert [what for what, _ in needs] == ["k=1", "k=3"]
+    assert all(0 < need < 3.0 for _, need in needs), needs
+    assert reps["vllm"]["plain_seconds_this_run"] >= 3.0
+    assert reps["k1"]["vllm"]["plain_seconds_this_run"] == 0.0  # the later k start no baseline
+
+
 def test_speculative_options_reach_the_engine_the_report_and_the_card(drafted, evaluated, tmp_path, monkeypatch):
     """--speculative-options: every draft engine gets them (the one without the draft does not), the
     records of the default run are not mixed with them, the report records them and the export's

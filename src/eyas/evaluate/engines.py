@@ -254,6 +254,7 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
         records, extra, wall, speed = _run_draft_engine(cfg, ctx, python, settings, concurrency, plan, prompts, speed)
         # kept before the baseline's engine starts: a run stopped there resumes without the draft's
         keep(extra, speed)
+    plain_wall, t_plain = 0.0, time.perf_counter()
     if speed and plain is None and "plain" not in speed:
         # the same prompts without the draft, once the draft's engine is gone
         with VllmEngine(
@@ -277,11 +278,16 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
             )
             if cfg.speed_profile_steps:
                 speed["plain_profile"] = _profile(eng, cfg, ctx, prompts, "plain")
+        plain_wall = round(time.perf_counter() - t_plain, 1)
     elif cfg.temperature <= 0 and ctx.plain_answers is not None and ctx.plain_answers.is_file():
         extra = {**extra, "greedy_vs_plain": greedy_vs_plain(records, _read_plain_answers(ctx.plain_answers))}
     speed = _with_plain(speed, plain, k=k)
     keep(extra, speed)
-    return Answers({k: records}, {**extra, "serving_speed": speed, "wall_seconds_this_run": wall})
+    # the baseline's seconds apart: the later k of this run reuse it (their time estimate in _also_k)
+    return Answers(
+        {k: records},
+        {**extra, "serving_speed": speed, "wall_seconds_this_run": wall, "plain_seconds_this_run": plain_wall},
+    )
 
 
 def _speed_point(eng: Any, cfg: EvaluateConfig, ctx: EngineContext, prompts: list[list[int]], c: int) -> dict:
