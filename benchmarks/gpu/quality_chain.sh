@@ -9,7 +9,9 @@
 # replays and the pairs), each with its own BUDGET_S and OUT/<phase>. CHAIN_S caps the whole chain:
 # a phase gets at most what is left of it, and none starts with under 60 s. A failed data phase ends
 # the chain (the trainers need its store); a failed trainer does not (the rest phase evaluates what
-# exists).
+# exists). Q_TRAINERS (default "speculators eyas") picks the trainers: one a session where the device
+# time holds one run only; the rest phase evaluates the runs there are, and pair_runs.py pairs two
+# sessions' runs here.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 T0=$(date +%s)
@@ -25,7 +27,13 @@ phase() {  # phase NAME BUDGET_S QPHASE [QTRAIN] (without it, gpu_job.sh's defau
   echo "chain: $1 ended with status $rc at $(date +%T)"
   return $rc
 }
+TRAINERS=${Q_TRAINERS-speculators eyas}
+for t in $TRAINERS; do
+  case $t in speculators|eyas) ;; *) echo "chain: Q_TRAINERS='$TRAINERS': '$t' is no trainer (speculators, eyas)"; exit 2 ;; esac
+done
 phase data "${Q_DATA_S:-300}" main "" || exit 1
-phase speculators "${Q_SPEC_S:-560}" main speculators
-phase eyas "${Q_EYAS_S:-500}" main eyas
+for t in $TRAINERS; do
+  if [ "$t" = speculators ]; then phase speculators "${Q_SPEC_S:-560}" main speculators
+  else phase eyas "${Q_EYAS_S:-500}" main eyas; fi
+done
 phase rest "${Q_REST_S:-420}" rest
