@@ -27,13 +27,13 @@ phase() {  # phase NAME BUDGET_S QPHASE [QTRAIN] (without it, gpu_job.sh's defau
   echo "chain: $1 ended with status $rc at $(date +%T)"
   return $rc
 }
+budget_of() {  # a trainer's phase budget; fails for a name that is no trainer
+  case $1 in speculators) echo "${Q_SPEC_S:-560}" ;; eyas) echo "${Q_EYAS_S:-500}" ;; *) return 1 ;; esac
+}
 TRAINERS=${Q_TRAINERS-speculators eyas}
 for t in $TRAINERS; do
-  case $t in speculators|eyas) ;; *) echo "chain: Q_TRAINERS='$TRAINERS': '$t' is no trainer (speculators, eyas)"; exit 2 ;; esac
+  budget_of "$t" >/dev/null || { echo "chain: Q_TRAINERS='$TRAINERS': '$t' is no trainer (speculators, eyas)"; exit 2; }
 done
 phase data "${Q_DATA_S:-300}" main "" || exit 1
-for t in $TRAINERS; do
-  if [ "$t" = speculators ]; then phase speculators "${Q_SPEC_S:-560}" main speculators
-  else phase eyas "${Q_EYAS_S:-500}" main eyas; fi
-done
+for t in $TRAINERS; do phase "$t" "$(budget_of "$t")" main "$t"; done
 phase rest "${Q_REST_S:-420}" rest

@@ -254,9 +254,10 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
         records, extra, wall, speed = _run_draft_engine(cfg, ctx, python, settings, concurrency, plan, prompts, speed)
         # kept before the baseline's engine starts: a run stopped there resumes without the draft's
         keep(extra, speed)
-    plain_wall, t_plain = 0.0, time.perf_counter()
+    plain_wall = 0.0
     if speed and plain is None and "plain" not in speed:
         # the same prompts without the draft, once the draft's engine is gone
+        t_plain = time.perf_counter()
         with VllmEngine(
             python,
             ctx.target.path,
