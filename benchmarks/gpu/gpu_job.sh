@@ -278,7 +278,7 @@ case $STEP in
         ${STREAM_EVAL:+--evaluate "$EVALUATE"}
     else
       step fp8tau timeout -s INT "$(budget 540)" python3 benchmarks/fp8_store.py tau --data "$PREP" \
-        --store-dir "$SHM" --json "$OUT/fp8_tau_h200.json" --extract "--layers $LAYERS --device cuda" \
+        --store-dir "$SHM" --json "$OUT/fp8_tau.json" --extract "--layers $LAYERS --device cuda" \
         --train "$TRAIN" --evaluate "$EVALUATE"
     fi
     ;;
