@@ -294,3 +294,93 @@ def test_spec_train_stopped_and_resumed_ends_as_one_run(tiny_store, tiny_llama_d
     a = load_file(str(Path(one["checkpoint"]) / "model.safetensors"))
     b = load_file(str(Path(rest["checkpoint"]) / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _spec_train_cmd(tmp: Path, store: Path, tiny_llama_dir, name: str, *args: str) -> tuple[list[str], Path]:
+    import to_speculators
+
+    data = tmp / f"spec_data_{name}"
+    if not data.exists():
+        to_speculators.convert(store, None, data, threads=2, progress=False)
+    out = tmp / f"st_{name}"
+    cmd = ["--cpu", "--verifier", str(tiny_llama_dir), "--data", str(data), "--out", str(out), *args]
+    return cmd, out
+
+
+@needs_spec
+def test_spec_train_failing_mid_run_records_its_whole_saves(tiny_store, tiny_llama_dir):
+    """benchmarks/quality/spec_train.py when speculators' trainer fails mid-run (in session 21 a
+    SIGTERM to the process group killed its loader's worker and the trainer died in its interrupt
+    save): the record is still written, says it failed, and names the saves made whole before, the
+    last of them as the draft to evaluate, never the save the failure cut."""
+    from safetensors.torch import load_file
+
+    tmp, _, store = tiny_store
+    args, out = _spec_train_cmd(
+        tmp, store, tiny_llama_dir, "failing", "--num-workers", "0", "--budget-s", "600", "--probe-steps", "0",
+        "--epochs", "1000", "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
+    )  # fmt: skip
+    # speculators' own save fails on its fourth call, as the loader's signal handler made it fail
+    wrapper = tmp / "failing_spec_train.py"
+    wrapper.write_text(
+        "import runpy, sys\n"
+        "import speculators.train.trainer as tr\n"
+        "orig, calls = tr.Trainer.maybe_save_checkpoint, []\n"
+        "def save(self, epoch, local_step=0):\n"
+        "    calls.append(epoch)\n"
+        "    if len(calls) == 4:\n"
+        "        raise RuntimeError('DataLoader worker (pid 1) is killed by signal: Terminated.')\n"
+        "    return orig(self, epoch, local_step=local_step)\n"
+        "tr.Trainer.maybe_save_checkpoint = save\n"
+        f"sys.argv = [{str(ROOT / 'benchmarks' / 'quality' / 'spec_train.py')!r}] + sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    r = subprocess.run([str(SPEC_PY), str(wrapper), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 1, r.stderr[-3000:]
+    rec = json.loads((out / "spec_train.json").read_text())
+    assert "killed by signal" in rec["error"] and rec["run"]["error"] == rec["error"]
+    at = rec["run"]["ckpt_at"]
+    assert len(at) == 4 and "kept" not in at[-1]  # the failed save left no copy
+    kept = [c["kept"] for c in at[:3]]
+    assert rec["checkpoint"] == kept[-1]
+    for k in kept:
+        assert load_file(str(Path(k) / "model.safetensors"))
+
+
+@needs_spec
+def test_spec_train_killed_with_its_process_group_keeps_its_saves(tiny_store, tiny_llama_dir):
+    """spec_train.py under run_quality's deadline, a real SIGTERM to its whole process group (its
+    loader's worker included): whether the trainer then saves its interrupt checkpoint or fails
+    (a race), the record is written and names a whole checkpoint to evaluate and every kept save."""
+    import signal
+    import time
+
+    from safetensors.torch import load_file
+
+    tmp, _, store = tiny_store
+    args, out = _spec_train_cmd(
+        tmp, store, tiny_llama_dir, "killed", "--num-workers", "1", "--budget-s", "600", "--probe-steps", "0",
+        "--epochs", "1000", "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
+    )  # fmt: skip
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    cmd = [str(SPEC_PY), str(ROOT / "benchmarks" / "quality" / "spec_train.py"), *args]
+    with (tmp / "st_killed.log").open("w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.time() + 300
+            while len(list((out / "kept").glob("step-*"))) < 3 and time.time() < deadline and p.poll() is None:
+                time.sleep(0.2)
+            assert p.poll() is None, (tmp / "st_killed.log").read_text()[-3000:]
+            os.killpg(p.pid, signal.SIGTERM)
+            rc = p.wait(timeout=120)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert rc in (0, 1), (tmp / "st_killed.log").read_text()[-3000:]
+    rec = json.loads((out / "spec_train.json").read_text())
+    kept = [c["kept"] for c in rec["run"]["ckpt_at"] if c.get("kept")]
+    assert len(kept) >= 3
+    assert rec["checkpoint"] in (str(out / "run" / "interrupted"), kept[-1])
+    for k in [*kept, rec["checkpoint"]]:
+        assert load_file(str(Path(k) / "model.safetensors"))

@@ -27,8 +27,10 @@ phase() {  # phase NAME BUDGET_S QPHASE [QTRAIN] (without it, gpu_job.sh's defau
   echo "chain: $1 ended with status $rc at $(date +%T)"
   return $rc
 }
+# speculators' phase: its probe (whose first step compiles, a minute or two on an H100), its run's
+# own first step, Q_BUDGET_S of steps and its saves (../gpu_job.md, session 21)
 budget_of() {  # a trainer's phase budget; fails for a name that is no trainer
-  case $1 in speculators) echo "${Q_SPEC_S:-560}" ;; eyas) echo "${Q_EYAS_S:-500}" ;; *) return 1 ;; esac
+  case $1 in speculators) echo "${Q_SPEC_S:-700}" ;; eyas) echo "${Q_EYAS_S:-500}" ;; *) return 1 ;; esac
 }
 TRAINERS=${Q_TRAINERS-speculators eyas}
 for t in $TRAINERS; do

@@ -520,6 +520,8 @@ def _spec_finish(r: Runner, a, work: Path, res: dict, ps: subprocess.Popen, time
     sj = work / "spec_main" / "spec_train.json"
     sm = json.loads(sj.read_text()) if sj.is_file() else {"error": f"rc={ps.returncode}, see logs/spec_main.log"}
     res["spec_main"] = sm
+    if sm.get("error") and sm.get("checkpoint"):
+        log(f"spec_main: failed ({sm['error']}); its last whole save stands as its draft: {sm['checkpoint']}")
     if sm.get("stopped"):  # a session's stop, not the trained draft: a later --spec-resume ends it
         log(f"spec_main: stopped at {sm['stopped']}; continue it with --spec-resume")
     elif sm.get("checkpoint"):

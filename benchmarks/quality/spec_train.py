@@ -23,7 +23,9 @@ covers the remaining training, its validation epochs and its checkpoints. The fi
 epoch's compilation is compilation too: the timer gets it as an allowance (``allowance_s``:
 first minus steady validation time in the probe, or ``--allowance-s`` without a probe), and the
 plan does not spend it. Writes ``OUT/spec_train.json`` with the plan, timings and the
-checkpoint directory to evaluate.
+checkpoint directory to evaluate, also where the trainer fails (a SIGTERM to the whole process
+group, as run_quality's deadline sends, kills its data loader's workers): then ``"error"`` says
+why, the checkpoint is the last ``--keep-saves`` copy (null without one) and the exit status is 1.
 
 A run can span sessions (speculators_resume.md, section 5); none of this is on by default:
 - ``--save-every-s S``: at the first step boundary S seconds after the first step or the last
@@ -92,6 +94,7 @@ class Probe:
         self.last_save: float | None = None  # perf_counter at the end of the last numbered save
         # budget seconds spent by earlier sessions of a resumed run: ckpt_at's times continue them
         self.clock_offset_s = 0.0
+        self.error: str | None = None  # what ended the trainer, where it did not return
 
     def summary(self) -> dict:
         d = [b - a for a, b in zip(self.steps, self.steps[1:])]
@@ -107,6 +110,7 @@ class Probe:
             "ckpt_at": self.ckpt_at,
             "steps_per_epoch": len(self.trainer.train_loader) if self.trainer is not None else None,
             "interrupted": self.interrupted,
+            "error": self.error,
         }
 
 
@@ -218,11 +222,15 @@ def instrument(probe: Probe, budget_s: float | None, cpu: bool, session: Session
         if session.save_every_s is not None or session.stop_after_s is not None or probe.clock_offset_s:
             at |= {"local_step": local_step, "global_step": self.global_step}
         probe.ckpt_at.append(at)
+        saved = False
         try:
-            return orig["maybe_save_checkpoint"](self, epoch, local_step=local_step)
+            out = orig["maybe_save_checkpoint"](self, epoch, local_step=local_step)
+            saved = True
+            return out
         finally:
             probe.ckpt_s.append(time.perf_counter() - t)
-            if session.keep_dir is not None and epoch != "interrupted":
+            # only a save that returned: one cut by a failure may be partial
+            if session.keep_dir is not None and epoch != "interrupted" and saved:
                 at["kept"] = _keep(self.checkpointer.path / str(epoch), session.keep_dir / f"step-{self.global_step}")
             probe.last_save = time.perf_counter()
             if epoch == "interrupted":
@@ -353,6 +361,11 @@ def run_once(
         main(TrainConfig.resolve(argv))
     except SessionStop as e:
         print(f"spec_train: {e}", file=sys.stderr)
+    except Exception as e:
+        # e.g. a SIGTERM to the whole process group (run_quality's deadline): the data loader's
+        # workers die with it and the trainer fails mid-save. The saves made so far still count
+        probe.error = f"{type(e).__name__}: {e}"
+        print(f"spec_train: the trainer failed: {probe.error}", file=sys.stderr)
     finally:
         restore(saved)
     return probe
@@ -544,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             "--no-resume-from-checkpoint",
         ]
         p = run_once(pa, None, a.cpu, Session(fp32=a.fp32_checkpoints)).summary()
+        if p["error"]:
+            print(f"spec_train: the probe failed ({p['error']}); nothing to plan from", file=sys.stderr)
+            return 1
         p["wall_s"] = time.perf_counter() - t0
         result["probe"] = p
         result["plan"] = plan(a.budget_s, p, save_every_s=a.save_every_s, stop=a.stop_after_s is not None)
@@ -567,7 +583,14 @@ def main(argv: list[str] | None = None) -> int:
     result["run"] = s
     # null: the trainer returned (finished, or cut by the budget timer); else where it stopped
     result["stopped"] = probe.stopped
-    ck = final_checkpoint(run_dir)
+    if probe.error is None:
+        ck = final_checkpoint(run_dir)
+    else:
+        # a save under way when the trainer failed may be partial; a kept copy is whole (made by rename)
+        result["error"] = probe.error
+        kept = [c["kept"] for c in probe.ckpt_at if c.get("kept")]
+        ck = Path(kept[-1]) if kept else None
+        print(f"spec_train: the run failed; its draft is its last kept save: {ck}", file=sys.stderr)
     result["checkpoint"] = str(ck) if ck else None
     result["argv"] = ra
     tmp = out / "spec_train.json.tmp"
@@ -580,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     if ck is None:
         print("spec_train: no checkpoint was written", file=sys.stderr)
         return 1
-    return 0
+    return 1 if probe.error else 0
 
 
 if __name__ == "__main__":
