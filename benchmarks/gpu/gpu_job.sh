@@ -272,15 +272,22 @@ case $STEP in
     EVALUATE="--device cuda --dtype bfloat16 -k $K --also-k 3,7 --max-new-tokens $TOKENS"  # paired at each k
     if [ "$STEP" = stream ]; then
       # STREAM_EVAL=1: the three drafts by replay too, online and vllm against offline, paired
+      EVALS=$SHM/stream
       step stream timeout -s INT "$(budget 540)" python3 benchmarks/train_stream_bench.py \
         --data "$PREP" --vllm-python "$EYAS_VLLM_PYTHON" --out "$SHM/stream" --buffer-gb 2 \
         --json "$OUT/train_stream_h200.json" --extract-args "--dtype bf16" --train "$TRAIN --quiet" \
         ${STREAM_EVAL:+--evaluate "$EVALUATE"}
     else
+      EVALS=$SHM/eyas-fp8-tau
       step fp8tau timeout -s INT "$(budget 540)" python3 benchmarks/fp8_store.py tau --data "$PREP" \
         --store-dir "$SHM" --json "$OUT/fp8_tau.json" --extract "--layers $LAYERS --device cuda" \
         --train "$TRAIN" --evaluate "$EVALUATE"
     fi
+    r=$?
+    # the replays' per-turn records (results.tgz leaves records out): summary.json's rows and their
+    # CIs are made from them here (quality/add_summary.py)
+    ls -d "$EVALS"/eval_* >/dev/null 2>&1 && tar -czf "$OUT/$STEP-evals.tgz" -C "$EVALS" $(cd "$EVALS" && ls -d eval_*)
+    (exit $r)
     ;;
   parity32)
     P=$J/prep500

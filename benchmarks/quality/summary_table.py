@@ -1,7 +1,7 @@
 """The table of every measured draft in summary.json, written into RESULTS.md between its markers.
 
-One row per draft and prompt set: tau at each k measured, with its 95% CI over questions, and what
-stands behind it (trainer, budget, steps, conversations, turns). RESULTS.md's table is this
+One row per draft and prompt set: tau at each k measured, with its 95% CI over questions ("[-]" where
+the per-turn records did not come home), and what stands behind it (trainer, budget, steps, conversations, turns). RESULTS.md's table is this
 script's output; after add_summary.py or recipe/to_summary.py:
 
     python benchmarks/quality/summary_table.py            # rewrite the table in RESULTS.md
@@ -42,7 +42,12 @@ def table(rows: list[dict]) -> str:
         ]
         for k in ks:
             r = by_k.get(k)
-            cells.append(f"{r['tau']:.3f} [{r['tau_ci_low']:.3f}, {r['tau_ci_high']:.3f}]" if r else "-")
+            if r is None:
+                cells.append("-")
+            elif r.get("tau_ci_low") is None:  # no per-turn records came home: the tau alone
+                cells.append(f"{r['tau']:.3f} [-]")
+            else:
+                cells.append(f"{r['tau']:.3f} [{r['tau_ci_low']:.3f}, {r['tau_ci_high']:.3f}]")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
