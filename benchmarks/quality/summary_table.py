@@ -1,8 +1,9 @@
 """The table of every measured draft in summary.json, written into RESULTS.md between its markers.
 
-One row per draft and prompt set: tau at each k measured, with its 95% CI over questions ("[-]" where
-the per-turn records did not come home), and what stands behind it (trainer, budget, steps, conversations, turns). RESULTS.md's table is this
-script's output; after add_summary.py or recipe/to_summary.py:
+One row per draft and prompt set: tau at each k measured, with its 95% CI over questions ("[-]"
+where the per-turn records did not come home), and what stands behind it (trainer, budget, steps,
+conversations, turns). RESULTS.md's table is this script's output; after add_summary.py or
+recipe/to_summary.py:
 
     python benchmarks/quality/summary_table.py            # rewrite the table in RESULTS.md
     python benchmarks/quality/summary_table.py --print    # print it only
