@@ -261,6 +261,17 @@ def test_speculators_checkpoint_runs_in_eyas_step_loop(tiny_store, tiny_llama_di
     assert checked == 2 * (t - 2)
 
 
+def _spec_data(tmp: Path, store: Path) -> Path:
+    """The tiny store in speculators' layout, converted once for every spec_train.py test (which
+    only read it)."""
+    import to_speculators
+
+    data = tmp / "spec_data_train"
+    if not data.exists():
+        to_speculators.convert(store, None, data, threads=2, progress=False)
+    return data
+
+
 @needs_spec
 def test_spec_train_stopped_and_resumed_ends_as_one_run(tiny_store, tiny_llama_dir):
     """benchmarks/quality/spec_train.py: a session stopped after its first step (--stop-after-s 0)
@@ -268,11 +279,8 @@ def test_spec_train_stopped_and_resumed_ends_as_one_run(tiny_store, tiny_llama_d
     fp32 checkpoints, with the very weights of one uninterrupted run."""
     from safetensors.torch import load_file
 
-    import to_speculators
-
     tmp, _, store = tiny_store
-    data = tmp / "spec_data_train"
-    to_speculators.convert(store, None, data, threads=2, progress=False)
+    data = _spec_data(tmp, store)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
 
     def spec_train(out: Path, *args: str) -> dict:
@@ -297,12 +305,8 @@ def test_spec_train_stopped_and_resumed_ends_as_one_run(tiny_store, tiny_llama_d
 
 
 def _spec_train_cmd(tmp: Path, store: Path, tiny_llama_dir, name: str, *args: str) -> tuple[list[str], Path]:
-    import to_speculators
-
-    data = tmp / f"spec_data_{name}"
-    if not data.exists():
-        to_speculators.convert(store, None, data, threads=2, progress=False)
     out = tmp / f"st_{name}"
+    data = _spec_data(tmp, store)
     cmd = ["--cpu", "--verifier", str(tiny_llama_dir), "--data", str(data), "--out", str(out), *args]
     return cmd, out
 

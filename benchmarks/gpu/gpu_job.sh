@@ -286,7 +286,7 @@ case $STEP in
     r=$?
     # the replays' per-turn records (results.tgz leaves records out): summary.json's rows and their
     # CIs are made from them here (quality/add_summary.py)
-    ls -d "$EVALS"/eval_* >/dev/null 2>&1 && tar -czf "$OUT/$STEP-evals.tgz" -C "$EVALS" $(cd "$EVALS" && ls -d eval_*)
+    ( cd "$EVALS" 2>/dev/null && ls -d eval_* >/dev/null 2>&1 && tar -czf "$OUT/$STEP-evals.tgz" eval_* )
     (exit $r)
     ;;
   parity32)
