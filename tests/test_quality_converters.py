@@ -353,6 +353,89 @@ def test_spec_train_failing_mid_run_records_its_whole_saves(tiny_store, tiny_lla
 
 
 @needs_spec
+def test_spec_train_whose_interrupt_save_fails_evaluates_its_last_whole_save(tiny_store, tiny_llama_dir):
+    """A SIGTERM, then speculators' interrupt save fails part-way (CI saw it: the loader's SIGCHLD
+    handler raised in it); speculators logs that and returns as if it had saved. The record says
+    the run failed, the partial ``interrupted/`` is gone and the draft is the last kept save."""
+    from safetensors.torch import load_file
+
+    tmp, _, store = tiny_store
+    args, out = _spec_train_cmd(
+        tmp, store, tiny_llama_dir, "intfail", "--num-workers", "0", "--budget-s", "600", "--probe-steps", "0",
+        "--epochs", "1000", "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
+    )  # fmt: skip
+    wrapper = tmp / "intfail_spec_train.py"
+    wrapper.write_text(
+        "import os, runpy, signal, sys, threading\n"
+        "import speculators.train.trainer as tr\n"
+        "orig, calls = tr.Trainer.maybe_save_checkpoint, []\n"
+        "def save(self, epoch, local_step=0):\n"
+        "    calls.append(epoch)\n"
+        "    if epoch == 'interrupted':\n"
+        "        d = self.checkpointer.path / 'interrupted'\n"
+        "        d.mkdir(parents=True, exist_ok=True)\n"
+        "        (d / 'config.json').write_text('{}')  # save_pretrained's first file\n"
+        "        raise RuntimeError('DataLoader worker (pid 1) is killed by signal: Terminated.')\n"
+        "    out = orig(self, epoch, local_step=local_step)\n"
+        "    if len(calls) == 3:\n"
+        "        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+        "    return out\n"
+        "tr.Trainer.maybe_save_checkpoint = save\n"
+        f"sys.argv = [{str(ROOT / 'benchmarks' / 'quality' / 'spec_train.py')!r}] + sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    r = subprocess.run([str(SPEC_PY), str(wrapper), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 1, r.stderr[-3000:]
+    rec = json.loads((out / "spec_train.json").read_text())
+    assert rec["error"].startswith("the interrupt save failed") and "killed by signal" in rec["error"]
+    assert rec["run"]["interrupted"] is False
+    assert not (out / "run" / "interrupted").exists()
+    kept = [c["kept"] for c in rec["run"]["ckpt_at"] if c.get("kept")]
+    assert len(kept) >= 3 and rec["checkpoint"] == kept[-1]
+    for k in kept:
+        assert load_file(str(Path(k) / "model.safetensors"))
+
+
+@needs_spec
+def test_run_quality_stops_speculators_through_its_leader_so_its_interrupt_save_is_made(tiny_store, tiny_llama_dir):
+    """run_quality's deadline for speculators' run (its Runner.wait, leader_first) signals
+    spec_train.py alone, not its loader's worker: the trainer saves its interrupt checkpoint whole
+    and the record names it, without an error."""
+    import importlib.util
+    import types
+    import time
+
+    from safetensors.torch import load_file
+
+    spec = importlib.util.spec_from_file_location("run_quality", ROOT / "benchmarks" / "quality" / "run_quality.py")
+    rq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rq)
+    tmp, _, store = tiny_store
+    args, out = _spec_train_cmd(
+        tmp, store, tiny_llama_dir, "leader", "--num-workers", "1", "--budget-s", "600", "--probe-steps", "0",
+        "--epochs", "1000", "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
+    )  # fmt: skip
+    r = rq.Runner(types.SimpleNamespace(work=str(tmp / "rq_leader"), deadline_s=600.0))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    p = r.start("spec_main", [SPEC_PY, ROOT / "benchmarks" / "quality" / "spec_train.py", *args], env=env)
+    try:
+        deadline = time.time() + 300
+        while len(list((out / "kept").glob("step-*"))) < 3 and time.time() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        assert p.poll() is None, (r.logs / "spec_main.log").read_text()[-3000:]
+        r.wait(p, timeout=0.1, check=False, leader_first=True)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+    assert p.returncode == 0, (r.logs / "spec_main.log").read_text()[-3000:]
+    rec = json.loads((out / "spec_train.json").read_text())
+    assert rec["run"]["interrupted"] is True and "error" not in rec
+    assert rec["checkpoint"] == str(out / "run" / "interrupted")
+    assert load_file(str(out / "run" / "interrupted" / "model.safetensors"))
+
+
+@needs_spec
 def test_spec_train_killed_with_its_process_group_keeps_its_saves(tiny_store, tiny_llama_dir):
     """spec_train.py under run_quality's deadline, a real SIGTERM to its whole process group (its
     loader's worker included): whether the trainer then saves its interrupt checkpoint or fails

@@ -82,13 +82,18 @@ class Runner:
         p._eyas_name, p._eyas_t0, p._eyas_fh = name, time.time(), fh  # type: ignore[attr-defined]
         return p
 
-    def wait(self, p: subprocess.Popen, timeout: float | None = None, check: bool = True) -> float:
+    def wait(
+        self, p: subprocess.Popen, timeout: float | None = None, check: bool = True, leader_first: bool = False
+    ) -> float:
+        """Wait for ``p``; past ``timeout`` SIGTERM its process group (30 s later, SIGKILL).
+        ``leader_first``: SIGTERM its leader alone, whose children it stops itself (speculators'
+        trainer: its interrupt save fails where the signal also kills its data loader's workers)."""
         name = p._eyas_name  # type: ignore[attr-defined]
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            log(f"{name}: over its time, sending SIGTERM")
-            os.killpg(p.pid, 15)
+            log(f"{name}: over its time, sending SIGTERM" + (" to its leader" if leader_first else ""))
+            (os.kill if leader_first else os.killpg)(p.pid, 15)
             try:
                 rc = p.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -516,7 +521,7 @@ def _spec_start(r: Runner, a, work: Path) -> subprocess.Popen:
 
 
 def _spec_finish(r: Runner, a, work: Path, res: dict, ps: subprocess.Popen, timeout: float | None) -> None:
-    r.wait(ps, timeout=timeout if timeout is not None else max(30.0, r.left() - 30), check=False)
+    r.wait(ps, timeout=timeout if timeout is not None else max(30.0, r.left() - 30), check=False, leader_first=True)
     sj = work / "spec_main" / "spec_train.json"
     sm = json.loads(sj.read_text()) if sj.is_file() else {"error": f"rc={ps.returncode}, see logs/spec_main.log"}
     res["spec_main"] = sm

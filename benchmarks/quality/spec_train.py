@@ -24,8 +24,10 @@ epoch's compilation is compilation too: the timer gets it as an allowance (``all
 first minus steady validation time in the probe, or ``--allowance-s`` without a probe), and the
 plan does not spend it. Writes ``OUT/spec_train.json`` with the plan, timings and the
 checkpoint directory to evaluate, also where the trainer fails (a SIGTERM to the whole process
-group, as run_quality's deadline sends, kills its data loader's workers): then ``"error"`` says
-why, the checkpoint is the last ``--keep-saves`` copy (null without one) and the exit status is 1.
+group kills its data loader's workers, and the loader's error then ends the run or the interrupt
+save, which speculators logs and passes over; run_quality signals the leader alone for this
+reason): then ``"error"`` says why, the checkpoint is the interrupt save where it returned whole,
+else the last ``--keep-saves`` copy (null without one), and the exit status is 1.
 
 A run can span sessions (speculators_resume.md, section 5); none of this is on by default:
 - ``--save-every-s S``: at the first step boundary S seconds after the first step or the last
@@ -227,6 +229,13 @@ def instrument(probe: Probe, budget_s: float | None, cpu: bool, session: Session
             out = orig["maybe_save_checkpoint"](self, epoch, local_step=local_step)
             saved = True
             return out
+        except BaseException as e:
+            if epoch == "interrupted":
+                # speculators logs and swallows this failure (e.g. torch's SIGCHLD handler raising
+                # in the save when a group SIGTERM killed a loader worker): what it left is partial
+                probe.error = f"the interrupt save failed: {type(e).__name__}: {e}"
+                shutil.rmtree(self.checkpointer.path / "interrupted", ignore_errors=True)
+            raise
         finally:
             probe.ckpt_s.append(time.perf_counter() - t)
             # only a save that returned: one cut by a failure may be partial
@@ -234,7 +243,7 @@ def instrument(probe: Probe, budget_s: float | None, cpu: bool, session: Session
                 at["kept"] = _keep(self.checkpointer.path / str(epoch), session.keep_dir / f"step-{self.global_step}")
             probe.last_save = time.perf_counter()
             if epoch == "interrupted":
-                probe.interrupted = True
+                probe.interrupted = saved
 
     def run_training(self):
         probe.run_start = time.perf_counter()
@@ -586,11 +595,12 @@ def main(argv: list[str] | None = None) -> int:
     if probe.error is None:
         ck = final_checkpoint(run_dir)
     else:
-        # a save under way when the trainer failed may be partial; a kept copy is whole (made by rename)
+        # a save under way when the trainer failed may be partial; the interrupt save where it
+        # returned before the failure and a kept copy (made by rename) are whole
         result["error"] = probe.error
         kept = [c["kept"] for c in probe.ckpt_at if c.get("kept")]
-        ck = Path(kept[-1]) if kept else None
-        print(f"spec_train: the run failed; its draft is its last kept save: {ck}", file=sys.stderr)
+        ck = run_dir / "interrupted" if probe.interrupted else Path(kept[-1]) if kept else None
+        print(f"spec_train: the run failed; its draft is its last whole save: {ck}", file=sys.stderr)
     result["checkpoint"] = str(ck) if ck else None
     result["argv"] = ra
     tmp = out / "spec_train.json.tmp"
