@@ -311,6 +311,32 @@ def _spec_train_cmd(tmp: Path, store: Path, tiny_llama_dir, name: str, *args: st
     return cmd, out
 
 
+def _spec_train_with_save(tmp: Path, store: Path, tiny_llama_dir, name: str, save_body: str):
+    """spec_train.py run on the CPU with speculators' ``Trainer.maybe_save_checkpoint`` replaced by
+    ``save_body`` (a function body: ``orig`` is the original, ``calls`` the epochs so far); its
+    run saves after every step until the body fails it. Returns (process, record dir)."""
+    args, out = _spec_train_cmd(
+        tmp, store, tiny_llama_dir, name, "--num-workers", "0", "--budget-s", "600", "--probe-steps", "0",
+        "--epochs", "1000", "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
+    )  # fmt: skip
+    wrapper = tmp / f"{name}_spec_train.py"
+    body = "".join(f"    {line}\n" for line in save_body.strip("\n").splitlines())
+    wrapper.write_text(
+        "import os, runpy, signal, sys, threading\n"
+        "import speculators.train.trainer as tr\n"
+        "orig, calls = tr.Trainer.maybe_save_checkpoint, []\n"
+        "def save(self, epoch, local_step=0):\n"
+        "    calls.append(epoch)\n"
+        f"{body}"
+        "tr.Trainer.maybe_save_checkpoint = save\n"
+        f"sys.argv = [{str(ROOT / 'benchmarks' / 'quality' / 'spec_train.py')!r}] + sys.argv[1:]\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    r = subprocess.run([str(SPEC_PY), str(wrapper), *args], capture_output=True, text=True, env=env, timeout=600)
+    return r, out
+
+
 @needs_spec
 def test_spec_train_failing_mid_run_records_its_whole_saves(tiny_store, tiny_llama_dir):
     """benchmarks/quality/spec_train.py when speculators' trainer fails mid-run (in session 21 a
@@ -320,27 +346,15 @@ def test_spec_train_failing_mid_run_records_its_whole_saves(tiny_store, tiny_lla
     from safetensors.torch import load_file
 
     tmp, _, store = tiny_store
-    args, out = _spec_train_cmd(
-        tmp, store, tiny_llama_dir, "failing", "--num-workers", "0", "--budget-s", "600", "--probe-steps", "0",
-        "--epochs", "1000", "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
-    )  # fmt: skip
     # speculators' own save fails on its fourth call, as the loader's signal handler made it fail
-    wrapper = tmp / "failing_spec_train.py"
-    wrapper.write_text(
-        "import runpy, sys\n"
-        "import speculators.train.trainer as tr\n"
-        "orig, calls = tr.Trainer.maybe_save_checkpoint, []\n"
-        "def save(self, epoch, local_step=0):\n"
-        "    calls.append(epoch)\n"
-        "    if len(calls) == 4:\n"
-        "        raise RuntimeError('DataLoader worker (pid 1) is killed by signal: Terminated.')\n"
-        "    return orig(self, epoch, local_step=local_step)\n"
-        "tr.Trainer.maybe_save_checkpoint = save\n"
-        f"sys.argv = [{str(ROOT / 'benchmarks' / 'quality' / 'spec_train.py')!r}] + sys.argv[1:]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    r = subprocess.run([str(SPEC_PY), str(wrapper), *args], capture_output=True, text=True, env=env, timeout=600)
+    r, out = _spec_train_with_save(
+        tmp, store, tiny_llama_dir, "failing",
+        """
+if len(calls) == 4:
+    raise RuntimeError('DataLoader worker (pid 1) is killed by signal: Terminated.')
+return orig(self, epoch, local_step=local_step)
+""",
+    )  # fmt: skip
     assert r.returncode == 1, r.stderr[-3000:]
     rec = json.loads((out / "spec_train.json").read_text())
     assert "killed by signal" in rec["error"] and rec["run"]["error"] == rec["error"]
@@ -360,32 +374,21 @@ def test_spec_train_whose_interrupt_save_fails_evaluates_its_last_whole_save(tin
     from safetensors.torch import load_file
 
     tmp, _, store = tiny_store
-    args, out = _spec_train_cmd(
-        tmp, store, tiny_llama_dir, "intfail", "--num-workers", "0", "--budget-s", "600", "--probe-steps", "0",
-        "--epochs", "1000", "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
+    # after the third save a SIGTERM; the interrupt save writes its first file, then fails
+    r, out = _spec_train_with_save(
+        tmp, store, tiny_llama_dir, "intfail",
+        """
+if epoch == 'interrupted':
+    d = self.checkpointer.path / 'interrupted'
+    d.mkdir(parents=True, exist_ok=True)
+    (d / 'config.json').write_text('{}')  # save_pretrained's first file
+    raise RuntimeError('DataLoader worker (pid 1) is killed by signal: Terminated.')
+out = orig(self, epoch, local_step=local_step)
+if len(calls) == 3:
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+return out
+""",
     )  # fmt: skip
-    wrapper = tmp / "intfail_spec_train.py"
-    wrapper.write_text(
-        "import os, runpy, signal, sys, threading\n"
-        "import speculators.train.trainer as tr\n"
-        "orig, calls = tr.Trainer.maybe_save_checkpoint, []\n"
-        "def save(self, epoch, local_step=0):\n"
-        "    calls.append(epoch)\n"
-        "    if epoch == 'interrupted':\n"
-        "        d = self.checkpointer.path / 'interrupted'\n"
-        "        d.mkdir(parents=True, exist_ok=True)\n"
-        "        (d / 'config.json').write_text('{}')  # save_pretrained's first file\n"
-        "        raise RuntimeError('DataLoader worker (pid 1) is killed by signal: Terminated.')\n"
-        "    out = orig(self, epoch, local_step=local_step)\n"
-        "    if len(calls) == 3:\n"
-        "        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
-        "    return out\n"
-        "tr.Trainer.maybe_save_checkpoint = save\n"
-        f"sys.argv = [{str(ROOT / 'benchmarks' / 'quality' / 'spec_train.py')!r}] + sys.argv[1:]\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
-    )
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    r = subprocess.run([str(SPEC_PY), str(wrapper), *args], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 1, r.stderr[-3000:]
     rec = json.loads((out / "spec_train.json").read_text())
     assert rec["error"].startswith("the interrupt save failed") and "killed by signal" in rec["error"]
