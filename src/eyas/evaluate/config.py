@@ -151,9 +151,9 @@ class EvaluateConfig:
     speculative_options: dict[str, Any] = setting(
         {},
         "vllm: more keys of vLLM's --speculative-config for the draft's engine, e.g. "
-        "'enforce_eager=true' or 'disable_padded_drafter_batch=true' (what vLLM's SpeculativeConfig "
-        "of the installed version takes); recorded in the report, and in the serve line of the "
-        "export's model card.",
+        "'enforce_eager=true' or, up to vLLM 0.33, 'disable_padded_drafter_batch=true' (what vLLM's "
+        "SpeculativeConfig of the installed version takes); recorded in the report, and in the serve "
+        "line of the export's model card.",
         "--speculative-options",
         parse=key_values("--speculative-options", "enforce_eager=true"),
         cli_type=str,
