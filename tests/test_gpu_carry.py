@@ -187,3 +187,66 @@ def test_a_target_joins_from_its_own_packing_only_and_only_whole(tmp_path):
     part.write_bytes(good)
     assert sh("carry_join.sh", park, "target", cache).returncode == 0
     assert (cache / "model.gguf").read_bytes() == gguf.read_bytes()
+
+
+def _cache_tree(root: Path, big: int = 0) -> None:
+    """Compile caches as a device leaves them: eyas's under EYAS_CACHE, inductor's default place."""
+    e = root / "root" / "eyas-cache" / "compile" / "torch-2.11.0" / "fxgraph" / "ab"
+    e.mkdir(parents=True)
+    (e / "graph").write_bytes(os.urandom(2000))
+    i = root / "tmp" / "torchinductor_root" / "triton" / "0" / "K1"
+    i.mkdir(parents=True)
+    (i / "kernel.cubin").write_bytes(os.urandom(3000 + big))
+    (root / "tmp" / "torchinductor_root" / "locks").mkdir()
+    (root / "tmp" / "torchinductor_root" / "locks" / "x.lock").write_text("")
+
+
+TRAINER_SETS = ["root/eyas-cache/compile tmp/torchinductor_root", "tmp/torchinductor_root", "root/eyas-cache/compile"]
+
+
+def test_compile_caches_go_home_in_pieces_and_are_restored_once(tmp_path):
+    """benchmarks/gpu/compile_cache.sh: gpu_job.sh tcache's pieces, joined here, unpack where they
+    were (locks left out), once per machine: a second restore leaves what the run has since written."""
+    dev = tmp_path / "device"
+    _cache_tree(dev, big=3_000_000)  # incompressible: more than one piece of 1 MiB
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"OUT": str(out), "CACHE_PIECE_MB": "1"}
+    r = sh("compile_cache.sh", "back", "trainer-compile-cache", dev, *TRAINER_SETS, env=env)
+    assert r.returncode == 0, r.stderr
+    pieces = sorted(out.glob("trainer-compile-cache.tgz.part*"))
+    assert len(pieces) >= 3, r.stdout
+    tgz = tmp_path / "carry" / "trainer-compile-cache.tgz"
+    tgz.parent.mkdir()
+    tgz.write_bytes(b"".join(p.read_bytes() for p in pieces))
+    fresh, marks = tmp_path / "fresh", tmp_path / "marks"
+    fresh.mkdir(), marks.mkdir()
+    r = sh("compile_cache.sh", "restore", tgz, fresh, env={"CACHE_MARKS": str(marks)})
+    assert r.returncode == 0 and "restored" in r.stdout, r.stdout + r.stderr
+    want = {k: v for k, v in tree(dev).items() if not k.endswith(".lock")}
+    assert tree(fresh) == want
+    kernel = next(fresh.rglob("kernel.cubin"))
+    kernel.write_bytes(b"recompiled")
+    r = sh("compile_cache.sh", "restore", tgz, fresh, env={"CACHE_MARKS": str(marks)})
+    assert r.returncode == 0 and kernel.read_bytes() == b"recompiled"
+
+
+def test_compile_caches_over_the_limit_fall_back_to_a_smaller_set(tmp_path):
+    """Where both trainers' caches exceed CACHE_MAX_MB, the next set (speculators' alone) comes back;
+    where no set fits, nothing does, and the call still succeeds."""
+    dev = tmp_path / "device"
+    _cache_tree(dev)
+    (dev / "root" / "eyas-cache" / "compile" / "torch-2.11.0" / "big").write_bytes(os.urandom(1_500_000))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"OUT": str(out), "CACHE_MAX_MB": "1"}
+    r = sh("compile_cache.sh", "back", "trainer-compile-cache", dev, *TRAINER_SETS, env=env)
+    assert r.returncode == 0, r.stderr
+    names = subprocess.run(
+        ["tar", "-tzf", str(out / "trainer-compile-cache.tgz.part0")], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert names and all(n.startswith("tmp/torchinductor_root") for n in names)
+    (dev / "tmp" / "torchinductor_root" / "big").write_bytes(os.urandom(1_500_000))
+    r = sh("compile_cache.sh", "back", "trainer-compile-cache", dev, *TRAINER_SETS, env=env)
+    assert r.returncode == 0 and "nothing brought back" in r.stdout
+    assert not list(out.glob("trainer-compile-cache.tgz.part*"))

@@ -32,6 +32,8 @@
 #   fp8tau   issue 21's fp8 check: benchmarks/fp8_store.py tau on the 4.5M-token set (carried in c0, else made):
 #            eyas extract --dtype bf16 and fp8 into /dev/shm, eyas train from each (the stream step's
 #            settings, STREAM_STEPS steps), both drafts by replay on the full MT-bench at k = 3, 5, 7, paired
+#   tcache   after a training: the trainers' compile caches back in pieces (compile_cache.sh), for setup.sh
+#            to restore in a later session from .carry/tcache
 #   home     the pipeline run's state (stage records, train/ with its newest checkpoint only) sent home
 #            over calls HOME_CALL = 0, 1, ... (stage_run.sh, send_home.sh: 3 pieces of 15 MiB a call);
 #            benchmarks/gpu/bring_home.sh carries it back to the same workdir in a later session,
@@ -54,7 +56,7 @@
 # results.tgz (the small results so far: summaries, reports, plots, parity JSON).
 set -uo pipefail
 source "$(dirname "$0")/budget.sh"  # first: the call's clock starts there
-STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay|options|profile|home|quality}
+STEP=${1:?usage: gpu_job.sh park|base|builtin|parity|parity32|both|regen|pipeline|stream|fp8tau|fp32|replay|options|profile|home|quality|tcache}
 cd "$(dirname "$0")/../.."
 REPO=$PWD
 export OUT=${OUT:-/tmp/out}
@@ -239,25 +241,14 @@ case $STEP in
     # evaluate.speed_profile_steps's traces (vLLM's profiler), apart, where they fit
     traces "$W" eval
     # vLLM's compile cache, Triton's and FlashInfer's kernels (Triton's with the launcher it builds
-    # with gcc), for the next session's first engine (a cold start compiles and JITs for minutes):
-    # back in pieces of 15 MiB (a file back is at most 16 MiB), at most 3; here, `cat` them into
-    # .carry/vllm-cache/vllm-compile-cache.tgz; vllm_setup.sh restores it. Kernels are left out,
-    # FlashInfer's first, where the whole exceeds 45 MB. Only with CACHE_BACK=1: .carry/ does not
-    # outlive a session, and within one the machine keeps its cache while it stays warm.
+    # with gcc), for the next session's first engine (a cold start compiles and JITs for minutes);
+    # here, `cat` the pieces into .carry/vllm-cache/vllm-compile-cache.tgz; vllm_setup.sh restores
+    # it. Kernels are left out, FlashInfer's first, where the whole exceeds 45 MB. Only with
+    # CACHE_BACK=1: within a session the machine keeps its cache while it stays warm.
     if [ "${CACHE_BACK:-0}" = 1 ] && [ -d /root/.cache/vllm/torch_compile_cache ]; then
-      rm -f "$OUT"/vllm-compile-cache.tgz*
-      for parts in ".cache/vllm/torch_compile_cache .triton/cache .cache/flashinfer" \
-          ".cache/vllm/torch_compile_cache .triton/cache" ".cache/vllm/torch_compile_cache"; do
-        # shellcheck disable=SC2086  # the paths that exist of each set
-        tar -czf /root/vllm-compile-cache.tgz -C /root $(cd /root && ls -d $parts 2>/dev/null)
-        if [ "$(stat -c %s /root/vllm-compile-cache.tgz)" -le 45000000 ]; then
-          split -b 15M -d -a 1 /root/vllm-compile-cache.tgz "$OUT/vllm-compile-cache.tgz.part"
-          echo "compile caches ($parts): $(ls "$OUT"/vllm-compile-cache.tgz.part* | wc -l) pieces back"
-          break
-        fi
-        echo "compile caches ($parts) over 45 MB: not brought back"
-      done
-      rm -f /root/vllm-compile-cache.tgz
+      bash benchmarks/gpu/compile_cache.sh back vllm-compile-cache /root \
+        ".cache/vllm/torch_compile_cache .triton/cache .cache/flashinfer" \
+        ".cache/vllm/torch_compile_cache .triton/cache" ".cache/vllm/torch_compile_cache"
     fi
     ;;
   stream|fp8tau)
@@ -377,6 +368,14 @@ case $STEP in
         -not -path './store_*' -not -path './spec_data/hidden_states/*' -print0 |
         tar -czf "$OUT/quality.tgz" --null -T - )
     [ "$qrc" = 0 ]
+    ;;
+  tcache)
+    # the trainers' torch.compile caches (eyas's under EYAS_CACHE, speculators' in inductor's default
+    # place), for the next session's first compiled steps; here, `cat` the pieces into
+    # .carry/tcache/trainer-compile-cache.tgz, which setup.sh restores. speculators' first, the larger
+    # cold compile (its probe's and the run's; ../gpu_job.md, session 21)
+    step tcache bash benchmarks/gpu/compile_cache.sh back trainer-compile-cache / \
+      "root/eyas-cache/compile tmp/torchinductor_root" "tmp/torchinductor_root" "root/eyas-cache/compile"
     ;;
   home)
     S=/root/stage/$(basename "$PIPE_W")

@@ -38,11 +38,7 @@ if [ ! -f "$SITE/.done" ] && [ -n "$_n" ] && [ "$_have" -eq "$_n" ]; then
   fi
 fi
 # the caches gpu_job.sh brings back (paths under /root: .cache/vllm/torch_compile_cache, .triton/cache)
-if [ -s .carry/vllm-cache/vllm-compile-cache.tgz ] && [ ! -d /root/.cache/vllm/torch_compile_cache ]; then
-  tar -C /root -xzf .carry/vllm-cache/vllm-compile-cache.tgz &&
-    echo "vllm_setup: restored compile caches from an earlier session (.carry/vllm-cache):" \
-      "$(tar -tzf .carry/vllm-cache/vllm-compile-cache.tgz | cut -d/ -f1-2 | sort -u | tr '\n' ' ')"
-fi
+bash benchmarks/gpu/compile_cache.sh restore .carry/vllm-cache/vllm-compile-cache.tgz /root
 if [ -f "$SITE/.done" ]; then
   # children of the check dump their stacks on SIGUSR1 (the watchdog sends it on a timeout)
   mkdir -p /tmp/vllm-diag
