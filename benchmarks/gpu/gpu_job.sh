@@ -359,9 +359,12 @@ case $STEP in
     qrc=$?
     # a phase cut by that backstop leaves its children running (each in a session of its own): stop
     # them before the call ends, eyas with a checkpoint (its SIGTERM stop) that the next call resumes
-    if pkill -TERM -f 'eyas[.]cli (prepare|extract|train|evaluate)|spec_train[.]py|(to|from)_speculators[.]py'; then
-      echo "quality: stopped what the phase left running"; sleep 20
-    fi
+    # (spec_train.py's oldest process alone: its loader's workers share its command line, and a
+    # worker killed under it fails its interrupt save)
+    stopped=0
+    pkill -TERM -f 'eyas[.]cli (prepare|extract|train|evaluate)|(to|from)_speculators[.]py' && stopped=1
+    pkill -TERM -o -f 'spec_train[.]py' && stopped=1
+    if [ "$stopped" = 1 ]; then echo "quality: stopped what the phase left running"; sleep 20; fi
     # the small results: the reports (each with its turns, for pairing again here), the runs' records
     ( cd "$Q/work" 2>/dev/null && find . \( -name report.json -o -name spec_train.json -o -name summary.json \
         -o -name metrics.jsonl -o -name eyas_conversion.json -o -name manifest.json -o -name '*.log' \) \
