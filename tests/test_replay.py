@@ -129,6 +129,44 @@ def test_replay_cli_reports_every_k_as_the_builtin_engine_does(setup, tmp_path):
     assert r2["references"] == str(refs) and r2["num_speculative_tokens"] == 2
 
 
+def test_references_serve_the_same_prompts_at_any_path_and_refuse_others(setup, tmp_path):
+    """The target's answers are keyed by the prompts' content: the same questions copied elsewhere
+    (another checkout, another machine's run) reuse a references file without decoding; one written
+    before (the prompts' absolute path beside their sha256) is adopted with its answers; other
+    questions are refused by name."""
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    questions = evalkit.write_questions(tmp_path / "a" / "q.jsonl", 3)
+    _evaluate(setup, questions, tmp_path / "r", "--engine", "replay", "-k", "2")
+    refs = tmp_path / "r" / "replay" / "references.jsonl"
+    header, *answers = refs.read_text().splitlines()
+    settings = json.loads(header)["settings"]
+    assert settings["prompts"].startswith("sha256:") and str(tmp_path) not in header
+
+    moved = tmp_path / "b" / "q.jsonl"
+    moved.write_bytes(questions.read_bytes())
+    stamp = refs.stat().st_mtime_ns
+    _evaluate(setup, moved, tmp_path / "r2", "--engine", "replay", "-k", "2", "--references", str(refs))
+    assert refs.stat().st_mtime_ns == stamp  # nothing decoded, nothing written
+
+    old = {k: v for k, v in settings.items() if k != "prompts"}
+    old |= {"prompts": str(questions.resolve()), "prompts_sha256": settings["prompts"].removeprefix("sha256:")}
+    refs.write_text("\n".join([json.dumps({"settings": old}), *answers]) + "\n")
+    _evaluate(setup, moved, tmp_path / "r3", "--engine", "replay", "-k", "2", "--references", str(refs))
+    header3, *answers3 = refs.read_text().splitlines()
+    assert json.loads(header3)["settings"] == settings and answers3 == answers
+
+    other = evalkit.write_questions(tmp_path / "c" / "q.jsonl", 2)
+    res = CliRunner().invoke(
+        app,
+        ["evaluate", "--target", str(setup[0].path), "--draft", str(setup[3]), "--prompts", str(other),
+         "--out", str(tmp_path / "r4"), "--max-new-tokens", "24", "--quiet", "--engine", "replay", "-k", "2",
+         "--references", str(refs)],
+    )  # fmt: skip
+    msg = str(res.exception)
+    assert res.exit_code != 0 and str(refs) in msg and "(prompts differ)" in msg
+
+
 def test_replay_goes_on_from_the_chains_it_kept(setup, tmp_path):
     """The draft's chain lengths are kept question by question: a run stopped mid-way (its file cut
     after two questions, the last line torn) makes only the rest and reports what an unbroken run

@@ -345,6 +345,14 @@ case $STEP in
         --max-new-tokens 1024 --max-length 2048 --max-samples "${Q_SAMPLES:-4000}" --out "$Q/regen" --quiet || exit 1
     fi
     df -h "$Q" | tail -1  # the store and speculators' copy of it share this
+    # Q_REFERENCES: an earlier session's target answers (references*.jsonl, from its quality.tgz), so
+    # that this session's drafts are replayed on the same answers as that session's (pair_runs.py)
+    if [ -n "${Q_REFERENCES:-}" ]; then
+      mkdir -p "$Q/work"
+      for f in "$Q_REFERENCES"/references*.jsonl; do
+        [ -s "$f" ] && [ ! -e "$Q/work/$(basename "$f")" ] && cp "$f" "$Q/work/" && echo "quality: answers from $f"
+      done
+    fi
     TDIR=$(python3 -c "import sys; from eyas.target import resolve_target; print(resolve_target(sys.argv[1]).path)" "$TNAME")
     GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
     # the phase's own deadline leaves the call 25 s to pack; timeout's SIGTERM is the backstop
@@ -367,7 +375,8 @@ case $STEP in
     if [ "$stopped" = 1 ]; then echo "quality: stopped what the phase left running"; sleep 20; fi
     # the small results: the reports (each with its turns, for pairing again here), the runs' records
     ( cd "$Q/work" 2>/dev/null && find . \( -name report.json -o -name spec_train.json -o -name summary.json \
-        -o -name metrics.jsonl -o -name eyas_conversion.json -o -name manifest.json -o -name '*.log' \) \
+        -o -name metrics.jsonl -o -name eyas_conversion.json -o -name manifest.json -o -name '*.log' \
+        -o -path './references*.jsonl' \) \
         -not -path './store_*' -not -path './spec_data/hidden_states/*' -print0 |
         tar -czf "$OUT/quality.tgz" --null -T - )
     [ "$qrc" = 0 ]

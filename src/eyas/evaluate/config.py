@@ -102,7 +102,7 @@ class EvaluateConfig:
         None,
         "replay: the file of the target's greedy answers to reuse and extend (default "
         "OUT/replay/references.jsonl); the drafts of one target can share one, as it does not "
-        "depend on the draft.",
+        "depend on the draft, also from another machine (it names the prompts by content).",
     )
     in_flight: int = setting(
         64,

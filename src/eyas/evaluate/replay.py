@@ -341,17 +341,25 @@ def reference_settings(
     prompts_sha256: str | None = None,
 ) -> dict[str, Any]:
     """What the target's answers depend on (not the draft, nor k beyond the tail they carry): the
-    header of a references file, which is reused only where it matches."""
+    header of a references file, which is reused only where it matches. The prompts by content
+    where ``prompts_sha256`` is given, so a file serves the same prompts at any path, on any machine."""
     out = {
         "target_id": target_id,
         "max_new_tokens": max_new_tokens,
         "dtype": dtype,
-        "prompts": prompts,
+        "prompts": prompts if prompts_sha256 is None else f"sha256:{prompts_sha256}",
         "device": device.split(":")[0],
     }
-    if prompts_sha256 is not None:
-        out["prompts_sha256"] = prompts_sha256
     return {**out, "engine": "replay references", "tail": tail_for(ks)}
+
+
+def _by_content(settings: dict[str, Any]) -> dict[str, Any]:
+    """A references header as written before the prompts were keyed by content (their path beside
+    ``prompts_sha256``), as it is written now."""
+    if "prompts_sha256" not in settings:
+        return settings
+    out = {k: v for k, v in settings.items() if k != "prompts_sha256"}
+    return {**out, "prompts": f"sha256:{settings['prompts_sha256']}"}
 
 
 def target_references(
@@ -370,12 +378,13 @@ def target_references(
     others wait and then read)."""
     import fcntl
 
-    from eyas.evaluate.runner import run_questions
+    from eyas.evaluate.runner import adopt_settings, run_questions
 
     pool = ReferencePool(model, tokenizer, max_new_tokens, stop_ids, settings["tail"], batch_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        adopt_settings(path, settings, lambda old: _by_content(old) == settings)
         return run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, path, settings, progress, pool=pool)
 
 

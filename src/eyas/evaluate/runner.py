@@ -154,6 +154,17 @@ def _load_records(path: Path, settings: dict[str, Any], restart: bool = False) -
     return out, False
 
 
+def adopt_settings(path: Path, settings: dict[str, Any], same: Callable[[dict[str, Any]], bool]) -> bool:
+    """Give ``path``'s records the header ``settings`` where its own settings differ but ``same``
+    says they describe the same inputs (how settings are written changed, not what was run)."""
+    old = _settings_of(path) if path.is_file() else None
+    if old is None or old == settings or not same(old):
+        return False
+    records, _ = _load_records(path, old)
+    _rewrite(path, settings, records)
+    return True
+
+
 def _settings_of(path: Path) -> Any:
     """The settings in ``path``'s header; None where it has none (empty, torn, not a header)."""
     with open(path) as fh:
