@@ -314,7 +314,7 @@ def _spec_train_cmd(tmp: Path, store: Path, tiny_llama_dir, name: str, *args: st
 def _spec_train_with_save(tmp: Path, store: Path, tiny_llama_dir, name: str, save_body: str):
     """spec_train.py run on the CPU with speculators' ``Trainer.maybe_save_checkpoint`` replaced by
     ``save_body`` (a function body: ``orig`` is the original, ``calls`` the epochs so far); its
-    run saves after every step until the body fails it. Returns (process, record dir)."""
+    run saves after every step until the body fails it. Returns (the finished process, its --out)."""
     args, out = _spec_train_cmd(
         tmp, store, tiny_llama_dir, name, "--num-workers", "0", "--budget-s", "600", "--probe-steps", "0",
         "--epochs", "1000", "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
