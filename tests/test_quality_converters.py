@@ -304,21 +304,34 @@ def test_spec_train_stopped_and_resumed_ends_as_one_run(tiny_store, tiny_llama_d
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _spec_train_cmd(tmp: Path, store: Path, tiny_llama_dir, name: str, *args: str) -> tuple[list[str], Path]:
+def _spec_train_cmd(tmp: Path, store: Path, tiny_llama_dir, name: str, workers: int) -> tuple[list[str], Path]:
+    """spec_train.py's arguments for a run on the CPU that saves (and keeps) after every step until
+    it is stopped, with ``workers`` data loader workers; and its --out."""
     out = tmp / f"st_{name}"
     data = _spec_data(tmp, store)
-    cmd = ["--cpu", "--verifier", str(tiny_llama_dir), "--data", str(data), "--out", str(out), *args]
+    cmd = [
+        "--cpu", "--verifier", str(tiny_llama_dir), "--data", str(data), "--out", str(out),
+        "--num-workers", str(workers), "--budget-s", "600", "--probe-steps", "0", "--epochs", "1000",
+        "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
+    ]  # fmt: skip
     return cmd, out
+
+
+def _until_kept(out: Path, p: subprocess.Popen, log: Path, n: int = 3) -> None:
+    """Wait until the run in ``out`` has kept ``n`` saves; it must still be running then."""
+    import time
+
+    deadline = time.time() + 300
+    while len(list((out / "kept").glob("step-*"))) < n and time.time() < deadline and p.poll() is None:
+        time.sleep(0.2)
+    assert p.poll() is None, log.read_text()[-3000:]
 
 
 def _spec_train_with_save(tmp: Path, store: Path, tiny_llama_dir, name: str, save_body: str):
     """spec_train.py run on the CPU with speculators' ``Trainer.maybe_save_checkpoint`` replaced by
     ``save_body`` (a function body: ``orig`` is the original, ``calls`` the epochs so far); its
     run saves after every step until the body fails it. Returns (the finished process, its --out)."""
-    args, out = _spec_train_cmd(
-        tmp, store, tiny_llama_dir, name, "--num-workers", "0", "--budget-s", "600", "--probe-steps", "0",
-        "--epochs", "1000", "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
-    )  # fmt: skip
+    args, out = _spec_train_cmd(tmp, store, tiny_llama_dir, name, workers=0)
     wrapper = tmp / f"{name}_spec_train.py"
     body = "".join(f"    {line}\n" for line in save_body.strip("\n").splitlines())
     wrapper.write_text(
@@ -407,7 +420,6 @@ def test_run_quality_stops_speculators_through_its_leader_so_its_interrupt_save_
     and the record names it, without an error."""
     import importlib.util
     import types
-    import time
 
     from safetensors.torch import load_file
 
@@ -415,18 +427,12 @@ def test_run_quality_stops_speculators_through_its_leader_so_its_interrupt_save_
     rq = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rq)
     tmp, _, store = tiny_store
-    args, out = _spec_train_cmd(
-        tmp, store, tiny_llama_dir, "leader", "--num-workers", "1", "--budget-s", "600", "--probe-steps", "0",
-        "--epochs", "1000", "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
-    )  # fmt: skip
+    args, out = _spec_train_cmd(tmp, store, tiny_llama_dir, "leader", workers=1)
     r = rq.Runner(types.SimpleNamespace(work=str(tmp / "rq_leader"), deadline_s=600.0))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     p = r.start("spec_main", [SPEC_PY, ROOT / "benchmarks" / "quality" / "spec_train.py", *args], env=env)
     try:
-        deadline = time.time() + 300
-        while len(list((out / "kept").glob("step-*"))) < 3 and time.time() < deadline and p.poll() is None:
-            time.sleep(0.2)
-        assert p.poll() is None, (r.logs / "spec_main.log").read_text()[-3000:]
+        _until_kept(out, p, r.logs / "spec_main.log")
         r.wait(p, timeout=0.1, check=False, leader_first=True)
     finally:
         if p.poll() is None:
@@ -440,28 +446,22 @@ def test_run_quality_stops_speculators_through_its_leader_so_its_interrupt_save_
 
 @needs_spec
 def test_spec_train_killed_with_its_process_group_keeps_its_saves(tiny_store, tiny_llama_dir):
-    """spec_train.py under run_quality's deadline, a real SIGTERM to its whole process group (its
-    loader's worker included): whether the trainer then saves its interrupt checkpoint or fails
-    (a race), the record is written and names a whole checkpoint to evaluate and every kept save."""
+    """spec_train.py given a real SIGTERM to its whole process group, its loader's worker included
+    (run_quality's deadline did so until it signalled the leader alone; any stop from outside still
+    can): whether the trainer then saves its interrupt checkpoint or fails (a race), the record is
+    written and names a whole checkpoint to evaluate and every kept save."""
     import signal
-    import time
 
     from safetensors.torch import load_file
 
     tmp, _, store = tiny_store
-    args, out = _spec_train_cmd(
-        tmp, store, tiny_llama_dir, "killed", "--num-workers", "1", "--budget-s", "600", "--probe-steps", "0",
-        "--epochs", "1000", "--save-every-s", "0", "--keep-saves", "--", "--total-seq-len", "64",
-    )  # fmt: skip
+    args, out = _spec_train_cmd(tmp, store, tiny_llama_dir, "killed", workers=1)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     cmd = [str(SPEC_PY), str(ROOT / "benchmarks" / "quality" / "spec_train.py"), *args]
     with (tmp / "st_killed.log").open("w") as log:
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            deadline = time.time() + 300
-            while len(list((out / "kept").glob("step-*"))) < 3 and time.time() < deadline and p.poll() is None:
-                time.sleep(0.2)
-            assert p.poll() is None, (tmp / "st_killed.log").read_text()[-3000:]
+            _until_kept(out, p, tmp / "st_killed.log")
             os.killpg(p.pid, signal.SIGTERM)
             rc = p.wait(timeout=120)
         finally:

@@ -74,9 +74,10 @@ def test_replay_gives_the_builtin_loops_record_for_every_k(setup, stop_at):
     assert stopped or stop_at is None, "the stop token cut some answer short"
 
 
-def _evaluate(setup, questions, out, *args):
+def _invoke(setup, questions, out, *args):
+    """`eyas evaluate` of the session's draft on ``questions`` into ``out``: its CliRunner result."""
     target, _, _, draft_dir = setup
-    res = CliRunner().invoke(
+    return CliRunner().invoke(
         app,
         [
             "evaluate",
@@ -94,6 +95,10 @@ def _evaluate(setup, questions, out, *args):
             *args,
         ],
     )
+
+
+def _evaluate(setup, questions, out, *args):
+    res = _invoke(setup, questions, out, *args)
     assert res.exit_code == 0, res.output
     return res.output
 
@@ -157,12 +162,7 @@ def test_references_serve_the_same_prompts_at_any_path_and_refuse_others(setup, 
     assert json.loads(header3)["settings"] == settings and answers3 == answers
 
     other = evalkit.write_questions(tmp_path / "c" / "q.jsonl", 2)
-    res = CliRunner().invoke(
-        app,
-        ["evaluate", "--target", str(setup[0].path), "--draft", str(setup[3]), "--prompts", str(other),
-         "--out", str(tmp_path / "r4"), "--max-new-tokens", "24", "--quiet", "--engine", "replay", "-k", "2",
-         "--references", str(refs)],
-    )  # fmt: skip
+    res = _invoke(setup, other, tmp_path / "r4", "--engine", "replay", "-k", "2", "--references", str(refs))
     msg = str(res.exception)
     assert res.exit_code != 0 and str(refs) in msg and "(prompts differ)" in msg
 

@@ -371,8 +371,9 @@ def run_once(
     except SessionStop as e:
         print(f"spec_train: {e}", file=sys.stderr)
     except Exception as e:
-        # e.g. a SIGTERM to the whole process group (run_quality's deadline): the data loader's
-        # workers die with it and the trainer fails mid-save. The saves made so far still count
+        # e.g. a SIGTERM to the whole process group (a stop from outside: run_quality signals the
+        # leader alone): the data loader's workers die with it and the trainer fails, mid-save or
+        # not. The saves made so far still count
         probe.error = f"{type(e).__name__}: {e}"
         print(f"spec_train: the trainer failed: {probe.error}", file=sys.stderr)
     finally:
