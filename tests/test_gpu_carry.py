@@ -250,3 +250,24 @@ def test_compile_caches_over_the_limit_fall_back_to_a_smaller_set(tmp_path):
     r = sh("compile_cache.sh", "back", "trainer-compile-cache", dev, *TRAINER_SETS, env=env)
     assert r.returncode == 0 and "nothing brought back" in r.stdout
     assert not list(out.glob("trainer-compile-cache.tgz.part*"))
+
+
+def test_an_empty_compile_cache_is_not_brought_back(tmp_path):
+    """A cache folder with nothing compiled in it (a CPU run, a trainer that compiled nothing) counts
+    as none: the other trainer's comes back alone, and with neither, nothing does."""
+    dev = tmp_path / "device"
+    _cache_tree(dev)
+    shutil.rmtree(dev / "tmp" / "torchinductor_root")
+    (dev / "tmp" / "torchinductor_root" / "locks").mkdir(parents=True)  # folders, no file
+    out = tmp_path / "out"
+    out.mkdir()
+    r = sh("compile_cache.sh", "back", "trainer-compile-cache", dev, *TRAINER_SETS, env={"OUT": str(out)})
+    assert r.returncode == 0, r.stderr
+    names = subprocess.run(
+        ["tar", "-tzf", str(out / "trainer-compile-cache.tgz.part0")], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert names and all(n.startswith("root/eyas-cache/compile") for n in names)
+    shutil.rmtree(dev / "root" / "eyas-cache" / "compile")
+    r = sh("compile_cache.sh", "back", "trainer-compile-cache", dev, *TRAINER_SETS, env={"OUT": str(out)})
+    assert r.returncode == 0 and "nothing brought back" in r.stdout
+    assert not list(out.glob("trainer-compile-cache.tgz.part*"))

@@ -27,7 +27,8 @@ case $verb in
     rm -f "$out/$name".tgz.part*
     for set in "$@"; do
       have=()
-      for p in $set; do [ -e "$root/$p" ] && have+=("$p"); done
+      # a cache with no file in it (made, nothing compiled) is none
+      for p in $set; do [ -n "$(find "$root/$p" -type f -print -quit 2>/dev/null)" ] && have+=("$p"); done
       if [ ${#have[@]} = 0 ]; then echo "compile_cache: $name ($set): none on this machine"; continue; fi
       # locks are per process; a stale one would only be waited on
       tar -czf "$tmp/c.tgz" --exclude='*.lock' -C "$root" "${have[@]}" || continue
