@@ -1,11 +1,14 @@
 """benchmarks/quality/run_quality.py end to end on the CPU with the tiny target: both trainers, the
-curve over their checkpoints on two prompt sets, and the paired rows. The harness drives eyas's CLI
+curve over their checkpoints on two prompt sets, and the paired rows, over two sessions joined by
+benchmarks/gpu/stage_quality.sh. The harness drives eyas's CLI
 as a subprocess, so a flag eyas drops or renames surfaces here rather than on the GPU (it once
 passed a removed `--max-train-seconds` and went on with no eyas draft)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_PY = ROOT / ".venvs" / "speculators" / "bin" / "python"
 HARNESS = ROOT / "benchmarks" / "quality" / "run_quality.py"
+STAGE = ROOT / "benchmarks" / "gpu" / "stage_quality.sh"
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,34 +50,76 @@ def _first_of_each_category(src: Path, dst: Path, per_set: int | None = None) ->
     return dst
 
 
-def test_quality_comparison_runs_through_on_the_cpu(tmp_path, tiny_llama_dir):
+def test_quality_comparison_runs_through_on_the_cpu_over_two_sessions(tmp_path, tiny_llama_dir):
+    """Session A trains both, speculators stopped part-way (--spec-stop-after-s), and evaluates;
+    stage_quality.sh carries the comparison to session B on a wiped disk, which makes the data
+    again, resumes speculators and evaluates; B's results hold both sessions' curves."""
     conv = _conversations(tmp_path / "conversations.jsonl")
     mt = _first_of_each_category(ROOT / "data" / "mt_bench" / "question.jsonl", tmp_path / "mt_bench" / "q.jsonl", 3)
     he = _first_of_each_category(ROOT / "data" / "humaneval" / "question.jsonl", tmp_path / "humaneval" / "q.jsonl")
-    work, out = tmp_path / "work", tmp_path / "out"
+    work, out, stage = tmp_path / "work", tmp_path / "out", tmp_path / "stage"
     common = [sys.executable, str(HARNESS), "--target", str(tiny_llama_dir), "--prompts", str(mt)]
     common += ["--work", str(work), "--out", str(out), "--gpus", "0", "--python", sys.executable]
     common += ["--spec-python", str(SPEC_PY), "--ablations", "", "--eval-ks", "3,5", "--curve-k", "3"]
     common += ["--second-prompts", str(he), "--eval-dtype", "float32", "--eval-max-new", "8"]
     common += ["--eval-max-per-category", "1", "--curve-max-per-category", "1", "--marks-s", "4"]
+    data = ["--regenerated", str(conv), "--max-length", "128", "--vocab", "64"]
 
     def phase(*args: str) -> None:
         r = subprocess.run([*common, *args], capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
     phase(
-        "--phase", "main", "--regenerated", str(conv), "--max-length", "128", "--vocab", "64",
-        "--main-budget-s", "6", "--eyas-probe-steps", "2", "--spec-probe-steps", "2", "--spec-workers", "0",
-        "--eyas-args", "--tokens-per-batch 128", "--curve-every-s", "3", "--spec-save-every-s", "3",
+        "--phase", "main", *data, "--main-budget-s", "16", "--eyas-probe-steps", "2", "--spec-probe-steps", "5",
+        "--spec-workers", "0", "--eyas-args", "--tokens-per-batch 128", "--curve-every-s", "3",
+        "--spec-save-every-s", "2", "--spec-stop-after-s", "3",
         "--spec-args", "--loss-implementation eager --total-seq-len 64",
     )  # fmt: skip
     phase("--phase", "rest", "--curve-every-s", "3")
-    res = json.loads((out / "results.json").read_text())
+    # the probe's steady step time plans the run to about the budget, so the stop comes well before its end
+    res_a = json.loads((out / "results.json").read_text())
+    stop = res_a["spec_main"]["stopped"]
+    assert stop and not res_a["spec_main"].get("draft")  # a session's stop, not a draft
+    assert res_a["curve"]["speculators"] and res_a["curve"]["eyas"]
 
-    em = res["eyas_main"]
-    assert em["rc"] == 0 and em["summary"]["steps"] > 0 and em["summary"]["budget_s"] == 6.0
+    # the stage: the small results, the record, speculators' stop checkpoint; no data, no kept saves
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # python3 with eyas
+    r = subprocess.run(["bash", str(STAGE), str(work), str(stage)], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    rel = Path(stop["checkpoint"]).relative_to(work)
+    assert (stage / rel / "training_state.json").is_file()
+    assert not any((stage / x).exists() for x in ("store_regenerated", "spec_data", "spec_main/kept", "prep_regen"))
+    assert (stage / "references.jsonl").is_file() and (stage / "results.json").is_file()
+    assert not (stage / "eyas_main" / "draft").exists()  # finished: its evaluations travel, not its weights
+    # an eyas run cut before its end travels as its newest complete checkpoint alone
+    cut = tmp_path / "cut" / "work"
+    shutil.copytree(work, cut, symlinks=True)
+    shutil.rmtree(cut / "eyas_main" / "draft")
+    r = subprocess.run(
+        ["bash", str(STAGE), str(cut), str(tmp_path / "cut_stage")], capture_output=True, text=True, env=env
+    )
+    assert r.returncode == 0, r.stderr
+    kept = sorted(p.name for p in (tmp_path / "cut_stage" / "eyas_main" / "checkpoints").iterdir())
+    assert kept == [max(p.name for p in (work / "eyas_main" / "checkpoints").glob("step-*"))]
+
+    # session B: a fresh disk with the stage unpacked where the work was
+    shutil.rmtree(work)
+    shutil.rmtree(out)
+    shutil.copytree(stage, work)
+    phase("--phase", "main", *data, "--train", "speculators", "--spec-workers", "0", "--spec-resume")
+    phase("--phase", "rest", "--curve-every-s", "3")
+    res = json.loads((out / "results.json").read_text())
+    assert "made again" in (out / "results.json").read_text()  # the data, not on this disk
     assert Path(res["spec_main"]["draft"]).is_dir()
-    # both trainers' checkpoints, each measured on both prompt sets at every k
+    assert res["spec_main"]["resumed_from"]["global_step"] == stop["global_step"]
+    # speculators' curve: session A's points (their reports staged) and session B's, on one clock
+    spec = res["curve"]["speculators"]
+    assert {p["evaluated_in"] for p in spec} == {"rest", "rest-2"}
+    a_end = max(p["train_s"] for p in res_a["curve"]["speculators"])
+    assert all(p["train_s"] > a_end for p in spec if p["evaluated_in"] == "rest-2")
+    assert [p["train_s"] for p in spec] == sorted(p["train_s"] for p in spec)
+    # eyas finished in A: its points and final evaluations come from A's reports
+    assert [p["step"] for p in res["curve"]["eyas"]] == [p["step"] for p in res_a["curve"]["eyas"]]
     for who in ("eyas", "speculators"):
         pts = res["curve"][who]
         assert pts, who
@@ -81,6 +127,7 @@ def test_quality_comparison_runs_through_on_the_cpu(tmp_path, tiny_llama_dir):
             assert set(p["taus"]) == {"mt_bench", "humaneval"}
             assert all(set(t) == {"3", "5"} for t in p["taus"].values())
             assert all(v >= 1.0 for t in p["taus"].values() for v in t.values())
+            assert all((work / rel).is_file() for t in p["reports"].values() for rel in t.values())
     # the final drafts paired on each set and k over the same turns (3 MT-bench questions, 2 turns)
     final = {(r["prompt_set"], r["k"]): r for r in res["paired"] if r["at"] == "final"}
     assert set(final) == {(s, k) for s in ("mt_bench", "humaneval") for k in (3, 5)}

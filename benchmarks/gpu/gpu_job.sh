@@ -37,7 +37,8 @@
 #   home     the pipeline run's state (stage records, train/ with its newest checkpoint only) sent home
 #            over calls HOME_CALL = 0, 1, ... (stage_run.sh, send_home.sh: 3 pieces of 15 MiB a call);
 #            benchmarks/gpu/bring_home.sh carries it back to the same workdir in a later session,
-#            where `eyas pipeline` resumes the training from that checkpoint
+#            where `eyas pipeline` resumes the training from that checkpoint; HOME_WHAT=quality sends the
+#            quality step's comparison in Q_DIR instead (stage_quality.sh), for its next main call
 #   profile  after pipeline: eyas evaluate --engine vllm --speed-profile-steps of its draft at PROF_K (3) and
 #            PROF_ALSO (4,5; empty: none) and without it, 1 request: each part of a step from vLLM's profiler
 #            (issue 31 item 4)
@@ -374,11 +375,8 @@ case $STEP in
     pkill -TERM -o -f 'spec_train[.]py' && stopped=1
     if [ "$stopped" = 1 ]; then echo "quality: stopped what the phase left running"; sleep 20; fi
     # the small results: the reports (each with its turns, for pairing again here), the runs' records
-    ( cd "$Q/work" 2>/dev/null && find . \( -name report.json -o -name spec_train.json -o -name summary.json \
-        -o -name metrics.jsonl -o -name eyas_conversion.json -o -name manifest.json -o -name '*.log' \
-        -o -path './references*.jsonl' \) \
-        -not -path './store_*' -not -path './spec_data/hidden_states/*' -print0 |
-        tar -czf "$OUT/quality.tgz" --null -T - )
+    [ -d "$Q/work" ] && bash benchmarks/gpu/stage_quality.sh "$Q/work" --list |
+      tar -C "$Q/work" -czf "$OUT/quality.tgz" --null -T -
     [ "$qrc" = 0 ]
     ;;
   tcache)
@@ -390,12 +388,19 @@ case $STEP in
       "root/eyas-cache/compile tmp/torchinductor_root" "tmp/torchinductor_root" "root/eyas-cache/compile"
     ;;
   home)
-    S=/root/stage/$(basename "$PIPE_W")
+    # HOME_WHAT: checkpoint or draft (the pipeline run at PIPE_W), or quality (the comparison in
+    # Q_DIR/work, as the quality step's Q_DIR names it)
+    if [ "${HOME_WHAT:-checkpoint}" = quality ]; then W=${Q_DIR:-/dev/shm/quality}/work; else W=$PIPE_W; fi
+    S=/root/stage/$(basename "$W")
     if [ "${HOME_CALL:-0}" = 0 ]; then  # a first call stages the run anew and forgets earlier pieces
-      bash benchmarks/gpu/stage_run.sh "$PIPE_W" "$S" "${HOME_WHAT:-checkpoint}" || exit 1
+      if [ "${HOME_WHAT:-checkpoint}" = quality ]; then
+        bash benchmarks/gpu/stage_quality.sh "$W" "$S" || exit 1
+      else
+        bash benchmarks/gpu/stage_run.sh "$W" "$S" "${HOME_WHAT:-checkpoint}" || exit 1
+      fi
       rm -f /root/home/run.*
     fi
-    step home bash benchmarks/gpu/send_home.sh "$S" run "${HOME_CALL:-0}" "$PIPE_W"
+    step home bash benchmarks/gpu/send_home.sh "$S" run "${HOME_CALL:-0}" "$W"
     ;;
   *) echo "unknown step $STEP"; exit 2 ;;
 esac

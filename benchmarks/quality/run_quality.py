@@ -30,6 +30,9 @@ stays on the machine between the calls):
 
 On one GPU, or over several calls, `--train eyas|speculators` runs one trainer per main call (both
 on 1 GPU: one after the other, each alone on it); a later main call reuses the data and stores.
+A comparison carried to another session (benchmarks/gpu/stage_quality.sh: its record, reports and
+resumable checkpoints) has its data made again there, and its rest phase keeps the earlier
+sessions' points of the curve beside its own.
 `--ablations` names the ablations (and so the data sets prepared); `""` evaluates only the main
 drafts.
 
@@ -373,7 +376,7 @@ def _device(a) -> str:
 
 def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     trainers = [x for x in a.train.split(",") if x]
-    if "stores" not in res:  # set once every store and the conversion are complete
+    if not _data_here(res):
         _data(r, a, work, res, save)
     else:
         log("data and stores: from the earlier main call")
@@ -390,6 +393,20 @@ def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
         _spec_finish(r, a, work, res, ps, timeout=max(30.0, r.left() - 30))
     res["stages"]["main_training_s"] = res["stages"].get("main_training_s", 0.0) + time.time() - t
     save()
+
+
+def _data_here(res: dict) -> bool:
+    """Whether an earlier main call's data, stores and speculators' copy are on this disk: ``stores``
+    is set once all are complete, but a run carried to another session (``stage_quality.sh``) brings
+    its record without them, and its data are made again there (the same seeded conversations)."""
+    if "stores" not in res:
+        return False
+    stores = [Path(v) / "manifest.json" for v in res["stores"].values()]
+    spec = Path(res["stores"]["regenerated"]).parent / "spec_data" / "eyas_conversion.json"
+    if all(m.is_file() and json.loads(m.read_text()).get("complete") for m in stores) and spec.is_file():
+        return True
+    log("data and stores: recorded by an earlier call but not on this disk; made again")
+    return False
 
 
 def _data(r: Runner, a, work: Path, res: dict, save) -> None:
@@ -819,7 +836,8 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             continue
         evaluate_ks(who, d, [int(k) for k in a.eval_ks.split(",") if k], a.eval_max_per_category)
     if a.curve_every_s:
-        res["curve"] = curve(r, a, work, ev_replay if a.eval_engine == "replay" else None)
+        now = curve(r, a, work, ev_replay if a.eval_engine == "replay" else None)
+        res["curve"] = with_earlier_points(res.get("curve") or {}, now, work, list(res["args"])[-1])
     save()
     for name, p in procs.items():
         dt = r.wait_by(p, list(procs.values()), margin=60, floor=10)
@@ -1012,6 +1030,30 @@ def curve(r: Runner, a, work: Path, ev_replay: dict[str, list[str]] | None) -> d
                 }
             )
     log(f"curve: {json.dumps(out)}")
+    return out
+
+
+def _point_key(who: str, p: dict) -> Any:
+    return p["step"] if who == "eyas" else p.get("global_step", p["epoch"])
+
+
+def with_earlier_points(before: dict, now: dict, work: Path, call: str) -> dict[str, list[dict]]:
+    """The curve of this rest call (``now``, each point marked ``evaluated_in``: ``call``) with the
+    points of earlier rest calls that it did not evaluate again: a run carried over sessions
+    (``stage_quality.sh``) brings its earlier sessions' reports but only its newest checkpoint.
+    An earlier point stays only where its reports are in ``work``, so that every point can be paired."""
+    out = {}
+    for who in sorted(set(before) | set(now)):
+        pts = {_point_key(who, p): {**p, "evaluated_in": call} for p in now.get(who, [])}
+        for p in before.get(who, []):
+            if _point_key(who, p) in pts:
+                continue
+            rels = [rel for by_k in p.get("reports", {}).values() for rel in by_k.values()]
+            if rels and all((work / rel).is_file() for rel in rels):
+                pts[_point_key(who, p)] = p
+            else:
+                log(f"curve: {who}'s point at {p['train_s']:.0f} s has no reports here; left out")
+        out[who] = sorted(pts.values(), key=lambda p: p["train_s"])
     return out
 
 
