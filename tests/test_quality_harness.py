@@ -106,7 +106,8 @@ def test_quality_comparison_runs_through_on_the_cpu_over_two_sessions(tmp_path, 
     shutil.rmtree(work)
     shutil.rmtree(out)
     shutil.copytree(stage, work)
-    phase("--phase", "main", *data, "--train", "speculators", "--spec-workers", "0", "--spec-resume")
+    # both trainers asked for: eyas, finished in A, is not trained again
+    phase("--phase", "main", *data, "--train", "speculators,eyas", "--spec-workers", "0", "--spec-resume")
     phase("--phase", "rest", "--curve-every-s", "3")
     res = json.loads((out / "results.json").read_text())
     assert "made again" in (out / "results.json").read_text()  # the data, not on this disk
@@ -119,7 +120,9 @@ def test_quality_comparison_runs_through_on_the_cpu_over_two_sessions(tmp_path, 
     assert all(p["train_s"] > a_end for p in spec if p["evaluated_in"] == "rest-2")
     assert [p["train_s"] for p in spec] == sorted(p["train_s"] for p in spec)
     # eyas finished in A: its points and final evaluations come from A's reports
+    assert "eyas main: finished in an earlier session" in (out / "results.json").read_text()
     assert [p["step"] for p in res["curve"]["eyas"]] == [p["step"] for p in res_a["curve"]["eyas"]]
+    assert {p["evaluated_in"] for p in res["curve"]["eyas"]} == {"rest"}
     for who in ("eyas", "speculators"):
         pts = res["curve"][who]
         assert pts, who

@@ -570,6 +570,9 @@ def _eyas_main(r: Runner, a, work: Path, res: dict, save, started_after: float |
     if (run_dir / "draft" / "model.safetensors").is_file():
         log("eyas main: trained by an earlier main call")
         return
+    if (run_dir / "summary.json").is_file():  # written after the draft: finished where it was staged
+        log("eyas main: finished in an earlier session (its summary.json; its evaluations came with it)")
+        return
     t = time.time()
     em = res.get("eyas_main")
     resume = bool(em and latest_eyas_draft(run_dir))  # an earlier call cut it: its plan, from its checkpoint
