@@ -52,9 +52,12 @@ if [ -d "$W/eyas_main" ]; then
   else
     # the newest complete one, as eyas's resume picks it
     last=$(python3 -c 'import sys; from eyas.train.checkpoint import checkpoint_dirs as c; d = c(sys.argv[1]); print(d[-1] if d else "")' "$W/eyas_main")
-    [ -n "$last" ] || { echo "stage_quality: eyas_main has neither a draft nor a checkpoint to resume" >&2; exit 1; }
-    mkdir -p "$S/eyas_main/checkpoints" && cp -r "$last" "$S/eyas_main/checkpoints/"
-    what+=("eyas's checkpoint $(basename "$last")")
+    if [ -n "$last" ]; then
+      mkdir -p "$S/eyas_main/checkpoints" && cp -r "$last" "$S/eyas_main/checkpoints/"
+      what+=("eyas's checkpoint $(basename "$last")")
+    else  # failed before its first checkpoint: the next main call trains it afresh
+      what+=("eyas with no checkpoint (to start afresh)")
+    fi
   fi
 fi
 echo "stage_quality: $W -> $S ($(du -sh "$S" | cut -f1); $(IFS=,; echo "${what[*]:-no run}"))"
