@@ -121,6 +121,8 @@ PY
   PIPE_CONFIG=$J/pipe-config.yaml
 fi
 read -r PIPE_W TNAME < <(python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); print(c['workdir'], c['target'])" "$PIPE_CONFIG")
+# the quality step's state (its data, stores and runs), on the warm machine between its calls
+Q=${Q_DIR:-/dev/shm/quality}
 
 # the builtin and both steps share one --out and these settings, so both resumes builtin's records
 EVAL=(eyas evaluate --device cuda --draft "$J/run/draft" -k $K --max-new-tokens $TOKENS --no-plain --out "$J/eval")
@@ -337,7 +339,7 @@ case $STEP in
       --speed-concurrency "${OPT_C:-1,32}" "${OPTS[@]}" --out "$J/eval-options-$name"
     ;;
   quality)
-    Q=${Q_DIR:-/dev/shm/quality} SEED=data/regenerated/$TNAME-sharegpt
+    SEED=data/regenerated/$TNAME-sharegpt
     [ -e /tmp/site-q/.done ] || { echo "quality: speculators not installed (carry .carry/quality once)"; exit 3; }
     # the conversations: the first Q_SAMPLES of ShareGPT with the target's answers kept in git (no engine)
     if [ ! -s "$Q/regen/regenerated_conversations.jsonl" ]; then
@@ -388,16 +390,15 @@ case $STEP in
       "root/eyas-cache/compile tmp/torchinductor_root" "tmp/torchinductor_root" "root/eyas-cache/compile"
     ;;
   home)
-    # HOME_WHAT: checkpoint or draft (the pipeline run at PIPE_W), or quality (the comparison in
-    # Q_DIR/work, as the quality step's Q_DIR names it)
-    if [ "${HOME_WHAT:-checkpoint}" = quality ]; then W=${Q_DIR:-/dev/shm/quality}/work; else W=$PIPE_W; fi
+    # HOME_WHAT: checkpoint or draft (the pipeline run at PIPE_W), or quality (the quality step's
+    # comparison in Q_DIR/work)
+    case ${HOME_WHAT:-checkpoint} in
+      quality) W=$Q/work; stage() { bash benchmarks/gpu/stage_quality.sh "$W" "$1"; } ;;
+      *) W=$PIPE_W; stage() { bash benchmarks/gpu/stage_run.sh "$W" "$1" "${HOME_WHAT:-checkpoint}"; } ;;
+    esac
     S=/root/stage/$(basename "$W")
     if [ "${HOME_CALL:-0}" = 0 ]; then  # a first call stages the run anew and forgets earlier pieces
-      if [ "${HOME_WHAT:-checkpoint}" = quality ]; then
-        bash benchmarks/gpu/stage_quality.sh "$W" "$S" || exit 1
-      else
-        bash benchmarks/gpu/stage_run.sh "$W" "$S" "${HOME_WHAT:-checkpoint}" || exit 1
-      fi
+      stage "$S" || exit 1
       rm -f /root/home/run.*
     fi
     step home bash benchmarks/gpu/send_home.sh "$S" run "${HOME_CALL:-0}" "$W"

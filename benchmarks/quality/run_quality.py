@@ -376,7 +376,7 @@ def _device(a) -> str:
 
 def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     trainers = [x for x in a.train.split(",") if x]
-    if not _data_here(res):
+    if not _data_here(res, work):
         _data(r, a, work, res, save)
     else:
         log("data and stores: from the earlier main call")
@@ -395,14 +395,14 @@ def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     save()
 
 
-def _data_here(res: dict) -> bool:
+def _data_here(res: dict, work: Path) -> bool:
     """Whether an earlier main call's data, stores and speculators' copy are on this disk: ``stores``
     is set once all are complete, but a run carried to another session (``stage_quality.sh``) brings
     its record without them, and its data are made again there (the same seeded conversations)."""
     if "stores" not in res:
         return False
     stores = [Path(v) / "manifest.json" for v in res["stores"].values()]
-    spec = Path(res["stores"]["regenerated"]).parent / "spec_data" / "eyas_conversion.json"
+    spec = work / "spec_data" / "eyas_conversion.json"  # where _data converts it
     if all(m.is_file() and json.loads(m.read_text()).get("complete") for m in stores) and spec.is_file():
         return True
     log("data and stores: recorded by an earlier call but not on this disk; made again")
