@@ -201,6 +201,10 @@ def _cache_tree(root: Path, big: int = 0) -> None:
     (root / "tmp" / "torchinductor_root" / "locks" / "x.lock").write_text("")
 
 
+def _names_in(tgz: Path) -> list[str]:
+    return subprocess.run(["tar", "-tzf", str(tgz)], capture_output=True, text=True, check=True).stdout.split()
+
+
 TRAINER_SETS = ["root/eyas-cache/compile tmp/torchinductor_root", "tmp/torchinductor_root", "root/eyas-cache/compile"]
 
 
@@ -242,9 +246,7 @@ def test_compile_caches_over_the_limit_fall_back_to_a_smaller_set(tmp_path):
     env = {"OUT": str(out), "CACHE_MAX_MB": "1"}
     r = sh("compile_cache.sh", "back", "trainer-compile-cache", dev, *TRAINER_SETS, env=env)
     assert r.returncode == 0, r.stderr
-    names = subprocess.run(
-        ["tar", "-tzf", str(out / "trainer-compile-cache.tgz.part0")], capture_output=True, text=True, check=True
-    ).stdout.split()
+    names = _names_in(out / "trainer-compile-cache.tgz.part0")
     assert names and all(n.startswith("tmp/torchinductor_root") for n in names)
     (dev / "tmp" / "torchinductor_root" / "big").write_bytes(os.urandom(1_500_000))
     r = sh("compile_cache.sh", "back", "trainer-compile-cache", dev, *TRAINER_SETS, env=env)
@@ -263,9 +265,7 @@ def test_an_empty_compile_cache_is_not_brought_back(tmp_path):
     out.mkdir()
     r = sh("compile_cache.sh", "back", "trainer-compile-cache", dev, *TRAINER_SETS, env={"OUT": str(out)})
     assert r.returncode == 0, r.stderr
-    names = subprocess.run(
-        ["tar", "-tzf", str(out / "trainer-compile-cache.tgz.part0")], capture_output=True, text=True, check=True
-    ).stdout.split()
+    names = _names_in(out / "trainer-compile-cache.tgz.part0")
     assert names and all(n.startswith("root/eyas-cache/compile") for n in names)
     shutil.rmtree(dev / "root" / "eyas-cache" / "compile")
     r = sh("compile_cache.sh", "back", "trainer-compile-cache", dev, *TRAINER_SETS, env={"OUT": str(out)})
