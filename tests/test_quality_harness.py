@@ -54,7 +54,8 @@ def test_quality_comparison_runs_through_on_the_cpu_over_two_sessions(tmp_path, 
     """Session A trains both, speculators stopped part-way (--spec-stop-after-s), and evaluates;
     stage_quality.sh carries the comparison to session B on a wiped disk, which makes the data
     again, resumes speculators and evaluates; B's results hold both sessions' curves."""
-    conv = _conversations(tmp_path / "conversations.jsonl")
+    # enough conversations that one epoch of speculators' (its plan's least) outlasts its 3-s stop
+    conv = _conversations(tmp_path / "conversations.jsonl", 64)
     mt = _first_of_each_category(ROOT / "data" / "mt_bench" / "question.jsonl", tmp_path / "mt_bench" / "q.jsonl", 3)
     he = _first_of_each_category(ROOT / "data" / "humaneval" / "question.jsonl", tmp_path / "humaneval" / "q.jsonl")
     work, out, stage = tmp_path / "work", tmp_path / "out", tmp_path / "stage"
@@ -140,6 +141,31 @@ def test_quality_comparison_runs_through_on_the_cpu_over_two_sessions(tmp_path, 
     # and the checkpoints nearest the mark, found by the reports each curve point names
     assert {(r["prompt_set"], r["k"]) for r in res["paired"] if r["at"] == "4s"} == set(final)
     assert (out / "curve.png").is_file()
+
+    # each run's last checkpoint is its final draft: that point is the final evaluation's
+    assert spec[-1]["reports"]["mt_bench"]["3"].startswith("eval_speculators/")
+    assert res["curve"]["eyas"][-1]["reports"]["mt_bench"]["3"].startswith("eval_eyas/")
+    # a rest call too close to its deadline starts nothing, takes the earlier calls' reports and
+    # saves them; a set whose reports went missing is left for the next call, which evaluates it alone
+    shutil.rmtree(work / "eval_speculators-humaneval")
+    phase("--phase", "rest", "--curve-every-s", "3", "--deadline-s", "5")
+    late = json.loads((out / "results.json").read_text())
+    log = "\n".join(late["log"]["rest-3"])
+    assert " start " not in log and "its reports from an earlier call" in log
+    assert "eval speculators@humaneval: " in log and "not started" in log
+    assert set(res["evaluations"]) - set(late["evaluations"]) == {
+        "speculators@humaneval_k3",
+        "speculators@humaneval_k5",
+    }
+    assert set(late["curve"]["speculators"][-1]["taus"]) == {"mt_bench"}
+    assert [p["taus"] for p in late["curve"]["eyas"]] == [p["taus"] for p in res["curve"]["eyas"]]
+    phase("--phase", "rest", "--curve-every-s", "3")
+    again = json.loads((out / "results.json").read_text())
+    started = [line for line in again["log"]["rest-4"] if " start " in line]
+    assert len(started) == 1 and "start eval_speculators@humaneval:" in started[0]
+    assert again["evaluations"] == res["evaluations"]
+    assert [p["taus"] for p in again["curve"]["speculators"]] == [p["taus"] for p in spec]
+    res = again
 
     # pair_runs.py pairs the eyas run of one comparison with the speculators run of another (two
     # sessions); given the same comparison twice it gives the rest phase's own rows

@@ -25,8 +25,8 @@ stays on the machine between the calls):
               alternating over the GPUs); with --curve-every-s, every checkpoint of both main runs
               too (tau against training time, curve.png)
     A second rest call on the same machine keeps the ablations that finished and the evaluations
-    that completed, resumes cut-off ablations from their checkpoints and evaluations from their
-    records.
+    that completed (a replay: its reports, for the same draft), resumes cut-off ablations from their
+    checkpoints and evaluations from their records. results.json is saved after every evaluation.
 
 On one GPU, or over several calls, `--train eyas|speculators` runs one trainer per main call (both
 on 1 GPU: one after the other, each alone on it); a later main call reuses the data and stores.
@@ -751,6 +751,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     ev_replay = replay_sets(r, a, work)
     eval_procs: dict[str, subprocess.Popen] = {}
     replayed: dict[str, dict] = {}
+    final_got: dict[str, dict] = {}  # a main draft's replays, the newest point of its curve too
     slot = [0]
 
     done_before = {
@@ -780,6 +781,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             return
         got = replay_eval(r, ev_replay, work / f"eval_{base}", base, draft, ks, per_cat)
         replayed.update({f"{base}{suffix}_k{k}": rep for (suffix, k), rep in got.items()})
+        final_got[base] = got
 
     # ablation training first (it takes longest), then the main evaluations beside it
     abl: dict[str, dict] = {}
@@ -834,13 +836,35 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
                 env=_gpu_env(r, n),
             )
     for who, d in (("eyas", em.get("draft")), ("speculators", sm.get("draft"))):
-        if d in (None, "None") or not Path(d).exists():
+        # replay finds a draft's reports from an earlier call where the draft itself stayed behind
+        if d in (None, "None") or (a.eval_engine != "replay" and not Path(d).exists()):
             log(f"no {who} draft to evaluate")
             continue
         evaluate_ks(who, d, [int(k) for k in a.eval_ks.split(",") if k], a.eval_max_per_category)
+    res["evaluations"] = {**done_before, **replayed}
+    save()
     if a.curve_every_s:
-        now = curve(r, a, work, ev_replay if a.eval_engine == "replay" else None)
-        res["curve"] = with_earlier_points(res.get("curve") or {}, now, work, list(res["args"])[-1])
+        before, call = res.get("curve") or {}, list(res["args"])[-1]
+
+        def on_point(now: dict) -> None:
+            res["curve"] = with_earlier_points(before, now, work, call)
+            save()
+
+        # each run's last checkpoint holds its draft's weights: its point is the final evaluation
+        # where that evaluated what the curve does (the same k and questions)
+        curve_ks = {a.curve_k, *(int(k) for k in a.eval_ks.split(",") if k)}
+        same = curve_ks <= {int(k) for k in a.eval_ks.split(",") if k}
+        same = same and a.curve_max_per_category == a.eval_max_per_category
+        saves = spec_saves(work / "spec_main" / "spec_train.json")
+        # speculators' draft: converted from its epoch's folder, which holds that epoch's last save
+        spec_last = saves and saves[-1]["epoch"] == Path(sm.get("checkpoint") or "").name
+        last = {
+            "eyas": (em.get("summary") or {}).get("steps"),
+            "speculators": saves[-1].get("global_step") if spec_last else None,
+        }
+        finals = {who: (last[who], got) for who, got in final_got.items() if same and last[who] is not None}
+        now = curve(r, a, work, ev_replay if a.eval_engine == "replay" else None, on_point, finals)
+        res["curve"] = with_earlier_points(before, now, work, call)
     save()
     for name, p in procs.items():
         dt = r.wait_by(p, list(procs.values()), margin=60, floor=10)
@@ -940,27 +964,62 @@ def report_path(out: Path, suffix: str, k: int, first_k: int) -> Path:
     return (d if k == first_k else d / f"k{k}") / "replay" / "report.json"
 
 
+# an evaluation is not started with less than this left before --deadline-s: it could not finish,
+# and the call's own timeout would then cut the phase before it saves results.json
+EVAL_FLOOR_S = 20.0
+
+
+def earlier_report(rep: Path, draft: str, prompts: str, per_cat: int | None) -> bool:
+    """Whether ``rep`` (an `eyas evaluate` report) is this evaluation's, made by an earlier rest call:
+    the same draft (its weights' sha256 where the draft is on this disk; by name where it stayed on
+    another machine, a staged comparison's earlier points), the same prompt set and question cap."""
+    if not rep.is_file():
+        return False
+    r = json.loads(rep.read_text())
+    same_prompts = Path(r.get("prompts", "")).parts[-2:] == Path(prompts).parts[-2:]
+    if not same_prompts or r.get("max_per_category") != per_cat or Path(r.get("draft", "")).name != Path(draft).name:
+        return False
+    weights = Path(draft) / "model.safetensors"
+    if weights.is_file():
+        from eyas.fsio import sha256_file
+
+        return r.get("draft_sha256") == sha256_file(weights)
+    return True
+
+
 def replay_eval(
     r: Runner, sets: dict[str, list[str]], out: Path, base: str, draft: str, ks: list[int], per_cat: int
 ) -> dict[tuple[str, int], dict]:
     """`eyas evaluate --engine replay` of ``draft`` on each prompt set of ``sets``, every k of ``ks``
     in one run per set (seconds on a GPU once the shared answers exist): (suffix, k) -> summary,
-    its report's path relative to ``out``'s folder in "report"; a set that failed or ran out of
-    time has no keys."""
+    its report's path relative to ``out``'s folder in "report"; a set that failed, ran out of time
+    or was not started (its draft not here, under EVAL_FLOOR_S left) has no keys. A set whose
+    reports an earlier rest call made for the same draft (``earlier_report``) is not run again."""
     got: dict[tuple[str, int], dict] = {}
     for suffix, ev in sets.items():
         dest = eval_dir(out, suffix)
-        cmd = ev + ["--draft", draft, "--out", dest, "-k", ks[0]]
-        cmd += [] if suffix else ["--max-per-category", per_cat]  # the second set: every question
-        if ks[1:]:
-            cmd += ["--also-k", ",".join(map(str, ks[1:]))]
-        try:
-            r.run(f"eval_{base}{suffix}", cmd, timeout=max(10.0, r.left() - 10), env=_gpu_env(r, 0))
-        except RuntimeError as e:
-            log(f"eval {base}{suffix}: {e}")
+        prompts = ev[ev.index("--prompts") + 1]
+        cap = None if suffix else per_cat  # the second set: every question
+        reps = {k: report_path(out, suffix, k, ks[0]) for k in ks}
+        if all(earlier_report(rep, draft, prompts, cap) for rep in reps.values()):
+            log(f"eval {base}{suffix}: its reports from an earlier call")
+        elif not Path(draft).exists():
+            log(f"eval {base}{suffix}: no draft {draft} here and no earlier reports; not evaluated")
             continue
-        for k in ks:
-            rep = report_path(out, suffix, k, ks[0])
+        elif r.left() < EVAL_FLOOR_S:
+            log(f"eval {base}{suffix}: {r.left():.0f} s left before the deadline; not started")
+            continue
+        else:
+            cmd = ev + ["--draft", draft, "--out", dest, "-k", ks[0]]
+            cmd += [] if cap is None else ["--max-per-category", cap]
+            if ks[1:]:
+                cmd += ["--also-k", ",".join(map(str, ks[1:]))]
+            try:
+                r.run(f"eval_{base}{suffix}", cmd, timeout=max(10.0, r.left() - 10), env=_gpu_env(r, 0))
+            except RuntimeError as e:
+                log(f"eval {base}{suffix}: {e}")
+                continue
+        for k, rep in reps.items():
             got[(suffix, k)] = {**report_summary(rep), "report": str(rep.relative_to(out.parent))}
     return got
 
@@ -975,11 +1034,39 @@ def by_prompt_set(got: dict[tuple[str, int], dict], field: str) -> dict[str, dic
     return out
 
 
-def curve(r: Runner, a, work: Path, ev_replay: dict[str, list[str]] | None) -> dict[str, list[dict]]:
+def mark_window(mark: float) -> tuple[float, float]:
+    """The training times whose checkpoints may stand for ``mark`` (--marks-s) in the pairing."""
+    return mark - max(60.0, 0.2 * mark), 1.05 * mark + 5
+
+
+def at_marks(times: list[float], marks: list[float]) -> set[float]:
+    """Of ``times``, the newest within each mark's window: the checkpoints the pairing uses."""
+    out = set()
+    for mark in marks:
+        lo, hi = mark_window(mark)
+        near = [t for t in times if lo <= t <= hi]
+        if near:
+            out.add(max(near))
+    return out
+
+
+def curve(
+    r: Runner,
+    a,
+    work: Path,
+    ev_replay: dict[str, list[str]] | None,
+    on_point: Any = None,
+    finals: dict[str, tuple[int, dict]] | None = None,
+) -> dict[str, list[dict]]:
     """tau of every checkpoint of the two main runs on each prompt set at --curve-k and every
     --eval-ks (``tau``: MT-bench at --curve-k; ``taus``: all), against the wall-clock seconds of
     training after each run's first optimizer step: eyas's from its metrics, speculators' saves from
-    spec_train.py's timings. Replay only (one pass per checkpoint and prompt set)."""
+    spec_train.py's timings. Replay only (one pass per checkpoint and prompt set). The checkpoints
+    the pairing uses at --marks-s go first, the others after them, oldest first, so that a deadline
+    cuts the least needed (replay_eval starts nothing under EVAL_FLOOR_S before it, but still takes
+    an earlier call's reports); ``on_point(curve so far)`` after each point, to save results.json.
+    ``finals``: trainer -> (its last checkpoint's step, its final draft's replays), that point's
+    evaluations (the same weights)."""
     if ev_replay is None:
         log("curve: needs --eval-engine replay (one evaluation per checkpoint)")
         return {}
@@ -987,53 +1074,84 @@ def curve(r: Runner, a, work: Path, ev_replay: dict[str, list[str]] | None) -> d
 
     out: dict[str, list[dict]] = {"eyas": [], "speculators": []}
     ks = sorted({a.curve_k, *(int(k) for k in a.eval_ks.split(",") if k)})
+    todo: list[tuple[str, float, Any]] = []  # (who, train_s, evaluate it: -> its point or None)
+
+    def final_at(who: str, step: int | None) -> dict | None:
+        f = (finals or {}).get(who)
+        if f and step == f[0] and ("", a.curve_k) in f[1]:
+            log(f"curve: {who}, step {step}: its last checkpoint, its final draft's evaluations")
+            return f[1]
+        return None
+
     recs = [m for m in read_metrics(work / "eyas_main") if m.get("split") == "train" and "elapsed_s" in m]
     for ck in checkpoint_dirs(work / "eyas_main"):
         step = int(ck.name.split("-")[1])
         at = [m["elapsed_s"] for m in recs if m["step"] <= step]
-        got = replay_eval(
-            r,
-            ev_replay,
-            work / f"curve_eyas_{step}",
-            f"curve_eyas_{step}",
-            str(ck),
-            ks,
-            a.curve_max_per_category,
-        )
-        if ("", a.curve_k) in got and at:
-            out["eyas"].append(
-                {"step": step, "train_s": at[-1] - recs[0]["elapsed_s"], **_point(got, a.curve_k), "draft": str(ck)}
+        if not at:
+            continue
+
+        def eyas_point(ck=ck, step=step, t=at[-1] - recs[0]["elapsed_s"]) -> dict | None:
+            got = final_at("eyas", step) or replay_eval(
+                r, ev_replay, work / f"curve_eyas_{step}", f"curve_eyas_{step}", str(ck), ks, a.curve_max_per_category
             )
+            if ("", a.curve_k) not in got:
+                return None
+            return {"step": step, "train_s": t, **_point(got, a.curve_k), "draft": str(ck)}
+
+        todo.append(("eyas", at[-1] - recs[0]["elapsed_s"], eyas_point))
     for c in spec_saves(work / "spec_main" / "spec_train.json"):
+        if c["after_first_step_s"] is None:
+            continue  # that save came before the first step
         # a kept copy of each save where spec_train.py made them (--spec-save-every-s), else the
         # epoch's directory (which holds its last save only)
         ck = Path(c["kept"]) if c.get("kept") else work / "spec_main" / "run" / c["epoch"]
-        if not (ck / "config.json").is_file() or c["after_first_step_s"] is None:
-            continue  # that call saved nothing (or came before the first step)
-        name = f"curve_spec_{ck.name if c.get('kept') else c['epoch']}"
-        draft = work / f"{name}_draft"
-        try:
-            r.run(
-                f"{name}_convert",
-                [a.python, HERE / "from_speculators.py", "--ckpt", ck, "--target", a.target, "--out", draft],
-                env=r.spec_env(),
-            )
-        except RuntimeError as e:
-            log(f"curve: {e}")
-            continue
-        got = replay_eval(r, ev_replay, work / name, name, str(draft), ks, a.curve_max_per_category)
-        if ("", a.curve_k) in got:
-            out["speculators"].append(
-                {
-                    "epoch": c["epoch"],
-                    **({"global_step": c["global_step"]} if "global_step" in c else {}),
-                    "train_s": c["after_first_step_s"],
-                    **_point(got, a.curve_k),
-                    "draft": str(ck),
-                }
-            )
+        if not c.get("kept") and not (ck / "config.json").is_file():
+            continue  # that call saved nothing
+
+        def spec_point(c=c, ck=ck) -> dict | None:
+            name = f"curve_spec_{ck.name if c.get('kept') else c['epoch']}"
+            draft = work / f"{name}_draft"
+            got = final_at("speculators", c.get("global_step"))
+            if not got and (ck / "config.json").is_file() and not _newer(draft / "model.safetensors", ck):
+                if r.left() < 2 * EVAL_FLOOR_S:
+                    log(f"curve: {r.left():.0f} s left before the deadline; {ck.name} not converted")
+                    return None
+                try:
+                    r.run(
+                        f"{name}_convert",
+                        [a.python, HERE / "from_speculators.py", "--ckpt", ck, "--target", a.target, "--out", draft],
+                        env=r.spec_env(),
+                    )
+                except RuntimeError as e:
+                    log(f"curve: {e}")
+                    return None
+            got = got or replay_eval(r, ev_replay, work / name, name, str(draft), ks, a.curve_max_per_category)
+            if ("", a.curve_k) not in got:
+                return None
+            g = {"global_step": c["global_step"]} if "global_step" in c else {}
+            t = c["after_first_step_s"]
+            return {"epoch": c["epoch"], **g, "train_s": t, **_point(got, a.curve_k), "draft": str(ck)}
+
+        todo.append(("speculators", c["after_first_step_s"], spec_point))
+    marks = [float(m) for m in a.marks_s.split(",") if m]
+    first = {who: at_marks([t for w, t, _ in todo if w == who], marks) for who in out}
+    todo.sort(key=lambda x: (x[1] not in first[x[0]], x[1]))
+    for who, _, evaluate in todo:  # past the deadline, only what earlier calls evaluated
+        point = evaluate()
+        if point:
+            out[who].append(point)
+            out[who].sort(key=lambda p: p["train_s"])
+            if on_point:
+                on_point(out)
     log(f"curve: {json.dumps(out)}")
     return out
+
+
+def _newer(made: Path, source: Path) -> bool:
+    """Whether ``made`` exists and is newer than every file of ``source`` (a conversion still current)."""
+    if not made.is_file():
+        return False
+    return all(made.stat().st_mtime >= f.stat().st_mtime for f in source.rglob("*") if f.is_file())
 
 
 def _point_key(who: str, p: dict) -> Any:
@@ -1050,12 +1168,14 @@ def with_earlier_points(before: dict, now: dict, work: Path, call: str) -> dict[
         pts = {_point_key(who, p): {**p, "evaluated_in": call} for p in now.get(who, [])}
         for p in before.get(who, []):
             if _point_key(who, p) in pts:
+                if pts[_point_key(who, p)]["reports"] == p.get("reports") and "evaluated_in" in p:
+                    pts[_point_key(who, p)]["evaluated_in"] = p["evaluated_in"]  # its reports taken again
                 continue
             rels = [rel for by_k in p.get("reports", {}).values() for rel in by_k.values()]
             if rels and all((work / rel).is_file() for rel in rels):
                 pts[_point_key(who, p)] = p
             else:
-                log(f"curve: {who}'s point at {p['train_s']:.0f} s has no reports here; left out")
+                log(f"curve: {who}, the point at {p['train_s']:.0f} s: no reports here; left out")
         out[who] = sorted(pts.values(), key=lambda p: p["train_s"])
     return out
 
@@ -1090,7 +1210,8 @@ def paired_runs(a, res: dict, suffixes: list[str], finals: tuple[Path, Path], ro
     for mark in (float(m) for m in a.marks_s.split(",") if m):
         near = {}
         for who in ("eyas", "speculators"):
-            pts = [p for p in cv.get(who, []) if mark - max(60.0, 0.2 * mark) <= p["train_s"] <= 1.05 * mark + 5]
+            lo, hi = mark_window(mark)
+            pts = [p for p in cv.get(who, []) if lo <= p["train_s"] <= hi]
             near[who] = max(pts, key=lambda p: p["train_s"]) if pts else None
         if near["eyas"] and near["speculators"]:
             e, s = near["eyas"], near["speculators"]
