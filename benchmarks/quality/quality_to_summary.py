@@ -22,7 +22,8 @@ from add_summary import entry, read_records, upsert  # noqa: E402
 def rows(run: Path, tag: str) -> list[dict]:
     res = json.loads((run / "results.json").read_text())
     main = next((v for k, v in res["args"].items() if k.startswith("main")), {})
-    target = json.loads((run / "prep_regen" / "manifest.json").read_text())["target_spec"]
+    # a converted target's folder is named for it, as the other rows name it
+    target = Path(json.loads((run / "prep_regen" / "manifest.json").read_text())["target_spec"]).name
     samples = res["data"]["regenerated"]["counts"]["samples"]
     ev = next((v for k, v in res["args"].items() if k.startswith("rest")), main)  # the evaluations' settings
     rest = res.get("started", {}).get("rest", "?")
