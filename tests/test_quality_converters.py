@@ -304,6 +304,52 @@ def test_spec_train_stopped_and_resumed_ends_as_one_run(tiny_store, tiny_llama_d
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@needs_spec
+def test_spec_train_planned_from_an_earlier_record_runs_no_probe(tiny_store, tiny_llama_dir):
+    """spec_train.py --probe-from: the plan for this budget from an earlier run's measured steps,
+    validations and saves, with no probe run; a file that holds no such record is named."""
+    from spec_train import plan
+
+    tmp, _, store = tiny_store
+    data = _spec_data(tmp, store)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    cmd = [str(SPEC_PY), str(ROOT / "benchmarks" / "quality" / "spec_train.py"), "--cpu"]
+    cmd += ["--verifier", str(tiny_llama_dir), "--data", str(data), "--num-workers", "0"]
+    packs = ["--", "--total-seq-len", "64"]
+    r = subprocess.run(
+        [*cmd, "--out", str(tmp / "pf_one"), "--budget-s", "600", "--probe-steps", "0", "--epochs", "2", *packs],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    earlier = tmp / "pf_one" / "spec_train.json"
+    one = json.loads(earlier.read_text())
+    r = subprocess.run(
+        [*cmd, "--out", str(tmp / "pf_two"), "--budget-s", "4", "--probe-from", str(earlier), *packs],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = json.loads((tmp / "pf_two" / "spec_train.json").read_text())
+    assert not (tmp / "pf_two" / "probe").exists() and "probe" not in two
+    assert two["plan"] == plan(4.0, one["run"])
+    spe = one["run"]["steps_per_epoch"]
+    assert two["probe_from"] == {
+        "file": str(earlier),
+        "record": "run",
+        "steps_per_epoch": spe,
+        "steps_per_epoch_now": spe,
+    }
+    assert two["run"]["steps"] >= 1 and two["checkpoint"]
+    # a file with no steps recorded: refused before any trainer starts, the file named
+    bad = tmp / "pf_bad.json"
+    bad.write_text(json.dumps({"budget_s": 4}))
+    r = subprocess.run(
+        [*cmd, "--out", str(tmp / "pf_bad"), "--budget-s", "4", "--probe-from", str(bad), *packs],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert r.returncode != 0 and str(bad) in r.stderr and "recorded steps" in r.stderr
+    assert not (tmp / "pf_bad" / "run").exists()
+
+
 def _spec_train_cmd(tmp: Path, store: Path, tiny_llama_dir, name: str, workers: int) -> tuple[list[str], Path]:
     """spec_train.py's arguments for a run on the CPU that saves (and keeps) after every step until
     it is stopped, with ``workers`` data loader workers; and its --out."""

@@ -243,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="With --spec-probe-steps 0: its first validation's compile time (spec_train.py).",
     )
+    ap.add_argument(
+        "--spec-probe-from",
+        default=None,
+        help="speculators planned from this earlier spec_train.json (the same data and GPU kind; "
+        "spec_train.py --probe-from) instead of its probe.",
+    )
     ap.add_argument("--spec-workers", type=int, default=8)
     # a speculators run over two or more device sessions (spec_train.py; speculators_resume.md 5)
     ap.add_argument(
@@ -518,7 +524,9 @@ def _spec_start(r: Runner, a, work: Path) -> subprocess.Popen:
         cmd.append("--resume")
     else:
         cmd += ["--budget-s", a.main_budget_s, "--probe-steps", a.spec_probe_steps]
-        if a.spec_probe_steps == 0:
+        if a.spec_probe_from:
+            cmd += ["--probe-from", a.spec_probe_from]
+        elif a.spec_probe_steps == 0:
             if not a.spec_epochs:
                 raise ValueError("--spec-probe-steps 0 needs --spec-epochs (and --spec-allowance-s)")
             cmd += ["--epochs", a.spec_epochs, "--allowance-s", a.spec_allowance_s]

@@ -43,6 +43,11 @@ A run can span sessions (speculators_resume.md, section 5); none of this is on b
   the same ``run/``, after removing a stale ``run/interrupted``. The earlier sessions' records
   move to ``"sessions"``; ``ckpt_at`` times continue the budget clock. A ``--resume`` of a run
   that was not stopped does nothing.
+- ``--probe-from FILE``: no probe; the plan comes from an earlier ``spec_train.json`` of the same
+  data on the same GPU kind (its run's measured steps, validations and saves, else its probe's):
+  a probe's cold first step took most of its 228 s on an H100 (benchmarks/gpu_job.md, session 24).
+  The record keeps the file (``probe_from``) and both runs' steps per epoch, which differ where
+  the data does.
 - ``--fp32-checkpoints``: its checkpointer saves in fp32 rather than bf16 (2x the size) so that a
   resume is exact (the trainer keeps fp32 weights and optimizer state).
 - ``--keep-saves``: a copy of each numbered save's weights and config in ``OUT/kept/step-<global
@@ -420,6 +425,20 @@ def plan(budget_s: float, p: dict, margin: float = 0.97, save_every_s: float | N
     return out
 
 
+def measured(record: Path) -> tuple[dict, str]:
+    """What ``plan`` needs from an earlier ``spec_train.json``: its run's timings where it ran
+    steps (many steps, its first validation compiling), else its probe's; and which one."""
+    try:
+        sj = json.loads(Path(record).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"spec_train: --probe-from {record}: not a readable spec_train.json ({e})") from e
+    for key in ("run", "probe"):
+        rec = sj.get(key) or {}
+        if rec.get("steps") and rec.get("steps_per_epoch") and (rec.get("step_s_median") or rec.get("first_step_s")):
+            return rec, key
+    raise SystemExit(f"spec_train: --probe-from {record}: neither its run nor its probe recorded steps to plan from")
+
+
 def final_checkpoint(save_path: Path) -> Path | None:
     """The interrupted checkpoint if the budget cut the run, else the highest epoch."""
     if (save_path / "interrupted" / "config.json").is_file():
@@ -473,6 +492,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="With --probe-steps 0: timer seconds beyond the budget for the first validation's "
         "compilation (a probe measures it).",
+    )
+    ap.add_argument(
+        "--probe-from",
+        type=Path,
+        default=None,
+        help="Plan from this earlier spec_train.json (the same data and GPU kind) instead of probing.",
     )
     ap.add_argument("--ttt-steps", type=int, default=None, help="Default: speculators' own (3).")
     ap.add_argument("--num-workers", type=int, default=8, help="Its dataloader workers (its default 12).")
@@ -556,6 +581,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if prev is not None:
         pass  # the stopped session's plan (in result): the same --epochs/--max-steps, the same LR schedule
+    elif a.probe_from is not None:
+        p, source = measured(a.probe_from)
+        result["probe_from"] = {"file": str(a.probe_from), "record": source, "steps_per_epoch": p["steps_per_epoch"]}
+        result["plan"] = plan(a.budget_s, p, save_every_s=a.save_every_s, stop=a.stop_after_s is not None)
     elif a.probe_steps > 0:
         probe_dir = out / "probe"
         # a leftover probe/ must not be resumed (resuming is the CLI's default): it would run 0 steps
@@ -591,6 +620,14 @@ def main(argv: list[str] | None = None) -> int:
     s["setup_s"] = (probe.run_start - t1) if probe.run_start else None
     s["wall_s"] = time.perf_counter() - t1
     result["run"] = s
+    if "probe_from" in result:
+        result["probe_from"]["steps_per_epoch_now"] = s["steps_per_epoch"]
+        if s["steps_per_epoch"] != result["probe_from"]["steps_per_epoch"]:
+            print(
+                f"spec_train: --probe-from {a.probe_from}: {result['probe_from']['steps_per_epoch']} steps an "
+                f"epoch there, {s['steps_per_epoch']} here: not the same data, so the plan may miss the budget",
+                file=sys.stderr,
+            )
     # null: the trainer returned (finished, or cut by the budget timer); else where it stopped
     result["stopped"] = probe.stopped
     if probe.error is None:
