@@ -331,13 +331,12 @@ def test_spec_train_planned_from_an_earlier_record_runs_no_probe(tiny_store, tin
     two = json.loads((tmp / "pf_two" / "spec_train.json").read_text())
     assert not (tmp / "pf_two" / "probe").exists() and "probe" not in two
     assert two["plan"] == plan(4.0, one["run"])
-    spe = one["run"]["steps_per_epoch"]
-    assert two["probe_from"] == {
-        "file": str(earlier),
-        "record": "run",
-        "steps_per_epoch": spe,
-        "steps_per_epoch_now": spe,
-    }
+    # the same data: its packing may make an epoch a batch longer or shorter from run to run
+    got = two["probe_from"]
+    assert {k: got[k] for k in ("file", "record", "steps_per_epoch")} == {
+        "file": str(earlier), "record": "run", "steps_per_epoch": one["run"]["steps_per_epoch"],
+    }  # fmt: skip
+    assert got["steps_per_epoch_now"] == two["run"]["steps_per_epoch"] > 0
     assert two["run"]["steps"] >= 1 and two["checkpoint"]
     # a file with no steps recorded: refused before any trainer starts, the file named
     bad = tmp / "pf_bad.json"
