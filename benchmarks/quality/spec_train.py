@@ -45,7 +45,7 @@ A run can span sessions (speculators_resume.md, section 5); none of this is on b
   that was not stopped does nothing.
 - ``--probe-from FILE``: no probe; the plan comes from an earlier ``spec_train.json`` of the same
   data on the same GPU kind (its run's measured steps, validations and saves, else its probe's):
-  a probe's cold first step took most of its 228 s on an H100 (benchmarks/gpu_job.md, session 24).
+  a probe's cold first step is most of its time (benchmarks/gpu_job.md, session 24).
   The record keeps the file (``probe_from``) and both runs' steps per epoch, which differ by
   more than their packing's variation where the data does (a warning then).
 - ``--fp32-checkpoints``: its checkpointer saves in fp32 rather than bf16 (2x the size) so that a
