@@ -43,6 +43,7 @@ the report) instead of overrunning the device call.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -860,9 +861,10 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
 
         # each run's last checkpoint holds its draft's weights: its point is the final evaluation
         # where that evaluated what the curve does (the same k and questions)
-        curve_ks = {a.curve_k, *(int(k) for k in a.eval_ks.split(",") if k)}
-        same = curve_ks <= {int(k) for k in a.eval_ks.split(",") if k}
-        same = same and a.curve_max_per_category == a.eval_max_per_category
+        same = (
+            a.curve_k in {int(k) for k in a.eval_ks.split(",") if k}
+            and a.curve_max_per_category == a.eval_max_per_category
+        )
         saves = spec_saves(work / "spec_main" / "spec_train.json")
         # speculators' draft: converted from its epoch's folder, which holds that epoch's last save
         spec_last = saves and saves[-1]["epoch"] == Path(sm.get("checkpoint") or "").name
@@ -989,10 +991,16 @@ def earlier_report(rep: Path, draft: str, prompts: str, per_cat: int | None) -> 
         return False
     weights = Path(draft) / "model.safetensors"
     if weights.is_file():
-        from eyas.fsio import sha256_file
-
-        return r.get("draft_sha256") == sha256_file(weights)
+        return r.get("draft_sha256") == _sha256_at(str(weights), weights.stat().st_mtime_ns)
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _sha256_at(path: str, mtime_ns: int) -> str:
+    """A file's sha256, once per version of it (every report of a draft checks the same weights)."""
+    from eyas.fsio import sha256_file
+
+    return sha256_file(Path(path))
 
 
 def replay_eval(
@@ -1047,15 +1055,12 @@ def mark_window(mark: float) -> tuple[float, float]:
     return mark - max(60.0, 0.2 * mark), 1.05 * mark + 5
 
 
-def at_marks(times: list[float], marks: list[float]) -> set[float]:
-    """Of ``times``, the newest within each mark's window: the checkpoints the pairing uses."""
-    out = set()
-    for mark in marks:
-        lo, hi = mark_window(mark)
-        near = [t for t in times if lo <= t <= hi]
-        if near:
-            out.add(max(near))
-    return out
+def newest_near(mark: float, items: list, train_s: Any = lambda t: t) -> Any:
+    """Of ``items``, the newest (by ``train_s``) within ``mark``'s window, or None: the checkpoint
+    the pairing uses at that mark."""
+    lo, hi = mark_window(mark)
+    near = [x for x in items if lo <= train_s(x) <= hi]
+    return max(near, key=train_s) if near else None
 
 
 def curve(
@@ -1142,7 +1147,7 @@ def curve(
 
         todo.append(("speculators", c["after_first_step_s"], spec_point))
     marks = [float(m) for m in a.marks_s.split(",") if m]
-    first = {who: at_marks([t for w, t, _ in todo if w == who], marks) for who in out}
+    first = {who: {newest_near(m, [t for w, t, _ in todo if w == who]) for m in marks} for who in out}
     todo.sort(key=lambda x: (x[1] not in first[x[0]], x[1]))
     for who, _, evaluate in todo:  # past the deadline, only what earlier calls evaluated
         point = evaluate()
@@ -1216,11 +1221,7 @@ def paired_runs(a, res: dict, suffixes: list[str], finals: tuple[Path, Path], ro
     pairs = [("final", final(finals[0]), final(finals[1]), None, None)]
     cv = res.get("curve") or {}
     for mark in (float(m) for m in a.marks_s.split(",") if m):
-        near = {}
-        for who in ("eyas", "speculators"):
-            lo, hi = mark_window(mark)
-            pts = [p for p in cv.get(who, []) if lo <= p["train_s"] <= hi]
-            near[who] = max(pts, key=lambda p: p["train_s"]) if pts else None
+        near = {who: newest_near(mark, cv.get(who, []), lambda p: p["train_s"]) for who in ("eyas", "speculators")}
         if near["eyas"] and near["speculators"]:
             e, s = near["eyas"], near["speculators"]
             pairs.append((f"{mark:g}s", point(e, roots[0]), point(s, roots[1]), e["train_s"], s["train_s"]))
