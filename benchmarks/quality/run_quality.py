@@ -859,20 +859,13 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             res["curve"] = with_earlier_points(before, now, work, call)
             save()
 
-        # each run's last checkpoint holds its draft's weights: its point is the final evaluation
-        # where that evaluated what the curve does (the same k and questions)
+        # the final evaluations stand for the runs' last checkpoints where they evaluated what the
+        # curve does (the same k and questions)
         same = (
             a.curve_k in {int(k) for k in a.eval_ks.split(",") if k}
             and a.curve_max_per_category == a.eval_max_per_category
         )
-        saves = spec_saves(work / "spec_main" / "spec_train.json")
-        # speculators' draft: converted from its epoch's folder, which holds that epoch's last save
-        spec_last = saves and saves[-1]["epoch"] == Path(sm.get("checkpoint") or "").name
-        last = {
-            "eyas": (em.get("summary") or {}).get("steps"),
-            "speculators": saves[-1].get("global_step") if spec_last else None,
-        }
-        finals = {who: (last[who], got) for who, got in final_got.items() if same and last[who] is not None}
+        finals = final_got if same else {}
         now = curve(r, a, work, ev_replay if a.eval_engine == "replay" else None, on_point, finals)
         res["curve"] = with_earlier_points(before, now, work, call)
     save()
@@ -1069,7 +1062,7 @@ def curve(
     work: Path,
     ev_replay: dict[str, list[str]] | None,
     on_point: Any = None,
-    finals: dict[str, tuple[int, dict]] | None = None,
+    finals: dict[str, dict] | None = None,
 ) -> dict[str, list[dict]]:
     """tau of every checkpoint of the two main runs on each prompt set at --curve-k and every
     --eval-ks (``tau``: MT-bench at --curve-k; ``taus``: all), against the wall-clock seconds of
@@ -1078,8 +1071,9 @@ def curve(
     the pairing uses at --marks-s go first, the others after them, oldest first, so that a deadline
     cuts the least needed (replay_eval starts nothing under EVAL_FLOOR_S before it, but still takes
     an earlier call's reports); ``on_point(curve so far)`` after each point, to save results.json.
-    ``finals``: trainer -> (its last checkpoint's step, its final draft's replays), that point's
-    evaluations (the same weights)."""
+    ``finals``: trainer -> its final draft's replays, also the evaluations of its run's last
+    checkpoint (the same weights): eyas's at its summary's last step, speculators' the last save
+    where that is the epoch its draft was converted from."""
     if ev_replay is None:
         log("curve: needs --eval-engine replay (one evaluation per checkpoint)")
         return {}
@@ -1089,11 +1083,17 @@ def curve(
     ks = sorted({a.curve_k, *(int(k) for k in a.eval_ks.split(",") if k)})
     todo: list[tuple[str, float, Any]] = []  # (who, train_s, evaluate it: -> its point or None)
 
+    saves = spec_saves(work / "spec_main" / "spec_train.json")
+    em_summary, sm = _read_json(work / "eyas_main" / "summary.json"), _read_json(work / "spec_main" / "spec_train.json")
+    # speculators' draft is converted from its epoch's folder, which holds that epoch's last save
+    spec_last = saves and saves[-1]["epoch"] == Path(sm.get("checkpoint") or "").name
+    last = {"eyas": em_summary.get("steps"), "speculators": saves[-1].get("global_step") if spec_last else None}
+
     def final_at(who: str, step: int | None) -> dict | None:
-        f = (finals or {}).get(who)
-        if f and step == f[0] and ("", a.curve_k) in f[1]:
+        got = (finals or {}).get(who)
+        if got and step is not None and step == last[who] and ("", a.curve_k) in got:
             log(f"curve: {who}, step {step}: its last checkpoint, its final draft's evaluations")
-            return f[1]
+            return got
         return None
 
     recs = [m for m in read_metrics(work / "eyas_main") if m.get("split") == "train" and "elapsed_s" in m]
@@ -1112,7 +1112,7 @@ def curve(
             return {"step": step, "train_s": t, **_point(got, a.curve_k), "draft": str(ck)}
 
         todo.append(("eyas", at[-1] - recs[0]["elapsed_s"], eyas_point))
-    for c in spec_saves(work / "spec_main" / "spec_train.json"):
+    for c in saves:
         if c["after_first_step_s"] is None:
             continue  # that save came before the first step
         # a kept copy of each save where spec_train.py made them (--spec-save-every-s), else the
@@ -1251,6 +1251,11 @@ def paired_runs(a, res: dict, suffixes: list[str], finals: tuple[Path, Path], ro
                 )
     log(f"paired: {len(rows)} rows")
     return rows
+
+
+def _read_json(path: Path) -> dict:
+    """``path``'s JSON object, or {} where that file is not there (a run that did not happen)."""
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def spec_saves(spec_json: Path) -> list[dict]:
