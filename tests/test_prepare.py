@@ -142,7 +142,7 @@ def test_resume_after_crash_matches_clean_run(tmp_path, tiny_target, monkeypatch
     monkeypatch.setattr(dataset, "write_shard", orig)
     encoded = []
     real_encode = prep._encode_chunk
-    monkeypatch.setattr(prep, "_encode_chunk", lambda items, ml: encoded.append(len(items)) or real_encode(items, ml))
+    monkeypatch.setattr(prep, "_encode_chunk", lambda items, *a: encoded.append(len(items)) or real_encode(items, *a))
     logs = []
     resumed = prepare(_opts(tmp_path / "out", tiny_target, data), log=logs.append)
     assert any("resuming" in s for s in logs)

@@ -27,6 +27,7 @@ from typing import Iterable
 import numpy as np
 
 from eyas.data.formats import Skip
+from eyas.data.loops import loop_start
 from eyas.errors import EyasError
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -48,6 +49,7 @@ class Encoded:
     input_ids: np.ndarray  # int32 [T]
     loss_mask: np.ndarray  # int8 [T]
     truncated: bool  # the rendering was longer than max_length tokens
+    loop_tokens: int = 0  # assistant tokens left out of the loss as a loop's repeats (mask_loops)
 
 
 def template_sha256(template: str) -> str:
@@ -160,8 +162,12 @@ class ChatEncoder:
 
     # --------------------------------------------------------------------------- encoding
 
-    def encode(self, conversations: list[list[dict]], max_length: int) -> list[Encoded | Skip]:
-        """Render, batch-encode and mask ``conversations``; one Encoded or Skip per input."""
+    def encode(
+        self, conversations: list[list[dict]], max_length: int, mask_loops: bool = False
+    ) -> list[Encoded | Skip]:
+        """Render, batch-encode and mask ``conversations``; one Encoded or Skip per input. With
+        ``mask_loops`` an assistant turn that ends in a loop is trained on up to the loop's first
+        periods only (:mod:`eyas.data.loops`)."""
         cut = max_length * CHARS_PER_TOKEN + CUT_MARGIN
         rendered: list[tuple[str, list[tuple[int, int]]] | Skip] = []
         for msgs in conversations:
@@ -181,14 +187,17 @@ class ChatEncoder:
                 len(enc.ids) > max_length and enc.token_to_chars(max_length - 1)[1] <= cut - CUT_MARGIN
             ):
                 enc, limit = self._backend.encode(text, add_special_tokens=False), len(text)
-            out[i] = self._mask(enc, spans, max_length, limit)
+            out[i] = self._mask(enc, spans, max_length, limit, mask_loops)
         return out
 
-    def _mask(self, enc, spans: list[tuple[int, int]], max_length: int, limit: int) -> Encoded:
+    def _mask(
+        self, enc, spans: list[tuple[int, int]], max_length: int, limit: int, mask_loops: bool = False
+    ) -> Encoded:
         all_ids = enc.ids
         n = min(len(all_ids), max_length)
         ids = np.asarray(all_ids[:n], dtype=np.int32)
         mask = np.zeros(n, dtype=np.int8)
+        loop_tokens = 0
         for s, e in spans:
             e = min(e, limit)  # limit: characters actually encoded
             if e <= s:
@@ -199,14 +208,20 @@ class ChatEncoder:
             t1 = _token_at(enc, e - 1, s - 1, step=-1)
             if t1 is None or t1 < t0:
                 continue
+            body_end = t1 + 1  # the answer's own tokens end here, before its stop token
             if t1 < n:  # the whole turn is kept: end it at its last stop token
                 stops = np.nonzero(np.isin(ids[t0 : t1 + 1], self.stop_ids))[0]
                 if stops.size:
                     t1 = t0 + int(stops[-1])
-            else:
-                t1 = n - 1
+                    body_end = t1
+            else:  # cut by max_length inside the turn
+                t1, body_end = n - 1, n
             mask[t0 : t1 + 1] = 1
-        return Encoded(ids, mask, truncated=len(all_ids) > max_length)
+            if mask_loops and (cut := loop_start(ids[t0:body_end])) is not None:
+                # the stop token after a loop is the template's (the answer was cut), not the model's
+                mask[t0 + cut : t1 + 1] = 0
+                loop_tokens += t1 + 1 - (t0 + cut)
+        return Encoded(ids, mask, truncated=len(all_ids) > max_length, loop_tokens=loop_tokens)
 
 
 def _token_at(enc, pos: int, stop: int, step: int) -> int | None:

@@ -95,6 +95,12 @@ class PrepareOptions:
         "Drop a conversation whose messages repeat an earlier one's exactly (without it they are kept and counted).",
         "--dedupe",
     )
+    mask_loops: bool = setting(
+        False,
+        "Leave out of the loss an answer's repeats of a cycle that runs to its end (a greedy answer "
+        "cut at --max-new-tokens), past the cycle's first two periods.",
+        "--mask-loops",
+    )
     workers: int = setting(
         0,
         "Tokenizer processes (0: auto, 1 on <= 2 cores).",

@@ -24,6 +24,8 @@ from eyas.errors import EyasError
 
 STATE_FILE = ".prepare-state.json"
 MAX_EXAMPLES = 3  # skip examples (location + detail) kept per reason
+# settings added after datasets were made with them at these values (they resume and stay complete)
+LATER_SETTINGS = {"mask_loops": False}
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -65,13 +67,13 @@ def _count_skip(stats: dict[str, Any], reason: str, location: str, detail: str) 
         ex.append(f"{location}: {detail}" if detail else location)
 
 
-def _encode_chunk(items: list[tuple[str, str, Any]], max_length: int):
+def _encode_chunk(items: list[tuple[str, str, Any]], max_length: int, mask_loops: bool = False):
     """items: (source_id, location, messages | Skip). Returns (ids, masks, source_ids, stats)."""
     stats = _new_stats()
     stats["read"] = len(items)
     stats["ids_sha256"] = _ids_sha256(items)
     convs = [(i, it) for i, it in enumerate(items) if not isinstance(it[2], Skip)]
-    encoded = _ENCODER.encode([it[2] for _, it in convs], max_length) if convs else []
+    encoded = _ENCODER.encode([it[2] for _, it in convs], max_length, mask_loops) if convs else []
     results: list[Any] = [it[2] for it in items]
     for (i, _), enc in zip(convs, encoded):
         results[i] = enc
@@ -90,6 +92,8 @@ def _encode_chunk(items: list[tuple[str, str, Any]], max_length: int):
         stats["kept"] += 1
         stats["tokens"] += len(res.input_ids)
         stats["trained_tokens"] += trained
+        if mask_loops:  # only then: a shard's bytes, and so the dataset's id, stay as they were
+            stats["loop_tokens"] = stats.get("loop_tokens", 0) + res.loop_tokens
         stats["truncated_samples"] += int(res.truncated)
     return ids, masks, srcs, stats
 
@@ -158,6 +162,7 @@ def _check_out_dir(out: Path, settings: dict[str, Any]) -> str:
     from eyas.manifest import MANIFEST, read_manifest
 
     def diff(found: dict[str, Any]) -> list[str]:
+        found = {**LATER_SETTINGS, **found}  # made before a setting existed: made with its default
         return [f"{k}: {found.get(k)!r} there, {settings[k]!r} now" for k in settings if found.get(k) != settings[k]]
 
     if (out / MANIFEST).is_file():
@@ -254,6 +259,7 @@ def _prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         "chunk_size": opts.chunk_size,
         "strict": opts.strict,
         "dedupe": opts.dedupe,
+        "mask_loops": opts.mask_loops,
         "regenerate": (
             {
                 **opts.regenerate.settings(),
@@ -365,7 +371,7 @@ def _encode_shards(items: Iterator, out: Path, encoder, opts: PrepareOptions) ->
                 continue
             if opts.strict:
                 _raise_first_skip(chunk)
-            pending.append((k, pool.submit(_encode_chunk, chunk, opts.max_length)))
+            pending.append((k, pool.submit(_encode_chunk, chunk, opts.max_length, opts.mask_loops)))
             while len(pending) >= depth:
                 kk, fut = pending.popleft()
                 finish(kk, fut.result())
@@ -439,8 +445,8 @@ def _finalize(
     for k in range(n_shards):
         f = out / shard_name(k)
         meta = read_shard_metadata(f) or {}
-        for key in ("read", "kept", "tokens", "trained_tokens", "truncated_samples"):
-            total[key] += meta.get(key, 0)
+        for key in ("read", "kept", "tokens", "trained_tokens", "loop_tokens", "truncated_samples"):
+            total[key] = total.get(key, 0) + meta.get(key, 0)
         for reason, n in meta.get("dropped", {}).items():
             total["dropped"][reason] = total["dropped"].get(reason, 0) + n
         for reason, ex in meta.get("examples", {}).items():
@@ -485,6 +491,8 @@ def _finalize(
             "dropped_total": sum(total["dropped"].values()),
             "tokens": total["tokens"],
             "trained_tokens": total["trained_tokens"],
+            # answer tokens left out of the loss as loops' repeats (--mask-loops)
+            "loop_tokens": total["loop_tokens"],
             "truncated_samples": total["truncated_samples"],
             # conversations repeating an earlier one exactly (kept unless --dedupe dropped them)
             "duplicates": dups.count if dups else 0,
@@ -543,6 +551,8 @@ def summary_lines(manifest: dict[str, Any]) -> list[str]:
         f"tokens {c['tokens']:,}, trained on {c['trained_tokens']:,} "
         f"({c['truncated_samples']:,} samples cut at --max-length {manifest['max_length']})"
     )
+    if (manifest.get("settings") or {}).get("mask_loops"):
+        lines.append(f"left out of the loss {c.get('loop_tokens', 0):,} tokens of loops (--mask-loops)")
     lines.append(
         f"draft vocab {manifest['draft_vocab_size']:,} tokens covers "
         f"{100 * manifest['coverage']:.2f}% of trained-on tokens"
