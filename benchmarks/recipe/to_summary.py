@@ -18,7 +18,14 @@ sys.path.insert(0, str(HERE.parent / "quality"))
 from add_summary import entry, read_records, upsert  # noqa: E402
 
 # conversations behind each prepared dataset the sweeps name (benchmarks/recipe/README.md)
-CONVERSATIONS = {"prep-regen": 10796, "prep-regen-half": 5339, "prep-regen-nolen": 2540}
+CONVERSATIONS = {
+    "prep-regen": 10796,
+    "prep-regen-half": 5339,
+    "prep-regen-nolen": 2540,
+    "prep-regen-ml": 10796,
+    "prep-q4000": 2356,
+    "prep-q4000-ml": 2356,
+}
 SETS = {"eval-mt_bench": "mt_bench", "eval-humaneval": "humaneval"}
 
 
