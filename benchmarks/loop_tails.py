@@ -1,0 +1,47 @@
+"""How many regenerated answers end in a loop that `eyas prepare --mask-loops` masks, split by how the
+answer ended (its own stop token, or the --max-new-tokens cap), on a seeded sample of each.
+
+    .venv/bin/python benchmarks/loop_tails.py [--sample 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import random
+from pathlib import Path
+
+import numpy as np
+
+from eyas.data.loops import loop_start
+from eyas.target import resolve_target
+
+ANSWERS = Path(__file__).resolve().parents[1] / "data/regenerated/smollm2-135m-instruct-sharegpt/regenerated.jsonl.xz"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sample", type=int, default=1000)
+    a = ap.parse_args()
+    tok = resolve_target("smollm2-135m-instruct").load_tokenizer()
+    recs = [json.loads(x) for x in lzma.decompress(ANSWERS.read_bytes()).decode().splitlines()]
+    rng = random.Random(0)
+    for finish in ("stop", "length"):
+        pool = [r for r in recs if r["finish"] == finish]
+        picked = rng.sample(pool, min(a.sample, len(pool)))
+        looped = masked = tokens = 0
+        for ids in tok([r["text"] for r in picked], add_special_tokens=False)["input_ids"]:
+            cut = loop_start(np.asarray(ids))
+            tokens += len(ids)
+            if cut is not None:
+                looped += 1
+                masked += len(ids) - cut
+        print(
+            f"{finish}: {len(pool):,} answers, {len(picked):,} sampled; {looped:,} end in a loop; "
+            f"{masked:,} of their {tokens:,} tokens masked ({100 * masked / max(tokens, 1):.1f}%)"
+        )
+
+
+if __name__ == "__main__":
+    main()
