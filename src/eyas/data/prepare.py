@@ -92,7 +92,7 @@ def _encode_chunk(items: list[tuple[str, str, Any]], max_length: int, mask_loops
         stats["kept"] += 1
         stats["tokens"] += len(res.input_ids)
         stats["trained_tokens"] += trained
-        if mask_loops:  # only then: a shard's bytes, and so the dataset's id, stay as they were
+        if mask_loops:  # counted only then, so that without it a shard's bytes (the dataset's id) stay the same
             stats["loop_tokens"] = stats.get("loop_tokens", 0) + res.loop_tokens
         stats["truncated_samples"] += int(res.truncated)
     return ids, masks, srcs, stats
