@@ -628,20 +628,22 @@ def test_a_budget_plans_the_steps_so_the_lr_reaches_its_floor_at_the_last_step(t
 
     run = tmp_path / "run"
     lr, floor = 1e-3, 0.1
-    train(
-        _cfg(
-            tiny_target,
-            data,
-            run,
-            max_steps=None,
-            budget="3s",
-            lr=lr,
-            min_lr_ratio=floor,
-            warmup=2,
-            save_every=0,
-            eval_every=0,
+    with pytest.warns(UserWarning, match=r"plans \d+\.\d passes over the training split") as got:
+        train(
+            _cfg(
+                tiny_target,
+                data,
+                run,
+                max_steps=None,
+                budget="3s",
+                lr=lr,
+                min_lr_ratio=floor,
+                warmup=2,
+                save_every=0,
+                eval_every=0,
+            )
         )
-    )
+    assert sum("passes over the training split" in str(w.message) for w in got) == 1  # once, not at the replan too
     summary = json.loads((run / "summary.json").read_text())
     recs = _records(run)
     steps = summary["steps"]
@@ -655,7 +657,16 @@ def test_a_budget_plans_the_steps_so_the_lr_reaches_its_floor_at_the_last_step(t
     # the steps' time is the budget's: the plan from the timed steps, give or take their jitter
     assert 1.5 < summary["steps_s"] < 6.0, summary
     assert summary["epochs"] > 1  # the tiny split is passed over more than once
+    assert plan["replan"]["epochs"] == pytest.approx(summary["epochs"], abs=1e-3)  # the plan's passes, as run
     Eagle3Draft.from_pretrained(run / "draft")
+
+
+def test_a_plan_of_many_passes_warns_and_a_plan_of_few_does_not():
+    from eyas.train.budget import MANY_PASSES, many_passes
+
+    assert many_passes(MANY_PASSES, 300) is None and many_passes(1.3, 300) is None
+    msg = many_passes(28.6, 300)
+    assert "--budget 300s plans 28.6 passes" in msg and "--max-samples" in msg
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "wsd"])

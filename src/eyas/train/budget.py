@@ -25,6 +25,22 @@ MEASURE_MIN_STEPS = 3
 # The plan is checked once more at this fraction of the budget, against the pace so far.
 REPLAN_AT = 0.5
 
+# Passes over the training split past which a plan warns that more data would teach the draft more
+# than more passes (benchmarks/recipe/README.md, all the data against more passes over half;
+# benchmarks/quality/RESULTS.md, a 5-minute run of many passes whose curve flattens).
+MANY_PASSES = 4.0
+
+
+def many_passes(passes: float, budget_s: float) -> str | None:
+    """The warning for a --budget plan of ``passes`` over the training split, or None."""
+    if passes <= MANY_PASSES:
+        return None
+    return (
+        f"--budget {budget_s:g}s plans {passes:.1f} passes over the training split: a draft gains less "
+        "from each pass after the first few, so more conversations (--data, or --max-samples raised in "
+        "eyas prepare) would likely teach it more than the rest of this budget"
+    )
+
 
 class TrainClock:
     """Seconds spent in training steps since the first steps ended, with pauses left out; a resumed

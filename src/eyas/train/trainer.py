@@ -32,7 +32,7 @@ from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError
 from eyas.fsio import atomic_write_text
 from eyas.train import checkpoint as ckpt
-from eyas.train.budget import BudgetPlanner, TrainClock
+from eyas.train.budget import BudgetPlanner, TrainClock, many_passes
 from eyas.train.guard import NonFiniteGuard
 from eyas.train.metrics import Logger, StepClock, StepLog, plot_losses, plot_tau
 from eyas.train import optim as optim_mod
@@ -180,6 +180,7 @@ class Trainer:
         self.plan_info: dict[str, Any] = dict(state.get("budget_plan") or {})
         cap = None if self.total == UNPLANNED or self.lr_schedule.planned_at is not None else self.total
         self.planner = BudgetPlanner(cfg.budget, cap) if cfg.budget else None
+        self._warned_passes = False
         self.tau_probe = self._build_tau_probe(target)
         # the first --tau-every mark past the steps' seconds so far (a resumed run's included)
         self.next_tau_s = cfg.tau_every and (self.clock.offset // cfg.tau_every + 1) * cfg.tau_every
@@ -570,12 +571,18 @@ class Trainer:
             (self.lr_schedule.plan if kind == 1 else self.lr_schedule.replan)(plan, done)
             self.total = plan
             self.log.set_total(plan)
+            passes = self.plan.epochs_at(plan)
             self.plan_info["plan" if kind == 1 else "replan"] = {
                 "at_step": done,
                 "at_s": round(self.clock.steps_s(), 2),
                 "steps": plan,
                 "step_s": self.planner.step_s if self.is_main else None,
+                "epochs": round(passes, 3),
             }
+            # once a run: the replan's pace rarely changes the verdict
+            if self.is_main and not self._warned_passes and (msg := many_passes(passes, self.cfg.budget)):
+                self._warned_passes = True
+                warnings.warn(msg, stacklevel=2)
         if tau_due:
             self.next_tau_s += self.cfg.tau_every
         return tau_due
