@@ -64,7 +64,7 @@ def test_quality_comparison_runs_through_on_the_cpu_over_two_sessions(tmp_path, 
     common += ["--spec-python", str(SPEC_PY), "--ablations", "", "--eval-ks", "3,5", "--curve-k", "3"]
     common += ["--second-prompts", str(he), "--eval-dtype", "float32", "--eval-max-new", "8"]
     common += ["--eval-max-per-category", "1", "--curve-max-per-category", "1", "--marks-s", "4"]
-    data = ["--regenerated", str(conv), "--max-length", "128", "--vocab", "64"]
+    data = ["--regenerated", str(conv), "--max-length", "128", "--vocab", "64", "--mask-loops"]
 
     def phase(*args: str) -> None:
         r = subprocess.run([*common, *args], capture_output=True, text=True, timeout=900)
@@ -79,6 +79,7 @@ def test_quality_comparison_runs_through_on_the_cpu_over_two_sessions(tmp_path, 
     phase("--phase", "rest", "--curve-every-s", "3")
     # the probe's steady step time plans the run to about the budget, so the stop comes well before its end
     res_a = json.loads((out / "results.json").read_text())
+    assert json.loads((work / "prep_regen" / "manifest.json").read_text())["settings"]["mask_loops"] is True
     stop = res_a["spec_main"]["stopped"]
     assert stop and not res_a["spec_main"].get("draft")  # a session's stop, not a draft
     assert res_a["curve"]["speculators"] and res_a["curve"]["eyas"]

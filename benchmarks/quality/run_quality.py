@@ -215,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--vocab-small", type=int, default=8192)
+    ap.add_argument(
+        "--mask-loops",
+        action="store_true",
+        help="prepare the data with eyas prepare --mask-loops: both trainers leave the answers' loops "
+        "out of the loss (speculators takes its loss mask from the prepared data).",
+    )
     ap.add_argument("--layers", default=None, help="Aux layer ids (default: eyas's 2,N/2,N-3).")
     ap.add_argument("--main-budget-s", type=float, default=180.0)
     ap.add_argument("--eyas-probe-steps", type=int, default=30)
@@ -452,6 +458,7 @@ def _data(r: Runner, a, work: Path, res: dict, save) -> None:
                 "--max-length",
                 a.max_length,
                 "--quiet",
+                *(["--mask-loops"] if a.mask_loops else []),
             ),
         )
         for name in preps
