@@ -218,7 +218,7 @@ class ChatEncoder:
                 t1, body_end = n - 1, n
             mask[t0 : t1 + 1] = 1
             if mask_loops and (cut := loop_start(ids[t0:body_end])) is not None:
-                # the stop token after a loop is the template's (the answer was cut), not the model's
+                # an answer ending in a loop was nearly always cut at the cap: its stop token is the template's
                 mask[t0 + cut : t1 + 1] = 0
                 loop_tokens += t1 + 1 - (t0 + cut)
         return Encoded(ids, mask, truncated=len(all_ids) > max_length, loop_tokens=loop_tokens)
