@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 
+import test_prepare
 from eyas.data.dataset import open_prepared
 from eyas.data.loops import KEPT_PERIODS, MIN_LOOP_TOKENS, loop_start
-from eyas.data.prepare import PrepareOptions, prepare
+from eyas.data.prepare import prepare
 from eyas.errors import EyasError
 
 
@@ -57,16 +58,7 @@ def _data(tmp_path):
 
 
 def _opts(out, target, data, **kw):
-    return PrepareOptions(
-        out=out,
-        target=str(target.path),
-        data=[str(data)],
-        draft_vocab_size=40,
-        max_length=1024,
-        workers=1,
-        progress=False,
-        **kw,
-    )
+    return test_prepare._opts(out, target, data, max_length=1024, **kw)  # the looping answer whole
 
 
 def test_prepare_mask_loops_trains_the_loop_twice_and_counts_the_rest(tmp_path, tiny_target):

@@ -1090,8 +1090,8 @@ def curve(
     ks = sorted({a.curve_k, *(int(k) for k in a.eval_ks.split(",") if k)})
     todo: list[tuple[str, float, Any]] = []  # (who, train_s, evaluate it: -> its point or None)
 
-    saves = spec_saves(work / "spec_main" / "spec_train.json")
     em_summary, sm = _read_json(work / "eyas_main" / "summary.json"), _read_json(work / "spec_main" / "spec_train.json")
+    saves = spec_saves(sm)
     # speculators' draft is converted from its epoch's folder, which holds that epoch's last save
     spec_last = saves and saves[-1]["epoch"] == Path(sm.get("checkpoint") or "").name
     last = {"eyas": em_summary.get("steps"), "speculators": saves[-1].get("global_step") if spec_last else None}
@@ -1265,12 +1265,10 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def spec_saves(spec_json: Path) -> list[dict]:
-    """Every save of a speculators run (spec_train.py's ``ckpt_at``), its earlier sessions' first:
-    {"epoch", "after_first_step_s" on the run's budget clock, and "kept" where a copy was kept}."""
-    if not spec_json.is_file():
-        return []
-    sj = json.loads(spec_json.read_text())
+def spec_saves(sj: dict) -> list[dict]:
+    """Every save of a speculators run (``sj``: spec_train.py's record, {} where there is none; its
+    ``ckpt_at``), its earlier sessions' first: {"epoch", "after_first_step_s" on the run's budget
+    clock, and "kept" where a copy was kept}."""
     runs = [x.get("run") or {} for x in sj.get("sessions", [])] + [sj.get("run") or {}]
     out, kept = [], set()
     for c in (c for run in runs for c in run.get("ckpt_at", [])):

@@ -627,8 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         was, now = result["probe_from"]["steps_per_epoch"], s["steps_per_epoch"]
         if now is None or abs(now - was) > 0.1 * was:
             print(
-                f"spec_train: --probe-from {a.probe_from}: {result['probe_from']['steps_per_epoch']} steps an "
-                f"epoch there, {s['steps_per_epoch']} here: not the same data, so the plan may miss the budget",
+                f"spec_train: --probe-from {a.probe_from}: {was} steps an epoch there, {now} here: "
+                "not the same data, so the plan may miss the budget",
                 file=sys.stderr,
             )
     # null: the trainer returned (finished, or cut by the budget timer); else where it stopped
