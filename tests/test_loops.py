@@ -63,8 +63,8 @@ def _opts(out, target, data, **kw):
 
 def test_prepare_mask_loops_trains_the_loop_twice_and_counts_the_rest(tmp_path, tiny_target):
     data = _data(tmp_path)
-    plain = prepare(_opts(tmp_path / "plain", tiny_target, data), log=lambda s: None)
-    masked = prepare(_opts(tmp_path / "masked", tiny_target, data, mask_loops=True), log=lambda s: None)
+    plain = prepare(_opts(tmp_path / "plain", tiny_target, data, mask_loops=False), log=lambda s: None)
+    masked = prepare(_opts(tmp_path / "masked", tiny_target, data), log=lambda s: None)  # the default
     a, b = open_prepared(tmp_path / "plain"), open_prepared(tmp_path / "masked")
     (la, pa), (lb, pb) = (a[0], a[1]), (b[0], b[1])
     np.testing.assert_array_equal(la.input_ids, lb.input_ids)  # the same tokens, as context
@@ -83,12 +83,34 @@ def test_prepare_mask_loops_trains_the_loop_twice_and_counts_the_rest(tmp_path, 
 def test_a_dataset_made_before_mask_loops_stays_complete(tmp_path, tiny_target):
     data = _data(tmp_path)
     out = tmp_path / "out"
-    prepare(_opts(out, tiny_target, data), log=lambda s: None)
+    prepare(_opts(out, tiny_target, data, mask_loops=False), log=lambda s: None)
     m = json.loads((out / "manifest.json").read_text())
     del m["settings"]["mask_loops"]  # as an older eyas wrote it
     (out / "manifest.json").write_text(json.dumps(m))
     logs = []
-    prepare(_opts(out, tiny_target, data), log=logs.append)
+    prepare(_opts(out, tiny_target, data, mask_loops=False), log=logs.append)
     assert "nothing to do" in logs[0]
-    with pytest.raises(EyasError, match="mask_loops: False there, True now"):
-        prepare(_opts(out, tiny_target, data, mask_loops=True), log=lambda s: None)
+    # the default changed since: the error names the setting and the way to keep the dataset
+    with pytest.raises(EyasError, match="mask_loops: False there, True now.*Pass the settings it was made with"):
+        prepare(_opts(out, tiny_target, data), log=lambda s: None)
+
+
+def test_cli_masks_loops_by_default_and_no_mask_loops_turns_it_off(tmp_path, tiny_target):
+    import typer
+    from typer.testing import CliRunner
+
+    from eyas.data.cli import register
+
+    app = typer.Typer()
+    app.callback()(lambda: None)
+    register(app)
+    data = _data(tmp_path)
+    base = ["prepare", "--target", str(tiny_target.path), "--data", str(data), "--max-length", "1024"]
+    base += ["--draft-vocab-size", "40", "--workers", "1", "--quiet"]
+    for name, extra, masked in (("on", [], True), ("off", ["--no-mask-loops"], False)):
+        res = CliRunner().invoke(app, [*base, "--out", str(tmp_path / name), *extra])
+        assert res.exit_code == 0, res.output
+        m = open_prepared(tmp_path / name).manifest
+        assert m["settings"]["mask_loops"] is masked
+        assert (m["counts"]["loop_tokens"] > 0) is masked
+        assert ("tokens of loops (--mask-loops)" in res.output) is masked

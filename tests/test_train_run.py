@@ -667,6 +667,7 @@ def test_a_plan_of_many_passes_warns_and_a_plan_of_few_does_not():
     assert many_passes(MANY_PASSES, 300) is None and many_passes(1.3, 300) is None
     msg = many_passes(28.6, 300)
     assert "--budget 300s plans 28.6 passes" in msg and "--max-samples" in msg
+    assert "--no-mask-loops" not in msg and "--no-mask-loops" in many_passes(28.6, 300, masked_loops=True)
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "wsd"])

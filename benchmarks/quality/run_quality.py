@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         "--mask-loops",
         action="store_true",
         help="prepare the data with eyas prepare --mask-loops: both trainers leave the answers' loops "
-        "out of the loss (speculators takes its loss mask from the prepared data).",
+        "out of the loss (speculators takes its loss mask from the prepared data). Off unless given, "
+        "unlike eyas prepare: the pairs on record were made without it.",
     )
     ap.add_argument("--layers", default=None, help="Aux layer ids (default: eyas's 2,N/2,N-3).")
     ap.add_argument("--main-budget-s", type=float, default=180.0)
@@ -458,7 +459,7 @@ def _data(r: Runner, a, work: Path, res: dict, save) -> None:
                 "--max-length",
                 a.max_length,
                 "--quiet",
-                *(["--mask-loops"] if a.mask_loops else []),
+                "--mask-loops" if a.mask_loops else "--no-mask-loops",
             ),
         )
         for name in preps

@@ -95,11 +95,13 @@ class PrepareOptions:
         "Drop a conversation whose messages repeat an earlier one's exactly (without it they are kept and counted).",
         "--dedupe",
     )
+    # on by default: the recipe's drafts gain from it with the data to spare, lose where the data run
+    # out (benchmarks/recipe/README.md, "Masked loops")
     mask_loops: bool = setting(
-        False,
+        True,
         "Leave out of the loss an answer's repeats of a cycle that runs to its end (a greedy answer "
         "cut at --max-new-tokens), past the cycle's first two periods.",
-        "--mask-loops",
+        "--mask-loops/--no-mask-loops",
     )
     workers: int = setting(
         0,

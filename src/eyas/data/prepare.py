@@ -175,7 +175,8 @@ def _check_out_dir(out: Path, settings: dict[str, Any]) -> str:
         if d:
             raise EyasError(
                 f"--out {out} already holds a finished prepared dataset made with other "
-                f"settings ({'; '.join(d)}). Choose a new --out, or delete it to redo."
+                f"settings ({'; '.join(d)}). Pass the settings it was made with, choose a new --out, or delete it "
+                "to redo."
             )
         return "complete"
     state = out / STATE_FILE

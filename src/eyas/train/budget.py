@@ -31,15 +31,22 @@ REPLAN_AT = 0.5
 MANY_PASSES = 4.0
 
 
-def many_passes(passes: float, budget_s: float) -> str | None:
-    """The warning for a --budget plan of ``passes`` over the training split, or None."""
+def many_passes(passes: float, budget_s: float, masked_loops: bool = False) -> str | None:
+    """The warning for a --budget plan of ``passes`` over the training split, or None; ``masked_loops``:
+    the data were prepared with --mask-loops, which loses tau where the data run out."""
     if passes <= MANY_PASSES:
         return None
-    return (
+    msg = (
         f"--budget {budget_s:g}s plans {passes:.1f} passes over the training split: a draft gains less "
         "from each pass after the first few, so more conversations (--data, or --max-samples raised in "
         "eyas prepare) would likely teach it more than the rest of this budget"
     )
+    if masked_loops:
+        msg += (
+            "; with no conversations to add, prepare the data with --no-mask-loops: training on the loops' "
+            'tokens too did better at this many passes (benchmarks/recipe/README.md, "Masked loops")'
+        )
+    return msg
 
 
 class TrainClock:

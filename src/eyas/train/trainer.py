@@ -223,6 +223,8 @@ class Trainer:
                 "--grad-accum, or add data"
             )
         self.held_packs = pack_indices(held_idx, dataset.lengths, cfg.tokens_per_batch, seed=None)
+        # answers' loops left out of the loss (eyas prepare --mask-loops): the many-passes warning's hint
+        self._masked_loops = bool((dataset.manifest.get("settings") or {}).get("mask_loops"))
         self.run_info = {
             "target_id": target.id,
             "dataset_id": dataset.manifest.get("id"),
@@ -580,7 +582,11 @@ class Trainer:
                 "epochs": round(passes, 3),
             }
             # once a run: the replan's pace rarely changes the verdict
-            if self.is_main and not self._warned_passes and (msg := many_passes(passes, self.cfg.budget)):
+            if (
+                self.is_main
+                and not self._warned_passes
+                and (msg := many_passes(passes, self.cfg.budget, self._masked_loops))
+            ):
                 self._warned_passes = True
                 warnings.warn(msg, stacklevel=2)
         if tau_due:
