@@ -44,7 +44,8 @@ def main() -> None:
     from eyas.target import resolve_target
 
     tok = resolve_target("smollm2-135m-instruct").load_tokenizer()
-    answers = [json.loads(x)["text"] for x in lzma.decompress(ANSWERS.read_bytes()).decode().splitlines()]
+    # split at newlines only: str.splitlines also splits at U+2028 and the like, which answers hold as text
+    answers = [json.loads(x)["text"] for x in lzma.decompress(ANSWERS.read_bytes()).decode().split("\n") if x]
     whole = [0, 0]
     first = [0, 0]
     for i in range(0, len(answers), 2000):

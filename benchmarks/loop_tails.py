@@ -1,7 +1,9 @@
 """How many regenerated answers end in a loop that `eyas prepare --mask-loops` masks, split by how the
 answer ended (its own stop token, or the --max-new-tokens cap), on a seeded sample of each.
 
-    .venv/bin/python benchmarks/loop_tails.py [--sample 1000]
+    .venv/bin/python benchmarks/loop_tails.py [--sample 1000] [--target qwen2.5-coder-0.5b-instruct]
+
+The answers are those kept in git for the target (``data/regenerated/<target>-sharegpt/``).
 """
 
 from __future__ import annotations
@@ -17,15 +19,20 @@ import numpy as np
 from eyas.data.loops import loop_start
 from eyas.target import resolve_target
 
-ANSWERS = Path(__file__).resolve().parents[1] / "data/regenerated/smollm2-135m-instruct-sharegpt/regenerated.jsonl.xz"
+REGENERATED = Path(__file__).resolve().parents[1] / "data/regenerated"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sample", type=int, default=1000)
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="a built-in target with answers in git")
     a = ap.parse_args()
-    tok = resolve_target("smollm2-135m-instruct").load_tokenizer()
-    recs = [json.loads(x) for x in lzma.decompress(ANSWERS.read_bytes()).decode().splitlines()]
+    answers = REGENERATED / f"{a.target}-sharegpt" / "regenerated.jsonl.xz"
+    if not answers.is_file():
+        raise SystemExit(f"{answers}: no regenerated answers kept for target {a.target!r}")
+    tok = resolve_target(a.target).load_tokenizer()
+    # split at newlines only: str.splitlines also splits at U+2028 and the like, which answers hold as text
+    recs = [json.loads(x) for x in lzma.decompress(answers.read_bytes()).decode().split("\n") if x]
     rng = random.Random(0)
     for finish in ("stop", "length"):
         pool = [r for r in recs if r["finish"] == finish]
