@@ -626,13 +626,17 @@ def test_a_budget_plans_the_steps_so_the_lr_reaches_its_floor_at_the_last_step(t
     the steps' time near the budget, and the data wraps into as many epochs as it takes."""
     from eyas.draft.model import Eagle3Draft
 
+    from eyas.train.budget import MASKED_LOOPS_PASSES
+
     run = tmp_path / "run"
     lr, floor = 1e-3, 0.1
+    # the same samples, recorded as prepared with masked loops: the warning's hint reads the manifest
+    masked = tiny.random_prepared(tmp_path / "masked", tiny_target, extra_manifest={"settings": {"mask_loops": True}})
     with pytest.warns(UserWarning, match=r"plans \d+\.\d passes over the training split") as got:
         train(
             _cfg(
                 tiny_target,
-                data,
+                masked,
                 run,
                 max_steps=None,
                 budget="3s",
@@ -643,11 +647,13 @@ def test_a_budget_plans_the_steps_so_the_lr_reaches_its_floor_at_the_last_step(t
                 eval_every=0,
             )
         )
-    assert sum("passes over the training split" in str(w.message) for w in got) == 1  # once, not at the replan too
+    warned = [str(w.message) for w in got if "passes over the training split" in str(w.message)]
+    assert len(warned) == 1  # once, not at the replan too
     summary = json.loads((run / "summary.json").read_text())
     recs = _records(run)
     steps = summary["steps"]
     plan = summary["plan"]
+    assert ("--no-mask-loops" in warned[0]) == (plan["plan"]["epochs"] > MASKED_LOOPS_PASSES)
     assert plan["replan"]["steps"] == steps and summary["budget_s"] == 3.0  # checked at half the budget
     assert plan["plan"]["at_step"] < plan["replan"]["at_step"] < steps and steps > 10
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
@@ -662,12 +668,14 @@ def test_a_budget_plans_the_steps_so_the_lr_reaches_its_floor_at_the_last_step(t
 
 
 def test_a_plan_of_many_passes_warns_and_a_plan_of_few_does_not():
-    from eyas.train.budget import MANY_PASSES, many_passes
+    from eyas.train.budget import MANY_PASSES, MASKED_LOOPS_PASSES, many_passes
 
     assert many_passes(MANY_PASSES, 300) is None and many_passes(1.3, 300) is None
     msg = many_passes(28.6, 300)
     assert "--budget 300s plans 28.6 passes" in msg and "--max-samples" in msg
+    # on masked data the hint comes only past the passes where masks were measured to lose
     assert "--no-mask-loops" not in msg and "--no-mask-loops" in many_passes(28.6, 300, masked_loops=True)
+    assert "--no-mask-loops" not in many_passes(MASKED_LOOPS_PASSES, 300, masked_loops=True)
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "wsd"])

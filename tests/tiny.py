@@ -128,7 +128,7 @@ def make_target(
     return out
 
 
-def random_prepared(path: Path, target, n: int = 48, seed: int = 0) -> Path:
+def random_prepared(path: Path, target, n: int = 48, seed: int = 0, extra_manifest: dict | None = None) -> Path:
     """A prepared dataset of ``n`` random token sequences (12-55 tokens, the last two thirds trained)
     for ``target`` (a resolved eyas Target), with a random 96-token draft vocab."""
     import numpy as np
@@ -146,4 +146,4 @@ def random_prepared(path: Path, target, n: int = 48, seed: int = 0) -> Path:
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[torch.from_numpy(rng.permutation(vocab)[:dv])] = True
     d2t = torch.nonzero(t2d).flatten() - torch.arange(dv)
-    return write_prepared(path, ids, masks, [f"rand:{i}" for i in range(n)], target, d2t, t2d)
+    return write_prepared(path, ids, masks, [f"rand:{i}" for i in range(n)], target, d2t, t2d, extra_manifest)

@@ -29,11 +29,14 @@ REPLAN_AT = 0.5
 # than more passes (benchmarks/recipe/README.md, all the data against more passes over half;
 # benchmarks/quality/RESULTS.md, a 5-minute run of many passes whose curve flattens).
 MANY_PASSES = 4.0
+# Passes past which data with masked loops (eyas prepare's default) trained a worse draft than the same
+# data with the loops in the loss (benchmarks/recipe/README.md, "Masked loops"): the warning says so.
+MASKED_LOOPS_PASSES = 12.0
 
 
 def many_passes(passes: float, budget_s: float, masked_loops: bool = False) -> str | None:
     """The warning for a --budget plan of ``passes`` over the training split, or None; ``masked_loops``:
-    the data were prepared with --mask-loops, which loses tau where the data run out."""
+    the data were prepared with --mask-loops, which lost tau past MASKED_LOOPS_PASSES."""
     if passes <= MANY_PASSES:
         return None
     msg = (
@@ -41,7 +44,7 @@ def many_passes(passes: float, budget_s: float, masked_loops: bool = False) -> s
         "from each pass after the first few, so more conversations (--data, or --max-samples raised in "
         "eyas prepare) would likely teach it more than the rest of this budget"
     )
-    if masked_loops:
+    if masked_loops and passes > MASKED_LOOPS_PASSES:
         msg += (
             "; with no conversations to add, prepare the data with --no-mask-loops: training on the loops' "
             'tokens too did better at this many passes (benchmarks/recipe/README.md, "Masked loops")'
