@@ -13,6 +13,7 @@ GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
 
 STUB = """#!/usr/bin/env bash
 echo "$1 $QPHASE ${QTRAIN-(both)} $BUDGET_S $(basename "$OUT")" >> "$CALLS"
+echo "${Q_DATA_FOR-(unset)}" >> "$CALLS.data_for"
 [ "$(basename "$OUT")" = "${FAIL:-}" ] && exit 4
 exit 0
 """
@@ -25,8 +26,9 @@ def chain(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list
     (tree / "benchmarks" / "gpu" / "gpu_job.sh").write_text(STUB)
     calls = tmp_path / "calls"
     calls.unlink(missing_ok=True)
+    Path(f"{calls}.data_for").unlink(missing_ok=True)
     run_env = {**os.environ, "OUT": str(tmp_path / "out"), "CALLS": str(calls), **env}
-    for name in ("Q_TRAINERS", "QTRAIN", "FAIL"):
+    for name in ("Q_TRAINERS", "QTRAIN", "FAIL", "Q_DATA_FOR"):
         if name not in env:
             run_env.pop(name, None)
     res = subprocess.run(
@@ -50,12 +52,16 @@ def test_the_phases_run_in_order_each_within_its_budget(tmp_path: Path) -> None:
         ["rest", "(both)", "420", "rest"],
     ]
     assert {c[0] for c in calls} == {"quality"}
+    # the data serve both trainers: eyas's store and speculators' copy
+    assert set((tmp_path / "calls.data_for").read_text().split()) == {"speculators,eyas"}
 
 
 def test_one_trainer_a_session(tmp_path: Path) -> None:
     res, calls = chain(tmp_path, CHAIN_S="5000", Q_TRAINERS="eyas")
     assert res.returncode == 0, res.stdout + res.stderr
     assert [c[-1] for c in calls] == ["data", "eyas", "rest"]
+    # its data are eyas's store alone (no speculators' copy beside it)
+    assert set((tmp_path / "calls.data_for").read_text().split()) == {"eyas"}
 
 
 def test_a_trainer_that_is_none_is_named_before_anything_runs(tmp_path: Path) -> None:

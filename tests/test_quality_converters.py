@@ -105,6 +105,39 @@ def test_store_to_speculators_layout_and_values(tiny_store):
         to_speculators.convert(store, None, out, progress=False)
 
 
+def test_consuming_the_store_writes_the_same_data_and_deletes_it(tiny_store, tiny_llama_dir):
+    """--consume (a speculators-only session: one copy of the states on disk) gives the same files
+    as a plain conversion, deleting the store shard by shard, and leaves no store that looks whole."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    import to_speculators
+    from eyas.extract.config import ExtractConfig
+    from eyas.extract.run import extract
+
+    tmp, prep, _ = tiny_store
+    store = tmp / "store_small_shards"  # a shard per few samples
+    cfg = dict(target=str(tiny_llama_dir), data=prep, layers=AUX, device="cpu", dtype="fp32", progress=False)
+    extract(ExtractConfig(out=store, batch_tokens=96, **cfg))
+    assert len(list(store.glob("shard-*.safetensors"))) > 2
+    copy = tmp / "store_consumed"
+    shutil.copytree(store, copy)
+    plain = to_speculators.convert(store, prep, tmp / "plain", threads=2, progress=False)
+    used = to_speculators.convert(copy, prep, tmp / "used", threads=2, progress=False, consume=True)
+    assert not copy.exists() and store.exists()
+    assert used["store_consumed"] and not plain["store_consumed"]
+    assert (used["samples"], used["tokens"]) == (plain["samples"], plain["tokens"]) and used["samples"] == 12
+    for row in range(12):
+        a = load_file(str(tmp / "plain" / "hidden_states" / f"hs_{row}.safetensors"))
+        b = load_file(str(tmp / "used" / "hidden_states" / f"hs_{row}.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for name in ("d2t-64.npy", "t2d-64.npy", "data-00000-of-00001.arrow"):
+        assert (tmp / "plain" / name).read_bytes() == (tmp / "used" / name).read_bytes()
+    with pytest.raises(Exception, match="takes no --limit"):
+        to_speculators.convert(store, prep, tmp / "limited", limit=3, progress=False, consume=True)
+
+
 SPEC_READ = r"""
 import sys, torch
 from speculators.train.data import ArrowDataset

@@ -182,3 +182,32 @@ def test_quality_comparison_runs_through_on_the_cpu_over_two_sessions(tmp_path, 
     want = {(w, ps, k) for w in ("eyas", "speculators") for ps in ("mt_bench", "humaneval") for k in (3, 5)}
     assert {(r["trainer"], r["prompt_set"], r["k"]) for r in got} == want
     assert len(got) == 4 * sum(len(res["curve"][w]) for w in ("eyas", "speculators"))
+
+
+def test_the_data_of_one_trainer_hold_one_copy_of_the_states(tmp_path, tiny_llama_dir):
+    """The chain's data phase (`--train ""`) for a session of one trainer: speculators' copy with its
+    store deleted as it is copied, or eyas's store without a copy; a later main call finds them."""
+    conv = _conversations(tmp_path / "conversations.jsonl", 16)
+    mt = ROOT / "data" / "mt_bench" / "question.jsonl"
+    for who in ("speculators", "eyas"):
+        work = tmp_path / who
+        cmd = [sys.executable, str(HARNESS), "--phase", "main", "--train", "", "--data-for", who]
+        cmd += ["--target", str(tiny_llama_dir), "--prompts", str(mt), "--work", str(work)]
+        cmd += ["--out", str(tmp_path / f"out-{who}"), "--gpus", "0", "--python", sys.executable]
+        cmd += ["--spec-python", str(SPEC_PY), "--ablations", "", "--regenerated", str(conv)]
+        cmd += ["--max-length", "128", "--vocab", "64"]
+        for call in (1, 2):
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        res = json.loads((work / "results.json").read_text())
+        assert "data and stores: from the earlier main call" in json.dumps(res["log"])  # call 2 made none
+        spec = work / "spec_data" / "eyas_conversion.json"
+        if who == "speculators":
+            assert json.loads(spec.read_text())["store_consumed"] is True
+            assert not (work / "store_regenerated").exists()
+        else:
+            assert not spec.exists() and not (work / "spec_data").exists()
+            assert json.loads((work / "store_regenerated" / "manifest.json").read_text())["complete"]
+    # a session's trainers must have their data
+    r = subprocess.run([*cmd[:5], "eyas", "--data-for", "speculators", *cmd[8:]], capture_output=True, text=True)
+    assert r.returncode == 2 and "--data-for 'speculators' does not make" in r.stderr

@@ -49,7 +49,8 @@
 #            QPHASE=main QTRAIN=eyas, then QPHASE=rest
 #            (the state stays in Q_DIR on the warm machine); the first Q_SAMPLES ShareGPT conversations with
 #            PIPE_CONFIG's target's answers kept in git, each trainer Q_BUDGET_S s with a checkpoint every
-#            Q_EVERY_S s, every checkpoint by replay on MT-bench and HumanEval; .carry/quality carried once
+#            Q_EVERY_S s, every checkpoint by replay on MT-bench and HumanEval; .carry/quality carried once;
+#            Q_DATA_FOR (default speculators,eyas; quality_chain.sh sets its trainers): whose data to make
 #   replay   after pipeline: eyas evaluate --engine replay on the pipeline's draft, the full MT-bench at k=5
 #            and every k from 1 to 7 from the same pass, compared turn by turn with the pipeline's builtin
 #            k=5 records (benchmarks/replay_vs_builtin.py --builtin-from): the replay engine on CUDA in bf16
@@ -362,7 +363,7 @@ case $STEP in
     B=$(budget 560)
     step "quality-${QPHASE:?QPHASE=main or rest}" env PYTHONPATH="/tmp/site-q:$PYTHONPATH" \
       timeout -s TERM -k 30 "$B" python3 benchmarks/quality/run_quality.py --phase "$QPHASE" \
-      --train "${QTRAIN-speculators,eyas}" --target "$TDIR" --regenerated "$Q/regen/regenerated_conversations.jsonl" \
+      --train "${QTRAIN-speculators,eyas}" --data-for "${Q_DATA_FOR:-speculators,eyas}" --target "$TDIR" --regenerated "$Q/regen/regenerated_conversations.jsonl" \
       --prompts data/mt_bench/question.jsonl --work "$Q/work" --out "$OUT/quality" --gpus "$GPUS" \
       --deadline-s $((B - 25)) --ablations "" --main-budget-s "${Q_BUDGET_S:-300}" \
       --curve-every-s "${Q_EVERY_S:-60}" --spec-save-every-s "${Q_EVERY_S:-60}" --eval-max-per-category 10 \

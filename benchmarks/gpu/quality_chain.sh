@@ -36,6 +36,8 @@ TRAINERS=${Q_TRAINERS-speculators eyas}
 for t in $TRAINERS; do
   budget_of "$t" >/dev/null || { echo "chain: Q_TRAINERS='$TRAINERS': '$t' is no trainer (speculators, eyas)"; exit 2; }
 done
+# the data serve this session's trainers only: one of them, one copy of the states on disk
+Q_DATA_FOR=$(echo $TRAINERS | tr ' ' ','); export Q_DATA_FOR
 phase data "${Q_DATA_S:-300}" main "" || exit 1
 for t in $TRAINERS; do phase "$t" "$(budget_of "$t")" main "$t"; done
 phase rest "${Q_REST_S:-420}" rest

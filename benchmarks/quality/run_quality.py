@@ -30,6 +30,8 @@ stays on the machine between the calls):
 
 On one GPU, or over several calls, `--train eyas|speculators` runs one trainer per main call (both
 on 1 GPU: one after the other, each alone on it); a later main call reuses the data and stores.
+`--data-for` names the trainers the session's data serve: for one, only its data are made (eyas's
+store, or speculators' copy with the store deleted as it is copied), one copy of the states on disk.
 A comparison carried to another session (benchmarks/gpu/stage_quality.sh: its record, reports and
 resumable checkpoints) has its data made again there, and its rest phase keeps the earlier
 sessions' points of the curve beside its own.
@@ -286,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         "other on 1); a later main call on the same machine reuses the data and stores",
     )
     ap.add_argument(
+        "--data-for",
+        default="speculators,eyas",
+        help="main phase: the trainers this session's data serve: eyas's store, speculators' copy of "
+        "it, or both. For one, the disk holds one copy of the states (speculators': its store deleted "
+        "shard by shard as it is copied), so about twice the conversations fit",
+    )
+    ap.add_argument(
         "--abl-args",
         action="append",
         default=[],
@@ -342,8 +351,11 @@ def main(argv: list[str] | None = None) -> int:
             _override([], changes)
         except ValueError as e:
             ap.error(str(e))
-    if not set(filter(None, a.train.split(","))) <= {"eyas", "speculators"}:
-        ap.error(f"--train {a.train!r}: a comma list of eyas, speculators")
+    for flag, val in (("--train", a.train), ("--data-for", a.data_for)):
+        if not set(filter(None, val.split(","))) <= {"eyas", "speculators"}:
+            ap.error(f"{flag} {val!r}: a comma list of eyas, speculators")
+    if a.phase == "main" and not set(filter(None, a.train.split(","))) <= set(a.data_for.split(",")):
+        ap.error(f"--train {a.train!r}: trains on data that --data-for {a.data_for!r} does not make")
     r = Runner(a)
     work, out = Path(a.work), Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -390,7 +402,7 @@ def _device(a) -> str:
 
 def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     trainers = [x for x in a.train.split(",") if x]
-    if not _data_here(res, work):
+    if not _data_here(res, work, a):
         _data(r, a, work, res, save)
     else:
         log("data and stores: from the earlier main call")
@@ -409,15 +421,26 @@ def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     save()
 
 
-def _data_here(res: dict, work: Path) -> bool:
-    """Whether an earlier main call's data, stores and speculators' copy are on this disk: ``stores``
-    is set once all are complete, but a run carried to another session (``stage_quality.sh``) brings
-    its record without them, and its data are made again there (the same seeded conversations)."""
+def _needs(a) -> tuple[bool, bool]:
+    """(the stores, speculators' copy): what the session's trainers (--data-for) and ablations train
+    from. A session of one trainer makes only its own: the disk holds one copy of the states, not two."""
+    serve = set(filter(None, a.data_for.split(",")))
+    return "eyas" in serve or bool(a.ablations.strip()), "speculators" in serve
+
+
+def _data_here(res: dict, work: Path, a) -> bool:
+    """Whether an earlier main call's data, stores and speculators' copy (those this call needs) are
+    on this disk: ``stores`` is set once all are complete, but a run carried to another session
+    (``stage_quality.sh``) brings its record without them, and its data are made again there (the
+    same seeded conversations)."""
     if "stores" not in res:
         return False
-    stores = [Path(v) / "manifest.json" for v in res["stores"].values()]
+    need_stores, need_spec = _needs(a)
+    stores = [Path(v) / "manifest.json" for v in res["stores"].values()] if need_stores else []
     spec = work / "spec_data" / "eyas_conversion.json"  # where _data converts it
-    if all(m.is_file() and json.loads(m.read_text()).get("complete") for m in stores) and spec.is_file():
+    if all(m.is_file() and json.loads(m.read_text()).get("complete") for m in stores) and (
+        spec.is_file() or not need_spec
+    ):
         return True
     log("data and stores: recorded by an earlier call but not on this disk; made again")
     return False
@@ -476,11 +499,13 @@ def _data(r: Runner, a, work: Path, res: dict, save) -> None:
     # extraction: the sets over the GPUs, the conversion as soon as the regenerated store exists
     t = time.time()
     stores = {name: work / f"store_{name}" for name in preps}
+    need_stores, need_spec = _needs(a)
+    spec_data = work / "spec_data"
+    spec_done = (spec_data / "eyas_conversion.json").is_file()  # an earlier call's, on this disk
     pending = list(enumerate(preps))
     lanes = max(1, a.gpus)
     running: dict[str, subprocess.Popen] = {}
     p_conv = None
-    spec_data = work / "spec_data"
     while pending or running:
         while pending and len(running) < lanes:
             i, name = pending.pop(0)
@@ -493,7 +518,7 @@ def _data(r: Runner, a, work: Path, res: dict, save) -> None:
             )
         name = next(iter(running))  # the oldest; the regenerated set first
         r.wait(running.pop(name))
-        if name == "regenerated":
+        if name == "regenerated" and need_spec and not spec_done:
             p_conv = r.start(
                 "to_speculators",
                 [
@@ -505,11 +530,14 @@ def _data(r: Runner, a, work: Path, res: dict, save) -> None:
                     spec_data,
                     "--threads",
                     "8",
+                    *([] if need_stores else ["--consume"]),  # its store deleted as it is copied
                 ],
                 env=r.spec_env(),
             )
-    r.wait(p_conv)
-    res["speculators_data"] = json.loads((spec_data / "eyas_conversion.json").read_text())
+    if p_conv is not None:
+        r.wait(p_conv)
+    if need_spec:
+        res["speculators_data"] = json.loads((spec_data / "eyas_conversion.json").read_text())
     res["stores"] = {k: str(v) for k, v in stores.items()}
     res["preps"] = {k: str(v) for k, v in preps.items()}
     res["stages"]["extract_convert_s"] = time.time() - t

@@ -17,8 +17,12 @@ draft's ``eagle_aux_hidden_state_layer_ids`` (id k = residual stream entering la
 last layer's output, which is exactly eyas's store convention (DESIGN.md section 2), so the
 states are copied as they are. (speculators <= 0.4 captured layer outputs: not this path.)
 
+With ``--consume`` the store is converted shard by shard and each shard file deleted once its
+samples are written, then the store itself: the disk holds about one copy of the states instead of
+two, for a session that trains speculators alone.
+
 Runs with any Python that has ``datasets`` and eyas importable (the GPU machine: carried wheels).
-Usage: python to_speculators.py --store S --prepared P --out D [--limit N] [--threads 8]
+Usage: python to_speculators.py --store S --prepared P --out D [--limit N] [--threads 8] [--consume]
 """
 
 from __future__ import annotations
@@ -56,22 +60,27 @@ def convert(
     limit: int | None = None,
     threads: int = 8,
     progress: bool = True,
+    consume: bool = False,
 ) -> dict:
     """Write speculators' data directory for the store's samples (all, or the first ``limit``).
 
     Row i of the output is the i-th stored sample in index order. Returns a summary dict that is
-    also written to ``out/eyas_conversion.json``. Refuses a non-empty ``out``.
+    also written to ``out/eyas_conversion.json``. Refuses a non-empty ``out``. ``consume``: delete
+    each store shard once its samples are written, and the store at the end.
     """
     import datasets
     from tqdm import tqdm
 
     from eyas.data.dataset import open_prepared
     from eyas.errors import EyasError
+    from eyas.features.format import shard_file
     from eyas.features.reader import open_store
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise EyasError(f"to_speculators: output {out} exists and is not empty; pass a new path")
+    if consume and limit is not None:
+        raise EyasError("to_speculators: --consume deletes the whole store, so it takes no --limit")
     reader = open_store(store)
     man = reader.manifest
     prepared = prepared or man.get("prepared_path")
@@ -102,21 +111,36 @@ def convert(
     start = time.perf_counter()
     rows: list[tuple[list[int], list[int]]] = [None] * len(indices)  # type: ignore[list-item]
 
+    # the rows in batches: all at once, or with consume one batch per shard (its file deleted after)
+    if consume:
+        row_of = {idx: row for row, idx in enumerate(indices)}
+        by_shard: dict[int, list[int]] = {}
+        for idx, sid in zip(man["samples"]["index"], man["samples"]["shard"]):
+            by_shard.setdefault(int(sid), []).append(row_of[int(idx)])
+        batches = [(sid, by_shard[sid]) for sid in sorted(by_shard)]
+    else:
+        batches = [(None, list(range(len(indices))))]
+    current = [reader]
+
     def one(row: int) -> int:
-        s = reader[indices[row]]
+        s = current[0][indices[row]]
         rows[row] = (s.input_ids.tolist(), s.loss_mask.to(torch.long).tolist())
         return _write_sample(hs_dir, row, s)
 
     tokens = 0
+    bar = tqdm(total=len(indices), disable=not progress, desc="to speculators", unit="sample")
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        for n in tqdm(
-            pool.map(one, range(len(indices))),
-            total=len(indices),
-            disable=not progress,
-            desc="to speculators",
-            unit="sample",
-        ):
-            tokens += n
+        for sid, batch in batches:
+            if sid is not None:
+                current[0] = open_store(store)  # a fresh reader: the last one's mmaps go with it
+            for n in pool.map(one, batch):
+                tokens += n
+                bar.update(1)
+            if sid is not None:
+                current[0] = None  # unmapped, so deleting the file frees its space now
+                (Path(store) / shard_file(sid)).unlink()
+    bar.close()
+    del reader
     table = datasets.Dataset.from_dict(
         {
             "input_ids": [r[0] for r in rows],
@@ -146,6 +170,7 @@ def convert(
         "hidden_size": man.get("hidden_size"),
         "draft_vocab_size": v,
         "convention": SPEC_CONVENTION,
+        "store_consumed": consume,
         "seconds": round(time.perf_counter() - start, 2),
     }
     (staging / "eyas_conversion.json").write_text(json.dumps(summary, indent=2))
@@ -153,6 +178,8 @@ def convert(
         out.rmdir()  # empty (checked above)
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(staging, out)
+    if consume:  # its shards are gone: a store that seemed whole would fail whoever read it next
+        shutil.rmtree(store)
     return summary
 
 
@@ -170,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--threads", type=int, default=8)
+    p.add_argument("--consume", action="store_true", help="Delete each store shard once converted, then the store.")
     a = p.parse_args(argv)
-    print(json.dumps(convert(a.store, a.prepared, a.out, a.limit, a.threads), indent=2))
+    print(json.dumps(convert(a.store, a.prepared, a.out, a.limit, a.threads, consume=a.consume), indent=2))
     return 0
 
 
