@@ -34,6 +34,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -120,10 +121,9 @@ def convert(
         batches = [(sid, by_shard[sid]) for sid in sorted(by_shard)]
     else:
         batches = [(None, list(range(len(indices))))]
-    current = [reader]
 
-    def one(row: int) -> int:
-        s = current[0][indices[row]]
+    def one(rdr, row: int) -> int:
+        s = rdr[indices[row]]
         rows[row] = (s.input_ids.tolist(), s.loss_mask.to(torch.long).tolist())
         return _write_sample(hs_dir, row, s)
 
@@ -131,16 +131,15 @@ def convert(
     bar = tqdm(total=len(indices), disable=not progress, desc="to speculators", unit="sample")
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for sid, batch in batches:
-            if sid is not None:
-                current[0] = open_store(store)  # a fresh reader: the last one's mmaps go with it
-            for n in pool.map(one, batch):
+            # consume: a fresh reader a shard, dropped after it so that its file's mmap goes with it
+            rdr = reader if sid is None else open_store(store)
+            for n in pool.map(partial(one, rdr), batch):
                 tokens += n
                 bar.update(1)
             if sid is not None:
-                current[0] = None  # unmapped, so deleting the file frees its space now
+                del rdr  # unmapped, so deleting the file frees its space now
                 (Path(store) / shard_file(sid)).unlink()
     bar.close()
-    del reader
     table = datasets.Dataset.from_dict(
         {
             "input_ids": [r[0] for r in rows],
