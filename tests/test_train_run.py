@@ -667,6 +667,35 @@ def test_a_budget_plans_the_steps_so_the_lr_reaches_its_floor_at_the_last_step(t
     Eagle3Draft.from_pretrained(run / "draft")
 
 
+def test_a_run_resumed_near_the_replan_times_its_own_steps_before_replanning():
+    """The replan at REPLAN_AT of the budget judges the pace of this process's steps. A run resumed
+    just before that point waits until it has timed its steps as long as a plan does; a run not
+    resumed replans at the point itself."""
+    import time
+
+    from eyas.train.budget import REPLAN_AT, BudgetPlanner, TrainClock
+    from eyas.train.optim import Schedule
+
+    budget = 600.0
+    planner = BudgetPlanner(budget, cap=None)
+    sched = Schedule("wsd", 50, 1 << 62, 0.1, decay_from=1 << 62)
+    sched.plan(9800, at_step=300)
+    half = REPLAN_AT * budget
+
+    def clock(before: float, this_run: float) -> TrainClock:
+        c = TrainClock(offset=before)
+        c.start(5000)
+        c.t0 = time.perf_counter() - this_run
+        return c
+
+    assert planner.due(clock(half - 1.0, 0.5), sched) is None  # not at the point yet
+    assert planner.due(clock(half - 1.0, 2.0), sched) is None  # past it, but 2 s of this run's steps
+    assert planner.due(clock(half - 1.0, planner.measure_s() + 0.5), sched) == "replan"
+    assert planner.due(clock(0.0, half + 0.5), sched) == "replan"  # not resumed: at the point
+    sched.replan(9700, at_step=5100)
+    assert planner.due(clock(0.0, half + 5.0), sched) is None  # once a run
+
+
 def test_a_plan_of_many_passes_warns_and_a_plan_of_few_does_not():
     from eyas.train.budget import MANY_PASSES, MASKED_LOOPS_PASSES, many_passes
 

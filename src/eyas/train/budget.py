@@ -117,9 +117,12 @@ class BudgetPlanner:
         """ "plan", "replan" or None: what the run's state and clock call for now."""
         if not clock.started or schedule.replanned_at is not None:
             return None
+        # the pace is this process's: a run resumed near REPLAN_AT is timed as long as a plan is, or
+        # its first steps after the restart (slower: caches, prefetch) would set the end too early
+        timed = clock.this_run_s() >= min(self.measure_s(), self.budget_s)
         if schedule.planned_at is None:
-            return "plan" if clock.this_run_s() >= min(self.measure_s(), self.budget_s) else None
-        return "replan" if clock.steps_s() >= REPLAN_AT * self.budget_s else None
+            return "plan" if timed else None
+        return "replan" if timed and clock.steps_s() >= REPLAN_AT * self.budget_s else None
 
     def total(self, done: int, clock: TrainClock) -> int | None:
         """The step count that ends the steps' time at the budget, at this run's pace so far (None
