@@ -67,6 +67,12 @@ def log(msg: str) -> None:
     print(line, flush=True)
 
 
+def items(text: str, kind: type = str) -> list:
+    """A comma list flag's items, converted by ``kind`` ('' and empty items: none). The flags stay
+    strings in the namespace: results.json records them as given, and pair_runs.py reads them back."""
+    return [kind(x.strip()) for x in text.split(",") if x.strip()]
+
+
 class Runner:
     def __init__(self, a: argparse.Namespace):
         self.a = a
@@ -340,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--curve-k", type=int, default=5)
     ap.add_argument("--curve-max-per-category", type=int, default=10)
     a = ap.parse_args(argv)
-    unknown = sorted(set(filter(None, a.ablations.split(","))) - set(ABLATIONS))
+    unknown = sorted(set(items(a.ablations)) - set(ABLATIONS))
     if unknown:
         ap.error(f"--ablations: unknown {unknown}; choose from {', '.join(ABLATIONS)}")
     for spec in a.abl_args:
@@ -352,9 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             ap.error(str(e))
     for flag, val in (("--train", a.train), ("--data-for", a.data_for)):
-        if not set(filter(None, val.split(","))) <= {"eyas", "speculators"}:
+        if not set(items(val)) <= {"eyas", "speculators"}:
             ap.error(f"{flag} {val!r}: a comma list of eyas, speculators")
-    if a.phase == "main" and not set(filter(None, a.train.split(","))) <= set(a.data_for.split(",")):
+    if a.phase == "main" and not set(items(a.train)) <= set(items(a.data_for)):
         ap.error(f"--train {a.train!r}: trains on data that --data-for {a.data_for!r} does not make")
     r = Runner(a)
     work, out = Path(a.work), Path(a.out)
@@ -401,7 +407,7 @@ def _device(a) -> str:
 
 
 def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
-    trainers = [x for x in a.train.split(",") if x]
+    trainers = items(a.train)
     if not _data_here(res, work, a):
         _data(r, a, work, res, save)
     else:
@@ -424,8 +430,8 @@ def _phase_main(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
 def _needs(a) -> tuple[bool, bool]:
     """(the stores, speculators' copy): what the session's trainers (--data-for) and ablations train
     from. A session of one trainer makes only its own: the disk holds one copy of the states, not two."""
-    serve = set(filter(None, a.data_for.split(",")))
-    return "eyas" in serve or bool(a.ablations.strip()), "speculators" in serve
+    serve = set(items(a.data_for))
+    return "eyas" in serve or bool(items(a.ablations)), "speculators" in serve
 
 
 def _data_here(res: dict, work: Path, a) -> bool:
@@ -450,7 +456,7 @@ def _data(r: Runner, a, work: Path, res: dict, save) -> None:
     """prepare + extract the sets the ablations need; the regenerated store -> speculators' format."""
     T, dev = a.target, _device(a)
     layers = ["--layers", a.layers] if a.layers else []
-    abls = a.ablations.split(",")
+    abls = items(a.ablations)
     t = time.time()
     preps = {
         "regenerated": work / "prep_regen",
@@ -831,9 +837,9 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
     # ablation training first (it takes longest), then the main evaluations beside it
     abl: dict[str, dict] = {}
     prev = (res.get("ablations") or {}).get("runs", {})
-    ks = [int(k) for k in a.abl_ks.split(",") if k]
+    ks = items(a.abl_ks, int)
     procs: dict[str, subprocess.Popen] = {}
-    if em.get("max_steps") and (a.ablations.strip() or a.abl_args):
+    if em.get("max_steps") and (items(a.ablations) or a.abl_args):
         # the main run's own steps (its --budget planned them), else the probe's plan
         steps = a.abl_steps or (em.get("summary") or {}).get("steps") or em["max_steps"]
         base = list(em["args"])
@@ -843,7 +849,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             "original_data": ("original", base),
             "small_vocab": ("regenerated_small_vocab", base),
         }
-        specs = {k: v for k, v in specs.items() if k in a.ablations.split(",")}
+        specs = {k: v for k, v in specs.items() if k in items(a.ablations)}
         for spec in a.abl_args:  # NAME=ARGS: the main run's settings with ARGS changed
             name, _, changes = spec.partition("=")
             specs[name] = ("regenerated", _override(base, changes))
@@ -885,7 +891,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
         if d in (None, "None") or (a.eval_engine != "replay" and not Path(d).exists()):
             log(f"no {who} draft to evaluate")
             continue
-        evaluate_ks(who, d, [int(k) for k in a.eval_ks.split(",") if k], a.eval_max_per_category)
+        evaluate_ks(who, d, items(a.eval_ks, int), a.eval_max_per_category)
     res["evaluations"] = {**done_before, **replayed}
     save()
     if a.curve_every_s:
@@ -897,10 +903,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
 
         # the final evaluations stand for the runs' last checkpoints where they evaluated what the
         # curve does (the same k and questions)
-        same = (
-            a.curve_k in {int(k) for k in a.eval_ks.split(",") if k}
-            and a.curve_max_per_category == a.eval_max_per_category
-        )
+        same = a.curve_k in items(a.eval_ks, int) and a.curve_max_per_category == a.eval_max_per_category
         finals = final_got if same else {}
         now = curve(r, a, work, ev_replay if a.eval_engine == "replay" else None, on_point, finals)
         res["curve"] = with_earlier_points(before, now, work, call)
@@ -931,7 +934,7 @@ def _phase_rest(r: Runner, a, work: Path, out: Path, res: dict, save) -> None:
             reports[name] = {**partial_tau(sub / "records.jsonl", int(res["eval_plan"][name]["k"])), "complete": False}
     res["evaluations"] = reports
     verdict = {}
-    for suffix, k in [(x, int(k)) for x in ev_replay for k in a.eval_ks.split(",") if k]:
+    for suffix, k in [(x, k) for x in ev_replay for k in items(a.eval_ks, int)]:
         e, s = reports.get(f"eyas{suffix}_k{k}", {}), reports.get(f"speculators{suffix}_k{k}", {})
         if e.get("tau") is not None and s.get("tau") is not None:
             verdict[f"{suffix.lstrip('@') + '_' if suffix else ''}k{k}"] = {
@@ -1116,7 +1119,7 @@ def curve(
     from eyas.train.checkpoint import checkpoint_dirs
 
     out: dict[str, list[dict]] = {"eyas": [], "speculators": []}
-    ks = sorted({a.curve_k, *(int(k) for k in a.eval_ks.split(",") if k)})
+    ks = sorted({a.curve_k, *items(a.eval_ks, int)})
     todo: list[tuple[str, float, Any]] = []  # (who, train_s, evaluate it: -> its point or None)
 
     em_summary, sm = _read_json(work / "eyas_main" / "summary.json"), _read_json(work / "spec_main" / "spec_train.json")
@@ -1182,7 +1185,7 @@ def curve(
             return {"epoch": c["epoch"], **g, "train_s": t, **_point(got, a.curve_k), "draft": str(ck)}
 
         todo.append(("speculators", c["after_first_step_s"], spec_point))
-    marks = [float(m) for m in a.marks_s.split(",") if m]
+    marks = items(a.marks_s, float)
     first = {who: {newest_near(m, [t for w, t, _ in todo if w == who]) for m in marks} for who in out}
     todo.sort(key=lambda x: (x[1] not in first[x[0]], x[1]))
     for who, _, evaluate in todo:  # past the deadline, only what earlier calls evaluated
@@ -1245,7 +1248,7 @@ def paired_runs(a, res: dict, suffixes: list[str], finals: tuple[Path, Path], ro
     after the mark). A curve point's reports are found under ``roots`` (eyas's, speculators')."""
     from paired import pair  # beside this file
 
-    ks = [int(k) for k in a.eval_ks.split(",") if k]
+    ks = items(a.eval_ks, int)
     psets = {s: s.lstrip("@") or "mt_bench" for s in suffixes}
 
     def final(base: Path) -> dict[tuple[str, int], Path]:
@@ -1256,7 +1259,7 @@ def paired_runs(a, res: dict, suffixes: list[str], finals: tuple[Path, Path], ro
 
     pairs = [("final", final(finals[0]), final(finals[1]), None, None)]
     cv = res.get("curve") or {}
-    for mark in (float(m) for m in a.marks_s.split(",") if m):
+    for mark in items(a.marks_s, float):
         near = {who: newest_near(mark, cv.get(who, []), lambda p: p["train_s"]) for who in ("eyas", "speculators")}
         if near["eyas"] and near["speculators"]:
             e, s = near["eyas"], near["speculators"]
