@@ -1,7 +1,7 @@
 """How many regenerated answers end in a loop that `eyas prepare --mask-loops` masks, split by how the
 answer ended (its own stop token, or the --max-new-tokens cap), on a seeded sample of each.
 
-    .venv/bin/python benchmarks/loop_tails.py [--sample 1000] [--target qwen2.5-coder-0.5b-instruct]
+    .venv/bin/python benchmarks/loop_tails.py [--sample 1000] [--target qwen2.5-coder-0.5b-instruct] [--answers DIR]
 
 The answers are those kept in git for the target (``data/regenerated/<target>-sharegpt/``).
 """
@@ -26,8 +26,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sample", type=int, default=1000)
     ap.add_argument("--target", default="smollm2-135m-instruct", help="a built-in target with answers in git")
+    ap.add_argument("--answers", help="a folder of the target's answers (default: data/regenerated/TARGET-sharegpt)")
     a = ap.parse_args()
-    answers = REGENERATED / f"{a.target}-sharegpt" / "regenerated.jsonl.xz"
+    answers = Path(a.answers or REGENERATED / f"{a.target}-sharegpt") / "regenerated.jsonl.xz"
     if not answers.is_file():
         raise SystemExit(f"{answers}: no regenerated answers kept for target {a.target!r}")
     tok = resolve_target(a.target).load_tokenizer()
