@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import lzma
 import platform
 import subprocess
 from pathlib import Path
@@ -41,11 +40,12 @@ def main() -> None:
     ap.add_argument("--horizon", type=int, default=256)
     ap.add_argument("--json", type=Path, default=Path(__file__).with_suffix(".json"))
     a = ap.parse_args()
+    from loop_tails import read_answers  # beside this file
+
     from eyas.target import resolve_target
 
     tok = resolve_target("smollm2-135m-instruct").load_tokenizer()
-    # split at newlines only: str.splitlines also splits at U+2028 and the like, which answers hold as text
-    answers = [json.loads(x)["text"] for x in lzma.decompress(ANSWERS.read_bytes()).decode().split("\n") if x]
+    answers = [r["text"] for r in read_answers(ANSWERS)]
     whole = [0, 0]
     first = [0, 0]
     for i in range(0, len(answers), 2000):

@@ -22,6 +22,12 @@ from eyas.target import resolve_target
 REGENERATED = Path(__file__).resolve().parents[1] / "data/regenerated"
 
 
+def read_answers(path: Path) -> list[dict]:
+    """The records of a kept ``regenerated.jsonl.xz``. Split at newlines only: str.splitlines also
+    splits at U+2028 and the like, which answers hold as text."""
+    return [json.loads(x) for x in lzma.decompress(path.read_bytes()).decode().split("\n") if x]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sample", type=int, default=1000)
@@ -32,8 +38,7 @@ def main() -> None:
     if not answers.is_file():
         raise SystemExit(f"{answers}: no regenerated answers kept for target {a.target!r}")
     tok = resolve_target(a.target).load_tokenizer()
-    # split at newlines only: str.splitlines also splits at U+2028 and the like, which answers hold as text
-    recs = [json.loads(x) for x in lzma.decompress(answers.read_bytes()).decode().split("\n") if x]
+    recs = read_answers(answers)
     rng = random.Random(0)
     for finish in ("stop", "length"):
         pool = [r for r in recs if r["finish"] == finish]
