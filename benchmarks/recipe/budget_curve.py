@@ -1,0 +1,124 @@
+"""Tau against the training budget: the recipe's end points, one training per point (issue 30).
+
+Each line of ``results-*.jsonl`` that trained the recipe of ``README.md`` ("The recipe now") on all
+of ShareGPT, with or without the loops masked, is one end point: a training to its own budget, so
+annealed at its end. They are grouped by data and GPU kind, and drawn against the budget with each
+group's mean, beside the curves of tau while training kept in ``evals/<run>/tau_curve.jsonl``
+(the LR held at its peak until the last 20% of that run's budget, so below the end points):
+
+    python benchmarks/recipe/budget_curve.py    # -> budget_curve.json, budget_curve.png
+
+A later end point (20 or 30 minutes) needs only its line in a results file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import statistics
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RECIPE = "--ttt-steps 3 --lr 1e-3 --batch-size 8 --optimizer muon --schedule wsd"
+DATA = {"prep-regen": "loops trained", "prep-regen-ml": "loops masked"}
+SETS = ("mt_bench", "humaneval")
+K = "5"
+CURVES = ("ml10", "wsd-10m")  # runs whose tau while training is kept
+
+
+def kind(machine: str) -> str:
+    for gpu in ("H200", "H100"):
+        if gpu in machine:
+            return gpu
+    return machine
+
+
+def end_points() -> list[dict]:
+    points = []
+    for f in sorted(HERE.glob("results-*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            data = Path(r.get("data", "")).name
+            if re.sub(r" --seed \d+", "", r["args"]) != RECIPE or data not in DATA or not r.get("finite"):
+                continue
+            points.append({
+                "run": r["name"], "data": DATA[data], "gpu": kind(r.get("machine", "")),
+                "budget_s": r["budget_s"], "steps": r["steps"], "epochs": r.get("epochs"),
+                "tau_k5": {s: round(r["tau"][s][K]["tau"], 3) for s in SETS}, "date": r["date"],
+            })
+    return points
+
+
+def groups(points: list[dict]) -> list[dict]:
+    out: dict[tuple, list[dict]] = {}
+    for p in points:
+        out.setdefault((p["data"], p["gpu"], p["budget_s"]), []).append(p)
+    return [
+        {"data": d, "gpu": g, "budget_s": b, "trainings": len(ps),
+         "tau_k5_mean": {s: round(statistics.mean(p["tau_k5"][s] for p in ps), 3) for s in SETS},
+         "tau_k5_range": {s: [min(p["tau_k5"][s] for p in ps), max(p["tau_k5"][s] for p in ps)] for s in SETS}}
+        for (d, g, b), ps in sorted(out.items())
+    ]
+
+
+def curve(run: str) -> list[tuple[float, float]]:
+    path = HERE / "evals" / run / "tau_curve.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [(r["train_s"] / 60, r["tau"][K]) for r in rows]
+
+
+def plot(points: list[dict], summary: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    style = {("loops masked", "H100"): "tab:blue", ("loops trained", "H100"): "tab:orange",
+             ("loops trained", "H200"): "tab:red", ("loops masked", "H200"): "tab:cyan"}
+    for ax, s in zip(axes, SETS):
+        for (d, g), color in style.items():
+            ps = [p for p in points if (p["data"], p["gpu"]) == (d, g)]
+            if not ps:
+                continue
+            ax.scatter([p["budget_s"] / 60 for p in ps], [p["tau_k5"][s] for p in ps], color=color, s=18, alpha=0.6)
+            means = [m for m in summary if (m["data"], m["gpu"]) == (d, g)]
+            ax.plot([m["budget_s"] / 60 for m in means], [m["tau_k5_mean"][s] for m in means], "-o", color=color,
+                    label=f"{d}, {g} (end points)")
+        if s == "mt_bench":
+            for run, ls in zip(CURVES, (":", "--")):
+                c = curve(run)
+                if c:
+                    ax.plot(*zip(*c), ls, color="gray", label=f"{run}: tau while training")
+        ax.set_title(f"{s}, k={K}")
+        ax.set_xscale("log")  # the budgets come in doublings: 2, 5, 10, 20, 30 minutes
+        ax.set_xticks([1, 2, 5, 10, 20, 30], ["1", "2", "5", "10", "20", "30"])
+        ax.set_xlabel("training budget (minutes of steps, log scale)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("tau (replay, bf16, 256 tokens)")
+    axes[0].legend(fontsize=7, loc="lower right")
+    fig.suptitle("SmolLM2-135M: the recipe's tau against its budget (one training per dot)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    points = end_points()
+    summary = groups(points)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout
+    record = {
+        "what": f"tau at k={K} against the training budget, the recipe's end points (budget_curve.py)",
+        "date": datetime.date.today().isoformat(), "commit": commit.strip(),
+        "command": "python benchmarks/recipe/budget_curve.py", "groups": summary, "points": points,
+    }
+    (HERE / "budget_curve.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot(points, summary, HERE / "budget_curve.png")
+    for m in summary:
+        print(f"{m['data']:13} {m['gpu']} {m['budget_s'] / 60:4.1f} min  n={m['trainings']}  "
+              + "  ".join(f"{s} {m['tau_k5_mean'][s]:.3f}" for s in SETS))
+
+
+if __name__ == "__main__":
+    main()
