@@ -43,11 +43,18 @@ def end_points() -> list[dict]:
             data = Path(r.get("data", "")).name
             if re.sub(r" --seed \d+", "", r["args"]) != RECIPE or data not in DATA or not r.get("finite"):
                 continue
-            points.append({
-                "run": r["name"], "data": DATA[data], "gpu": kind(r.get("machine", "")),
-                "budget_s": r["budget_s"], "steps": r["steps"], "epochs": r.get("epochs"),
-                "tau_k5": {s: round(r["tau"][s][K]["tau"], 3) for s in SETS}, "date": r["date"],
-            })
+            points.append(
+                {
+                    "run": r["name"],
+                    "data": DATA[data],
+                    "gpu": kind(r.get("machine", "")),
+                    "budget_s": r["budget_s"],
+                    "steps": r["steps"],
+                    "epochs": r.get("epochs"),
+                    "tau_k5": {s: round(r["tau"][s][K]["tau"], 3) for s in SETS},
+                    "date": r["date"],
+                }
+            )
     return points
 
 
@@ -56,9 +63,14 @@ def groups(points: list[dict]) -> list[dict]:
     for p in points:
         out.setdefault((p["data"], p["gpu"], p["budget_s"]), []).append(p)
     return [
-        {"data": d, "gpu": g, "budget_s": b, "trainings": len(ps),
-         "tau_k5_mean": {s: round(statistics.mean(p["tau_k5"][s] for p in ps), 3) for s in SETS},
-         "tau_k5_range": {s: [min(p["tau_k5"][s] for p in ps), max(p["tau_k5"][s] for p in ps)] for s in SETS}}
+        {
+            "data": d,
+            "gpu": g,
+            "budget_s": b,
+            "trainings": len(ps),
+            "tau_k5_mean": {s: round(statistics.mean(p["tau_k5"][s] for p in ps), 3) for s in SETS},
+            "tau_k5_range": {s: [min(p["tau_k5"][s] for p in ps), max(p["tau_k5"][s] for p in ps)] for s in SETS},
+        }
         for (d, g, b), ps in sorted(out.items())
     ]
 
@@ -76,8 +88,12 @@ def plot(points: list[dict], summary: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    style = {("loops masked", "H100"): "tab:blue", ("loops trained", "H100"): "tab:orange",
-             ("loops trained", "H200"): "tab:red", ("loops masked", "H200"): "tab:cyan"}
+    style = {
+        ("loops masked", "H100"): "tab:blue",
+        ("loops trained", "H100"): "tab:orange",
+        ("loops trained", "H200"): "tab:red",
+        ("loops masked", "H200"): "tab:cyan",
+    }
     for ax, s in zip(axes, SETS):
         for (d, g), color in style.items():
             ps = [p for p in points if (p["data"], p["gpu"]) == (d, g)]
@@ -85,8 +101,13 @@ def plot(points: list[dict], summary: list[dict], out: Path) -> None:
                 continue
             ax.scatter([p["budget_s"] / 60 for p in ps], [p["tau_k5"][s] for p in ps], color=color, s=18, alpha=0.6)
             means = [m for m in summary if (m["data"], m["gpu"]) == (d, g)]
-            ax.plot([m["budget_s"] / 60 for m in means], [m["tau_k5_mean"][s] for m in means], "-o", color=color,
-                    label=f"{d}, {g} (end points)")
+            ax.plot(
+                [m["budget_s"] / 60 for m in means],
+                [m["tau_k5_mean"][s] for m in means],
+                "-o",
+                color=color,
+                label=f"{d}, {g} (end points)",
+            )
         if s == "mt_bench":
             for run, ls in zip(CURVES, (":", "--")):
                 c = curve(run)
@@ -110,14 +131,19 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout
     record = {
         "what": f"tau at k={K} against the training budget, the recipe's end points (budget_curve.py)",
-        "date": datetime.date.today().isoformat(), "commit": commit.strip(),
-        "command": "python benchmarks/recipe/budget_curve.py", "groups": summary, "points": points,
+        "date": datetime.date.today().isoformat(),
+        "commit": commit.strip(),
+        "command": "python benchmarks/recipe/budget_curve.py",
+        "groups": summary,
+        "points": points,
     }
     (HERE / "budget_curve.json").write_text(json.dumps(record, indent=1) + "\n")
     plot(points, summary, HERE / "budget_curve.png")
     for m in summary:
-        print(f"{m['data']:13} {m['gpu']} {m['budget_s'] / 60:4.1f} min  n={m['trainings']}  "
-              + "  ".join(f"{s} {m['tau_k5_mean'][s]:.3f}" for s in SETS))
+        print(
+            f"{m['data']:13} {m['gpu']} {m['budget_s'] / 60:4.1f} min  n={m['trainings']}  "
+            + "  ".join(f"{s} {m['tau_k5_mean'][s]:.3f}" for s in SETS)
+        )
 
 
 if __name__ == "__main__":
