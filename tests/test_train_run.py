@@ -765,6 +765,53 @@ def test_a_budget_run_killed_and_resumed_keeps_its_plan(tiny_target, data, tmp_p
     assert [r["lr"] for r in again] == [r["lr"] for r in full]
 
 
+def test_a_budget_run_resumed_on_other_devices_plans_its_end_again(tiny_target, data, tmp_path, capfd):
+    """A checkpoint written after the replan on other devices (its trainer_state.json says so):
+    the resumed run times its own steps, replans once more, and still ends annealed at the floor,
+    the LR never jumping up. A checkpoint of before this record (no devices) keeps its plan."""
+    from eyas.train.budget import BudgetPlanner
+    from eyas.train.optim import Schedule
+
+    run = tmp_path / "run"
+    lr, floor = 1e-3, 0.1
+    kw = dict(
+        max_steps=None, budget="3s", warmup=2, save_every=5, eval_every=0, keep_checkpoints=0, lr=lr, min_lr_ratio=floor
+    )
+    train(_cfg(tiny_target, data, run, **kw))
+    first = json.loads((run / "summary.json").read_text())["plan"]["replan"]["at_step"]
+    kept = [c for c in checkpoint_dirs(run) if int(c.name.split("-")[1]) > first][0]
+    for c in checkpoint_dirs(run):
+        if c != kept:
+            shutil.rmtree(c)
+    shutil.rmtree(run / "draft")
+    state = json.loads((kept / "trainer_state.json").read_text())
+    assert state["devices"].startswith("1 x cpu")  # where it was written
+    state["devices"] = "1 x NVIDIA H100 80GB HBM3"
+    (kept / "trainer_state.json").write_text(json.dumps(state))
+    capfd.readouterr()
+    train(_cfg(tiny_target, data, run, resume=True, **kw))
+    assert "not 1 x NVIDIA H100 80GB HBM3 as checkpointed" in capfd.readouterr().err
+    summary = json.loads((run / "summary.json").read_text())
+    plan, at = summary["plan"], int(kept.name.split("-")[1])
+    assert plan["resumed_elsewhere"] == {"at_step": at, "from": "1 x NVIDIA H100 80GB HBM3", "on": state_on(run)}
+    assert plan["replan"]["at_step"] > at and plan["replan"]["steps"] == summary["steps"]
+    recs = _records(run)
+    assert recs[-1]["step"] == summary["steps"] and recs[-1]["lr"] == pytest.approx(lr * floor, rel=1e-6)
+    after = [r["lr"] for r in recs if r["step"] > at]
+    assert all(a >= b - 1e-12 for a, b in zip(after, after[1:]))
+    # the rule itself: no record of the devices (an older checkpoint), or the same ones, keep the plan
+    sched = Schedule("wsd", 2, 100, floor)
+    sched.plan(100, at_step=10)
+    sched.replan(90, at_step=50)
+    assert not BudgetPlanner.resumed_elsewhere(sched, None, "1 x cpu") and sched.replanned_at == 50
+    assert not BudgetPlanner.resumed_elsewhere(sched, "1 x cpu", "1 x cpu") and sched.replanned_at == 50
+
+
+def state_on(run: Path) -> str:
+    """The devices the newest checkpoint of ``run`` was written on."""
+    return json.loads((checkpoint_dirs(run)[-1] / "trainer_state.json").read_text())["devices"]
+
+
 def test_fused_loss_trains_like_the_unfused_loss_single_and_ddp(tiny_target, data, tmp_path):
     """--fused-loss: the same losses and weights as the default loss, in one process and under
     torchrun DDP (lm_head gets its gradient outside the DDP module's forward). Adam moves every

@@ -30,6 +30,16 @@ def resolve_device(device: str, flag: str = "--device") -> str:
     return text
 
 
+def device_name(device: str) -> str:
+    """What the pace of a step depends on, for a record to compare across machines: the GPU's name,
+    or the CPU with the threads torch uses."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu, {torch.get_num_threads()} threads"
+
+
 def release_device_memory() -> None:
     """Return what a finished stage left in torch's CUDA cache to the driver: a vLLM engine that a
     later stage starts runs in its own process and sees only the driver's free memory, so the

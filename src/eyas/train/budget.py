@@ -4,9 +4,10 @@ annealed one.
 
 The budget counts the optimizer steps' time only. Set-up and the first step (its compilation) come
 before the clock starts; evaluations, checkpoints and tau measurements pause it (:meth:`pause`),
-so the plan is not thrown off by them and they are reported beside it. The plan is made once and
-kept in the scheduler's checkpointed state (:class:`eyas.train.optim.Schedule`): a resumed run
-keeps it, so kill and resume stay exact.
+so the plan is not thrown off by them and they are reported beside it. The plan is made once,
+checked once at REPLAN_AT, and kept in the scheduler's checkpointed state
+(:class:`eyas.train.optim.Schedule`): a run resumed on the same devices keeps it, so kill and resume
+stay exact; one resumed on others replans at their pace.
 """
 
 from __future__ import annotations
@@ -123,6 +124,16 @@ class BudgetPlanner:
         if schedule.planned_at is None:
             return "plan" if timed else None
         return "replan" if timed and clock.steps_s() >= REPLAN_AT * self.budget_s else None
+
+    @staticmethod
+    def resumed_elsewhere(schedule, saved_on: str | None, now_on: str) -> bool:
+        """A run resumed after its replan on other devices than the checkpoint's replans once more, at
+        this machine's pace: the plan's pace was the other machine's, so its end would miss the budget.
+        On the same devices the plan stands, so that kill and resume stay exact. True if it will."""
+        if saved_on is None or saved_on == now_on or schedule.replanned_at is None:
+            return False
+        schedule.replanned_at = None
+        return True
 
     def total(self, done: int, clock: TrainClock) -> int | None:
         """The step count that ends the steps' time at the budget, at this run's pace so far (None

@@ -29,6 +29,7 @@ from eyas.draft.loss import TargetHead, soft_cross_entropy, ttt_loss
 from eyas.draft import io as draft_io
 from eyas.draft.io import check_finite_state
 from eyas.draft.model import DraftConfig, Eagle3Draft
+from eyas.device import device_name
 from eyas.errors import EyasError
 from eyas.fsio import atomic_write_text
 from eyas.train import checkpoint as ckpt
@@ -180,6 +181,16 @@ class Trainer:
         self.plan_info: dict[str, Any] = dict(state.get("budget_plan") or {})
         cap = None if self.total == UNPLANNED or self.lr_schedule.planned_at is not None else self.total
         self.planner = BudgetPlanner(cfg.budget, cap) if cfg.budget else None
+        self.devices = f"{self.dist.world} x {device_name(str(self.device))}"
+        if self.planner and self.planner.resumed_elsewhere(self.lr_schedule, state.get("devices"), self.devices):
+            self.plan_info["resumed_elsewhere"] = {"at_step": self.start, "from": state["devices"], "on": self.devices}
+            if self.is_main:
+                print(
+                    f"eyas train: resumed on {self.devices}, not {state['devices']} as checkpointed: "
+                    "the budget's end is planned again at this machine's pace",
+                    file=sys.stderr,
+                    flush=True,
+                )
         self._warned_passes = False
         self.tau_probe = self._build_tau_probe(target)
         # the first --tau-every mark past the steps' seconds so far (a resumed run's included)
@@ -670,6 +681,7 @@ class Trainer:
                     "tokens_seen": self.log.tokens_seen,
                     "epoch": epoch,
                     "world_size": dist.world,
+                    "devices": self.devices,
                     "run": self.run_info,
                     "steps_s": self.clock.steps_s(),
                     "budget_plan": self.plan_info,
