@@ -793,7 +793,8 @@ def test_a_budget_run_resumed_on_other_devices_plans_its_end_again(tiny_target, 
     assert "not 1 x NVIDIA H100 80GB HBM3 as checkpointed" in capfd.readouterr().err
     summary = json.loads((run / "summary.json").read_text())
     plan, at = summary["plan"], int(kept.name.split("-")[1])
-    assert plan["resumed_elsewhere"] == {"at_step": at, "from": "1 x NVIDIA H100 80GB HBM3", "on": state_on(run)}
+    moved = plan["resumed_elsewhere"]
+    assert moved["at_step"] == at and moved["from"] == "1 x NVIDIA H100 80GB HBM3" and moved["on"].startswith("1 x cpu")
     assert plan["replan"]["at_step"] > at and plan["replan"]["steps"] == summary["steps"]
     recs = _records(run)
     assert recs[-1]["step"] == summary["steps"] and recs[-1]["lr"] == pytest.approx(lr * floor, rel=1e-6)
@@ -805,11 +806,6 @@ def test_a_budget_run_resumed_on_other_devices_plans_its_end_again(tiny_target, 
     sched.replan(90, at_step=50)
     assert not BudgetPlanner.resumed_elsewhere(sched, None, "1 x cpu") and sched.replanned_at == 50
     assert not BudgetPlanner.resumed_elsewhere(sched, "1 x cpu", "1 x cpu") and sched.replanned_at == 50
-
-
-def state_on(run: Path) -> str:
-    """The devices the newest checkpoint of ``run`` was written on."""
-    return json.loads((checkpoint_dirs(run)[-1] / "trainer_state.json").read_text())["devices"]
 
 
 def test_fused_loss_trains_like_the_unfused_loss_single_and_ddp(tiny_target, data, tmp_path):
