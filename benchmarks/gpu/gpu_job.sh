@@ -236,7 +236,8 @@ case $STEP in
       echo "regen: $(wc -l < "$W/prepared/regenerated.jsonl") answers so far"
       python3 -c "import lzma, sys; sys.stdout.buffer.write(lzma.compress(open(sys.argv[1], 'rb').read(), preset=2))" \
         "$W/prepared/regenerated.jsonl" | split -b 15M -d -a 1 - "$OUT/regenerated.jsonl.xz.part"
-      cp "$W/prepared/regenerate.json" "$OUT/" 2>/dev/null
+      # their regenerate.json travels in pipeline.tgz: a call returns at most 8 files, and the first
+      # call's are log, steps, results, pipeline, vLLM's check (2) and these parts
     fi
     ( cd "$W" && tar -czf "$OUT/pipeline.tgz" --exclude='*.safetensors' --exclude='*.pt' \
         --exclude='checkpoints' --exclude='draft-vllm' --exclude='*.pt.trace.json*' pipeline-config.json pipeline-timings.json \
