@@ -20,6 +20,8 @@ import statistics
 import subprocess
 from pathlib import Path
 
+from results import runs
+
 HERE = Path(__file__).resolve().parent
 RECIPE = "--ttt-steps 3 --lr 1e-3 --batch-size 8 --optimizer muon --schedule wsd"
 DATA = {"prep-regen": "loops trained", "prep-regen-ml": "loops masked"}
@@ -37,24 +39,22 @@ def kind(machine: str) -> str:
 
 def end_points() -> list[dict]:
     points = []
-    for f in sorted(HERE.glob("results-*.jsonl")):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            data = Path(r.get("data", "")).name
-            if re.sub(r" --seed \d+", "", r["args"]) != RECIPE or data not in DATA or not r.get("finite"):
-                continue
-            points.append(
-                {
-                    "run": r["name"],
-                    "data": DATA[data],
-                    "gpu": kind(r.get("machine", "")),
-                    "budget_s": r["budget_s"],
-                    "steps": r["steps"],
-                    "epochs": r.get("epochs"),
-                    "tau_k5": {s: round(r["tau"][s][K]["tau"], 3) for s in SETS},
-                    "date": r["date"],
-                }
-            )
+    for _, r in runs():
+        data = Path(r["data"]).name
+        if re.sub(r" --seed \d+", "", r["args"]) != RECIPE or data not in DATA or not r.get("finite"):
+            continue
+        points.append(
+            {
+                "run": r["name"],
+                "data": DATA[data],
+                "gpu": kind(r.get("machine", "")),
+                "budget_s": r["budget_s"],
+                "steps": r["steps"],
+                "epochs": r.get("epochs"),
+                "tau_k5": {s: round(r["tau"][s][K]["tau"], 3) for s in SETS},
+                "date": r["date"],
+            }
+        )
     return points
 
 

@@ -9,13 +9,13 @@ prompt set and k (tau with a 95% bootstrap CI over questions, the budget, steps 
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "quality"))
 from add_summary import entry, read_records, upsert  # noqa: E402
+from results import runs  # noqa: E402
 
 # conversations behind each prepared dataset the sweeps name (benchmarks/recipe/README.md)
 CONVERSATIONS = {
@@ -31,32 +31,30 @@ SETS = {"eval-mt_bench": "mt_bench", "eval-humaneval": "humaneval"}
 
 def rows() -> list[dict]:
     out = []
-    for results in sorted(HERE.glob("results-*.jsonl")):
-        for line in results.read_text().splitlines():
-            run = json.loads(line)
-            data = Path(run.get("data", "/root/park/prep-regen")).name
-            for sub, prompt_set in SETS.items():
-                for report in sorted((HERE / "evals" / run["name"] / sub).glob("**/replay/report.json")):
-                    recs, engine = read_records(report)
-                    out.append(
-                        entry(
-                            recs,
-                            f"recipe-{run['name']}",
-                            "smollm2-135m-instruct",
-                            "eyas",
-                            prompt_set,
-                            run["budget_s"],
-                            run["steps"],
-                            CONVERSATIONS[data],
-                            engine,
-                            run.get("train_tau", {}).get("tau") if prompt_set == "mt_bench" else None,
-                            f"benchmarks/recipe/{results.name} "
-                            f"(commit {run.get('commit', '?')[:7]}, {run.get('machine', '?')})",
-                            f"eyas train {run['args']} {run['common']} (the rest its commit's defaults), online, "
-                            f"{run['budget_s']:.0f} s budget; "
-                            f"replay, bf16, {run.get('max_new_tokens', 256)} tokens",
-                        )
+    for results, run in runs():
+        data = Path(run["data"]).name
+        for sub, prompt_set in SETS.items():
+            for report in sorted((HERE / "evals" / run["name"] / sub).glob("**/replay/report.json")):
+                recs, engine = read_records(report)
+                out.append(
+                    entry(
+                        recs,
+                        f"recipe-{run['name']}",
+                        "smollm2-135m-instruct",
+                        "eyas",
+                        prompt_set,
+                        run["budget_s"],
+                        run["steps"],
+                        CONVERSATIONS[data],
+                        engine,
+                        run.get("train_tau", {}).get("tau") if prompt_set == "mt_bench" else None,
+                        f"benchmarks/recipe/{results.name} "
+                        f"(commit {run.get('commit', '?')[:7]}, {run.get('machine', '?')})",
+                        f"eyas train {run['args']} {run['common']} (the rest its commit's defaults), online, "
+                        f"{run['budget_s']:.0f} s budget; "
+                        f"replay, bf16, {run.get('max_new_tokens', 256)} tokens",
                     )
+                )
     return out
 
 
