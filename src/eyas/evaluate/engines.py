@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from eyas.device import device_name
 from eyas.evaluate.config import EngineName, EvaluateConfig
 
 
@@ -177,9 +178,7 @@ def _gpu(device: str) -> dict[str, Any]:
     """The GPU's name for the report, where the engine ran on one."""
     if not device.startswith("cuda"):
         return {}
-    import torch
-
-    return {"gpu": torch.cuda.get_device_name(torch.device(device))}
+    return {"gpu": device_name(device)}
 
 
 SPEED_PROMPTS = 32  # first turns timed per concurrency (more when a concurrency is higher), round and round
