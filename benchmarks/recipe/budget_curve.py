@@ -114,7 +114,7 @@ def plot(points: list[dict], summary: list[dict], out: Path) -> None:
                 if c:
                     ax.plot(*zip(*c), ls, color="gray", label=f"{run}: tau while training")
         ax.set_title(f"{s}, k={K}")
-        ax.set_xscale("log")  # the budgets come in doublings: 2, 5, 10, 20, 30 minutes
+        ax.set_xscale("log")  # budgets from 2 to 30 minutes, each point a training of its own
         ax.set_xticks([1, 2, 5, 10, 20, 30], ["1", "2", "5", "10", "20", "30"])
         ax.set_xlabel("training budget (minutes of steps, log scale)")
         ax.grid(alpha=0.3)
