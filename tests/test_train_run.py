@@ -744,6 +744,18 @@ def test_a_run_resumed_with_more_steps_decays_to_its_new_end(tiny_target, data, 
     assert lr_full[-1] == pytest.approx(1e-3 * 0.1)  # _cfg's lr at the default min_lr_ratio, on the last step
 
 
+def _killed_after_the_replan(run: Path) -> Path:
+    """``run`` as if killed just after its replan: the first checkpoint past it is kept, the later
+    ones and the draft dropped. Returns the kept checkpoint."""
+    replanned_at = json.loads((run / "summary.json").read_text())["plan"]["replan"]["at_step"]
+    kept = [c for c in checkpoint_dirs(run) if int(c.name.split("-")[1]) > replanned_at][0]
+    for c in checkpoint_dirs(run):
+        if c != kept:
+            shutil.rmtree(c)
+    shutil.rmtree(run / "draft")
+    return kept
+
+
 def test_a_budget_run_killed_and_resumed_keeps_its_plan(tiny_target, data, tmp_path):
     """The plan lives in the checkpoint (the scheduler's state): a run resumed after its plan
     ends at the same step with the same LR at every step, whatever the resumed run's timing."""
@@ -752,13 +764,7 @@ def test_a_budget_run_killed_and_resumed_keeps_its_plan(tiny_target, data, tmp_p
     train(_cfg(tiny_target, data, run, **kw))
     full = _records(run)
     steps = json.loads((run / "summary.json").read_text())["steps"]
-    planned_at = json.loads((run / "summary.json").read_text())["plan"]["replan"]["at_step"]
-    # keep a checkpoint after the plan, drop the later ones and the draft: a run killed there
-    kept = [c for c in checkpoint_dirs(run) if int(c.name.split("-")[1]) > planned_at][0]
-    for c in checkpoint_dirs(run):
-        if c != kept:
-            shutil.rmtree(c)
-    shutil.rmtree(run / "draft")
+    _killed_after_the_replan(run)
     train(_cfg(tiny_target, data, run, resume=True, **kw))
     again = _records(run)
     assert json.loads((run / "summary.json").read_text())["steps"] == steps
@@ -778,12 +784,7 @@ def test_a_budget_run_resumed_on_other_devices_plans_its_end_again(tiny_target, 
         max_steps=None, budget="3s", warmup=2, save_every=5, eval_every=0, keep_checkpoints=0, lr=lr, min_lr_ratio=floor
     )
     train(_cfg(tiny_target, data, run, **kw))
-    first = json.loads((run / "summary.json").read_text())["plan"]["replan"]["at_step"]
-    kept = [c for c in checkpoint_dirs(run) if int(c.name.split("-")[1]) > first][0]
-    for c in checkpoint_dirs(run):
-        if c != kept:
-            shutil.rmtree(c)
-    shutil.rmtree(run / "draft")
+    kept = _killed_after_the_replan(run)
     state = json.loads((kept / "trainer_state.json").read_text())
     assert state["devices"].startswith("1 x cpu")  # where it was written
     state["devices"] = "1 x NVIDIA H100 80GB HBM3"
