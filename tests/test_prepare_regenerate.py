@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -107,6 +108,39 @@ def test_regenerate_structure_conditioning_and_resume(tmp_path, tiny_target, mon
     # other sampling settings are refused, naming the field
     with pytest.raises(EyasError, match="temperature"):
         prepare(_opts(out, tiny_target.path, data, temperature=0.5), log=lambda s: None)
+
+
+def test_auto_backend_goes_on_with_the_engine_that_made_the_answers(tmp_path, tiny_target, monkeypatch):
+    """--gen-backend auto resumed where another engine has become findable keeps the one recorded in
+    regenerate.json: a partial set is not finished by another engine (nor refused for it)."""
+    from eyas.vllm.find import installed_vllm_version
+
+    if installed_vllm_version():
+        pytest.skip("vLLM is in eyas's own environment: auto cannot be made to miss it")
+    monkeypatch.delenv("EYAS_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("EYAS_VLLM_VENVS", str(tmp_path / "no-venvs"))
+    data, _ = _data(tmp_path)
+    out = tmp_path / "out"
+    real = regen._generate
+    calls = []
+
+    def crash_on_second(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(regen, "_generate", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(_opts(out, tiny_target.path, data, backend="auto"), log=lambda s: None)
+    assert json.loads((out / regen.HEADER).read_text())["engine"] == "hf" and len(_cache(out)) == 2
+
+    # now a vLLM is findable, so auto would take it for a new --out
+    monkeypatch.setenv("EYAS_VLLM_PYTHON", sys.executable)
+    assert regen._pick_engine(RegenerateOptions(backend="auto")) == "vllm"
+    monkeypatch.setattr(regen, "_generate", real)
+    m = prepare(_opts(out, tiny_target.path, data, backend="auto"), log=lambda s: None)
+    assert m["regenerate"]["engine"] == "hf" and m["regenerate"]["answers"] == 6 and len(_cache(out)) == 6
 
 
 def _coin_target(tmp_path, tiny_target):

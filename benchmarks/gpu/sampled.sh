@@ -6,7 +6,13 @@
 # until the pipeline says done. Usage (device): BUDGET_S=540 bash benchmarks/gpu/sampled.sh
 # Every call returns the answers so far; a later session resumes after them with REGEN_SEED=DIR
 # (their regenerated.jsonl.xz and regenerate.json).
-export REGEN_SEED=${REGEN_SEED:-none} REGEN_BACK=1 PIPE_SET="workdir=runs/smollm2-sampled prepare.regenerate.temperature=0.7
-train.budget=null train.max_steps=2000 train.tau_every=null evaluate.engine=replay evaluate.also_k=[3,7]
-evaluate.speed_concurrency=[]"
+# Another training on answers made earlier (no vLLM needed; session 29's are .carry/t07):
+#   TRAIN_SEED=1 REGEN_SEED=.carry/t07 BUDGET_S=300 bash benchmarks/gpu/sampled.sh
+# trains with seed 1 in runs/smollm2-sampled-s1.
+TRAIN_SEED=${TRAIN_SEED:-0}
+W=runs/smollm2-sampled$([ "$TRAIN_SEED" = 0 ] || echo "-s$TRAIN_SEED")
+export REGEN_SEED=${REGEN_SEED:-none} REGEN_BACK=${REGEN_BACK:-$([ "${REGEN_SEED:-none}" = none ] && echo 1 || echo 0)}
+export PIPE_SET="workdir=$W prepare.regenerate.temperature=0.7
+train.budget=null train.max_steps=2000 train.seed=$TRAIN_SEED train.tau_every=null evaluate.engine=replay
+evaluate.also_k=[3,7] evaluate.speed_concurrency=[]"
 exec bash "$(dirname "$0")/gpu_job.sh" pipeline

@@ -35,7 +35,7 @@ def table(rows: list[dict]) -> str:
             name,
             first["target"],
             first["trainer"],
-            f"{first['budget_s']:.0f}",
+            "-" if first["budget_s"] is None else f"{first['budget_s']:.0f}",  # a run of --max-steps
             f"{first['steps']:,}",
             f"{first['data_conversations']:,}",
             prompt_set,

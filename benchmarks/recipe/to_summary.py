@@ -29,6 +29,11 @@ CONVERSATIONS = {
 SETS = {"eval-mt_bench": "mt_bench", "eval-humaneval": "humaneval"}
 
 
+def length(run: dict) -> str:
+    """How long a run trained: its budget, or its step count (a run of --max-steps)."""
+    return f"{run['budget_s']:.0f} s budget" if run["budget_s"] is not None else f"{run['steps']:,} steps"
+
+
 def rows() -> list[dict]:
     out = []
     for results, run in runs():
@@ -45,13 +50,13 @@ def rows() -> list[dict]:
                         prompt_set,
                         run["budget_s"],
                         run["steps"],
-                        CONVERSATIONS[data],
+                        run.get("conversations") or CONVERSATIONS[data],
                         engine,
                         run.get("train_tau", {}).get("tau") if prompt_set == "mt_bench" else None,
                         f"benchmarks/recipe/{results.name} "
                         f"(commit {run.get('commit', '?')[:7]}, {run.get('machine', '?')})",
                         f"eyas train {run['args']} {run['common']} (the rest its commit's defaults), online, "
-                        f"{run['budget_s']:.0f} s budget; "
+                        f"{length(run)}; "
                         f"replay, bf16, {run.get('max_new_tokens', 256)} tokens",
                     )
                 )

@@ -49,7 +49,11 @@ class RegenerateOptions:
     drop_length_limited: bool = setting(
         False, "--regenerate: drop conversations whose answer hit --max-new-tokens.", "--drop-length-limited"
     )
-    backend: GenBackend = setting("auto", "--regenerate engine: hf, vllm, or auto (vLLM where found).", "--gen-backend")
+    backend: GenBackend = setting(
+        "auto",
+        "--regenerate engine: hf, vllm, or auto (the engine of the answers already in --out, else vLLM where found).",
+        "--gen-backend",
+    )
     vllm_python: str | None = setting(None, "--regenerate: Python of an environment with vLLM.", "--vllm-python")
     # auto: HF bf16 on CUDA, fp32 on CPU; vLLM the model's dtype
     dtype: GenDtype = setting("auto", "--regenerate weights dtype: auto, bf16, fp16, fp32.", "--gen-dtype")

@@ -72,7 +72,8 @@ def regenerate(
 
     from tqdm import tqdm
 
-    engine = _pick_engine(opts)
+    head = Path(out) / HEADER
+    engine = _pick_engine(opts, json.loads(head.read_text()).get("engine") if head.is_file() else None)
     header = {
         "target": target.identity,
         "chat_template_sha256": encoder.template_sha256,
@@ -220,10 +221,14 @@ def _apply_answers(
     return new_items, counts
 
 
-def _pick_engine(opts) -> str:
-    """``hf`` or ``vllm``; ``auto`` takes vLLM where eyas can find it (it is much faster)."""
+def _pick_engine(opts, recorded: str | None = None) -> str:
+    """``hf`` or ``vllm``; ``auto`` goes on with the engine that made the answers already in --out
+    (``recorded``: a finished set then needs no engine where vLLM is missing, and a partial one is
+    not finished by another engine), else takes vLLM where eyas can find it (it is much faster)."""
     if opts.backend in ("hf", "vllm"):
         return opts.backend
+    if recorded in ("hf", "vllm"):
+        return recorded
     from eyas.vllm.find import find_vllm_python
 
     try:
