@@ -6,8 +6,8 @@
 # until the pipeline says done. Usage (device): BUDGET_S=540 bash benchmarks/gpu/sampled.sh
 # Every call returns the answers so far; a later session resumes after them with REGEN_SEED=DIR
 # (their regenerated.jsonl.xz and regenerate.json).
-# Another training on answers made earlier (no vLLM needed; session 29's are .carry/t07):
-#   TRAIN_SEED=1 REGEN_SEED=.carry/t07 BUDGET_S=300 bash benchmarks/gpu/sampled.sh
+# Another training on answers made earlier (no vLLM needed; session 29's are .carry/answers-t0.7):
+#   TRAIN_SEED=1 REGEN_SEED=.carry/answers-t0.7 BUDGET_S=300 bash benchmarks/gpu/sampled.sh
 # trains with seed 1 in runs/smollm2-sampled-s1.
 TRAIN_SEED=${TRAIN_SEED:-0}
 W=runs/smollm2-sampled$([ "$TRAIN_SEED" = 0 ] || echo "-s$TRAIN_SEED")
