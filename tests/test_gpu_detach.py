@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -65,3 +66,41 @@ def test_a_detached_job_is_watched_to_its_end(tmp_path: Path) -> None:
 def test_watching_no_job_says_so(tmp_path: Path) -> None:
     got = run("watch.sh", "none", "1", bg=tmp_path / "bg", out=tmp_path / "out")
     assert got.returncode == 2 and "detach.sh" in got.stdout
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for whoever adopted it to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_end_group_ends_what_a_command_left_behind(tmp_path: Path) -> None:
+    """vllm_setup.sh's check ends by os._exit and vLLM's engine core, its child, outlived it holding GPU
+    memory: end_group.sh ends the rest of the check's process group (and only it)."""
+    orphan = tmp_path / "orphan.py"
+    orphan.write_text(
+        "import os, subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        "open(sys.argv[1], 'w').write(str(p.pid))\n"
+        "os._exit(0)\n"
+    )
+    child_pid = tmp_path / "child.pid"
+    lead = subprocess.Popen(["setsid", sys.executable, str(orphan), str(child_pid)])
+    assert lead.wait(timeout=60) == 0
+    child = int(child_pid.read_text())
+    assert _running(child)  # the child outlived its parent
+    bystander = subprocess.Popen(["sleep", "300"])
+    try:
+        done = subprocess.run(
+            ["bash", str(GPU / "end_group.sh"), str(lead.pid), "check"], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0 and "check left 1 process(es); ended" in done.stdout, done.stdout + done.stderr
+        assert not _running(child), "the check's leftover child is still running"
+        assert bystander.poll() is None  # another group is left alone
+        # nothing left: a second call says nothing and succeeds
+        again = subprocess.run(["bash", str(GPU / "end_group.sh"), str(lead.pid)], capture_output=True, text=True)
+        assert again.returncode == 0 and again.stdout == ""
+    finally:
+        bystander.kill()

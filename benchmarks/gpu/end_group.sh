@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End what is left of process group PGID (a finished command's children: vLLM's engine core outlives
-# a parent that ends by os._exit) and wait until the GPU memory they held is free, so that the next
-# engine of the call finds it.
+# a parent that ends by os._exit) and wait until they are gone, so that the GPU memory they held is
+# free for the call's next engines. Says what it found and the GPU memory used after.
 #
 #   bash benchmarks/gpu/end_group.sh PGID [LABEL]
 PGID=${1:?usage: end_group.sh PGID [LABEL]} LABEL=${2:-group $1}
@@ -13,10 +13,11 @@ for _ in $(seq 20); do
   sleep 0.5
 done
 kill -KILL -- -"$PGID" 2>/dev/null
-# the driver frees a dead process's memory a moment after it is reaped
 for _ in $(seq 20); do
   pgrep -g "$PGID" > /dev/null || break
   sleep 0.5
 done
 used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | awk '{s += $1} END {if (NR) print s}')
-echo "end_group: $LABEL left $left process(es); ended; GPU memory used now ${used:-?} MiB"
+still=$(pgrep -g "$PGID" | wc -l)
+echo "end_group: $LABEL left $left process(es); $([ "$still" -eq 0 ] && echo ended || echo "$still still running");" \
+  "GPU memory used now ${used:-?} MiB"
