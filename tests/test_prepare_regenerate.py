@@ -51,9 +51,8 @@ def _cache(out):
     return [json.loads(line) for line in (out / regen.CACHE).read_text().splitlines()]
 
 
-def test_regenerate_structure_conditioning_and_resume(tmp_path, tiny_target, monkeypatch):
-    data, rows = _data(tmp_path)
-    out = tmp_path / "out"
+def _killed_in_second_batch(monkeypatch, opts) -> None:
+    """A regeneration interrupted as its second batch starts: the first batch's answers are kept."""
     real = regen._generate
     calls = []
 
@@ -65,11 +64,18 @@ def test_regenerate_structure_conditioning_and_resume(tmp_path, tiny_target, mon
 
     monkeypatch.setattr(regen, "_generate", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
-        prepare(_opts(out, tiny_target.path, data), log=lambda s: None)
+        prepare(opts, log=lambda s: None)
+
+
+def test_regenerate_structure_conditioning_and_resume(tmp_path, tiny_target, monkeypatch):
+    data, rows = _data(tmp_path)
+    out = tmp_path / "out"
+    real = regen._generate
+    _killed_in_second_batch(monkeypatch, _opts(out, tiny_target.path, data))
     first = _cache(out)
     assert len(first) == 2 and {r["turn"] for r in first} == {0}  # one batch of round 0 survived
 
-    calls.clear()
+    calls = []
     monkeypatch.setattr(regen, "_generate", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     m = prepare(_opts(out, tiny_target.path, data), log=lambda s: None)
     # 1 first-turn prompt left and 3 second turns, in batches of 2: a second turn is asked as soon
@@ -122,17 +128,7 @@ def test_auto_backend_goes_on_with_the_engine_that_made_the_answers(tmp_path, ti
     data, _ = _data(tmp_path)
     out = tmp_path / "out"
     real = regen._generate
-    calls = []
-
-    def crash_on_second(*a, **kw):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(regen, "_generate", crash_on_second)
-    with pytest.raises(KeyboardInterrupt):
-        prepare(_opts(out, tiny_target.path, data, backend="auto"), log=lambda s: None)
+    _killed_in_second_batch(monkeypatch, _opts(out, tiny_target.path, data, backend="auto"))
     assert json.loads((out / regen.HEADER).read_text())["engine"] == "hf" and len(_cache(out)) == 2
 
     # now a vLLM is findable, so auto would take it for a new --out
