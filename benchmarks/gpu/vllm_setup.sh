@@ -56,12 +56,12 @@ if [ -f "$SITE/.done" ]; then
     _log=${OUT:-/tmp}/vllm-check.log
     # in a process group of its own: the check ends by os._exit, and vLLM's engine core, its child,
     # outlived it holding its share of GPU memory, so the next engines did not fit (session 29)
-    CHECK_JSON=${OUT:-/tmp}/vllm-check.json PYTHONPATH="$SITE:/tmp/vllm-diag" \
-      setsid timeout -k 10 $(( ${CHECK_TIMEOUT_S:-420} + 30 )) python3 benchmarks/gpu/vllm_check.py > "$_log" 2>&1 &
-    _pid=$!
-    wait "$_pid"
+    # (the group's id is the pid of the shell that setsid starts, forked or not)
+    CHECK_JSON=${OUT:-/tmp}/vllm-check.json PYTHONPATH="$SITE:/tmp/vllm-diag" CHECK_T=$(( ${CHECK_TIMEOUT_S:-420} + 30 )) \
+      setsid -w bash -c 'echo $$ > /tmp/vllm-check.pgid; exec timeout -k 10 "$CHECK_T" python3 benchmarks/gpu/vllm_check.py' \
+      > "$_log" 2>&1
     _rc=$?
-    bash "$(dirname "${BASH_SOURCE[0]}")/end_group.sh" "$_pid" vllm_check
+    bash "$(dirname "${BASH_SOURCE[0]}")/end_group.sh" "$(cat /tmp/vllm-check.pgid)" vllm_check
     grep -E '^CHECK (phase=|vllm|torch|generated|timeout|child)' "$_log"
     [ "$_rc" -eq 0 ] && touch /tmp/vllm-check.ok
     echo "vllm_setup: check exited $_rc (0 ok, 2 a phase failed, 3 watchdog timeout, 124/137 killed); log $_log"
