@@ -669,8 +669,8 @@ def test_a_budget_plans_the_steps_so_the_lr_reaches_its_floor_at_the_last_step(t
 
 def test_a_run_resumed_near_the_replan_times_its_own_steps_before_replanning():
     """The replan at REPLAN_AT of the budget judges the pace of this process's steps. A run resumed
-    just before that point waits until it has timed its steps as long as a plan does; a run not
-    resumed replans at the point itself."""
+    just before that point waits until it has timed its steps as long as a plan does, or a quarter of
+    the budget left where that is shorter; a run not resumed replans at the point itself."""
     import time
 
     from eyas.train.budget import REPLAN_AT, BudgetPlanner, TrainClock
@@ -692,6 +692,11 @@ def test_a_run_resumed_near_the_replan_times_its_own_steps_before_replanning():
     assert planner.due(clock(half - 1.0, 2.0), sched) is None  # past it, but 2 s of this run's steps
     assert planner.due(clock(half - 1.0, planner.measure_s() + 0.5), sched) == "replan"
     assert planner.due(clock(0.0, half + 0.5), sched) == "replan"  # not resumed: at the point
+    # resumed with 10 s left (on other devices, its replan undone): timed for a quarter of what is
+    # left, not a plan's 18 s, by which a faster machine would have run past the old plan's end
+    assert planner.measure_s() > 10.0
+    assert planner.due(clock(budget - 10.0, 2.0), sched) is None
+    assert planner.due(clock(budget - 10.0, 3.0), sched) == "replan"
     sched.replan(9700, at_step=5100)
     assert planner.due(clock(0.0, half + 5.0), sched) is None  # once a run
 

@@ -119,8 +119,13 @@ class BudgetPlanner:
         if not clock.started or schedule.replanned_at is not None:
             return None
         # the pace is this process's: a run resumed near REPLAN_AT is timed as long as a plan is, or
-        # its first steps after the restart (slower: caches, prefetch) would set the end too early
-        timed = clock.this_run_s() >= min(self.measure_s(), self.budget_s)
+        # its first steps after the restart (slower: caches, prefetch) would set the end too early;
+        # but no longer than a quarter of what is left, or a run resumed late on faster devices would
+        # reach the old plan's end before it replans
+        window = min(self.measure_s(), self.budget_s)
+        if clock.offset:
+            window = min(window, max(0.0, self.budget_s - clock.offset) / 4)
+        timed = clock.this_run_s() >= window
         if schedule.planned_at is None:
             return "plan" if timed else None
         return "replan" if timed and clock.steps_s() >= REPLAN_AT * self.budget_s else None
