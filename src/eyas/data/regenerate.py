@@ -26,11 +26,18 @@ HEADER = "regenerate.json"
 CONVERSATIONS = "regenerated_conversations.jsonl"  # the result as chat messages, reusable as --data
 
 
-def _load_cache(out: Path, header: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
-    """Answers already made: {conversation id: {turn: record}}. Drops a torn last line."""
+def _recorded(out: Path) -> dict[str, Any] | None:
+    """The settings recorded beside the answers already in ``out`` (None: no answers yet)."""
     head = out / HEADER
-    if head.is_file():
-        found = json.loads(head.read_text())
+    return json.loads(head.read_text()) if head.is_file() else None
+
+
+def _load_cache(
+    out: Path, header: dict[str, Any], found: dict[str, Any] | None
+) -> dict[str, dict[int, dict[str, Any]]]:
+    """Answers already made: {conversation id: {turn: record}}, refused where ``found`` (their
+    recorded settings) differ from ``header``. Drops a torn last line."""
+    if found is not None:
         diffs = [f"{k}: {found.get(k)!r} there, {header[k]!r} now" for k in header if found.get(k) != header[k]]
         if diffs:
             raise EyasError(
@@ -72,8 +79,8 @@ def regenerate(
 
     from tqdm import tqdm
 
-    head = Path(out) / HEADER
-    engine = _pick_engine(opts, json.loads(head.read_text()).get("engine") if head.is_file() else None)
+    found = _recorded(Path(out))
+    engine = _pick_engine(opts, found.get("engine") if found else None)
     header = {
         "target": target.identity,
         "chat_template_sha256": encoder.template_sha256,
@@ -81,7 +88,7 @@ def regenerate(
         **opts.settings(),
         "engine": engine,
     }
-    cache = _load_cache(Path(out), header)
+    cache = _load_cache(Path(out), header, found)
     convs = {i: it[2] for i, it in enumerate(items) if not isinstance(it[2], Skip)}
     turns = {i: [j for j, m in enumerate(msgs) if m["role"] == "assistant"] for i, msgs in convs.items()}
     if opts.max_turns:  # later turns are cut off with their conversation's tail (counted below)
