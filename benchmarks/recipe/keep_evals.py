@@ -18,14 +18,20 @@ from pathlib import Path
 KEEP = Path(__file__).resolve().parent / "evals"
 
 
+def keep_report(report: Path, out: Path) -> dict:
+    """Write ``report`` to ``out`` without the answers' token ids; returns what was written."""
+    rep = json.loads(report.read_text())
+    rep["per_prompt"] = [{k: v for k, v in p.items() if k != "output_ids"} for p in rep["per_prompt"]]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rep, separators=(",", ":")) + "\n")
+    return rep
+
+
 def keep(recipe_dir: Path) -> list[Path]:
     written = []
     for report in sorted(recipe_dir.glob("*/eval-*/**/report.json")):
-        rep = json.loads(report.read_text())
-        rep["per_prompt"] = [{k: v for k, v in p.items() if k != "output_ids"} for p in rep["per_prompt"]]
         out = KEEP / report.relative_to(recipe_dir)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(rep, separators=(",", ":")) + "\n")
+        keep_report(report, out)
         written.append(out)
     return written
 

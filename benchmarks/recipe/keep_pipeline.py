@@ -18,6 +18,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from keep_evals import keep_report
+from results import runs
+
 HERE = Path(__file__).resolve().parent
 SUBS = {5: "replay", 3: "k3/replay", 7: "k7/replay"}
 
@@ -29,11 +32,7 @@ def keep_reports(src: Path, dst: Path) -> dict[str, dict]:
         rep_path = src / sub / "report.json"
         if not rep_path.is_file():
             continue
-        rep = json.loads(rep_path.read_text())
-        rep["per_prompt"] = [{f: v for f, v in p.items() if f != "output_ids"} for p in rep["per_prompt"]]
-        out = dst / sub / "report.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(rep, separators=(",", ":")) + "\n")
+        rep = keep_report(rep_path, dst / sub / "report.json")
         taus[str(k)] = {"tau": rep["overall"]["tau"], "turns": len(rep["per_prompt"])}
     if not taus:
         raise SystemExit(f"{src}: no report.json under {', '.join(SUBS.values())}")
@@ -71,7 +70,7 @@ def row(name: str, run: Path, taus: dict, a: argparse.Namespace) -> dict:
         "finite": bool(steps) and all(m.get("finite", True) for m in steps),
         "tau": taus,
         "train_tau": summary.get("tau"),
-        "max_new_tokens": 256,
+        "max_new_tokens": config.get("evaluate", {}).get("max_new_tokens"),
         "commit": a.commit,
         "date": a.date,
         "machine": a.machine,
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", default="")
     ap.add_argument("--results", type=Path, help="default: results-DATE.jsonl here")
     a = ap.parse_args(argv)
-    if any(json.loads(x)["name"] == a.name for f in HERE.glob("results-*.jsonl") for x in f.read_text().splitlines()):
+    if any(run["name"] == a.name for _, run in runs()):
         raise SystemExit(f"{a.name}: a results line of that name exists already; choose another name")
     keep = HERE / "evals" / a.name
     with tempfile.TemporaryDirectory() as tmp:
