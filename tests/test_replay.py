@@ -167,6 +167,28 @@ def test_references_serve_the_same_prompts_at_any_path_and_refuse_others(setup, 
     assert res.exit_code != 0 and str(refs) in msg and "(prompts differ)" in msg
 
 
+def test_evaluations_of_the_same_prompts_share_the_targets_answers_through_the_cache(setup, tmp_path, monkeypatch):
+    """An evaluation's answers go to eyas's cache (where tau while training keeps its own); another
+    evaluation of the same prompts in another OUT starts from the cache's answers and decodes only
+    what the cache lacks, and gives the cache what it then has more of. A pipeline's training and
+    evaluation of MT-bench so decode its answers once."""
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    questions = evalkit.write_questions(tmp_path / "q.jsonl", 4)
+    _evaluate(setup, questions, tmp_path / "r", "--engine", "replay", "-k", "2")
+    [cached] = (tmp_path / "cache" / "replay").glob("*.jsonl")
+    header, *answers = cached.read_text().splitlines()
+    assert len(answers) == 8 and cached.read_text() == (tmp_path / "r/replay/references.jsonl").read_text()
+
+    # the cache keeps two questions' answers, marked: decoded again, they would come without the mark
+    kept = [json.dumps({**json.loads(a), "from_cache": True}) for a in answers[:4]]
+    cached.write_text("\n".join([header, *kept]) + "\n")
+    _evaluate(setup, questions, tmp_path / "r2", "--engine", "replay", "-k", "3")
+    _, *got = (tmp_path / "r2/replay/references.jsonl").read_text().splitlines()
+    assert got[:4] == kept and all("from_cache" not in json.loads(a) for a in got[4:])
+    assert [json.loads(a)["uncut_ids"] for a in got] == [json.loads(a)["uncut_ids"] for a in answers]
+    assert cached.read_text().splitlines() == [header, *got]  # the cache now has all four
+
+
 def test_replay_goes_on_from_the_chains_it_kept(setup, tmp_path):
     """The draft's chain lengths are kept question by question: a run stopped mid-way (its file cut
     after two questions, the last line torn) makes only the rest and reports what an unbroken run

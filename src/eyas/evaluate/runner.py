@@ -129,7 +129,7 @@ def _resume(
 
 def _load_records(path: Path, settings: dict[str, Any], restart: bool = False) -> tuple[list[dict], bool]:
     """The whole records of ``path``, and whether a torn last line followed them."""
-    if not path.is_file() or (restart and _settings_of(path) != settings):
+    if not path.is_file() or (restart and settings_of(path) != settings):
         path.parent.mkdir(parents=True, exist_ok=True)
         _rewrite(path, settings, [])
         return [], False
@@ -157,7 +157,7 @@ def _load_records(path: Path, settings: dict[str, Any], restart: bool = False) -
 def adopt_settings(path: Path, settings: dict[str, Any], same: Callable[[dict[str, Any]], bool]) -> bool:
     """Give ``path``'s records the header ``settings`` where its own settings differ but ``same``
     says they describe the same inputs (how settings are written changed, not what was run)."""
-    old = _settings_of(path) if path.is_file() else None
+    old = settings_of(path) if path.is_file() else None
     if old is None or old == settings or not same(old):
         return False
     records, _ = _load_records(path, old)
@@ -165,7 +165,7 @@ def adopt_settings(path: Path, settings: dict[str, Any], same: Callable[[dict[st
     return True
 
 
-def _settings_of(path: Path) -> Any:
+def settings_of(path: Path) -> Any:
     """The settings in ``path``'s header; None where it has none (empty, torn, not a header)."""
     with open(path) as fh:
         first = fh.readline()

@@ -11,8 +11,6 @@ so the figure is what `eyas evaluate --engine replay` gives for the same draft a
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -34,9 +32,8 @@ class TauProbe:
 
     def __init__(self, cfg, target, model, device: torch.device, progress: bool):
         from eyas.data.chat import stop_token_ids
-        from eyas.evaluate.replay import reference_settings, target_references
+        from eyas.evaluate.replay import reference_settings, shared_references, target_references
         from eyas.fsio import sha256_file
-        from eyas.cache import cache_dir
 
         self.ks, self.max_new_tokens = sorted(set(cfg.tau_k)), cfg.tau_max_new_tokens
         self.prompts = Path(cfg.tau_prompts)
@@ -51,8 +48,7 @@ class TauProbe:
         settings = reference_settings(
             target.id, self.max_new_tokens, dtype, f"sha256:{sha256_file(self.prompts)}", str(device), self.ks
         )
-        key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-        self.references_path = cache_dir() / "replay" / f"{key}.jsonl"
+        self.references_path = shared_references(settings)
         t = time.perf_counter()
         self.references = target_references(
             self.model,
