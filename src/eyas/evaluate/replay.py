@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -45,6 +43,7 @@ from eyas.errors import EyasError
 from eyas.evaluate.kv_cache import cache_kwargs
 from eyas.evaluate.prompts import Question, render_turn
 from eyas.evaluate.speculative import steps_record
+from eyas.fsio import atomic_write_text
 
 REFERENCES = "references.jsonl"
 CHAINS = "chains.jsonl"
@@ -384,12 +383,6 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
-def _copy(src: Path, dst: Path) -> None:
-    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
-
-
 def _lines(path: Path) -> int:
     with open(path) as fh:
         return sum(1 for _ in fh)
@@ -424,7 +417,7 @@ def target_references(
                 if shared.is_file():
                     adopt_settings(shared, settings, same)
                     if settings_of(shared) == settings:
-                        _copy(shared, path)
+                        atomic_write_text(path, shared.read_text())
         adopt_settings(path, settings, same)
         records = run_questions(
             None, questions, tokenizer, max_new_tokens, stop_ids, path, settings, progress, pool=pool
@@ -432,7 +425,7 @@ def target_references(
         if own:
             with _locked(shared):
                 if not shared.is_file() or settings_of(shared) != settings or _lines(shared) < _lines(path):
-                    _copy(path, shared)
+                    atomic_write_text(shared, path.read_text())
     return records
 
 
