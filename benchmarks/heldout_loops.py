@@ -6,7 +6,11 @@ Why: `eyas train`'s held-out agreement over whole self-distilled answers predict
 the one measured on MT-bench (benchmarks/gpu_job.md). Loops are easy to predict, so a held-out set
 full of them overstates agreement.
 
-    .venv/bin/python benchmarks/heldout_loops.py [--records RECORDS.jsonl] [--json OUT.json]
+    .venv/bin/python benchmarks/heldout_loops.py [--answers XZ] [--records RECORDS.jsonl] [--json OUT.json]
+
+heldout_loops.json was measured on the greedy answers, in git until 2026-12-07 (since then the
+sampled ones): `git show fa65612:data/regenerated/smollm2-135m-instruct-sharegpt/regenerated.jsonl.xz`
+gives them back for --answers.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def repeats(ids: list[int], n: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--answers", type=Path, default=ANSWERS, help="a kept regenerated.jsonl.xz")
     ap.add_argument("--records", type=Path, default=RECORDS)
     ap.add_argument("--context", type=int, default=8)
     ap.add_argument("--horizon", type=int, default=256)
@@ -45,7 +50,7 @@ def main() -> None:
     from eyas.target import resolve_target
 
     tok = resolve_target("smollm2-135m-instruct").load_tokenizer()
-    answers = [r["text"] for r in read_answers(ANSWERS)]
+    answers = [r["text"] for r in read_answers(a.answers)]
     whole = [0, 0]
     first = [0, 0]
     for i in range(0, len(answers), 2000):

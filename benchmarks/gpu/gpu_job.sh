@@ -343,11 +343,14 @@ case $STEP in
   quality)
     SEED=data/regenerated/$TNAME-sharegpt
     [ -e /tmp/site-q/.done ] || { echo "quality: speculators not installed (carry .carry/quality once)"; exit 3; }
-    # the conversations: the first Q_SAMPLES of ShareGPT with the target's answers kept in git (no engine)
+    # the conversations: the first Q_SAMPLES of ShareGPT with the target's answers kept in git (no engine),
+    # under the sampling they were made with (SmolLM2's t=0.7 since 2026-12-07, Qwen's greedy)
     if [ ! -s "$Q/regen/regenerated_conversations.jsonl" ]; then
       rm -rf "$Q/regen" && seed_answers "$SEED" "$Q/regen" quality
-      step quality-data eyas prepare --target "$TNAME" --data sharegpt --regenerate --gen-backend vllm --temperature 0 \
-        --max-new-tokens 1024 --max-length 2048 --max-samples "${Q_SAMPLES:-4000}" --out "$Q/regen" --quiet || exit 1
+      read -r QT QP < <(python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); print(r["temperature"], r["top_p"])' \
+        "$SEED/regenerate.json")
+      step quality-data eyas prepare --target "$TNAME" --data sharegpt --regenerate --gen-backend vllm --temperature "$QT" \
+        --top-p "$QP" --max-new-tokens 1024 --max-length 2048 --max-samples "${Q_SAMPLES:-4000}" --out "$Q/regen" --quiet || exit 1
     fi
     df -h "$Q" | tail -1  # the store and speculators' copy of it share this
     # Q_REFERENCES: an earlier session's target answers (references*.jsonl, from its quality.tgz), so

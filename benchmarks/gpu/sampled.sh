@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Issue 30's sampled regeneration, one call of it: all of ShareGPT regenerated at temperature 0.7
-# (top-p 0.9, eyas prepare's defaults) by the pipeline, nothing seeded from git so the answers come
-# back, then 2,000 steps of the recipe (the step count of the masked greedy 120 s drafts on an H100,
-# so that the pair holds steps equal across GPU kinds) and the MT-bench replay. Resumes; re-run
-# until the pipeline says done. Usage (device): BUDGET_S=540 bash benchmarks/gpu/sampled.sh
-# Every call returns the answers so far; a later session resumes after them with REGEN_SEED=DIR
-# (their regenerated.jsonl.xz and regenerate.json).
-# Another training on answers made earlier (no vLLM needed; session 29's are .carry/answers-t0.7):
-#   TRAIN_SEED=1 REGEN_SEED=.carry/answers-t0.7 BUDGET_S=300 bash benchmarks/gpu/sampled.sh
-# trains with seed 1 in runs/smollm2-sampled-s1.
+# (top-p 0.9, eyas prepare's defaults) by the pipeline, then 2,000 steps of the recipe (the step
+# count of the masked greedy 120 s drafts on an H100, so that the pair holds steps equal across GPU
+# kinds) and the MT-bench replay. Resumes; re-run until the pipeline says done. Usage (device): BUDGET_S=540 bash benchmarks/gpu/sampled.sh
+# Since 2026-12-07 these answers are the ones in git (data/regenerated/, session 29's), so a call seeds
+# the run with them and starts no vLLM; REGEN_SEED=none regenerates them anew (with the vLLM parts),
+# each call returning the answers so far, a later call resuming after them with REGEN_SEED=DIR.
+# Another training seed: TRAIN_SEED=1 BUDGET_S=300 bash benchmarks/gpu/sampled.sh trains in
+# runs/smollm2-sampled-s1.
 TRAIN_SEED=${TRAIN_SEED:-0}
 W=runs/smollm2-sampled$([ "$TRAIN_SEED" = 0 ] || echo "-s$TRAIN_SEED")
-export REGEN_SEED=${REGEN_SEED:-none} REGEN_BACK=${REGEN_BACK:-$([ "${REGEN_SEED:-none}" = none ] && echo 1 || echo 0)}
+export REGEN_SEED=${REGEN_SEED:-data/regenerated/smollm2-135m-instruct-sharegpt}
+export REGEN_BACK=${REGEN_BACK:-$([ "$REGEN_SEED" = none ] && echo 1 || echo 0)}
 export PIPE_SET="workdir=$W prepare.regenerate.temperature=0.7
 train.budget=null train.max_steps=2000 train.seed=$TRAIN_SEED train.tau_every=null evaluate.engine=replay
 evaluate.also_k=[3,7] evaluate.speed_concurrency=[]"
