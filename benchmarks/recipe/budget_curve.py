@@ -1,10 +1,12 @@
 """Tau against the training budget: the recipe's end points, one training per point (issue 30).
 
 Each line of ``results-*.jsonl`` that trained the recipe of ``README.md`` ("The recipe now") on all
-of ShareGPT, with or without the loops masked, is one end point: a training to its own budget, so
-annealed at its end. They are grouped by data and GPU kind, and drawn against the budget with each
-group's mean, beside the curves of tau while training kept in ``evals/<run>/tau_curve.jsonl``
-(the LR held at its peak until the last 20% of that run's budget, so below the end points):
+of ShareGPT to a budget is one end point: greedy answers with or without the loops masked
+(`sweep.py`'s lines), or the configured job's sampled answers (`keep_pipeline.py`'s lines of `eyas
+pipeline` runs). Each is a training to its own budget, so annealed at its end. They are grouped by
+data and GPU kind, and drawn against the budget with each group's mean, beside the curves of tau
+while training of the runs of 10 minutes or more that kept one (``evals/<run>/tau_curve.jsonl``;
+the LR held at its peak until the last 20% of that run's budget, so below the end points):
 
     python benchmarks/recipe/budget_curve.py    # -> budget_curve.json, budget_curve.png
 
@@ -25,9 +27,10 @@ from results import runs
 HERE = Path(__file__).resolve().parent
 RECIPE = "--ttt-steps 3 --lr 1e-3 --batch-size 8 --optimizer muon --schedule wsd"
 DATA = {"prep-regen": "loops trained", "prep-regen-ml": "loops masked"}
+PIPELINE = "eyas train's CUDA defaults"  # keep_pipeline.py's args: the recipe, as eyas pipeline ran it
 SETS = ("mt_bench", "humaneval")
 K = "5"
-CURVES = ("ml10", "wsd-10m")  # runs whose tau while training is kept
+CURVE_MIN_S = 600  # shorter runs' curves would crowd the picture
 
 
 def kind(machine: str) -> str:
@@ -37,16 +40,26 @@ def kind(machine: str) -> str:
     return machine
 
 
+def data_of(r: dict) -> str | None:
+    """The group of a results line that trained the recipe on all of ShareGPT; None for the rest."""
+    args = re.sub(r" --seed \d+", "", r["args"])
+    if args == RECIPE:
+        return DATA.get(Path(r["data"]).name)
+    if args == PIPELINE and (r.get("regenerate") or {}).get("temperature", 0) > 0:
+        return "sampled, loops masked"
+    return None
+
+
 def end_points() -> list[dict]:
     points = []
     for _, r in runs():
-        data = Path(r["data"]).name
-        if re.sub(r" --seed \d+", "", r["args"]) != RECIPE or data not in DATA or not r.get("finite"):
+        data = data_of(r)
+        if data is None or not r.get("budget_s") or not r.get("finite"):
             continue
         points.append(
             {
                 "run": r["name"],
-                "data": DATA[data],
+                "data": data,
                 "gpu": kind(r.get("machine", "")),
                 "budget_s": r["budget_s"],
                 "steps": r["steps"],
@@ -93,7 +106,10 @@ def plot(points: list[dict], summary: list[dict], out: Path) -> None:
         ("loops trained", "H100"): "tab:orange",
         ("loops trained", "H200"): "tab:red",
         ("loops masked", "H200"): "tab:cyan",
+        ("sampled, loops masked", "H100"): "tab:green",
+        ("sampled, loops masked", "H200"): "tab:olive",
     }
+    curves = [p["run"] for p in points if p["budget_s"] >= CURVE_MIN_S and curve(p["run"])]
     for ax, s in zip(axes, SETS):
         for (d, g), color in style.items():
             ps = [p for p in points if (p["data"], p["gpu"]) == (d, g)]
@@ -109,10 +125,8 @@ def plot(points: list[dict], summary: list[dict], out: Path) -> None:
                 label=f"{d}, {g} (end points)",
             )
         if s == "mt_bench":
-            for run, ls in zip(CURVES, (":", "--")):
-                c = curve(run)
-                if c:
-                    ax.plot(*zip(*c), ls, color="gray", label=f"{run}: tau while training")
+            for run, ls in zip(curves, (":", "--", "-.", (0, (1, 3)))):
+                ax.plot(*zip(*curve(run)), linestyle=ls, color="gray", label=f"{run}: tau while training")
         ax.set_title(f"{s}, k={K}")
         ax.set_xscale("log")  # budgets from 2 to 30 minutes, each point a training of its own
         ax.set_xticks([1, 2, 5, 10, 20, 30], ["1", "2", "5", "10", "20", "30"])

@@ -6,7 +6,8 @@ as the recipe sweeps' drafts are kept: a line of ``results-DATE.jsonl`` and its 
         --commit HASH --machine "1x NVIDIA H100 80GB HBM3 (lent)" [--date 2026-12-06] [--note TEXT]
 
 PIPELINE_TGZ is the call's ``pipeline.tgz`` of the run's last call (its ``eval/`` holds MT-bench at
-each k); EVAL_TGZ is `humaneval.sh`'s ``eval-humaneval.tgz``.
+each k); EVAL_TGZ is `humaneval.sh`'s ``eval-humaneval.tgz``. Tau while training, where the run
+measured it (``train.tau_every``), is kept as ``evals/NAME/tau_curve.jsonl`` for `budget_curve.py`.
 """
 
 from __future__ import annotations
@@ -103,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                 t.extractall(he, filter="data")
             taus["humaneval"] = keep_reports(next(he.iterdir()), keep / "eval-humaneval")
         line = row(a.name, run, taus, a)
+        metrics = (run / "train/metrics.jsonl").read_text().splitlines()
+        curve = [x for x in metrics if x and json.loads(x).get("split") == "tau"]
+        if curve:
+            (keep / "tau_curve.jsonl").write_text("\n".join(curve) + "\n")
     results = a.results or HERE / f"results-{a.date}.jsonl"
     with open(results, "a") as f:
         f.write(json.dumps(line) + "\n")
