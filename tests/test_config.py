@@ -63,3 +63,23 @@ def test_missing_and_broken_files(tmp_path):
     bad.write_text("target: [unclosed\n")
     with pytest.raises(EyasError, match="not valid YAML"):
         load_config(bad)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_a_configs_answers_kept_in_git_are_the_ones_its_regeneration_makes(path):
+    """The device scripts seed a config's run with data/regenerated/<target>-sharegpt/; prepare
+    accepts those answers only under the sampling and length they were made with, so a config that
+    drifts from them would fail on the device (or start a regeneration engine) instead of here."""
+    import json
+
+    from eyas.stages import build
+
+    cfg = load_config(path)
+    kept = ROOT / "data" / "regenerated" / f"{cfg.target}-sharegpt" / "regenerate.json"
+    prepare = next((s.config for s in build(cfg) if s.name == "prepare"), None)
+    if prepare is None or prepare.regenerate is None or not kept.is_file() or prepare.data != ["sharegpt"]:
+        pytest.skip(f"{path.name} regenerates no ShareGPT answers kept in git")
+    made = json.loads(kept.read_text())
+    wanted = prepare.regenerate.settings()
+    assert {k: made[k] for k in wanted} == wanted
+    assert made["max_length"] == prepare.max_length
