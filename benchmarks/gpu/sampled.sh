@@ -2,7 +2,8 @@
 # Issue 30's sampled regeneration, one call of it: all of ShareGPT regenerated at temperature 0.7
 # (top-p 0.9, eyas prepare's defaults) by the pipeline, then 2,000 steps of the recipe (the step
 # count of the masked greedy 120 s drafts on an H100, so that the pair holds steps equal across GPU
-# kinds) and the MT-bench replay. Resumes; re-run until the pipeline says done. Usage (device): BUDGET_S=540 bash benchmarks/gpu/sampled.sh
+# kinds) and the MT-bench replay. Resumes; re-run until the pipeline says done.
+# Usage (device): BUDGET_S=540 bash benchmarks/gpu/sampled.sh
 # Since 2026-12-07 these answers are the ones in git (data/regenerated/, session 29's), so a call seeds
 # the run with them and starts no vLLM; REGEN_SEED=none regenerates them anew (with the vLLM parts),
 # each call returning the answers so far, a later call resuming after them with REGEN_SEED=DIR.
