@@ -45,8 +45,9 @@ def data_of(r: dict) -> str | None:
     args = re.sub(r" --seed \d+", "", r["args"])
     if args == RECIPE:
         return DATA.get(Path(r["data"]).name)
-    if args == PIPELINE and (r.get("regenerate") or {}).get("temperature", 0) > 0:
-        return "sampled, loops masked"
+    regen = r.get("regenerate") or {}
+    if args == PIPELINE and regen.get("temperature", 0) > 0:
+        return "sampled, loops " + ("masked" if regen.get("loop_tokens_masked") else "trained")
     return None
 
 
