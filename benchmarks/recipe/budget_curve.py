@@ -110,7 +110,7 @@ def plot(points: list[dict], summary: list[dict], out: Path) -> None:
         ("sampled, loops masked", "H100"): "tab:green",
         ("sampled, loops masked", "H200"): "tab:olive",
     }
-    curves = [p["run"] for p in points if p["budget_s"] >= CURVE_MIN_S and curve(p["run"])]
+    curves = {p["run"]: c for p in points if p["budget_s"] >= CURVE_MIN_S and (c := curve(p["run"]))}
     for ax, s in zip(axes, SETS):
         for (d, g), color in style.items():
             ps = [p for p in points if (p["data"], p["gpu"]) == (d, g)]
@@ -126,8 +126,8 @@ def plot(points: list[dict], summary: list[dict], out: Path) -> None:
                 label=f"{d}, {g} (end points)",
             )
         if s == "mt_bench":
-            for run, ls in zip(curves, (":", "--", "-.", (0, (1, 3)))):
-                ax.plot(*zip(*curve(run)), linestyle=ls, color="gray", label=f"{run}: tau while training")
+            for (run, c), ls in zip(curves.items(), (":", "--", "-.", (0, (1, 3)))):
+                ax.plot(*zip(*c), linestyle=ls, color="gray", label=f"{run}: tau while training")
         ax.set_title(f"{s}, k={K}")
         ax.set_xscale("log")  # budgets from 2 to 30 minutes, each point a training of its own
         ax.set_xticks([1, 2, 5, 10, 20, 30], ["1", "2", "5", "10", "20", "30"])
