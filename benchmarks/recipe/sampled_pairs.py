@@ -1,7 +1,8 @@
 """The sampled regeneration against the greedy one, paired: every sampled draft (t=0.7, 2,000 steps,
-one per training seed) against every masked greedy draft of about as many steps, on MT-bench and
-HumanEval at k = 3, 5, 7, from the evaluations kept under ``evals/``. Writes
-``sampled_pairs.json``; the seeds' means and the verdict are in README.md ("Sampled regeneration").
+one per training seed) against every masked greedy draft of about as many steps; the sampled
+10-minute budget against the masked greedy one and against the sampled 2-minute budget. On MT-bench
+and HumanEval at k = 3, 5, 7, from the evaluations kept under ``evals/``. Writes
+``sampled_pairs.json``; the verdicts are in README.md ("Sampled regeneration", "Ten minutes").
 
     python benchmarks/recipe/sampled_pairs.py
 """
@@ -19,6 +20,9 @@ from paired import pair_every_k  # noqa: E402
 
 SAMPLED = ["sampled", "sampled-s1", "sampled-s2"]
 GREEDY = ["maskloops", "maskloops-rep", "maskloops-s1", "maskloops-s2"]
+# (draft, reference): every sampled 2,000-step draft against every masked greedy one, then the
+# sampled 10-minute budget against the masked greedy 10 minutes and against its own 2 minutes
+PAIRS = [(d, r) for d in SAMPLED for r in GREEDY] + [("sampled-10m", "ml10"), ("sampled-10m", "sampled-2m")]
 SETS = ["mt_bench", "humaneval"]
 KS = [3, 7]
 
@@ -35,22 +39,24 @@ def _row(r: dict) -> dict:
 
 def main() -> int:
     pairs = []
-    for draft in SAMPLED:
-        for ref in GREEDY:
-            for prompt_set in SETS:
-                ev = f"eval-{prompt_set}"
-                got = pair_every_k(HERE / "evals" / ref / ev, [HERE / "evals" / draft / ev], KS)
-                by_k = {5: got["rows"][0], **{k: got["also_k"][str(k)][0] for k in KS}}
-                pairs.append(
-                    {"draft": draft, "reference": ref, "prompt_set": prompt_set}
-                    | {f"k{k}": _row(by_k[k]) for k in sorted(by_k)}
-                )
+    for draft, ref in PAIRS:
+        for prompt_set in SETS:
+            ev = f"eval-{prompt_set}"
+            got = pair_every_k(HERE / "evals" / ref / ev, [HERE / "evals" / draft / ev], KS)
+            by_k = {5: got["rows"][0], **{k: got["also_k"][str(k)][0] for k in KS}}
+            pairs.append(
+                {"draft": draft, "reference": ref, "prompt_set": prompt_set}
+                | {f"k{k}": _row(by_k[k]) for k in sorted(by_k)}
+            )
     out = {
         "what": "each sampled regeneration draft (t=0.7, 2,000 steps; training seeds 0, 1, 2) paired against "
-        "each masked greedy 120 s training (1,923-2,036 steps) on the same turns",
+        "each masked greedy 120 s training (1,923-2,036 steps) on the same turns; the sampled 10-minute "
+        "budget (sampled-10m, configs/smollm2-h200.yaml) against the masked greedy one (ml10) and "
+        "against the sampled 2-minute budget (sampled-2m)",
         "date": datetime.date.today().isoformat(),
         "machine": "1x NVIDIA H100 80GB HBM3 (lent), every draft",
-        "commits": "sampled: 15243d8; sampled-s1, sampled-s2: fa65612; the greedy drafts: results-2026-12-06.jsonl",
+        "commits": "sampled: 15243d8; sampled-s1, sampled-s2: fa65612; sampled-2m: fa65612; sampled-10m: "
+        "a3ecbac; the greedy drafts: results-2026-12-06.jsonl",
         "command": "python benchmarks/recipe/sampled_pairs.py (paired.py's bootstrap over questions)",
         "pairs": pairs,
     }
