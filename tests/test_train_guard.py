@@ -163,3 +163,22 @@ def test_nan_weights_are_never_saved_loaded_or_exported(tmp_path):
     )
     assert res.returncode != 0 and "midlayer.mlp.up_proj.weight" in res.stderr, res.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_the_cli_shows_eyas_warnings_as_one_line_and_others_as_python_does(capsys):
+    """A skipped step's warning, as `eyas train` prints it: ``warning: ...`` alone, without Python's
+    file, line and calling source line; a warning from outside eyas goes on to Python's display."""
+    import warnings
+
+    from eyas.errors import show_warning
+
+    guard = NonFiniteGuard(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), limit=3)
+    with pytest.warns(UserWarning, match="a warning from outside eyas") as passed_on:
+        warnings.showwarning = show_warning  # as `eyas` (cli.main) sets it
+        guard.record(False, 7, {"step_loss": [1.0, float("nan")]})
+        warnings.warn("a warning from outside eyas", UserWarning, stacklevel=1)
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: step 7: non-finite loss (TTT step 1 first); the optimizer step was skipped "
+        "(1 in a row, the run stops at 3)"
+    ]
+    assert [str(w.message) for w in passed_on] == ["a warning from outside eyas"]

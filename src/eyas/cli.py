@@ -8,13 +8,14 @@ import json
 import os
 import sys
 import traceback
+import warnings
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from eyas.errors import EyasError
+from eyas.errors import EyasError, show_warning
 
 app = typer.Typer(
     add_completion=False,
@@ -123,6 +124,7 @@ def error_line(e: BaseException) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    warnings.showwarning = show_warning  # eyas's warnings as one line each
     try:
         app(args=argv)
     except SystemExit:

@@ -118,8 +118,8 @@ def ttt_block_masks(doc_ids: torch.Tensor, steps: int) -> list[BlockMask]:
 def _tiled_block_masks(doc_ids: torch.Tensor, steps: int, mask_mods: list) -> list[BlockMask]:
     """:func:`ttt_block_masks`' tile tables worked out from the documents' layout, without
     evaluating a mask_mod over all [T, steps*T] pairs as ``create_block_mask`` does: compiled, that
-    took 242 s of a cold `eyas train` start on the H200, with or without --compile
-    (benchmarks/compile_time.md), and uncompiled its temporaries grow with T^2 * steps.
+    took minutes of a cold `eyas train` start, with or without --compile (benchmarks/compile_time.md),
+    and uncompiled its temporaries grow with T^2 * steps.
 
     Documents are contiguous and in order, padding (-1) last, so a q tile and a kv tile of block 0
     share a document iff the kv tile's last document is the q tile's first; the tile is full iff

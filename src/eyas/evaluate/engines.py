@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from eyas.device import device_name
+from eyas.errors import EyasWarning
 from eyas.evaluate.config import EngineName, EvaluateConfig
 
 
@@ -323,7 +324,11 @@ def _profile(eng: Any, cfg: EvaluateConfig, ctx: EngineContext, prompts: list[li
     except (EyasError, ValueError, KeyError, OSError) as e:
         # the profile explains the speed points, it is not one: they are kept, and the reason said
         summary = {"error": f"{type(e).__name__}: {e}"[:2000]}
-        warnings.warn(f"vllm profile ({_engine_name(eng)}) failed, the serving speed is kept: {e}", stacklevel=2)
+        warnings.warn(
+            f"vllm profile ({_engine_name(eng)}) failed, the serving speed is kept: {e}",
+            category=EyasWarning,
+            stacklevel=2,
+        )
         return summary
     summary["trace"] = str(Path(summary["trace"]).relative_to(ctx.out))
     _say(cfg, profile_line(_engine_name(eng), summary))
@@ -376,8 +381,6 @@ def _run_draft_engine(
     """vLLM with the draft: the questions not yet answered, then (unless ``speed`` holds them) the
     serving speed at each concurrency. Returns the records, what the run was, its seconds of
     answering and the serving speed."""
-    import warnings
-
     from eyas.evaluate.vllm_metrics import VllmEngine, VllmPool
 
     k = cfg.k
@@ -407,6 +410,7 @@ def _run_draft_engine(
                 "accepted per round, read from the tokens per engine step, differ from vLLM's own "
                 "per-request counts; this evaluation's tau is not trustworthy on this version "
                 "(please report it with vLLM's version)",
+                category=EyasWarning,
                 stacklevel=2,
             )
         if concurrency and not speed:
@@ -499,6 +503,7 @@ def _with_plain(
                 ("" if k is None else f"k={k}: ")
                 + f"the host ran a fixed CPU workload {drift:.2f}x as long during the draft's points as during "
                 "the baseline's: the speedups mix two host speeds (a busy or throttled machine); time them again",
+                category=EyasWarning,
                 stacklevel=2,
             )
     return speed

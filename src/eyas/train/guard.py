@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from eyas.errors import EyasError, NonFiniteError
+from eyas.errors import EyasError, EyasWarning, NonFiniteError
 
 
 def _optimizers(optim: Any) -> list[torch.optim.Optimizer]:
@@ -66,6 +66,7 @@ class NonFiniteGuard:
         warnings.warn(
             f"step {step}: non-finite {_what(describe)}; the optimizer step was skipped "
             f"({len(self.in_a_row)} in a row, the run stops at {self.limit})",
+            category=EyasWarning,
             stacklevel=2,
         )
 

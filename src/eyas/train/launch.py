@@ -46,7 +46,12 @@ def torchrun(cfg: TrainConfig, launcher: dict[str, Any]) -> Path:
 
 def main(spec: str) -> None:
     """Each torchrun process: the train stage on the spec's settings."""
+    import warnings
+
+    from eyas.errors import show_warning
     from eyas.train.trainer import run
+
+    warnings.showwarning = show_warning  # as `eyas` shows them
 
     run(from_json(TrainConfig, Path(spec).read_text()))
 

@@ -30,7 +30,7 @@ from eyas.draft import io as draft_io
 from eyas.draft.io import check_finite_state
 from eyas.draft.model import DraftConfig, Eagle3Draft
 from eyas.device import device_name
-from eyas.errors import EyasError
+from eyas.errors import EyasError, EyasWarning
 from eyas.fsio import atomic_write_text
 from eyas.train import checkpoint as ckpt
 from eyas.train.budget import BudgetPlanner, TrainClock, many_passes
@@ -163,8 +163,9 @@ class Trainer:
         if self.attention == "flex" and cfg.tokens_per_batch % flex.TILE and self.is_main:
             warnings.warn(
                 f"--tokens-per-batch {cfg.tokens_per_batch} is not a multiple of {flex.TILE}: flex's "
-                "block masks are then built by a compiled create_block_mask, which took 4 minutes on a "
+                "block masks are then built by a compiled create_block_mask, which can take minutes on a "
                 f"cold cache (benchmarks/compile_time.md); use a multiple of {flex.TILE}",
+                category=EyasWarning,
                 stacklevel=1,
             )
         target = resolve_target(cfg.target)
@@ -255,6 +256,7 @@ class Trainer:
                 f"{cfg.tokens_per_batch} and are cut to it (their tails, often assistant tokens, are "
                 "not trained on); use --tokens-per-batch >= the dataset's max_length "
                 f"({dataset.manifest.get('max_length')}) to keep them whole",
+                category=EyasWarning,
                 stacklevel=1,
             )
 
@@ -599,7 +601,7 @@ class Trainer:
                 and (msg := many_passes(passes, self.cfg.budget, self._masked_loops))
             ):
                 self._warned_passes = True
-                warnings.warn(msg, stacklevel=2)
+                warnings.warn(msg, category=EyasWarning, stacklevel=2)
         if tau_due:
             self.next_tau_s += self.cfg.tau_every
         return tau_due
