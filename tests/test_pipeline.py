@@ -226,6 +226,22 @@ def test_the_pipeline_puts_the_measured_serving_speed_into_the_exports_card(tmp_
     assert json.loads((run / "eval" / "vllm" / "report.json").read_text())["best_k"]["1"]["k"] == 1
 
 
+def test_the_exports_card_gains_the_tau_a_replay_evaluation_measured(tmp_path, tiny_llama_dir):
+    """Without a serving speed (evaluate by replay, the GPU configs' cheap engine) the pipeline still
+    writes the card again with the tau per k its evaluation measured, naming the engine."""
+    cfg_path = _config(tmp_path, tiny_llama_dir, "online")
+    cfg = yaml.safe_load(cfg_path.read_text())
+    cfg["evaluate"].update(engine="replay", also_k=[1])
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    reports = run_pipeline(load_config(cfg_path))
+    card = (tmp_path / "run" / "export-vllm" / "README.md").read_text()
+    tau = {2: reports["replay"]["overall"]["tau"], 1: reports["k1"]["replay"]["overall"]["tau"]}
+    assert "| k | tau while training | tau in evaluate (replay) |" in card
+    for k, t in tau.items():
+        assert f"| {k} | not measured | {t:,.2f} |" in card
+    assert "In evaluate: replay, on " in card and "temperature 0.0, 6 new tokens" in card
+
+
 def test_the_train_stage_leaves_no_model_alive_for_the_stages_after_it(tmp_path, tiny_llama_dir, monkeypatch):
     # evaluate's vLLM engine runs in its own process: the GPU memory of the target and draft that
     # online training loaded can only go back to it (release_device_memory) if nothing holds them

@@ -288,8 +288,8 @@ def _run_pipeline(cfg: PipelineConfig, stages: list[Stage]) -> dict[str, Any]:
             continue
         with rec.stage(st.name):
             st.run(st.config)
-            if st.name == "evaluate":  # the export's card gains the serving speed evaluate measured
-                _card(by_name["export"].out, by_name["train"].out / "draft", st.out)
+            if st.name == "evaluate":  # the export's card gains what evaluate measured
+                _card(by_name["export"].out, by_name["train"].out / "draft", st.config)
         release_device_memory()  # a later stage's vLLM engine needs what this one cached on the GPU
     timings = rec.write_timings()
     console.print(
@@ -305,17 +305,22 @@ def _draft_complete(draft: Path) -> bool:
     return (draft / "model.safetensors").is_file() and (draft / "config.json").is_file()
 
 
-def _card(exported: Path, draft: Path, eval_dir: Path) -> None:
-    """The export's model card again, now with the evaluation's serving speed and best k, where the
-    vllm engine timed it. Each stage writes only its own folder; the pipeline owns both, so it is
-    the one that puts evaluate's result into the export stage's card (through the export module)."""
+def _card(exported: Path, draft: Path, evaluate_cfg: Any) -> None:
+    """The export's model card again, now with the tau per k the evaluation measured and, where
+    the vllm engine timed it, the serving speed and best k. Each stage writes only its own folder;
+    the pipeline owns both, so it is the one that puts evaluate's result into the export stage's
+    card (through the export module)."""
     from eyas.evaluate.report import REPORT_NAME
-    from eyas.export.card import write_card
+    from eyas.evaluate.run import read_reports
+    from eyas.export.card import evaluated_tau, write_card
 
-    report = eval_dir / "vllm" / REPORT_NAME
-    if report.is_file() and (json.loads(report.read_text()).get("serving_speed") or {}).get("plain"):
-        path = write_card(exported, draft, report)
-        console.print(f"export: model card {path} with the serving speed of {report}")
+    report = Path(evaluate_cfg.out) / "vllm" / REPORT_NAME
+    timed = report.is_file() and (json.loads(report.read_text()).get("serving_speed") or {}).get("plain")
+    evaluation = evaluated_tau(read_reports(evaluate_cfg))
+    if timed or evaluation:
+        path = write_card(exported, draft, report if timed else None, evaluation=evaluation)
+        said = f"the serving speed of {report}" if timed else f"the tau {evaluation['engine']} measured"
+        console.print(f"export: model card {path} with {said}")
 
 
 def register(app: typer.Typer) -> None:

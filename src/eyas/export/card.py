@@ -6,7 +6,8 @@ Everything comes from files: the export's ``config.json``, the draft's ``config.
 ``tau.json``, what its training run recorded beside it (``train_config.json``, ``summary.json``,
 the prepared data's ``manifest.json``), and, when given, an ``eyas evaluate --engine vllm
 --speed-concurrency`` report (``OUT/vllm/report.json``): `eyas export --speed-report`, or the
-pipeline once its evaluate stage is done. Nothing is measured here.
+pipeline once its evaluate stage is done, which also gives the tau per k its evaluation measured
+with whichever engine (:func:`evaluated_tau`). Nothing is measured here.
 """
 
 from __future__ import annotations
@@ -59,27 +60,55 @@ def read_speed_report(path: Path, draft_dir: Path) -> dict[str, Any]:
     return rep
 
 
+def evaluated_tau(reports: dict[str, Any]) -> dict[str, Any] | None:
+    """The tau per k of one evaluation, from what ``eyas.evaluate.run.read_reports`` read back (any
+    engine; vLLM's where it ran, else replay's, else the builtin loop's), with what it was measured
+    on: the card's "tau in evaluate" column. None when no engine reported."""
+    for engine in ("vllm", "replay", "builtin"):
+        first = reports.get(engine)
+        if not first:
+            continue
+        found = [first] + [sub[engine] for key, sub in reports.items() if key.startswith("k") and engine in sub]
+        return {
+            "engine": engine,
+            "tau_by_k": {str(r["num_speculative_tokens"]): r["overall"]["tau"] for r in found},
+            **{key: first.get(key) for key in ("prompts", "temperature", "max_new_tokens", "dtype", "vllm_version")},
+        }
+    return None
+
+
 def write_card(
-    export_dir: Path, draft_dir: Path, speed_report: Path | None = None, report: dict[str, Any] | None = None
+    export_dir: Path,
+    draft_dir: Path,
+    speed_report: Path | None = None,
+    report: dict[str, Any] | None = None,
+    evaluation: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``export_dir``/README.md for the export of ``draft_dir``; ``report``: ``speed_report``
-    already read by :func:`read_speed_report` (else it is read and checked here)."""
+    already read by :func:`read_speed_report` (else it is read and checked here); ``evaluation``:
+    an evaluation's tau per k (:func:`evaluated_tau`), for a card without a speed report."""
     from eyas.fsio import atomic_write_text
 
     if speed_report is not None and report is None:
         report = read_speed_report(speed_report, draft_dir)
     path = Path(export_dir) / CARD
-    atomic_write_text(path, card_text(Path(export_dir), Path(draft_dir), report, speed_report))
+    atomic_write_text(path, card_text(Path(export_dir), Path(draft_dir), report, speed_report, evaluation))
     return path
 
 
 def card_text(
-    export_dir: Path, draft_dir: Path, report: dict[str, Any] | None = None, report_path: Path | None = None
+    export_dir: Path,
+    draft_dir: Path,
+    report: dict[str, Any] | None = None,
+    report_path: Path | None = None,
+    evaluation: dict[str, Any] | None = None,
 ) -> str:
     from eyas.evaluate.report import serving_summary
 
     if report and "serving_speed_by_k" not in report:  # a report of one k (no --also-k): its own summary
         report = {**report, **serving_summary({report.get("num_speculative_tokens"): report})}
+    if report:  # the speed report's own tau per k
+        evaluation = {"engine": "vllm", **{key: report.get(key) for key in _EVALUATED}}
     export = _json(export_dir / "config.json") or {}
     draft = _json(draft_dir / "config.json") or {}
     fmt = (export.get("eyas") or {}).get("format", "vllm")
@@ -112,7 +141,7 @@ def card_text(
             "ignores them and would serve a different draft)"
         )
     lines += ["", "## Training data", "", *_data_lines(draft_dir)]
-    lines += ["", "## Acceptance length (tau) per k", "", *_tau_lines(draft_dir, report)]
+    lines += ["", "## Acceptance length (tau) per k", "", *_tau_lines(draft_dir, evaluation)]
     lines += ["", "## Serving speed (vLLM, output tokens/s)", "", *_speed_lines(report, report_path)]
     k, why = _serving_k(export, report)
     # the vLLM settings the speeds were measured with are part of what was measured
@@ -217,17 +246,23 @@ def _dataset_id(run: Path) -> str | None:
     return ((state or {}).get("run") or {}).get("dataset_id")
 
 
-def _tau_lines(draft_dir: Path, report: dict[str, Any] | None) -> list[str]:
+# what the card says of an evaluation's tau; ENGINE_NAMES: how it names the engine
+_EVALUATED = ("tau_by_k", "prompts", "temperature", "max_new_tokens", "dtype", "vllm_version")
+ENGINE_NAMES = {"vllm": "vLLM", "replay": "replay", "builtin": "builtin loop"}
+
+
+def _tau_lines(draft_dir: Path, evaluation: dict[str, Any] | None) -> list[str]:
     from eyas.train.tau import TAU_FILE
 
     measured = _json(draft_dir / TAU_FILE)
     measured = measured if isinstance(measured, dict) else None
     training = (measured or {}).get("tau") or {}
-    evaluated = (report or {}).get("tau_by_k") or {}
+    evaluated = (evaluation or {}).get("tau_by_k") or {}
     ks = sorted({*training, *evaluated}, key=int)
     if not ks:
         return [f"Not measured: no {TAU_FILE} beside the draft (`eyas train --tau` writes it) and no evaluation given."]
-    lines = ["| k | tau while training | tau in evaluate (vLLM) |", "|---|---|---|"]
+    engine = (evaluation or {}).get("engine", "vllm")
+    lines = [f"| k | tau while training | tau in evaluate ({ENGINE_NAMES[engine]}) |", "|---|---|---|"]
     lines += [f"| {k} | {_f(training.get(k))} | {_f(evaluated.get(k))} |" for k in ks]
     lines.append("")
     if measured:
@@ -237,10 +272,11 @@ def _tau_lines(draft_dir: Path, report: dict[str, Any] | None) -> list[str]:
         )
     else:
         lines.append(f"While training: not measured (no {TAU_FILE} beside the draft; `eyas train --tau` writes it).")
-    if report:
+    if evaluated:
+        how = f"vLLM {evaluation.get('vllm_version')}" if engine == "vllm" else ENGINE_NAMES[engine]
         lines.append(
-            f"In evaluate: vLLM {report.get('vllm_version')}, on {report.get('prompts')}, "
-            f"temperature {report.get('temperature')}, {report.get('max_new_tokens')} new tokens."
+            f"In evaluate: {how}, on {evaluation.get('prompts')}, temperature {evaluation.get('temperature')}, "
+            f"{evaluation.get('max_new_tokens')} new tokens, {evaluation.get('dtype')}."
         )
     return lines
 
