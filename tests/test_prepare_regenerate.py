@@ -180,6 +180,13 @@ def test_finish_reasons_are_counted_and_handled(tmp_path, tiny_target, monkeypat
     assert r["empty"] == len(empty) and r["length_limited"] == finishes.count("length")
     assert m["counts"]["dropped"] == {"empty_answer": len(empty)}
     assert m["counts"]["samples"] == 8 - len(empty)  # length-limited answers are kept by default
+    from eyas.data.prepare import summary_lines
+
+    said = next(line for line in summary_lines(m) if line.startswith("regenerated "))
+    assert said.startswith(
+        f"regenerated {r['answers']} answers ({r['length_limited']} hit --max-new-tokens, {r['empty']} empty) "
+        "with temperature 1.0, top_p 1.0, max_new_tokens 2, seed 0 on hf;"
+    )
 
     # --drop-length-limited, reusing the answer cache (copied): nothing is generated again
     out2 = tmp_path / "drop"

@@ -565,8 +565,9 @@ def summary_lines(manifest: dict[str, Any]) -> list[str]:
     if r:
         lines.append(
             f"regenerated {r['answers']:,} answers ({r['length_limited']:,} hit "
-            f"--max-new-tokens, {r['empty']:,} empty) with {r['settings']} on "
-            f"{r.get('engine', 'hf')}; conversations in {r.get('conversations_file')}"
+            f"--max-new-tokens, {r['empty']:,} empty) with "
+            + ", ".join(f"{k} {v}" for k, v in (r.get("settings") or {}).items())
+            + f" on {r.get('engine', 'hf')}; conversations in {r.get('conversations_file')}"
         )
         if r.get("turns_beyond_max_turns"):
             lines.append(f"  {r['turns_beyond_max_turns']:,} later assistant turns cut by --max-turns {r['max_turns']}")
