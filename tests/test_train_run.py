@@ -606,6 +606,13 @@ def test_muon_optimizer_resumes_exactly_and_differs_from_adamw(tiny_target, data
     # another optimizer is refused on resume
     with pytest.raises(EyasError, match="optimizer"):
         train(_cfg(tiny_target, data, part, optimizer="adamw", eval_every=0, resume=True, max_steps=6))
+    # and so is the same data prepared again into another dataset (here: its id), naming the cause
+    other = tmp_path / "other-data"
+    shutil.copytree(data, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "id": "0" * 16}))
+    with pytest.raises(EyasError, match=r"dataset_id: .* there, '0{16}' now\. The prepared data differ"):
+        train(_cfg(tiny_target, other, part, optimizer="muon", eval_every=0, resume=True, max_steps=6))
     # and AdamW trains to other weights (the option is not ignored); lm_head is on AdamW in both
     adamw = tmp_path / "adamw"
     train(_cfg(tiny_target, data, adamw, optimizer="adamw", eval_every=0))

@@ -368,9 +368,17 @@ class Trainer:
             if old.get(k) != self.run_info[k]
         ]
         if diffs:
+            # a dataset prepared again elsewhere can differ by a token (other tokenizer versions)
+            data = (
+                ". The prepared data differ from the checkpoint's: resume with the dataset it trained on "
+                "(copy that --data directory with the run), not one prepared again"
+                if old.get("dataset_id") != self.run_info["dataset_id"]
+                else ""
+            )
             raise EyasError(
                 f"cannot resume {resumed['path']}: "
                 + "; ".join(diffs)
+                + data
                 + ". Resume with the same settings, or start a new --out"
             )
 
