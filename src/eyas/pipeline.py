@@ -314,9 +314,10 @@ def _card(exported: Path, draft: Path, evaluate_cfg: Any) -> None:
     from eyas.evaluate.run import read_reports
     from eyas.export.card import ENGINE_NAMES, evaluated_tau, write_card
 
+    reports = read_reports(evaluate_cfg)
+    timed = ((reports.get("vllm") or {}).get("serving_speed") or {}).get("plain")
+    evaluation = evaluated_tau(reports)
     report = Path(evaluate_cfg.out) / "vllm" / REPORT_NAME
-    timed = report.is_file() and (json.loads(report.read_text()).get("serving_speed") or {}).get("plain")
-    evaluation = evaluated_tau(read_reports(evaluate_cfg))
     if timed or evaluation:
         path = write_card(exported, draft, report if timed else None, evaluation=evaluation)
         said = f"the serving speed of {report}" if timed else f"{ENGINE_NAMES[evaluation['engine']]}'s tau per k"

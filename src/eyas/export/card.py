@@ -22,6 +22,9 @@ from eyas.evaluate.report import recommended_k, recommended_k_lines, speedups_at
 from eyas.evaluate.step_cost import step_cost_lines
 
 CARD = "README.md"
+# what the card says an evaluation's tau was measured on; ENGINE_NAMES: how it names the engine
+_MEASURED_ON = ("prompts", "temperature", "max_new_tokens", "dtype", "vllm_version")
+ENGINE_NAMES = {"vllm": "vLLM", "replay": "replay", "builtin": "builtin loop"}
 
 
 def read_speed_report(path: Path, draft_dir: Path) -> dict[str, Any]:
@@ -72,7 +75,7 @@ def evaluated_tau(reports: dict[str, Any]) -> dict[str, Any] | None:
         return {
             "engine": engine,
             "tau_by_k": {str(r["num_speculative_tokens"]): r["overall"]["tau"] for r in found},
-            **{key: first.get(key) for key in ("prompts", "temperature", "max_new_tokens", "dtype", "vllm_version")},
+            **{key: first.get(key) for key in _MEASURED_ON},
         }
     return None
 
@@ -108,7 +111,11 @@ def card_text(
     if report and "serving_speed_by_k" not in report:  # a report of one k (no --also-k): its own summary
         report = {**report, **serving_summary({report.get("num_speculative_tokens"): report})}
     if report:  # the speed report's own tau per k
-        evaluation = {"engine": "vllm", **{key: report.get(key) for key in _EVALUATED}}
+        evaluation = {
+            "engine": "vllm",
+            "tau_by_k": report.get("tau_by_k"),
+            **{key: report.get(key) for key in _MEASURED_ON},
+        }
     export = _json(export_dir / "config.json") or {}
     draft = _json(draft_dir / "config.json") or {}
     fmt = (export.get("eyas") or {}).get("format", "vllm")
@@ -244,11 +251,6 @@ def _dataset_id(run: Path) -> str | None:
     dirs = checkpoint_dirs(run)
     state = _json(dirs[-1] / STATE) if dirs else None
     return ((state or {}).get("run") or {}).get("dataset_id")
-
-
-# what the card says of an evaluation's tau; ENGINE_NAMES: how it names the engine
-_EVALUATED = ("tau_by_k", "prompts", "temperature", "max_new_tokens", "dtype", "vllm_version")
-ENGINE_NAMES = {"vllm": "vLLM", "replay": "replay", "builtin": "builtin loop"}
 
 
 def _tau_lines(draft_dir: Path, evaluation: dict[str, Any] | None) -> list[str]:
