@@ -189,6 +189,50 @@ def test_a_target_joins_from_its_own_packing_only_and_only_whole(tmp_path):
     assert (cache / "model.gguf").read_bytes() == gguf.read_bytes()
 
 
+def test_parts_that_no_longer_fit_are_split_again_into_the_same_file(tmp_path):
+    import hashlib
+
+    blob = tmp_path / "run.tar"
+    blob.write_bytes(os.urandom(3_500_000))
+    sha = hashlib.sha256(blob.read_bytes()).hexdigest()
+    carry, park, dest = tmp_path / "carry", tmp_path / "park", tmp_path / "dest"
+    env = {"CARRY_DIR": str(carry)}
+    assert (
+        sh(
+            "carry_split.sh", blob, "target", "run.tar", sha, "d", "/work/runs/x", env={**env, "PART_MB": "2"}
+        ).returncode
+        == 0
+    )
+    r = sh("carry_resplit.sh", "d", env={**env, "PART_MB": "1"})
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in carry.iterdir()) == ["d0", "d1", "d2", "d3"]
+    assert (carry / "d0" / f"target-{sha[:12]}-of4.parts").read_text().split() == ["run.tar", sha, "4", "/work/runs/x"]
+    park.mkdir()
+    for f in carry.glob("d*/*"):
+        shutil.copy(f, park)
+    assert sh("carry_join.sh", park, "target", dest).returncode == 0
+    assert (dest / "run.tar").read_bytes() == blob.read_bytes()
+
+    # a damaged part: refused, and the parts are left as they were
+    part = next(carry.glob("d1/*.part01"))
+    part.write_bytes(b"x" + part.read_bytes())
+    before = tree(carry)
+    r = sh("carry_resplit.sh", "d", env={**env, "PART_MB": "2"})
+    assert r.returncode == 1 and "another sha256" in r.stderr and tree(carry) == before
+
+    # vllm_pack.sh's parts, with their MANIFEST
+    wheels = os.urandom(2_500_000)
+    wsha = hashlib.sha256(wheels).hexdigest()
+    for i in range(2):
+        (carry / f"v{i}").mkdir()
+        (carry / f"v{i}" / f"vllm-wheels.tar.part{i:02d}").write_bytes(wheels[i * 1_500_000 : (i + 1) * 1_500_000])
+        (carry / f"v{i}" / "MANIFEST").write_text(f"parts=2\nsha256={wsha}\nvllm=0.26.0\n")
+    assert sh("carry_resplit.sh", "v", env={**env, "PART_MB": "1"}).returncode == 0
+    vs = sorted(carry.glob("v*"), key=lambda p: int(p.name[1:]))
+    assert len(vs) == 3 and all((v / "MANIFEST").read_text().startswith("parts=3\n") for v in vs)
+    assert b"".join(next(v.glob("*.part*")).read_bytes() for v in vs) == wheels
+
+
 def _cache_tree(root: Path, big: int = 0) -> None:
     """Compile caches as a device leaves them: eyas's under EYAS_CACHE, inductor's default place."""
     e = root / "root" / "eyas-cache" / "compile" / "torch-2.11.0" / "fxgraph" / "ab"

@@ -6,11 +6,13 @@
 #   bash benchmarks/gpu/carry_room.sh PATH ...     # does a call carrying these paths fit? (exit 1 if not)
 #
 # The packers (pack.sh, target_pack.sh, vllm_pack.sh) size their parts by it. MARGIN_MB (2) leaves
-# room for the tree to grow between packing and the call (results committed meanwhile).
+# room for the tree to grow between packing and the call (results committed meanwhile). The tree
+# counts in whole 4 KiB blocks per file: counted by apparent size, a 40 MB part beside a 26 MB tree
+# "fit" and the device refused it (2026-12-07, `../gpu_job.md` session 33).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 LIMIT=$((64 * 1024 * 1024))
-tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c '%b %B' 2>/dev/null | awk '{s += $1 * $2} END {print s + 0}')
 if [ $# -eq 0 ]; then
   echo $(( (LIMIT - tree) / 1000000 - ${MARGIN_MB:-2} ))
   exit 0

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Split again, smaller, the parts of one carried file once they no longer fit a device call beside the
+# working tree (the tree grows with every commit; carry_room.sh says what fits now):
+#
+#   bash benchmarks/gpu/carry_resplit.sh PREFIX     # .carry/PREFIX0 .. N, e.g. s (target), d, k, v
+#
+# Both kinds of parts: carry_split.sh's (KIND-<sha12>-of<N>.partNN with its .parts list) and
+# vllm_pack.sh's (vllm-wheels.tar.partNN with MANIFEST). The joined file is checked against its
+# sha256 before it is split. Parts that keep their count keep their names: on a device still warm
+# from calls that parked the old ones, carry every new part (carry_join.sh refuses a mixed join).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PREFIX=${1:?usage: carry_resplit.sh PREFIX}
+CARRY=${CARRY_DIR:-.carry}
+first=$CARRY/${PREFIX}0
+[ -d "$first" ] || { echo "carry_resplit: no $first" >&2; exit 1; }
+w=$(mktemp -d)
+trap 'rm -rf "$w"' EXIT
+if [ -f "$first/MANIFEST" ]; then
+  sha=$(sed -n 's/^sha256=//p' "$first/MANIFEST") ver=$(sed -n 's/^vllm=//p' "$first/MANIFEST")
+  n=$(sed -n 's/^parts=//p' "$first/MANIFEST")
+  for i in $(seq 0 $((n - 1))); do cat "$CARRY/$PREFIX$i"/vllm-wheels.tar.part[0-9]*; done > "$w/joined"
+else
+  list=$(ls "$first"/*.parts)
+  read -r name sha n dest < "$list"
+  stem=$(basename "$list" .parts)
+  kind=${stem%%-*}
+  for i in $(seq 0 $((n - 1))); do cat "$CARRY/$PREFIX$i/$stem".part[0-9]*; done > "$w/joined"
+fi
+[ "$(sha256sum "$w/joined" | cut -d' ' -f1)" = "$sha" ] || {
+  echo "carry_resplit: $CARRY/${PREFIX}0 .. $((n - 1)) join to another sha256 than $sha; pack them again" >&2; exit 1; }
+PART_MB=${PART_MB:-$(bash benchmarks/gpu/carry_room.sh)}
+if [ -f "$first/MANIFEST" ]; then
+  split -b "${PART_MB}MB" -d -a 2 "$w/joined" "$w/vllm-wheels.tar.part"
+  parts=("$w"/vllm-wheels.tar.part*)
+  rm -rf "$CARRY/$PREFIX"[0-9]*
+  for i in "${!parts[@]}"; do
+    mkdir -p "$CARRY/$PREFIX$i" && mv "${parts[$i]}" "$CARRY/$PREFIX$i/"
+    printf 'parts=%s\nsha256=%s\nvllm=%s\n' "${#parts[@]}" "$sha" "$ver" > "$CARRY/$PREFIX$i/MANIFEST"
+  done
+  echo "vllm $ver: ${#parts[@]} parts of at most $PART_MB MB in $CARRY/${PREFIX}0 .. $CARRY/$PREFIX$((${#parts[@]} - 1))"
+else
+  PART_MB=$PART_MB bash benchmarks/gpu/carry_split.sh "$w/joined" "$kind" "$name" "$sha" "$PREFIX" ${dest:+"$dest"}
+fi
