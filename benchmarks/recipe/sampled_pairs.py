@@ -22,7 +22,11 @@ SAMPLED = ["sampled", "sampled-s1", "sampled-s2"]
 GREEDY = ["maskloops", "maskloops-rep", "maskloops-s1", "maskloops-s2"]
 # (draft, reference): every sampled 2,000-step draft against every masked greedy one, then the
 # sampled 10-minute budget against the masked greedy 10 minutes and against its own 2 minutes
-PAIRS = [(d, r) for d in SAMPLED for r in GREEDY] + [("sampled-10m", "ml10"), ("sampled-10m", "sampled-2m")]
+PAIRS = [(d, r) for d in SAMPLED for r in GREEDY] + [
+    ("sampled-10m", "ml10"),
+    ("sampled-10m", "sampled-2m"),
+    ("sampled-20m", "sampled-10m"),
+]
 SETS = ["mt_bench", "humaneval"]
 KS = [3, 7]
 
@@ -52,7 +56,8 @@ def main() -> int:
         "what": "each sampled regeneration draft (t=0.7, 2,000 steps; training seeds 0, 1, 2) paired against "
         "each masked greedy 120 s training (1,923-2,036 steps) on the same turns; the sampled 10-minute "
         "budget (sampled-10m, configs/smollm2-h200.yaml) against the masked greedy one (ml10) and "
-        "against the sampled 2-minute budget (sampled-2m)",
+        "against the sampled 2-minute budget (sampled-2m); the sampled 20-minute budget (sampled-20m) against "
+        "the 10-minute one",
         "date": datetime.date.today().isoformat(),
         "machine": "1x NVIDIA H100 80GB HBM3 (lent), every draft",
         "commits": "sampled: 15243d8; sampled-s1, sampled-s2: fa65612; sampled-2m: fa65612; sampled-10m: "
