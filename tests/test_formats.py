@@ -77,6 +77,36 @@ def test_jsonl_all_shapes_and_bad_records(tmp_path):
     assert "wizard" in msgs[4].detail
 
 
+def test_leading_assistant_messages_are_skipped_or_trimmed(tmp_path):
+    """A later part of a split conversation starts with the assistant: skipped by default; trimmed,
+    it keeps its system message and the turns after the assistant's, and counts as trimmed only
+    when something is left to learn."""
+    sys_msg = {"from": "system", "value": "Be brief."}
+    gpt = [{"from": "gpt", "value": "...the end of an answer."}, {"from": "gpt", "value": "More."}]
+    rest = [{"from": "human", "value": "Next?"}, {"from": "gpt", "value": "Sure."}]
+    f = _lines(
+        tmp_path / "split.jsonl",
+        [
+            {"conversations": [sys_msg, *gpt, *rest]},
+            {"conversations": [gpt[0], rest[0]]},  # nothing answered after the trim
+            GOOD_SHAREGPT,
+        ],
+    )
+    _, recs = open_source(str(f))
+    recs = list(recs)
+    assert [n.reason for n in map(normalize, recs[:2])] == ["starts_with_assistant"] * 2
+    trimmed = []
+    out = [normalize(r, "trim", lambda r=r: trimmed.append(r.location)) for r in recs]
+    assert out[0] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Next?"},
+        {"role": "assistant", "content": "Sure."},
+    ]
+    assert isinstance(out[1], Skip) and out[1].reason == "no_assistant_turn"
+    assert out[2] == normalize(recs[2])  # a conversation that starts with the user is left as it is
+    assert trimmed == [recs[0].location]
+
+
 def test_json_array_truncated_is_an_error_unless_known(tmp_path, monkeypatch):
     """A cut-off JSON array is an error naming file and byte; only a known-truncated file (by its
     sha256, like the built-in ShareGPT wheel's) is read up to the cut, with the tail reported."""

@@ -197,3 +197,40 @@ def test_finish_reasons_are_counted_and_handled(tmp_path, tiny_target, monkeypat
     m2 = prepare(_opts(out2, coin, data, drop_length_limited=True, **kw), log=lambda s: None)
     assert m2["counts"]["dropped"] == {"empty_answer": len(empty), "length_limited_answer": len(limited)}
     assert m2["counts"]["samples"] == 8 - len(empty) - len(limited)
+
+
+def test_trimmed_conversations_add_only_their_own_answers_to_a_seeded_cache(tmp_path, tiny_target, monkeypatch):
+    """`--leading-assistant trim` keeps the conversations that start with the assistant: seeded with
+    the answers of a run that skipped them, it answers only theirs; the other run's directory refuses
+    the new setting by name."""
+    data, rows = _data(tmp_path)
+    split = {
+        "conversations": [
+            {"from": "gpt", "value": "...the end of an earlier answer."},
+            {"from": "human", "value": "and then?"},
+            {"from": "gpt", "value": "ORIGINAL ANSWER THREE"},
+        ]
+    }
+    data.write_text(data.read_text() + json.dumps(split) + "\n")
+    skipped = tmp_path / "skipped"
+    m = prepare(_opts(skipped, tiny_target.path, data), log=lambda s: None)
+    assert m["counts"]["samples"] == 3 and m["counts"]["dropped"] == {"starts_with_assistant": 1}
+
+    trimmed = tmp_path / "trimmed"
+    trimmed.mkdir()
+    for name in (regen.CACHE, regen.HEADER):
+        shutil.copy(skipped / name, trimmed / name)
+    asked = []
+    real = regen._generate
+    monkeypatch.setattr(regen, "_generate", lambda *a, **kw: asked.append(a) or real(*a, **kw))
+    opts = _opts(trimmed, tiny_target.path, data)
+    opts.leading_assistant = "trim"
+    m = prepare(opts, log=lambda s: None)
+    assert len(asked) == 1  # one batch: the trimmed conversation's one turn
+    assert m["counts"]["samples"] == 4 and m["counts"]["trimmed_leading_assistant"] == 1
+    assert m["trimmed_example"].endswith(":4") and m["regenerate"]["answers"] == 7
+    cache = _cache(trimmed)
+    assert cache[:6] == _cache(skipped) and (cache[6]["id"], cache[6]["turn"]) == ("c:3", 0)
+
+    with pytest.raises(EyasError, match="leading_assistant: 'skip' there, 'trim' now"):
+        prepare(opts.__class__(**{**vars(opts), "out": skipped}), log=lambda s: None)

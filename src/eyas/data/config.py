@@ -13,6 +13,7 @@ from eyas.settings import setting
 # the settings with a fixed set of values (checked against these by eyas.checks)
 GenBackend = Literal["auto", "hf", "vllm"]
 GenDtype = Literal["auto", "bf16", "fp16", "fp32"]
+LeadingAssistant = Literal["skip", "trim"]
 
 
 @dataclass(kw_only=True)
@@ -93,6 +94,11 @@ class PrepareOptions:
         32000, "Draft vocab size (capped at the target's).", check=at_least(1, "tokens in the draft vocabulary")
     )
     chat_template: Path | None = setting(None, "Jinja chat template file to use instead of the tokenizer's.")
+    leading_assistant: LeadingAssistant = setting(
+        "skip",
+        "A conversation that starts with the assistant (a later part of a split conversation, as in "
+        "ShareGPT): skip it, or trim its leading assistant messages and keep the rest.",
+    )
     strict: bool = setting(False, "Turn skipped conversations into errors.", "--strict")
     dedupe: bool = setting(
         False,

@@ -13,7 +13,7 @@ import os
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from eyas.errors import EyasError
 from eyas.fsio import download_wheel, sha256_file
@@ -511,8 +511,15 @@ def _read_hf_disk(info: SourceInfo, path: Path) -> Iterator[RawRecord]:
 # -------------------------------------------------------------------------------- normalize
 
 
-def normalize(rec: RawRecord) -> list[dict[str, str]] | Skip:
-    """Turn a raw record into chat messages ending with an assistant turn, or a Skip."""
+def normalize(
+    rec: RawRecord, leading_assistant: str = "skip", on_trim: Callable[[], None] | None = None
+) -> list[dict[str, str]] | Skip:
+    """Turn a raw record into chat messages ending with an assistant turn, or a Skip.
+
+    A conversation whose first non-system message is the assistant's (a later part of a
+    conversation split in pieces, as ShareGPT's cleaned split has them) is skipped, or with
+    ``leading_assistant="trim"`` loses those assistant messages and keeps the rest (FastChat's and
+    EAGLE's preprocessing do the same); ``on_trim`` is called for each one trimmed."""
     if rec.error:
         return Skip(rec.error, rec.detail)
     d = rec.data or {}
@@ -544,12 +551,20 @@ def normalize(rec: RawRecord) -> list[dict[str, str]] | Skip:
         if not content.strip():
             return Skip("empty_content", f"message {k} ({role}) is empty")
         messages.append({"role": norm, "content": content})
-    first = next((m["role"] for m in messages if m["role"] != "system"), None)
-    if first == "assistant":
-        return Skip("starts_with_assistant", "first non-system message is the assistant's")
+    first = next((k for k, m in enumerate(messages) if m["role"] != "system"), None)
+    trimmed = first is not None and messages[first]["role"] == "assistant"
+    if trimmed:
+        if leading_assistant != "trim":
+            return Skip("starts_with_assistant", "first non-system message is the assistant's")
+        rest = first
+        while rest < len(messages) and messages[rest]["role"] == "assistant":
+            rest += 1
+        messages = messages[:first] + messages[rest:]
     # Trailing user/system turns have nothing after them to learn: drop them.
     while messages and messages[-1]["role"] != "assistant":
         messages.pop()
     if not messages:
         return Skip("no_assistant_turn", "")
+    if trimmed and on_trim:
+        on_trim()
     return messages

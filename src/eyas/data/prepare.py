@@ -25,7 +25,7 @@ from eyas.errors import EyasError
 STATE_FILE = ".prepare-state.json"
 MAX_EXAMPLES = 3  # skip examples (location + detail) kept per reason
 # settings added after datasets were made with them at these values (they resume and stay complete)
-LATER_SETTINGS = {"mask_loops": False}
+LATER_SETTINGS = {"mask_loops": False, "leading_assistant": "skip"}
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -126,8 +126,23 @@ class Duplicates:
         return Skip("duplicate", f"repeats {first}") if self.drop else messages
 
 
+class Trims:
+    """Conversations kept by trimming their leading assistant messages (``leading_assistant:
+    trim``): counted, with the first one's location."""
+
+    def __init__(self) -> None:
+        self.count, self.example = 0, ""
+
+    def note(self, location: str) -> None:
+        self.count += 1
+        self.example = self.example or location
+
+
 def _iter_items(
-    sources: list[tuple[SourceInfo, Iterator]], max_samples: int | None, dups: Duplicates | None = None
+    sources: list[tuple[SourceInfo, Iterator]],
+    max_samples: int | None,
+    dups: Duplicates | None = None,
+    trims: Trims | None = None,
 ) -> Iterator[tuple[str, str, Any]]:
     n = 0
     for _info, records in sources:
@@ -135,7 +150,7 @@ def _iter_items(
             if max_samples is not None and n >= max_samples:
                 return
             n += 1
-            msgs = normalize(rec)
+            msgs = normalize(rec, "trim" if trims else "skip", trims and (lambda: trims.note(rec.location)))
             yield rec.source_id, rec.location, (dups.check(rec.location, msgs) if dups else msgs)
 
 
@@ -261,6 +276,7 @@ def _prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         "strict": opts.strict,
         "dedupe": opts.dedupe,
         "mask_loops": opts.mask_loops,
+        "leading_assistant": opts.leading_assistant,
         "regenerate": (
             {
                 **opts.regenerate.settings(),
@@ -284,7 +300,8 @@ def _prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         log(f"{out}: resuming an unfinished prepare")
 
     dups = Duplicates(opts.dedupe)
-    items: Iterator = _iter_items(sources, opts.max_samples, dups)
+    trims = Trims() if opts.leading_assistant == "trim" else None
+    items: Iterator = _iter_items(sources, opts.max_samples, dups, trims)
     regen_info = None
     if opts.regenerate:
         from eyas.data.regenerate import regenerate
@@ -302,7 +319,18 @@ def _prepare(opts: PrepareOptions, log=print) -> dict[str, Any]:
         if info.truncated and opts.strict and not info.known_truncated:
             raise EyasError(f"--strict: {info.truncated['message']}")
     manifest = _finalize(
-        out, target, encoder, settings, n_shards, vocab_size, sources, regen_info, opts, time.time() - t_start, dups
+        out,
+        target,
+        encoder,
+        settings,
+        n_shards,
+        vocab_size,
+        sources,
+        regen_info,
+        opts,
+        time.time() - t_start,
+        dups,
+        trims,
     )
     return manifest
 
@@ -434,6 +462,7 @@ def _finalize(
     opts: PrepareOptions,
     seconds: float,
     dups: Duplicates | None = None,
+    trims: Trims | None = None,
 ) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
@@ -497,8 +526,11 @@ def _finalize(
             "truncated_samples": total["truncated_samples"],
             # conversations repeating an earlier one exactly (kept unless --dedupe dropped them)
             "duplicates": dups.count if dups else 0,
+            # conversations kept without their leading assistant messages (leading_assistant: trim)
+            "trimmed_leading_assistant": trims.count if trims else 0,
         },
         "duplicate_example": dups.example if dups else "",
+        "trimmed_example": trims.example if trims else "",
         "skip_examples": total["examples"],
         "sources": source_info,
         "regenerate": regen_info,
@@ -547,6 +579,11 @@ def summary_lines(manifest: dict[str, Any]) -> list[str]:
         lines.append(
             f"  kept {c['duplicates']:,} duplicates (messages repeating an earlier conversation's "
             f"exactly, e.g. {manifest.get('duplicate_example', '')}); --dedupe drops them"
+        )
+    if c.get("trimmed_leading_assistant"):
+        lines.append(
+            f"  kept {c['trimmed_leading_assistant']:,} conversations without their leading assistant "
+            f"messages (e.g. {manifest.get('trimmed_example', '')}; --leading-assistant trim)"
         )
     lines.append(
         f"tokens {c['tokens']:,}, trained on {c['trained_tokens']:,} "
