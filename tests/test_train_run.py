@@ -639,6 +639,10 @@ def test_a_budget_plans_the_steps_so_the_lr_reaches_its_floor_at_the_last_step(t
     lr, floor = 1e-3, 0.1
     # the same samples, recorded as prepared with masked loops: the warning's hint reads the manifest
     masked = tiny.random_prepared(tmp_path / "masked", tiny_target, extra_manifest={"settings": {"mask_loops": True}})
+    # and as having skipped conversations that start with the assistant, which the hint then counts
+    manifest = json.loads((masked / "manifest.json").read_text())
+    manifest["counts"]["dropped"] = {"starts_with_assistant": 1234}
+    (masked / "manifest.json").write_text(json.dumps(manifest))
     with pytest.warns(UserWarning, match=r"plans \d+\.\d passes over the training split") as got:
         train(
             _cfg(
@@ -661,6 +665,7 @@ def test_a_budget_plans_the_steps_so_the_lr_reaches_its_floor_at_the_last_step(t
     steps = summary["steps"]
     plan = summary["plan"]
     assert ("--no-mask-loops" in warned[0]) == (plan["plan"]["epochs"] > MASKED_LOOPS_PASSES)
+    assert "--leading-assistant trim, which keeps the 1,234 conversations" in warned[0]
     assert plan["replan"]["steps"] == steps and summary["budget_s"] == 3.0  # checked at half the budget
     assert plan["plan"]["at_step"] < plan["replan"]["at_step"] < steps and steps > 10
     assert [r["step"] for r in recs] == list(range(1, steps + 1))
@@ -717,6 +722,9 @@ def test_a_plan_of_many_passes_warns_and_a_plan_of_few_does_not():
     # on masked data the hint comes only past the passes where masks were measured to lose
     assert "--no-mask-loops" not in msg and "--no-mask-loops" in many_passes(28.6, 300, masked_loops=True)
     assert "--no-mask-loops" not in many_passes(MASKED_LOOPS_PASSES, 300, masked_loops=True)
+    assert "--leading-assistant" not in msg and "keeps the 6,308 conversations" in many_passes(
+        28.6, 300, skipped_leading=6308
+    )
 
 
 @pytest.mark.parametrize("kind", ["cosine", "linear", "wsd"])

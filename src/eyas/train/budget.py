@@ -35,15 +35,23 @@ MANY_PASSES = 4.0
 MASKED_LOOPS_PASSES = 12.0
 
 
-def many_passes(passes: float, budget_s: float, masked_loops: bool = False) -> str | None:
+def many_passes(passes: float, budget_s: float, masked_loops: bool = False, skipped_leading: int = 0) -> str | None:
     """The warning for a --budget plan of ``passes`` over the training split, or None; ``masked_loops``:
-    the data were prepared with --mask-loops, which lost tau past MASKED_LOOPS_PASSES."""
+    the data were prepared with --mask-loops, which lost tau past MASKED_LOOPS_PASSES;
+    ``skipped_leading``: conversations eyas prepare skipped for starting with the assistant, which
+    ``--leading-assistant trim`` would keep."""
     if passes <= MANY_PASSES:
         return None
+    more = "--data, or --max-samples raised in eyas prepare"
+    if skipped_leading:
+        more += (
+            f"; or eyas prepare --leading-assistant trim, which keeps the {skipped_leading:,} conversations "
+            "it skipped for starting with the assistant"
+        )
     msg = (
         f"--budget {budget_s:g}s plans {passes:.1f} passes over the training split: a draft gains less "
-        "from each pass after the first few, so more conversations (--data, or --max-samples raised in "
-        "eyas prepare) would likely teach it more than the rest of this budget"
+        f"from each pass after the first few, so more conversations ({more}) would likely teach it more "
+        "than the rest of this budget"
     )
     if masked_loops and passes > MASKED_LOOPS_PASSES:
         msg += (

@@ -237,6 +237,9 @@ class Trainer:
         self.held_packs = pack_indices(held_idx, dataset.lengths, cfg.tokens_per_batch, seed=None)
         # answers' loops left out of the loss (eyas prepare --mask-loops): the many-passes warning's hint
         self._masked_loops = bool((dataset.manifest.get("settings") or {}).get("mask_loops"))
+        self._skipped_leading = int(
+            ((dataset.manifest.get("counts") or {}).get("dropped") or {}).get("starts_with_assistant", 0)
+        )
         self.run_info = {
             "target_id": target.id,
             "dataset_id": dataset.manifest.get("id"),
@@ -606,7 +609,7 @@ class Trainer:
             if (
                 self.is_main
                 and not self._warned_passes
-                and (msg := many_passes(passes, self.cfg.budget, self._masked_loops))
+                and (msg := many_passes(passes, self.cfg.budget, self._masked_loops, self._skipped_leading))
             ):
                 self._warned_passes = True
                 warnings.warn(msg, category=EyasWarning, stacklevel=2)
