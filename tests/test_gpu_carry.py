@@ -3,6 +3,7 @@ pieces of a call's size and comes back whole, or not at all."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -155,12 +156,13 @@ def test_a_finished_draft_is_staged_without_checkpoints_or_its_export(tmp_path, 
     assert r.returncode != 0 and "no finished draft" in r.stderr
 
 
-def test_a_target_joins_from_its_own_packing_only_and_only_whole(tmp_path):
-    import hashlib
+def random_file(path: Path, size: int = 3_500_000) -> tuple[Path, str]:
+    path.write_bytes(os.urandom(size))
+    return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(os.urandom(3_500_000))
-    sha = hashlib.sha256(gguf.read_bytes()).hexdigest()
+
+def test_a_target_joins_from_its_own_packing_only_and_only_whole(tmp_path):
+    gguf, sha = random_file(tmp_path / "model.gguf")
     carry, park, cache = tmp_path / "carry", tmp_path / "park", tmp_path / "cache"
     env = {"CARRY_DIR": str(carry)}
     # an earlier packing of the same file in other parts, one of them still parked on the device
@@ -190,11 +192,7 @@ def test_a_target_joins_from_its_own_packing_only_and_only_whole(tmp_path):
 
 
 def test_parts_that_no_longer_fit_are_split_again_into_the_same_file(tmp_path):
-    import hashlib
-
-    blob = tmp_path / "run.tar"
-    blob.write_bytes(os.urandom(3_500_000))
-    sha = hashlib.sha256(blob.read_bytes()).hexdigest()
+    blob, sha = random_file(tmp_path / "run.tar")
     carry, park, dest = tmp_path / "carry", tmp_path / "park", tmp_path / "dest"
     env = {"CARRY_DIR": str(carry)}
     assert (
