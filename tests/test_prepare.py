@@ -253,4 +253,10 @@ def test_cli_prints_summary(tmp_path, tiny_target):
     assert res.exit_code == 0, res.output
     assert "read 18 conversations, kept 14, dropped 4" in res.output
     assert "malformed_json" in res.output and "trained on" in res.output
+    # a drop that a setting would keep names it; one that is the input's fault does not
+    lines = res.output.splitlines()
+    assert next(x for x in lines if "x starts_with_assistant" in x).endswith(
+        "--leading-assistant trim keeps them without their leading assistant messages"
+    )
+    assert "--" not in next(x for x in lines if "x malformed_json" in x)
     assert open_prepared(tmp_path / "o").manifest["draft_vocab_size"] == 50

@@ -548,7 +548,10 @@ _DROP_HINTS = {
     "unknown_format": "check --data: each record needs conversations, messages, or prompt+response",
     "malformed_json": "check --data: its lines are not JSON",
     "template_error": "check the chat template (--chat-template) against these conversations",
+    "starts_with_assistant": "--leading-assistant trim keeps them without their leading assistant messages",
 }
+# Drops that are a choice, not an input's fault: the summary names the setting that keeps them.
+_KEEPABLE = ("starts_with_assistant",)
 
 
 def _nothing_kept_message(total: dict[str, Any], opts: PrepareOptions) -> str:
@@ -573,7 +576,9 @@ def summary_lines(manifest: dict[str, Any]) -> list[str]:
     for reason, n in sorted(c["dropped"].items(), key=lambda kv: -kv[1]):
         ex = (manifest.get("skip_examples", {}).get(reason) or [""])[0]
         lines.append(
-            f"  dropped {n:,} x {reason} ({SKIP_REASONS.get(reason, '')})" + (f", e.g. {ex[:160]}" if ex else "")
+            f"  dropped {n:,} x {reason} ({SKIP_REASONS.get(reason, '')})"
+            + (f", e.g. {ex[:160]}" if ex else "")
+            + (f"; {_DROP_HINTS[reason]}" if reason in _KEEPABLE else "")
         )
     if c.get("duplicates") and not c["dropped"].get("duplicate"):
         lines.append(
