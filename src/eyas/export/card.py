@@ -72,12 +72,13 @@ def evaluated_tau(reports: dict[str, Any]) -> dict[str, Any] | None:
         if not first:
             continue
         found = [first] + [sub[engine] for key, sub in reports.items() if key.startswith("k") and engine in sub]
-        return {
-            "engine": engine,
-            "tau_by_k": {str(r["num_speculative_tokens"]): r["overall"]["tau"] for r in found},
-            **{key: first.get(key) for key in _MEASURED_ON},
-        }
+        return _evaluation(engine, {str(r["num_speculative_tokens"]): r["overall"]["tau"] for r in found}, first)
     return None
+
+
+def _evaluation(engine: str, tau_by_k: dict[str, float] | None, report: dict[str, Any]) -> dict[str, Any]:
+    """An evaluation as the card's tau column takes it: engine, tau per k, what it was measured on."""
+    return {"engine": engine, "tau_by_k": tau_by_k, **{key: report.get(key) for key in _MEASURED_ON}}
 
 
 def write_card(
@@ -111,11 +112,7 @@ def card_text(
     if report and "serving_speed_by_k" not in report:  # a report of one k (no --also-k): its own summary
         report = {**report, **serving_summary({report.get("num_speculative_tokens"): report})}
     if report:  # the speed report's own tau per k
-        evaluation = {
-            "engine": "vllm",
-            "tau_by_k": report.get("tau_by_k"),
-            **{key: report.get(key) for key in _MEASURED_ON},
-        }
+        evaluation = _evaluation("vllm", report.get("tau_by_k"), report)
     export = _json(export_dir / "config.json") or {}
     draft = _json(draft_dir / "config.json") or {}
     fmt = (export.get("eyas") or {}).get("format", "vllm")
