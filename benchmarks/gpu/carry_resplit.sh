@@ -31,14 +31,7 @@ fi
   echo "carry_resplit: $CARRY/${PREFIX}0 .. $((n - 1)) join to another sha256 than $sha; pack them again" >&2; exit 1; }
 PART_MB=${PART_MB:-$(bash benchmarks/gpu/carry_room.sh)}
 if [ -f "$first/MANIFEST" ]; then
-  split -b "${PART_MB}MB" -d -a 2 "$w/joined" "$w/vllm-wheels.tar.part"
-  parts=("$w"/vllm-wheels.tar.part*)
-  rm -rf "$CARRY/$PREFIX"[0-9]*
-  for i in "${!parts[@]}"; do
-    mkdir -p "$CARRY/$PREFIX$i" && mv "${parts[$i]}" "$CARRY/$PREFIX$i/"
-    printf 'parts=%s\nsha256=%s\nvllm=%s\n' "${#parts[@]}" "$sha" "$ver" > "$CARRY/$PREFIX$i/MANIFEST"
-  done
-  echo "vllm $ver: ${#parts[@]} parts of at most $PART_MB MB in $CARRY/${PREFIX}0 .. $CARRY/$PREFIX$((${#parts[@]} - 1))"
+  PART_MB=$PART_MB CARRY_DIR=$CARRY bash benchmarks/gpu/vllm_split.sh "$w/joined" "$sha" "$ver" "$PREFIX"
 else
   PART_MB=$PART_MB bash benchmarks/gpu/carry_split.sh "$w/joined" "$kind" "$name" "$sha" "$PREFIX" ${dest:+"$dest"}
 fi

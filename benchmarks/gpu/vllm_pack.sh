@@ -87,14 +87,6 @@ n_whl=$(ls "$w/wheels" | wc -l)
 cp "$w/want.txt" "$w/wheels/PINNED.txt"
 tar -C "$w" -cf "$w/vllm-wheels.tar" wheels
 sha=$(sha256sum "$w/vllm-wheels.tar" | cut -d' ' -f1)
-split -b "${PART_MB}MB" -d -a 2 "$w/vllm-wheels.tar" "$w/vllm-wheels.tar.part"
-parts=("$w"/vllm-wheels.tar.part*)
-rm -rf .carry/v[0-9]*
-for i in "${!parts[@]}"; do
-  mkdir -p ".carry/v$i"
-  mv "${parts[$i]}" ".carry/v$i/"
-  printf 'parts=%s\nsha256=%s\nvllm=%s\n' "${#parts[@]}" "$sha" "$VLLM_VERSION" > ".carry/v$i/MANIFEST"
-done
-total=$(stat -c %s "$w/vllm-wheels.tar")
-echo "vllm $VLLM_VERSION: $n_whl wheels, $(( total / 1000000 )) MB in ${#parts[@]} parts (.carry/v0 .. .carry/v$(( ${#parts[@]} - 1 ))), sha256 $sha"
+PART_MB=$PART_MB CARRY_DIR=.carry bash benchmarks/gpu/vllm_split.sh "$w/vllm-wheels.tar" "$sha" "$VLLM_VERSION"
+echo "vllm $VLLM_VERSION: $n_whl wheels, $(( $(stat -c %s "$w/vllm-wheels.tar") / 1000000 )) MB, sha256 $sha"
 du -sh .carry/v[0-9]*
