@@ -313,3 +313,29 @@ def test_an_empty_compile_cache_is_not_brought_back(tmp_path):
     r = sh("compile_cache.sh", "back", "trainer-compile-cache", dev, *TRAINER_SETS, env={"OUT": str(out)})
     assert r.returncode == 0 and "nothing brought back" in r.stdout
     assert not list(out.glob("trainer-compile-cache.tgz.part*"))
+
+
+def test_every_carried_part_set_is_parked_whatever_its_prefix(tmp_path, run_dir):
+    """A run brought home under any prefix (e, d, k) is parked and joined; vLLM's parts and the code
+    snapshot are not parked."""
+    stage = tmp_path / "stage" / "job"
+    assert sh("stage_run.sh", run_dir, stage).returncode == 0
+    outs = send(tmp_path, stage, run_dir, calls=3)
+    carry = tmp_path / "carry"
+    env = {"CARRY_DIR": str(carry), "KEEP_DIR": str(tmp_path / "keep"), "PART_MB": "2"}
+    assert sh("bring_home.sh", "run", "e", *outs, env=env).returncode == 0
+    (carry / "c1").mkdir()
+    (carry / "c1" / "gguf-0.19.0-py3-none-any.whl").write_bytes(b"wheel")
+    (carry / "v0").mkdir()
+    (carry / "v0" / "MANIFEST").write_text("vllm-wheels.tar x 1\n")
+    (carry / "snap" / "src").mkdir(parents=True)
+    park = tmp_path / "park"
+    assert sh("park.sh", carry, park).returncode == 0
+    parked = {p.name for p in park.iterdir()}
+    assert "gguf-0.19.0-py3-none-any.whl" in parked
+    assert {p.name for d in carry.glob("e[0-9]*") for p in d.iterdir()} <= parked
+    assert "MANIFEST" not in parked and "src" not in parked
+    shutil.rmtree(run_dir.parent.parent)  # a fresh machine
+    r = sh("carry_join.sh", park, "bundle")
+    assert r.returncode == 0 and f"at {run_dir}" in r.stdout
+    assert tree(run_dir) == tree(stage)

