@@ -11,6 +11,7 @@ target already in the file is replaced by the new run.
 
     python scripts/serving_speed.py EVAL_DIR [EVAL_DIR ...]          # into benchmarks/serving_speed.json
     python scripts/serving_speed.py --out FILE EVAL_DIR [EVAL_DIR ...]
+    python scripts/serving_speed.py --gpu "NVIDIA H100 80GB HBM3" EVAL_DIR   # a report without its GPU
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def run_of(eval_dir: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any], d
         "target_id": (rep.get("target") or {}).get("id"),
         "vllm": rep.get("vllm_version"),
         "machine": rep.get("machine"),
+        "gpu": rep.get("gpu"),
         "dtype": rep.get("dtype"),
         "created": rep.get("created"),
         "prompts": rep.get("prompts"),
@@ -81,11 +83,14 @@ def finished_ks(eval_dir: Path, rep: dict[str, Any]) -> tuple[dict[str, Any], li
     return {**rep, **serving_summary(by_k)}, sorted(by_k)
 
 
-def merge(table: dict[str, Any], eval_dirs: list[Path]) -> dict[str, Any]:
+def merge(table: dict[str, Any], eval_dirs: list[Path], gpu: str | None = None) -> dict[str, Any]:
     rows, best, runs = list(table.get("rows", [])), dict(table.get("best_k", {})), dict(table.get("runs", {}))
     recommended = dict(table.get("recommended_k", {}))
     for d in eval_dirs:
         target, new, b, run = run_of(d)
+        if gpu and run["gpu"] and gpu != run["gpu"]:
+            sys.exit(f"--gpu {gpu!r}: {d}'s report says its engine ran on {run['gpu']!r}; leave --gpu out")
+        run["gpu"] = run["gpu"] or gpu
         rows = [r for r in rows if r["target"] != target] + new
         best[target], runs[target] = b, run
         # the k to serve with, from the rows (reports written before eyas named it have none)
@@ -101,9 +106,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("eval_dirs", nargs="+", type=Path, help="OUT of `eyas evaluate` (holds vllm/report.json)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--gpu", help="the GPU the run was timed on, for a report written before evaluate recorded it")
     args = ap.parse_args(argv)
     table = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    args.out.write_text(json.dumps(merge(table, args.eval_dirs), indent=1) + "\n")
+    args.out.write_text(json.dumps(merge(table, args.eval_dirs, args.gpu), indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

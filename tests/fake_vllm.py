@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 TOKEN = 100  # an ordinary token of tests/tiny.py's tokenizer (no stop token)
+GPU = "Fake GPU 0"  # the GPU the fake engine says it runs on
 
 TOKENS_PER_S: dict[tuple[int | None, int], float] = {}
 STARTED: list[int | None] = []  # the k of each engine started (None: without the draft)
@@ -43,7 +44,7 @@ class FakeVllmEngine:
         STARTED.append(self.k)
         time.sleep(START_SECONDS.get(self.k, 0.0))
         OPTIONS.append(dict(speculative_options or {}))
-        self.info = {"vllm": "fake-0.0", "load_seconds": 0.0}
+        self.info = {"vllm": "fake-0.0", "load_seconds": 0.0, "gpu": GPU}
 
     def stream(self, items, max_tokens: int, temperature: float, low_water: int) -> list[dict[str, Any]]:
         outs = []

@@ -258,6 +258,7 @@ def test_evaluate_times_every_k_against_one_baseline_and_names_the_best_k(evalua
     ]
     assert {(t["min_seconds"], t["min_waves"]) for t in fake_vllm.TIMED} == {(0.5, 3)}
     saved = json.loads((out / "vllm" / "report.json").read_text())
+    assert saved["gpu"] == fake_vllm.GPU  # the engine's GPU, which the benchmark table records
     assert saved["best_k"] == {
         "1": {"k": 2, "speedup": pytest.approx(1.9), "pays": True},
         "4": {"k": 1, "speedup": pytest.approx(0.95), "pays": False},
@@ -656,6 +657,7 @@ def test_the_card_with_tau_and_the_measured_speedups(drafted, evaluated, tmp_pat
     assert "- 1 concurrent: best k = 2, 1.90x" in card
     assert "- 4 concurrent: no k speeds serving up (the least slow: k = 1, 0.95x)" in card
     assert f"; report {report}." in card
+    assert f"with vLLM fake-0.0 on {fake_vllm.GPU}, " in card  # the GPU the speeds were timed on
     # served with k=1: k=2 is the best at 1 request (1.90x) but slows 4 requests more (0.90x against 0.95x)
     assert json.loads(_serve_line(card)[4])["num_speculative_tokens"] == 1
     assert "k = 1: of the k measured, the fastest at its slowest load (1.50x at 1, 0.95x at 4 concurrent" in card
@@ -731,18 +733,27 @@ def test_the_benchmark_table_keeps_the_ks_of_a_run_cut_short(evaluated, tmp_path
     shutil.rmtree(cut / "k3")  # the run stopped during k=3
     rep_path = cut / "vllm" / "report.json"
     full = json.loads(rep_path.read_text())
-    for key in ("serving_speed_by_k", "best_k", "tau_by_k", "step_cost"):
+    for key in ("serving_speed_by_k", "best_k", "tau_by_k", "step_cost", "gpu"):
         full.pop(key)
     rep_path.write_text(json.dumps(full))
     table = tmp_path / "serving_speed.json"
     script = Path(__file__).resolve().parents[1] / "scripts" / "serving_speed.py"
-    res = subprocess.run([sys.executable, str(script), "--out", str(table), str(cut)], capture_output=True, text=True)
+    gpu = "NVIDIA H100 80GB HBM3"  # the report, written on a CPU, names no GPU: --gpu says which timed it
+    res = subprocess.run(
+        [sys.executable, str(script), "--out", str(table), "--gpu", gpu, str(cut)], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
     got = json.loads(table.read_text())
     whole = json.loads((out_eval / "vllm" / "report.json").read_text())
     target = whole["target_name"]
     assert got["rows"] == [{"target": target, **r} for r in whole["serving_speed_by_k"] if r["k"] != 3]
-    assert got["runs"][target]["partial"] == {"k_measured": [1, 2]}
+    assert got["runs"][target]["partial"] == {"k_measured": [1, 2]} and got["runs"][target]["gpu"] == gpu
+    full["gpu"] = "NVIDIA H200"  # a report that names its GPU is not overruled
+    rep_path.write_text(json.dumps(full))
+    res = subprocess.run(
+        [sys.executable, str(script), "--out", str(table), "--gpu", gpu, str(cut)], capture_output=True, text=True
+    )
+    assert res.returncode != 0 and "NVIDIA H200" in res.stderr
     assert got["best_k"][target]["1"]["k"] == 2  # k=3 not measured; k=2 was the best anyway
 
 

@@ -423,6 +423,7 @@ def _run_draft_engine(
                 speed["draft_profile"] = _profile(eng, cfg, ctx, prompts, "draft")
     extra = {
         "vllm_version": info.get("vllm"),
+        **({"gpu": info["gpu"]} if info.get("gpu") else {}),
         "vllm_python": str(python),
         "exported_draft": str(exported),
         "speculative_options": cfg.speculative_options,

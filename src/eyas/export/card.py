@@ -315,7 +315,8 @@ def _speed_lines(report: dict[str, Any] | None, report_path: Path | None) -> lis
         lines += [f"- {ln.removeprefix('vllm serving, ')}" for ln in step_cost_lines(costs)]
     lines += [
         "",
-        f"Measured by `eyas evaluate` with vLLM {report.get('vllm_version')} on {report.get('machine')}, "
+        f"Measured by `eyas evaluate` with vLLM {report.get('vllm_version')} on "
+        f"{', '.join(filter(None, (report.get('gpu'), report.get('machine'))))}, "
         f"{report.get('dtype')}: {speed.get('prompts')} first turns of {report.get('prompts')}, greedy, up "
         f"to {speed.get('max_new_tokens')} new tokens, "
         + (

@@ -36,6 +36,13 @@ SPEC = (
 )
 
 
+def _gpu() -> dict[str, str]:
+    """The GPU the engine runs on, for the report: a serving speed means little without it."""
+    import torch
+
+    return {"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}
+
+
 def spec_counters(llm):
     """Sum vLLM's spec-decode counters over label sets (engines); per-pos as a list."""
     out = {name: None for name in SPEC}
@@ -413,7 +420,7 @@ def main(job_path: str) -> None:
         kwargs.update(profiler_options(EngineArgs, opts["profile_dir"]))
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
-    channel.reply({"ready": True, "vllm": vllm.__version__, "load_seconds": time.perf_counter() - t0})
+    channel.reply({"ready": True, "vllm": vllm.__version__, "load_seconds": time.perf_counter() - t0, **_gpu()})
     stream = Stream(llm, SamplingParams)
     for req in channel.requests():
         if req.get("op") == "speed":
