@@ -19,7 +19,8 @@
 #            (answers resume); its answers come back xz-compressed in parts of at most 15 MB
 #   pipeline eyas pipeline $PIPE_CONFIG (configs/smollm2-h200.yaml) for at most BUDGET_S seconds a call (its stages
 #            resume; the first call seeds the regeneration with the answers kept in $REGEN_SEED); the answers
-#            come back as regen's, the stages' small results in pipeline.tgz
+#            come back as regen's, the stages' small results in pipeline.tgz; PIPE_RESUME=1 refuses to
+#            start where the run carried from home is not on the disk
 #   stream   issue 21: benchmarks/train_stream_bench.py on the 4.5M-token set (carried in c0, else made): the
 #            same training from an offline store (bf16, on /dev/shm), online, and --features vllm
 #            (a 2 GB buffer on /dev/shm, the engine sharing the GPU), each for STREAM_STEPS steps
@@ -219,6 +220,12 @@ case $STEP in
   pipeline)
     # the whole job, as a user runs it; resumable, so it goes on over calls of at most BUDGET_S
     W=$PIPE_W
+    # PIPE_RESUME=1: the run was carried here (bring_home.sh) and must be on the disk; without it the
+    # pipeline would start the run over and spend the call training from step 0
+    if [ "${PIPE_RESUME:-0}" = 1 ] && [ ! -s "$W/pipeline-config.json" ]; then
+      echo "pipeline: PIPE_RESUME=1 but $W holds no run (no pipeline-config.json): carry its parts first; nothing was run" >&2
+      exit 3
+    fi
     # the answers of an earlier session, kept in git (a new checkout has no .carry/): the regeneration
     # resumes after them, so a session that has them starts no regeneration engine
     SEED=${REGEN_SEED:-data/regenerated/$TNAME-sharegpt}
