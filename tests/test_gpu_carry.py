@@ -109,13 +109,20 @@ def test_a_missing_piece_is_named(tmp_path, run_dir):
     assert r.returncode != 0 and "piece 2 of" in r.stderr and "send_home.sh ... 1" in r.stderr
 
 
-def test_carry_join_never_unpacks_over_an_existing_run(tmp_path, run_dir):
+def brought_home(tmp_path: Path, run_dir: Path, prefix: str, calls: int) -> tuple[Path, Path]:
+    """(the staged run, the carry folder): ``run_dir`` staged, sent home in ``calls`` calls and
+    packed by bring_home.sh into CARRY/<prefix>0 ..."""
     stage = tmp_path / "stage" / "job"
     assert sh("stage_run.sh", run_dir, stage).returncode == 0
-    outs = send(tmp_path, stage, run_dir, calls=2)
+    outs = send(tmp_path, stage, run_dir, calls=calls)
     carry = tmp_path / "carry"
     env = {"CARRY_DIR": str(carry), "KEEP_DIR": str(tmp_path / "keep"), "PART_MB": "2"}
-    assert sh("bring_home.sh", "run", "k", *outs, env=env).returncode == 0
+    assert sh("bring_home.sh", "run", prefix, *outs, env=env).returncode == 0
+    return stage, carry
+
+
+def test_carry_join_never_unpacks_over_an_existing_run(tmp_path, run_dir):
+    _, carry = brought_home(tmp_path, run_dir, "k", calls=2)
     park = tmp_path / "park"
     park.mkdir()
     for f in carry.glob("k*/*"):
@@ -318,12 +325,7 @@ def test_an_empty_compile_cache_is_not_brought_back(tmp_path):
 def test_every_carried_part_set_is_parked_whatever_its_prefix(tmp_path, run_dir):
     """A run brought home under any prefix (e, d, k) is parked and joined; vLLM's parts and the code
     snapshot are not parked."""
-    stage = tmp_path / "stage" / "job"
-    assert sh("stage_run.sh", run_dir, stage).returncode == 0
-    outs = send(tmp_path, stage, run_dir, calls=3)
-    carry = tmp_path / "carry"
-    env = {"CARRY_DIR": str(carry), "KEEP_DIR": str(tmp_path / "keep"), "PART_MB": "2"}
-    assert sh("bring_home.sh", "run", "e", *outs, env=env).returncode == 0
+    stage, carry = brought_home(tmp_path, run_dir, "e", calls=3)
     (carry / "c1").mkdir()
     (carry / "c1" / "gguf-0.19.0-py3-none-any.whl").write_bytes(b"wheel")
     (carry / "v0").mkdir()
