@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eyas.evaluate.report import recommended_k
+from eyas.evaluate.report import finished_summary, recommended_k
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "serving_speed.json"
@@ -38,7 +38,7 @@ def run_of(eval_dir: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any], d
     rep = json.loads(path.read_text())
     # rebuilt from each k's own report: a run cut between two k, and the rows of reports written
     # before each row carried its k's host probe ratio
-    rebuilt, measured = finished_ks(Path(eval_dir), rep)
+    rebuilt, measured = finished_summary(rep, Path(eval_dir))
     partial = None if rep.get("serving_speed_by_k") else measured
     rep = rebuilt if rebuilt.get("serving_speed_by_k") else rep
     if not rep.get("serving_speed_by_k"):
@@ -67,20 +67,6 @@ def run_of(eval_dir: Path) -> tuple[str, list[dict[str, Any]], dict[str, Any], d
     }
     rows = [{"target": target, **r} for r in rep["serving_speed_by_k"]]
     return target, rows, rep.get("best_k") or {}, run
-
-
-def finished_ks(eval_dir: Path, rep: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-    """The summary `eyas evaluate` writes once every k is done, made from the k that were: the -k
-    run's report and each OUT/k<N>/vllm/report.json with serving speed (the -k run's plain baseline
-    is theirs too). Returns the report with that summary and the k measured."""
-    from eyas.evaluate.report import serving_summary
-
-    by_k = {rep["num_speculative_tokens"]: rep} if (rep.get("serving_speed") or {}).get("plain") else {}
-    for sub in sorted(eval_dir.glob("k*/vllm/report.json")):
-        other = json.loads(sub.read_text())
-        if (other.get("serving_speed") or {}).get("draft"):
-            by_k[other["num_speculative_tokens"]] = other
-    return {**rep, **serving_summary(by_k)}, sorted(by_k)
 
 
 def merge(table: dict[str, Any], eval_dirs: list[Path], gpu: str | None = None) -> dict[str, Any]:

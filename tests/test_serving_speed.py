@@ -676,6 +676,31 @@ def test_the_card_with_tau_and_the_measured_speedups(drafted, evaluated, tmp_pat
     assert "- serve with k=1, the best at its slowest load" in again
 
 
+def test_the_card_of_a_run_stopped_between_two_k_has_every_k_it_timed(drafted, evaluated, tmp_path):
+    """An evaluation cut before its last k has no summary in OUT/vllm/report.json yet: the card
+    takes the k timed beside it (OUT/k<N>/), not the -k run's alone, as `eyas evaluate` would have."""
+    from eyas.export.config import ExportConfig
+    from eyas.export.run import run as run_export
+
+    _, out_eval, _ = evaluated
+    cut = tmp_path / "eval"
+    shutil.copytree(out_eval, cut)
+    shutil.rmtree(cut / "k3")  # stopped during k=3
+    rep_path = cut / "vllm" / "report.json"
+    rep = json.loads(rep_path.read_text())
+    whole = rep["serving_speed_by_k"]
+    for key in ("serving_speed_by_k", "best_k", "recommended_k", "tau_by_k", "step_cost"):
+        rep.pop(key, None)
+    rep_path.write_text(json.dumps(rep))
+    draft = _card_draft(drafted, tmp_path)
+    run_export(ExportConfig(ckpt=draft, out=tmp_path / "exp", speed_report=rep_path))
+    card = (tmp_path / "exp" / "README.md").read_text()
+    for r in whole:
+        line = f"| {r['concurrency']} | {r['k']} | {r['tokens_per_s_draft']:,.0f} |"
+        assert (line in card) == (r["k"] != 3), line
+    assert "| 1 | not measured | 2.00 |" in card and "| 3 |" not in card.split("## Serving speed")[0]
+
+
 def test_a_speed_report_of_another_draft_or_without_speed_is_refused(drafted, evaluated, tmp_path):
     from eyas.export.config import ExportConfig
     from eyas.export.run import run as run_export

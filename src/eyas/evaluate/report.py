@@ -158,6 +158,19 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def finished_summary(report: dict[str, Any], eval_dir: Path) -> tuple[dict[str, Any], list[int]]:
+    """``report`` (OUT/vllm/report.json of the -k run) with the summary of :func:`serving_summary`
+    over the k that were timed, and those k: the -k run's and each OUT/k<N>/vllm/report.json's of
+    the same draft (the -k run's baseline is theirs too). A run stopped between two k has no
+    summary yet; this is the one it would have over the k done, and what a single k's report gives."""
+    by_k = {report["num_speculative_tokens"]: report} if (report.get("serving_speed") or {}).get("plain") else {}
+    for sub in sorted(Path(eval_dir).glob(f"k*/vllm/{REPORT_NAME}")):
+        other = json.loads(sub.read_text())
+        if (other.get("serving_speed") or {}).get("draft") and other.get("draft_sha256") == report.get("draft_sha256"):
+            by_k[other["num_speculative_tokens"]] = other
+    return {**report, **serving_summary(by_k)}, sorted(by_k)
+
+
 def recommended_k(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The k to serve with, of those timed at every measured concurrency: the one whose slowest
     concurrency is fastest, as one ``vllm serve`` line meets every load (the smaller k on a tie).
