@@ -686,6 +686,10 @@ def test_the_card_of_a_run_stopped_between_two_k_has_every_k_it_timed(drafted, e
     cut = tmp_path / "eval"
     shutil.copytree(out_eval, cut)
     shutil.rmtree(cut / "k3")  # stopped during k=3
+    stale = cut / "k4" / "vllm"  # a k of an earlier evaluation on other prompts, left in OUT
+    stale.mkdir(parents=True)
+    other = json.loads((cut / "k1" / "vllm" / "report.json").read_text())
+    (stale / "report.json").write_text(json.dumps({**other, "num_speculative_tokens": 4, "prompts": "other.jsonl"}))
     rep_path = cut / "vllm" / "report.json"
     rep = json.loads(rep_path.read_text())
     whole = rep["serving_speed_by_k"]
@@ -699,6 +703,9 @@ def test_the_card_of_a_run_stopped_between_two_k_has_every_k_it_timed(drafted, e
         line = f"| {r['concurrency']} | {r['k']} | {r['tokens_per_s_draft']:,.0f} |"
         assert (line in card) == (r["k"] != 3), line
     assert "| 1 | not measured | 2.00 |" in card and "| 3 |" not in card.split("## Serving speed")[0]
+    # the other prompts' k is not mixed in: no tau row and no speed row of k=4
+    tau_part, speed_part = card.split("## Serving speed")
+    assert "\n| 4 |" not in tau_part and not any(f"| {c} | 4 |" in speed_part for c in (1, 4))
 
 
 def test_a_speed_report_of_another_draft_or_without_speed_is_refused(drafted, evaluated, tmp_path):
