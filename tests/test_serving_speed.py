@@ -316,6 +316,31 @@ def test_a_rerun_starts_no_engine_and_a_longer_minimum_times_again(drafted, eval
     assert longer["vllm"]["best_k"]["1"] == {"k": 3, "speedup": pytest.approx(2.5), "pays": True}
 
 
+def test_a_k_resumed_on_another_gpu_times_its_own_baseline(drafted, evaluated, tmp_path, monkeypatch):
+    """A run stopped after its -k run and resumed on a machine with another GPU: the later k do not
+    compare their speed with the first GPU's baseline but time one on theirs; a k resumed on the
+    same GPU keeps sharing it."""
+    target, work = drafted
+    reports, first, qfile = evaluated
+    out, draft = tmp_path / "eval", work / "run" / "draft"
+    shutil.copytree(first, out)
+    shutil.rmtree(out / "k1")
+    shutil.rmtree(out / "k3")
+    first_gpu = reports["vllm"]["gpu"]
+    fake_vllm.use(monkeypatch, SPEEDS)
+    monkeypatch.setattr(fake_vllm, "GPU", "Other GPU 1")
+    again = _evaluate(target, draft, qfile, out)
+    assert fake_vllm.STARTED == [1, None, 3, None]  # each later k with a baseline of its own
+    k1 = again["k1"]["vllm"]["serving_speed"]
+    assert "plain_from" not in k1 and {p["gpu"] for p in k1["draft"] + k1["plain"]} == {"Other GPU 1"}
+    assert {p["gpu"] for p in again["vllm"]["serving_speed"]["plain"]} == {first_gpu}  # the -k run's own
+    shutil.rmtree(out / "k3")
+    fake_vllm.use(monkeypatch, SPEEDS)
+    monkeypatch.setattr(fake_vllm, "GPU", first_gpu)  # back on the -k run's GPU
+    _evaluate(target, draft, qfile, out)
+    assert fake_vllm.STARTED == [3]  # its baseline shared again
+
+
 def test_each_engine_start_and_speed_point_is_reported_as_it_ends(drafted, tmp_path, monkeypatch, capsys):
     """With --progress, a line per vLLM engine started and per serving-speed point: a vLLM
     evaluation's minutes are accounted for while it runs; --quiet prints none."""

@@ -254,6 +254,11 @@ def run_vllm(cfg: EvaluateConfig, ctx: EngineContext) -> Answers:
         records, extra, wall, speed = _run_draft_engine(cfg, ctx, python, settings, concurrency, plan, prompts, speed)
         # kept before the baseline's engine starts: a run stopped there resumes without the draft's
         keep(extra, speed)
+    if plain is not None and _timed_elsewhere(plain, extra.get("gpu")):
+        # the -k run's baseline came from another GPU (a run resumed on another machine): this k's
+        # speedups would compare two GPUs, so it times a baseline of its own
+        _say(cfg, f"k={k}: the baseline was timed on another GPU than {extra['gpu']}; timing it again here")
+        plain = None
     plain_wall = 0.0
     if speed and plain is None and "plain" not in speed:
         # the same prompts without the draft, once the draft's engine is gone
@@ -295,12 +300,19 @@ def _speed_point(eng: Any, cfg: EvaluateConfig, ctx: EngineContext, prompts: lis
     point = eng.speed(
         prompts, cfg.max_new_tokens, ctx.stop_ids, c, cfg.speed_min_seconds, SPEED_MIN_WAVES, cfg.speed_load
     )
+    if eng.info.get("gpu"):  # which GPU timed it: a later k resumed elsewhere does not compare with it
+        point["gpu"] = eng.info["gpu"]
     _say(
         cfg,
         f"vllm serving, {_engine_name(eng)}, {c} requests ({cfg.speed_load}): "
         f"{point['tokens_per_s']:,.0f} tokens/s over {point['seconds']:.1f} s, {point['requests']} requests",
     )
     return point
+
+
+def _timed_elsewhere(points: list[dict[str, Any]], gpu: str | None) -> bool:
+    """Whether speed points were timed on another GPU than ``gpu`` (unknown on either side: no)."""
+    return bool(gpu) and any(p.get("gpu") not in (None, gpu) for p in points)
 
 
 def _profile_dir(cfg: EvaluateConfig, ctx: EngineContext, name: str) -> Path | None:
