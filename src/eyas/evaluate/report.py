@@ -158,15 +158,16 @@ def serving_summary(reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def finished_summary(report: dict[str, Any], eval_dir: Path) -> tuple[dict[str, Any], list[int]]:
+def finished_summary(report: dict[str, Any], eval_dir: Path | None) -> tuple[dict[str, Any], list[int]]:
     """``report`` (OUT/vllm/report.json of the -k run) with the summary of :func:`serving_summary`
     over the k that were timed, and those k: the -k run's and each OUT/k<N>/vllm/report.json's of
-    the same draft (the -k run's baseline is theirs too). A run stopped between two k has no
-    summary yet; this is the one it would have over the k done, and what a single k's report gives.
-    A k's report measured otherwise (another draft, prompts, dtype, vLLM) is left out."""
+    the same draft (the -k run's baseline is theirs too; ``eval_dir`` None: the -k run's alone). A
+    run stopped between two k has no summary yet; this is the one it would have over the k done,
+    and what a single k's report gives. A k's report measured otherwise (another draft, prompts,
+    dtype, vLLM) is left out."""
     same = ("draft_sha256", "prompts", "max_new_tokens", "temperature", "dtype", "vllm_version")
     by_k = {report["num_speculative_tokens"]: report} if (report.get("serving_speed") or {}).get("plain") else {}
-    for sub in sorted(Path(eval_dir).glob(f"k*/vllm/{REPORT_NAME}")):
+    for sub in sorted(Path(eval_dir).glob(f"k*/vllm/{REPORT_NAME}")) if eval_dir is not None else ():
         other = json.loads(sub.read_text())
         if (other.get("serving_speed") or {}).get("draft") and all(other.get(x) == report.get(x) for x in same):
             by_k[other["num_speculative_tokens"]] = other

@@ -107,14 +107,11 @@ def card_text(
     report_path: Path | None = None,
     evaluation: dict[str, Any] | None = None,
 ) -> str:
-    from eyas.evaluate.report import finished_summary, serving_summary
+    from eyas.evaluate.report import finished_summary
 
     if report and "serving_speed_by_k" not in report:
         # a run stopped between two k, or one k (no --also-k): the summary over the k timed beside it
-        if report_path is not None:
-            report = finished_summary(report, Path(report_path).parent.parent)[0]
-        else:
-            report = {**report, **serving_summary({report.get("num_speculative_tokens"): report})}
+        report = finished_summary(report, Path(report_path).parent.parent if report_path else None)[0]
     if report:  # the speed report's own tau per k
         evaluation = _evaluation("vllm", report.get("tau_by_k"), report)
     export = _json(export_dir / "config.json") or {}
