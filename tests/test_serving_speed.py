@@ -701,6 +701,20 @@ def test_the_card_with_tau_and_the_measured_speedups(drafted, evaluated, tmp_pat
     assert "- serve with k=1, the best at its slowest load" in again
 
 
+def _cut_during_k3(out_eval: Path, cut: Path, *drop: str) -> Path:
+    """A copy of the evaluation ``out_eval`` in ``cut`` as a run stopped during k=3 leaves it: no
+    k3/, and OUT/vllm/report.json without the summary written at the end (nor the keys ``drop``).
+    Returns that report's path."""
+    shutil.copytree(out_eval, cut)
+    shutil.rmtree(cut / "k3")
+    rep_path = cut / "vllm" / "report.json"
+    rep = json.loads(rep_path.read_text())
+    for key in ("serving_speed_by_k", "best_k", "recommended_k", "tau_by_k", "step_cost", *drop):
+        rep.pop(key)
+    rep_path.write_text(json.dumps(rep))
+    return rep_path
+
+
 def test_the_card_of_a_run_stopped_between_two_k_has_every_k_it_timed(drafted, evaluated, tmp_path):
     """An evaluation cut before its last k has no summary in OUT/vllm/report.json yet: the card
     takes the k timed beside it (OUT/k<N>/), not the -k run's alone, as `eyas evaluate` would have."""
@@ -709,18 +723,12 @@ def test_the_card_of_a_run_stopped_between_two_k_has_every_k_it_timed(drafted, e
 
     _, out_eval, _ = evaluated
     cut = tmp_path / "eval"
-    shutil.copytree(out_eval, cut)
-    shutil.rmtree(cut / "k3")  # stopped during k=3
+    rep_path = _cut_during_k3(out_eval, cut)
     stale = cut / "k4" / "vllm"  # a k of an earlier evaluation on other prompts, left in OUT
     stale.mkdir(parents=True)
     other = json.loads((cut / "k1" / "vllm" / "report.json").read_text())
     (stale / "report.json").write_text(json.dumps({**other, "num_speculative_tokens": 4, "prompts": "other.jsonl"}))
-    rep_path = cut / "vllm" / "report.json"
-    rep = json.loads(rep_path.read_text())
-    whole = rep["serving_speed_by_k"]
-    for key in ("serving_speed_by_k", "best_k", "recommended_k", "tau_by_k", "step_cost"):
-        rep.pop(key, None)
-    rep_path.write_text(json.dumps(rep))
+    whole = json.loads((out_eval / "vllm" / "report.json").read_text())["serving_speed_by_k"]
     draft = _card_draft(drafted, tmp_path)
     run_export(ExportConfig(ckpt=draft, out=tmp_path / "exp", speed_report=rep_path))
     card = (tmp_path / "exp" / "README.md").read_text()
@@ -786,13 +794,7 @@ def test_the_benchmark_table_keeps_the_ks_of_a_run_cut_short(evaluated, tmp_path
 
     _, out_eval, _ = evaluated
     cut = tmp_path / "eval"
-    shutil.copytree(out_eval, cut)
-    shutil.rmtree(cut / "k3")  # the run stopped during k=3
-    rep_path = cut / "vllm" / "report.json"
-    full = json.loads(rep_path.read_text())
-    for key in ("serving_speed_by_k", "best_k", "tau_by_k", "step_cost", "gpu"):
-        full.pop(key)
-    rep_path.write_text(json.dumps(full))
+    rep_path = _cut_during_k3(out_eval, cut, "gpu")
     table = tmp_path / "serving_speed.json"
     script = Path(__file__).resolve().parents[1] / "scripts" / "serving_speed.py"
     gpu = "NVIDIA H100 80GB HBM3"  # the report, written on a CPU, names no GPU: --gpu says which timed it
@@ -805,8 +807,8 @@ def test_the_benchmark_table_keeps_the_ks_of_a_run_cut_short(evaluated, tmp_path
     target = whole["target_name"]
     assert got["rows"] == [{"target": target, **r} for r in whole["serving_speed_by_k"] if r["k"] != 3]
     assert got["runs"][target]["partial"] == {"k_measured": [1, 2]} and got["runs"][target]["gpu"] == gpu
-    full["gpu"] = "NVIDIA H200"  # a report that names its GPU is not overruled
-    rep_path.write_text(json.dumps(full))
+    named = {**json.loads(rep_path.read_text()), "gpu": "NVIDIA H200"}  # a report that names its GPU is not overruled
+    rep_path.write_text(json.dumps(named))
     res = subprocess.run(
         [sys.executable, str(script), "--out", str(table), "--gpu", gpu, str(cut)], capture_output=True, text=True
     )
