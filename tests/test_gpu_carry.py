@@ -14,9 +14,9 @@ import pytest
 GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
 
 
-def sh(script: str, *args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def sh(script: str, *args, env: dict[str, str] | None = None, gpu: Path = GPU) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(GPU / script), *map(str, args)],
+        ["bash", str(gpu / script), *map(str, args)],
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
@@ -343,15 +343,6 @@ def test_every_carried_part_set_is_parked_whatever_its_prefix(tmp_path, run_dir)
     assert tree(run_dir) == tree(stage)
 
 
-def sh_at(root: Path, script: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(root / "benchmarks" / "gpu" / script)],
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-    )
-
-
 def _checkout_with_stub_packers(root: Path) -> Path:
     """A tree with remake_parts.sh and packers that only log their call and make their parts."""
     gpu = root / "benchmarks" / "gpu"
@@ -377,7 +368,7 @@ def test_remake_parts_makes_only_what_is_missing(tmp_path):
 
     def remake(**env) -> list[str]:
         (root / "calls.log").unlink(missing_ok=True)
-        r = sh_at(root, "remake_parts.sh", env=env)
+        r = sh("remake_parts.sh", env=env, gpu=root / "benchmarks" / "gpu")
         assert r.returncode == 0, r.stderr
         return (root / "calls.log").read_text().split()
 
