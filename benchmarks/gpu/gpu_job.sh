@@ -76,7 +76,7 @@ tail -n +1 -f --pid=$$ "$OUT/log.txt" | $LB tr '\r' '\n' | grep --line-buffered 
 exec >> "$OUT/log.txt" 2>&1
 source benchmarks/gpu/setup.sh
 cd "$REPO"
-# a step that starts no vLLM engine skips vLLM's check, which starts one (`gpu_job.md`, session 9)
+# vLLM's check (VLLM_CHECK=1) starts an engine: never in a step that starts none (`gpu_job.md`, session 9)
 case $STEP in park|home) export VLLM_CHECK=0 ;; esac
 source benchmarks/gpu/vllm_setup.sh
 cd "$REPO"

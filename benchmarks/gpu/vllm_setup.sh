@@ -6,11 +6,12 @@
 # (torch, transformers, ... stay the image's), and writes /tmp/vllm-python: python3 with
 # /tmp/vllm-site first on PYTHONPATH, the interpreter eyas uses through EYAS_VLLM_PYTHON (eyas
 # replaces PYTHONPATH for its vLLM children, so a bare PYTHONPATH would not reach them).
-# Idempotent: later calls only export the environment. Then, unless VLLM_CHECK=0, it runs
+# Idempotent: later calls only export the environment. With VLLM_CHECK=1 it then runs
 # benchmarks/gpu/vllm_check.py (import vllm + a tiny generation, each phase timed) under a hard
-# timeout; its log and JSON go to $OUT/vllm-check.{log,json}.
+# timeout; its log and JSON go to $OUT/vllm-check.{log,json}. Off by default: it costs a cold engine
+# start, and the eyas run after it starts its own (`../gpu_job.md`, session 36).
 #
-# Knobs: VLLM_CHECK=0 (skip the check), CHECK_TIMEOUT_S (420; the `timeout` backstop is 30 s more),
+# Knobs: VLLM_CHECK=1 (run the check), CHECK_TIMEOUT_S (420; the `timeout` backstop is 30 s more),
 # VLLM_ENABLE_V1_MULTIPROCESSING (unset = vLLM's default; 0 = engine core in-process),
 # VLLM_HOST_IP (127.0.0.1 by default here), VLLM_LOGGING_LEVEL (INFO), CHECK_IMPORTS, CHECK_EAGER.
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || return 1
@@ -52,7 +53,7 @@ if [ -f "$SITE/.done" ]; then
   export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
   echo "vllm_setup: EYAS_VLLM_PYTHON=$EYAS_VLLM_PYTHON (python3 + $SITE), VLLM_HOST_IP=$VLLM_HOST_IP," \
        "VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-(vLLM default)}"
-  if [ "${VLLM_CHECK:-1}" != 0 ] && [ ! -f /tmp/vllm-check.ok ]; then
+  if [ "${VLLM_CHECK:-0}" = 1 ] && [ ! -f /tmp/vllm-check.ok ]; then
     _log=${OUT:-/tmp}/vllm-check.log
     # in a process group of its own: the check ends by os._exit, and vLLM's engine core, its child,
     # outlived it holding its share of GPU memory, so the next engines did not fit (session 29)
