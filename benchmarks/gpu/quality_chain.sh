@@ -2,7 +2,7 @@
 # Issue 32's four phases (gpu_job.sh quality) one after another in one job, to be started by
 # detach.sh and followed by watch.sh calls:
 #
-#   source benchmarks/gpu/use_snapshot.sh && VLLM_CHECK=0 Q_BUDGET_S=300 Q_EVERY_S=60 CHAIN_S=1400 \
+#   source benchmarks/gpu/use_snapshot.sh && Q_BUDGET_S=300 Q_EVERY_S=60 CHAIN_S=1400 \
 #     bash benchmarks/gpu/detach.sh q bash benchmarks/gpu/quality_chain.sh
 #
 # The data (QTRAIN= : the store and speculators' copy), speculators' run, eyas's run, the rest (the
