@@ -47,7 +47,13 @@ def data_of(r: dict) -> str | None:
         return DATA.get(Path(r["data"]).name)
     regen = r.get("regenerate") or {}
     if args == PIPELINE and regen.get("temperature", 0) > 0:
-        return "sampled, loops " + ("masked" if regen.get("loop_tokens_masked") else "trained")
+        trimmed = '"leading_assistant": "trim"' in r.get("how", "")  # the pipeline's prepare section
+        return (
+            "sampled"
+            + (", trimmed" if trimmed else "")
+            + ", loops "
+            + ("masked" if regen.get("loop_tokens_masked") else "trained")
+        )
     return None
 
 
@@ -65,7 +71,7 @@ def end_points() -> list[dict]:
                 "budget_s": r["budget_s"],
                 "steps": r["steps"],
                 "epochs": r.get("epochs"),
-                "tau_k5": {s: round(r["tau"][s][K]["tau"], 3) for s in SETS},
+                "tau_k5": {s: round(r["tau"][s][K]["tau"], 3) for s in SETS if s in r["tau"]},
                 "date": r["date"],
             }
         )
@@ -82,11 +88,16 @@ def groups(points: list[dict]) -> list[dict]:
             "gpu": g,
             "budget_s": b,
             "trainings": len(ps),
-            "tau_k5_mean": {s: round(statistics.mean(p["tau_k5"][s] for p in ps), 3) for s in SETS},
-            "tau_k5_range": {s: [min(p["tau_k5"][s] for p in ps), max(p["tau_k5"][s] for p in ps)] for s in SETS},
+            "tau_k5_mean": {s: round(statistics.mean(t), 3) for s, t in by_set(ps).items()},
+            "tau_k5_range": {s: [min(t), max(t)] for s, t in by_set(ps).items()},
         }
         for (d, g, b), ps in sorted(out.items())
     ]
+
+
+def by_set(ps: list[dict]) -> dict[str, list[float]]:
+    """Each prompt set's tau over the points that measured it (a run may lack HumanEval)."""
+    return {s: t for s in SETS if (t := [p["tau_k5"][s] for p in ps if s in p["tau_k5"]])}
 
 
 def curve(run: str) -> list[tuple[float, float]]:
@@ -109,15 +120,16 @@ def plot(points: list[dict], summary: list[dict], out: Path) -> None:
         ("loops masked", "H200"): "tab:cyan",
         ("sampled, loops masked", "H100"): "tab:green",
         ("sampled, loops masked", "H200"): "tab:olive",
+        ("sampled, trimmed, loops masked", "H100"): "tab:purple",
     }
     curves = {p["run"]: c for p in points if p["budget_s"] >= CURVE_MIN_S and (c := curve(p["run"]))}
     for ax, s in zip(axes, SETS):
         for (d, g), color in style.items():
-            ps = [p for p in points if (p["data"], p["gpu"]) == (d, g)]
+            ps = [p for p in points if (p["data"], p["gpu"]) == (d, g) and s in p["tau_k5"]]
             if not ps:
                 continue
             ax.scatter([p["budget_s"] / 60 for p in ps], [p["tau_k5"][s] for p in ps], color=color, s=18, alpha=0.6)
-            means = [m for m in summary if (m["data"], m["gpu"]) == (d, g)]
+            means = [m for m in summary if (m["data"], m["gpu"]) == (d, g) and s in m["tau_k5_mean"]]
             ax.plot(
                 [m["budget_s"] / 60 for m in means],
                 [m["tau_k5_mean"][s] for m in means],
@@ -126,7 +138,7 @@ def plot(points: list[dict], summary: list[dict], out: Path) -> None:
                 label=f"{d}, {g} (end points)",
             )
         if s == "mt_bench":
-            for (run, c), ls in zip(curves.items(), (":", "--", "-.", (0, (1, 3)))):
+            for (run, c), ls in zip(curves.items(), (":", "--", "-.", (0, (1, 3)), (0, (5, 1)))):
                 ax.plot(*zip(*c), linestyle=ls, color="gray", label=f"{run}: tau while training")
         ax.set_title(f"{s}, k={K}")
         ax.set_xscale("log")  # budgets from 2 to 30 minutes, each point a training of its own
@@ -156,8 +168,8 @@ def main() -> None:
     plot(points, summary, HERE / "budget_curve.png")
     for m in summary:
         print(
-            f"{m['data']:13} {m['gpu']} {m['budget_s'] / 60:4.1f} min  n={m['trainings']}  "
-            + "  ".join(f"{s} {m['tau_k5_mean'][s]:.3f}" for s in SETS)
+            f"{m['data']:30} {m['gpu']} {m['budget_s'] / 60:4.1f} min  n={m['trainings']}  "
+            + "  ".join(f"{s} {t:.3f}" for s, t in m["tau_k5_mean"].items())
         )
 
 

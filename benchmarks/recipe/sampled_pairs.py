@@ -1,8 +1,9 @@
 """The sampled regeneration against the greedy one, paired: every sampled draft (t=0.7, 2,000 steps,
 one per training seed) against every masked greedy draft of about as many steps; the sampled
-10-minute budget against the masked greedy one and against the sampled 2-minute budget. On MT-bench
-and HumanEval at k = 3, 5, 7, from the evaluations kept under ``evals/``. Writes
-``sampled_pairs.json``; the verdicts are in README.md ("Sampled regeneration", "Ten minutes").
+10-minute budget against the masked greedy one and against the sampled 2-minute budget; the trimmed
+conversations (``--leading-assistant trim``) against the same budgets without them. On MT-bench and
+HumanEval at k = 3, 5, 7, from the evaluations kept under ``evals/``. Writes ``sampled_pairs.json``;
+the verdicts are in README.md ("Sampled regeneration", "Ten minutes", "Trimmed conversations").
 
     python benchmarks/recipe/sampled_pairs.py
 """
@@ -26,6 +27,8 @@ PAIRS = [(d, r) for d in SAMPLED for r in GREEDY] + [
     ("sampled-10m", "ml10"),
     ("sampled-10m", "sampled-2m"),
     ("sampled-20m", "sampled-10m"),
+    ("trim-2m", "sampled-2m"),
+    ("trim-10m", "sampled-10m"),
 ]
 SETS = ["mt_bench", "humaneval"]
 KS = [3, 7]
@@ -33,7 +36,7 @@ KS = [3, 7]
 
 def _row(r: dict) -> dict:
     return {
-        "sampled": round(r["tau"], 4),
+        "draft": round(r["tau"], 4),
         "reference": round(r["reference_tau"], 4),
         "difference": round(r["difference"], 4),
         "ci95": [round(x, 4) for x in r["difference_ci95"]],
@@ -57,11 +60,12 @@ def main() -> int:
         "each masked greedy 120 s training (1,923-2,036 steps) on the same turns; the sampled 10-minute "
         "budget (sampled-10m, configs/smollm2-h200.yaml) against the masked greedy one (ml10) and "
         "against the sampled 2-minute budget (sampled-2m); the sampled 20-minute budget (sampled-20m) against "
-        "the 10-minute one",
+        "the 10-minute one; the trimmed conversations (--leading-assistant trim, 16,969 conversations "
+        "against 10,797) at 2 and 10 minutes (trim-2m, trim-10m) against sampled-2m and sampled-10m",
         "date": datetime.date.today().isoformat(),
         "machine": "1x NVIDIA H100 80GB HBM3 (lent), every draft",
         "commits": "sampled: 15243d8; sampled-s1, sampled-s2: fa65612; sampled-2m: fa65612; sampled-10m: "
-        "a3ecbac; the greedy drafts: results-2026-12-06.jsonl",
+        "a3ecbac; trim-2m, trim-10m: 58c6d97; the greedy drafts: results-2026-12-06.jsonl",
         "command": "python benchmarks/recipe/sampled_pairs.py (paired.py's bootstrap over questions)",
         "pairs": pairs,
     }
