@@ -47,7 +47,7 @@ def data_of(r: dict) -> str | None:
         return DATA.get(Path(r["data"]).name)
     regen = r.get("regenerate") or {}
     if args == PIPELINE and regen.get("temperature", 0) > 0:
-        trimmed = '"leading_assistant": "trim"' in r.get("how", "")  # the pipeline's prepare section
+        trimmed = bool(r.get("trimmed_leading_assistant"))
         return (
             "sampled"
             + (", trimmed" if trimmed else "")

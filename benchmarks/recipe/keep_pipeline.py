@@ -53,6 +53,8 @@ def row(name: str, run: Path, taus: dict, a: argparse.Namespace) -> dict:
         "args": "eyas train's CUDA defaults" + (f" --seed {train['seed']}" if train.get("seed") else ""),
         "data": f"{Path(summary['draft']).parents[1]}/prepared",
         "conversations": manifest["counts"]["samples"],
+        # conversations kept without their leading assistant messages (--leading-assistant trim)
+        "trimmed_leading_assistant": manifest["counts"].get("trimmed_leading_assistant", 0),
         "regenerate": {
             **regen.get("settings", {}),
             "answers": regen.get("answers"),
