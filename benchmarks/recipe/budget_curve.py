@@ -47,13 +47,8 @@ def data_of(r: dict) -> str | None:
         return DATA.get(Path(r["data"]).name)
     regen = r.get("regenerate") or {}
     if args == PIPELINE and regen.get("temperature", 0) > 0:
-        trimmed = bool(r.get("trimmed_leading_assistant"))
-        return (
-            "sampled"
-            + (", trimmed" if trimmed else "")
-            + ", loops "
-            + ("masked" if regen.get("loop_tokens_masked") else "trained")
-        )
+        trimmed = ", trimmed" if r.get("trimmed_leading_assistant") else ""
+        return f"sampled{trimmed}, loops " + ("masked" if regen.get("loop_tokens_masked") else "trained")
     return None
 
 
@@ -82,22 +77,20 @@ def groups(points: list[dict]) -> list[dict]:
     out: dict[tuple, list[dict]] = {}
     for p in points:
         out.setdefault((p["data"], p["gpu"], p["budget_s"]), []).append(p)
-    return [
-        {
-            "data": d,
-            "gpu": g,
-            "budget_s": b,
-            "trainings": len(ps),
-            "tau_k5_mean": {s: round(statistics.mean(t), 3) for s, t in by_set(ps).items()},
-            "tau_k5_range": {s: [min(t), max(t)] for s, t in by_set(ps).items()},
-        }
-        for (d, g, b), ps in sorted(out.items())
-    ]
+    return [group(d, g, b, ps) for (d, g, b), ps in sorted(out.items())]
 
 
-def by_set(ps: list[dict]) -> dict[str, list[float]]:
-    """Each prompt set's tau over the points that measured it (a run may lack HumanEval)."""
-    return {s: t for s in SETS if (t := [p["tau_k5"][s] for p in ps if s in p["tau_k5"]])}
+def group(data: str, gpu: str, budget_s: float, ps: list[dict]) -> dict:
+    """One group's mean and range per prompt set, over the points that measured it (a run may lack HumanEval)."""
+    by_set = {s: t for s in SETS if (t := [p["tau_k5"][s] for p in ps if s in p["tau_k5"]])}
+    return {
+        "data": data,
+        "gpu": gpu,
+        "budget_s": budget_s,
+        "trainings": len(ps),
+        "tau_k5_mean": {s: round(statistics.mean(t), 3) for s, t in by_set.items()},
+        "tau_k5_range": {s: [min(t), max(t)] for s, t in by_set.items()},
+    }
 
 
 def curve(run: str) -> list[tuple[float, float]]:
