@@ -205,6 +205,9 @@ def test_training_on_an_fp8_store_gives_the_bf16_losses(tmp_path, tiny_target, o
                 save_every=0,
                 max_steps=12,
                 lr=3e-3,
+                # the bound was set on the CPU; CUDA's defaults (8 packs, compiled, fused loss) train
+                # another curve, on which the control fell inside it (benchmarks/gpu_job.md, session 38)
+                device="cpu",
             )
         )
         losses[name] = np.array([r["loss"] for r in test_train_run._records(run)])

@@ -156,8 +156,6 @@ class Trainer:
             os.environ.setdefault(
                 "TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "compile" / f"torch-{torch.__version__}")
             )
-        if on_cuda:
-            torch.backends.cuda.matmul.allow_tf32 = True
         self.attention = flex.resolve(cfg.attention, self.device, backward=True)
         self.run_dir, self.is_main = Path(cfg.out), self.dist.rank == 0
         if self.attention == "flex" and cfg.tokens_per_batch % flex.TILE and self.is_main:
@@ -523,11 +521,17 @@ class Trainer:
         """Run (or resume) to the planned step or the time budget; returns RUN_DIR/draft. A feature
         source with engines of its own (--features vllm) is closed however the run ends."""
         ok = False
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        if self.device.type == "cuda":
+            # TF32 for this run's fp32 matmuls only: what the process does next (the pipeline's
+            # evaluation, a caller's extraction in fp32) keeps the setting it had
+            torch.backends.cuda.matmul.allow_tf32 = True
         try:
             out = self._train()
             ok = True
             return out
         finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
             close = getattr(self.source, "close", None)
             if close is not None:
                 close(ok)
