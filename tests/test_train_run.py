@@ -974,7 +974,7 @@ def test_a_cuda_run_leaves_tf32_as_it_found_it(tiny_target, data, tmp_path, befo
     extraction after a training in the same process once quantized other features than alone."""
     torch.backends.cuda.matmul.allow_tf32 = before
     try:
-        train(_cfg(tiny_target, data, tmp_path / "run", device="cuda", compile=False, max_steps=2))
+        train(_cfg(tiny_target, data, tmp_path / "run", device="cuda", compile=False, tau=False, max_steps=2))
         assert torch.backends.cuda.matmul.allow_tf32 is before
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
