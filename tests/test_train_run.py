@@ -972,9 +972,9 @@ def test_offline_batches_copied_on_a_side_stream_equal_the_host_ones(tiny_target
 def test_a_cuda_run_leaves_tf32_as_it_found_it(tiny_target, data, tmp_path, before):
     """A CUDA run trains with TF32 matmuls, and the process gets its own setting back: an fp32 CUDA
     extraction after a training in the same process once quantized other features than alone."""
-    torch.backends.cuda.matmul.allow_tf32 = before
+    was, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, before
     try:
         train(_cfg(tiny_target, data, tmp_path / "run", device="cuda", compile=False, tau=False, max_steps=2))
         assert torch.backends.cuda.matmul.allow_tf32 is before
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = was  # the next tests' setting, as this one found it
